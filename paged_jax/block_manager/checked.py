@@ -1,0 +1,143 @@
+"""pj.checked(bm): the friendly host layer that turns status codes into exceptions."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+from paged_jax.block_manager.state import EMPTY, ON_CPU, BlockManagerState
+from paged_jax.config import Status
+
+
+class PagedCacheError(Exception):
+  """A block-manager call failed; the state passed in is unchanged."""
+
+
+class OutOfBlocksError(PagedCacheError): ...
+class SwapSpaceExhaustedError(PagedCacheError): ...
+class DoubleFreeError(PagedCacheError): ...
+class NotAllocatedError(PagedCacheError): ...
+class AlreadyAllocatedError(PagedCacheError): ...
+class WrongDeviceError(PagedCacheError): ...
+class TableFullError(PagedCacheError): ...
+class InvalidArgumentError(PagedCacheError, ValueError): ...
+
+
+ERRORS = {
+    Status.OUT_OF_BLOCKS: OutOfBlocksError,
+    Status.SWAP_SPACE_EXHAUSTED: SwapSpaceExhaustedError,
+    Status.DOUBLE_FREE: DoubleFreeError,
+    Status.NOT_ALLOCATED: NotAllocatedError,
+    Status.ALREADY_ALLOCATED: AlreadyAllocatedError,
+    Status.WRONG_DEVICE: WrongDeviceError,
+    Status.TABLE_FULL: TableFullError,
+    Status.INVALID_ARGUMENT: InvalidArgumentError,
+}
+
+_STATIC = {"append_slots": ("num_lookahead_slots",), "can_append_slots": ("num_lookahead_slots",),
+           "can_swap_in": ("num_lookahead_slots",), "get_slot_mapping": ("width",)}
+_MUTATING = ("allocate", "append_slots", "fork", "free", "swap_out", "swap_in")
+
+
+class CheckedBlockSpaceManager:
+  """The methods of a BlockSpaceManager, jitted, on host values; failures raise.
+
+  A failing call raises a `PagedCacheError` subclass whose message names the
+  sequence, the blocks and the numbers involved; the state you passed stays
+  valid and unchanged (states are immutable).
+  """
+
+  def __init__(self, bm):
+    self.bm = bm
+
+  def __getattr__(self, name):
+    method = getattr(self.bm, name)
+    if not callable(method) or name.startswith("_"):
+      return method
+    jitted = jax.jit(method, static_argnames=_STATIC.get(name, ()))
+    if name not in _MUTATING:
+      return jitted
+
+    @functools.wraps(method)
+    def call(state, *args, **kwargs):
+      new_state, result = jitted(state, *args, **kwargs)
+      status = Status(int(result.status))
+      if status != Status.OK:
+        raise ERRORS[status](describe_failure(name, status, state, args, kwargs))
+      return new_state, result
+    return call
+
+
+def checked(bm) -> CheckedBlockSpaceManager:
+  """Wraps a BlockSpaceManager so that failures raise instead of returning a status."""
+  return CheckedBlockSpaceManager(bm)
+
+
+def describe_failure(op: str, status: Status, state: BlockManagerState, args, kwargs) -> str:
+  """A message that names the sequence, the block and the numbers of a failed call."""
+  cfg = state.cfg
+  device = np.asarray(state.device)
+  num_tokens = np.asarray(state.num_tokens)
+  if op == "fork":
+    ids = [int(a) for a in args[:2]]
+  else:
+    ids = np.atleast_1d(np.asarray(args[0])).tolist()
+  real = [i for i in ids if 0 <= i < cfg.max_seqs]
+  where = {EMPTY: "empty", ON_CPU: "on the CPU"}
+  free_gpu = int(state.gpu.num_free())
+  if status == Status.INVALID_ARGUMENT:
+    return f"{op}: invalid arguments: {_invalid_reason(op, ids, cfg, args)}"
+  if status == Status.NOT_ALLOCATED:
+    seq = next(i for i in real if device[i] == EMPTY)
+    return f"{op}: seq {seq} is not allocated (its slot is empty)"
+  if status == Status.ALREADY_ALLOCATED:
+    seq = ids[1] if op == "fork" else next(i for i in real if device[i] != EMPTY)
+    return f"{op}: seq {seq} is already allocated ({num_tokens[seq]} tokens)"
+  if status == Status.WRONG_DEVICE:
+    want = EMPTY if op == "swap_in" else ON_CPU
+    seq = next(i for i in real if device[i] not in (EMPTY, 3 - want) or device[i] == want)
+    return f"{op}: seq {seq} is {where.get(int(device[seq]), 'on the GPU')}, which {op} cannot use"
+  if status == Status.TABLE_FULL:
+    limit = cfg.max_tokens_per_seq
+    return (f"{op}: seq {real[0] if real else ids[0]} would exceed its block table "
+            f"({cfg.max_blocks_per_seq} blocks of {cfg.block_size} = {limit} tokens)")
+  if status == Status.OUT_OF_BLOCKS:
+    need = _blocks_needed(op, state, args)
+    return (f"OutOfBlocksError: seq {real[0] if real else ids[0]} needs {need} GPU blocks, "
+            f"{free_gpu} free (watermark {cfg.watermark_blocks})")
+  if status == Status.SWAP_SPACE_EXHAUSTED:
+    tables = np.asarray(state.tables)[real]
+    distinct = len(set(tables[tables >= 0].tolist()))
+    return (f"{op}: seqs {real} hold {distinct} distinct GPU blocks, "
+            f"{int(state.cpu.num_free())} CPU blocks free")
+  return f"{op}: {status.name}"
+
+
+def _blocks_needed(op, state, args) -> str:
+  cfg = state.cfg
+  if op == "allocate":
+    return str(-(-int(args[2]) // cfg.block_size))
+  if op == "swap_in":
+    tables = np.asarray(state.tables)[[i for i in np.atleast_1d(args[0]) if i >= 0]]
+    return str(len(set(tables[tables >= 0].tolist())))
+  return "more"
+
+
+def _invalid_reason(op, ids, cfg, args) -> str:
+  bad = [i for i in ids if i != -1 and not 0 <= i < cfg.max_seqs]
+  if bad:
+    return f"seq id {bad[0]} is outside 0..{cfg.max_seqs - 1}"
+  real = [i for i in ids if i != -1]
+  if op == "fork" and ids[0] == ids[1]:
+    return f"parent and child are both seq {ids[0]}"
+  if len(set(real)) != len(real):
+    twice = next(i for i in real if real.count(i) > 1)
+    return f"seq {twice} is named twice in one call"
+  if op == "allocate":
+    return f"num_tokens={int(args[2])} must be in 0..{np.asarray(args[1]).size} (len(token_ids))"
+  if op == "append_slots":
+    k = np.asarray(args[2])
+    return f"num_new={k.tolist()} must be in 0..{np.asarray(args[1]).shape[-1]} per row"
+  return "see the call's arguments"

@@ -1,0 +1,72 @@
+"""check_invariants: the rules a BlockManagerState must satisfy after every call."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from paged_jax.block_manager.prefix_cache import bucket_of
+from paged_jax.block_manager.state import EMPTY, ON_CPU, ON_GPU, BlockManagerState, Pool
+
+
+def check_invariants(state: BlockManagerState) -> None:
+  """Raises AssertionError naming the first broken rule (host-side, not jittable)."""
+  tables = np.asarray(state.tables)
+  device = np.asarray(state.device)
+  num_tokens = np.asarray(state.num_tokens)
+  cfg = state.cfg
+  _require(np.all(num_tokens >= 0) and np.all(num_tokens <= cfg.max_tokens_per_seq),
+           "token counts within 0 .. max_blocks_per_seq * block_size")
+  empty = device == EMPTY
+  _require(np.all(tables[empty] == -1) and np.all(num_tokens[empty] == 0),
+           "empty slots hold no table and no tokens")
+  for name, pool, dev in (("GPU", state.gpu, ON_GPU), ("CPU", state.cpu, ON_CPU)):
+    _check_pool(name, pool, tables[device == dev])
+
+
+def _check_pool(name: str, pool: Pool, tables: np.ndarray) -> None:
+  n = pool.num_blocks
+  ref = np.asarray(pool.ref_count)
+  _require(np.all((tables >= -1) & (tables < n)), f"{name} table entries are -1 or a block number")
+  for row in tables:
+    held = row[row >= 0]
+    _require(len(set(held.tolist())) == len(held), f"a {name} table holds each block at most once")
+  refs = np.bincount(tables[tables >= 0].ravel(), minlength=n)
+  bad = np.nonzero(refs != ref)[0]
+  _require(bad.size == 0, f"{name} ref count equals references from tables "
+           f"(block {bad[:1].tolist()} has ref {ref[bad[:1]].tolist()}, tables {refs[bad[:1]].tolist()})")
+  next_fresh = int(pool.next_fresh)
+  stack = np.asarray(pool.free_stack)[:int(pool.num_stacked)]
+  free = np.concatenate([np.arange(next_fresh, n), stack])
+  _require(len(set(free.tolist())) == len(free), f"{name} free lists name each block once")
+  _require(np.all(ref[free] == 0), f"{name} free blocks are unreferenced (and in no table)")
+  c = pool.content
+  if c is None:
+    _require(len(free) == n - np.count_nonzero(ref), f"{name} every unreferenced block is free")
+    return
+  has = np.asarray(c.has_content)
+  _require(not np.any(has[free]), f"{name} blocks on the free lists hold no content")
+  evictable = has & (ref == 0)
+  _require(int(c.num_evictable) == int(evictable.sum()), f"{name} evictor count is exact")
+  _require(len(free) + int(evictable.sum()) == n - np.count_nonzero(ref),
+           f"{name} every unreferenced block is free or in the evictor")
+  _check_hash_table(name, c, has)
+
+
+def _check_hash_table(name, c, has) -> None:
+  buckets = np.asarray(c.buckets)
+  nxt = np.asarray(c.next_in_bucket)
+  home = np.asarray(bucket_of(c.hash, buckets.shape[0]))
+  seen = np.zeros(has.shape[0], bool)
+  for b, head in enumerate(buckets):
+    node, steps = int(head), 0
+    while node >= 0:
+      _require(has[node] and not seen[node] and home[node] == b,
+               f"{name} hash chains hold each cached block once, in its bucket")
+      seen[node] = True
+      node, steps = int(nxt[node]), steps + 1
+  _require(np.array_equal(seen, has), f"{name} every cached block is in the hash table")
+
+
+def _require(condition, rule: str) -> None:
+  if not condition:
+    raise AssertionError(f"invariant broken: {rule}")

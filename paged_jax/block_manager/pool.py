@@ -1,0 +1,134 @@
+"""Vectorized take and release on a pool (uncached LIFO stack, or cached pool + evictor).
+
+Both work on a whole call at once: takes are ranked 0, 1, 2, ... in the order
+the call needs them, releases are a list of events in the order the call drops
+them. Writes are masked by ``ok`` so that a failed call changes nothing.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from paged_jax.block_manager.state import NO_BLOCK, Pool
+
+_INT_MAX = jnp.iinfo(jnp.int32).max
+
+
+def masked(index: jax.Array, keep: jax.Array, size: int) -> jax.Array:
+  """`index` where `keep`, else `size` (out of bounds, so a 'drop' scatter skips it)."""
+  return jnp.where(keep, index, size)
+
+
+def take(array: jax.Array, index: jax.Array, fill=0) -> jax.Array:
+  """array[index] with indices clipped into range; `fill` when the array is empty."""
+  if array.shape[0] == 0:
+    return jnp.full(index.shape + array.shape[1:], fill, array.dtype)
+  return array[jnp.clip(index, 0, array.shape[0] - 1)]
+
+
+def scatter_count(blocks: jax.Array, size: int, weights=None) -> jax.Array:
+  """int32[size]: how often each block appears in `blocks` (entries < 0 skipped)."""
+  weights = jnp.ones(blocks.shape, jnp.int32) if weights is None else weights
+  idx = masked(blocks, blocks >= 0, size)
+  return jnp.zeros(size, jnp.int32).at[idx.ravel()].add(weights.ravel(), mode="drop")
+
+
+def taken_blocks(pool: Pool, num_takes: jax.Array, capacity: int,
+                 pinned: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The blocks that takes number 0 .. capacity-1 would get, in take order.
+
+  Never-used blocks first, then the free stack from its top, then eviction of
+  unreferenced blocks with content (smallest last_accessed, then most hashed
+  tokens, then released earliest), never evicting a block in `pinned`.
+
+  Args:
+    pool: the pool at the start of the call.
+    num_takes: how many takes the call makes (int32 scalar).
+    capacity: static upper bound of num_takes.
+    pinned: int32[...] blocks this call references before taking (-1 skipped).
+
+  Returns:
+    (blocks int32[capacity], evicted bool[capacity]) for each take rank; only
+    the first `num_takes` entries are meaningful.
+  """
+  rank = jnp.arange(capacity, dtype=jnp.int32)
+  num_fresh = pool.num_blocks - pool.next_fresh
+  stack_pos = pool.num_stacked - 1 - (rank - num_fresh)
+  from_stack = take(pool.free_stack, stack_pos, NO_BLOCK)
+  blocks = jnp.where(rank < num_fresh, pool.next_fresh + rank, from_stack)
+  evicted = rank >= num_fresh + pool.num_stacked
+  if pool.content is None or capacity == 0:
+    return blocks, evicted
+  num_evictions = num_takes - num_fresh - pool.num_stacked
+  victims = lax.cond(num_evictions > 0,
+                     lambda: _eviction_order(pool, pinned, capacity),
+                     lambda: jnp.full(capacity, NO_BLOCK, jnp.int32))
+  evict_rank = jnp.clip(rank - num_fresh - pool.num_stacked, 0, capacity - 1)
+  return jnp.where(evicted, victims[evict_rank], blocks), evicted
+
+
+def _eviction_order(pool: Pool, pinned: jax.Array, capacity: int) -> jax.Array:
+  """The first `capacity` blocks in LRU eviction order (-1 past the evictable ones)."""
+  c = pool.content
+  n = pool.num_blocks
+  is_pinned = scatter_count(pinned, n) > 0
+  evictable = c.has_content & (pool.ref_count == 0) & ~is_pinned
+  big = jnp.int32(_INT_MAX)
+  keys = (jnp.where(evictable, c.last_accessed, big),
+          jnp.where(evictable, -c.num_hashed_tokens, big),
+          jnp.where(evictable, c.release_time, big))
+  *_, order = lax.sort((*keys, jnp.arange(n, dtype=jnp.int32)), num_keys=3)
+  order = order[:capacity] if n >= capacity else jnp.pad(order, (0, capacity - n))
+  ok = evictable[order] & (jnp.arange(capacity) < n)
+  return jnp.where(ok, order, NO_BLOCK)
+
+
+def release_pushes(pool: Pool, events: jax.Array, final_ref: jax.Array) -> jax.Array:
+  """Which release events drop their block's last reference (bool, like `events`).
+
+  Args:
+    pool: the pool.
+    events: int32[E] blocks released, in release order (-1 skipped).
+    final_ref: int32[N] reference counts after the whole call.
+  """
+  n = pool.num_blocks
+  pos = jnp.arange(events.shape[0], dtype=jnp.int32)
+  valid = events >= 0
+  last = jnp.full(n, -1, jnp.int32).at[masked(events, valid, n)].max(pos, mode="drop")
+  return valid & (take(last, events) == pos) & (take(final_ref, events) == 0)
+
+
+def commit_pool(pool: Pool, ok: jax.Array, *, num_takes: jax.Array,
+                ref_delta: jax.Array,
+                releases: jax.Array) -> tuple[Pool, jax.Array]:
+  """Applies one call's takes, reference changes and releases (if `ok`).
+
+  Args:
+    pool: the pool at the start of the call.
+    ok: whether the call succeeds; if not, the pool is returned unchanged.
+    num_takes: number of takes (ranks 0 .. num_takes-1 of `taken`).
+    ref_delta: int32[N] net reference change of every block.
+    releases: int32[E] release events in order (-1 skipped).
+
+  Returns:
+    (new pool, pushed bool[E]: release events that freed their block).
+  """
+  n = pool.num_blocks
+  final_ref = pool.ref_count + ref_delta
+  pushed = release_pushes(pool, releases, final_ref)
+  has_content = (take(pool.content.has_content, releases)
+                 if pool.content is not None else jnp.zeros(releases.shape, bool))
+  to_stack = pushed & ~has_content
+  stack_rank = jnp.cumsum(to_stack) - 1
+  fresh_used = jnp.minimum(num_takes, n - pool.next_fresh)
+  stack_used = jnp.minimum(num_takes - fresh_used, pool.num_stacked)
+  base = pool.num_stacked - stack_used
+  stack_idx = masked(base + stack_rank, to_stack & ok, n)
+  new_pool = pool.replace(
+      ref_count=jnp.where(ok, final_ref, pool.ref_count),
+      free_stack=pool.free_stack.at[stack_idx].set(releases, mode="drop"),
+      num_stacked=jnp.where(ok, base + jnp.sum(to_stack), pool.num_stacked),
+      next_fresh=jnp.where(ok, pool.next_fresh + fresh_used, pool.next_fresh))
+  return new_pool, pushed

@@ -1,0 +1,296 @@
+"""Exact prefix caching: content identities, hashed lookups, within-call sharing.
+
+A full block's identity is its salt and the whole token prefix through it.
+Lookups never compare a whole prefix: a cached block stores its own tokens,
+its salt and its parent block, and a chain of blocks matches a prompt when
+each block's tokens match and its parent is the block matched just before.
+Candidates are found through a 64-bit polynomial prefix hash (truncated to
+``hash_bits``) in a chained hash table; every candidate is verified exactly,
+so a hash collision costs time, never correctness.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from paged_jax.block_manager.pool import masked, scatter_count, take
+from paged_jax.block_manager.state import NO_BLOCK, ContentIndex, Pool
+
+# Odd bases of the two polynomial hash lanes (invertible mod 2**32).
+_BASES = (0x01000193, 0x5BD1E995)
+_LANE_SEEDS = (0x9E3779B9, 0x85EBCA6B)
+
+
+def _fmix32(x: jax.Array) -> jax.Array:
+  """MurmurHash3's 32-bit finalizer: a bijective avalanche mix of uint32."""
+  x = x ^ (x >> 16)
+  x = x * jnp.uint32(0x85EBCA6B)
+  x = x ^ (x >> 13)
+  x = x * jnp.uint32(0xC2B2AE35)
+  return x ^ (x >> 16)
+
+
+def _powers(base: int, count: int) -> jax.Array:
+  """uint32[count]: base**0 .. base**(count-1) mod 2**32 (static constants)."""
+  out, p = [], 1
+  for _ in range(count):
+    out.append(p)
+    p = (p * base) % (1 << 32)
+  return jnp.array(out, dtype=jnp.uint32)
+
+
+def _pow_static(base: int, exp: int) -> int:
+  return pow(base, exp, 1 << 32)
+
+
+def rolling_hashes(rolling: jax.Array, tokens: jax.Array,
+                   count: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Prefix hashes after each new token, and the rolling state after `count`.
+
+  The lane-l hash of tokens t_0 .. t_{p-1} is sum_i mix(t_i) * base_l**i mod 2**32,
+  a prefix sum, so a whole row of new tokens is hashed with one cumsum.
+
+  Args:
+    rolling: uint32[R, 4] (h0, h1, base0**n, base1**n) for the n tokens so far.
+    tokens: int32[R, K] new tokens.
+    count: int32[R] how many of them are real.
+
+  Returns:
+    (prefix uint32[R, K, 2]: lane hashes after tokens 0..m, new rolling uint32[R, 4]).
+  """
+  k = tokens.shape[1]
+  real = jnp.arange(k)[None, :] < count[:, None]
+  lanes, powers_after = [], []
+  for lane in range(2):
+    steps = _powers(_BASES[lane], k)
+    power = rolling[:, 2 + lane][:, None] * steps[None, :]
+    terms = _fmix32(tokens.astype(jnp.uint32) ^ jnp.uint32(_LANE_SEEDS[lane])) * power
+    terms = jnp.where(real, terms, jnp.uint32(0))
+    lanes.append(rolling[:, lane][:, None] + jnp.cumsum(terms, axis=1, dtype=jnp.uint32))
+    next_power = rolling[:, 2 + lane] * _pow_vector(_BASES[lane], count)
+    powers_after.append(next_power)
+  prefix = jnp.stack(lanes, axis=-1)
+  last = jnp.clip(count - 1, 0, max(k - 1, 0))
+  final_h = jnp.take_along_axis(prefix, last[:, None, None], axis=1)[:, 0, :] if k else rolling[:, :2]
+  final_h = jnp.where((count > 0)[:, None], final_h, rolling[:, :2])
+  return prefix, jnp.concatenate([final_h, jnp.stack(powers_after, -1)], axis=-1)
+
+
+def _pow_vector(base: int, exp: jax.Array) -> jax.Array:
+  """uint32 base**exp mod 2**32 for an int32 array of exponents (square and multiply)."""
+  result = jnp.ones(exp.shape, jnp.uint32)
+  for bit in range(31):
+    factor = jnp.uint32(_pow_static(base, 1 << bit))
+    result = jnp.where((exp >> bit) & 1 == 1, result * factor, result)
+  return result
+
+
+def identity_hash(prefix: jax.Array, salt: jax.Array, length: jax.Array,
+                  hash_bits: int) -> jax.Array:
+  """uint32[..., 2]: the indexing hash of (salt, prefix of `length` tokens), truncated."""
+  salt_mix = _fmix32(salt.astype(jnp.uint32) ^ jnp.uint32(0x27D4EB2F))
+  len_mix = _fmix32(length.astype(jnp.uint32) ^ jnp.uint32(0x165667B1))
+  h0 = _fmix32(prefix[..., 0] ^ salt_mix ^ (len_mix * jnp.uint32(3)))
+  h1 = _fmix32(prefix[..., 1] + salt_mix * jnp.uint32(5) + len_mix)
+  lo_bits, hi_bits = min(hash_bits, 32), max(hash_bits - 32, 0)
+  mask = lambda bits: jnp.uint32((1 << bits) - 1 if bits < 32 else 0xFFFFFFFF)
+  return jnp.stack([h0 & mask(lo_bits), h1 & mask(hi_bits)], axis=-1)
+
+
+def bucket_of(hashes: jax.Array, num_buckets: int) -> jax.Array:
+  """Hash-table bucket of each uint32[..., 2] hash (num_buckets is a power of two)."""
+  mixed = hashes[..., 0] ^ _fmix32(hashes[..., 1])
+  return (mixed & jnp.uint32(num_buckets - 1)).astype(jnp.int32)
+
+
+def _key_matches(c: ContentIndex, node: jax.Array, hashes: jax.Array,
+                 tokens: jax.Array, salt: jax.Array) -> jax.Array:
+  """Whether block `node` (>= 0) holds exactly (hash, tokens, salt), parent aside."""
+  safe = jnp.maximum(node, 0)
+  return ((node >= 0) & c.has_content[safe]
+          & jnp.all(c.hash[safe] == hashes, axis=-1)
+          & (c.salt[safe] == salt)
+          & jnp.all(c.tokens[safe] == tokens, axis=-1))
+
+
+def lookup_chains(c: ContentIndex, hashes: jax.Array, tokens: jax.Array,
+                  salt: jax.Array, parent0: jax.Array,
+                  valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Finds the cached blocks of R chains of L consecutive full blocks.
+
+  Level l of row r is the block whose identity is (salt[r], the prefix through
+  it); level 0's parent is `parent0[r]` (-1 for the first block of a
+  sequence). Hits form a prefix of each row's levels: a block's content can
+  only be cached under a cached parent.
+
+  Args:
+    c: the pool's content index.
+    hashes: uint32[R, L, 2] identity hashes.
+    tokens: int32[R, L, block_size] each block's own tokens.
+    salt: int32[R].
+    parent0: int32[R] the block before level 0.
+    valid: bool[R, L] levels to look up (a prefix of each row).
+
+  Returns:
+    (hit bool[R, L], block int32[R, L], -1 where no hit).
+  """
+  num_levels = hashes.shape[1]
+  if c.has_content.shape[0] == 0:
+    return jnp.zeros(valid.shape, bool), jnp.full(valid.shape, NO_BLOCK, jnp.int32)
+  salt_b = jnp.broadcast_to(salt[:, None], valid.shape)
+  start = jnp.where(valid, c.buckets[bucket_of(hashes, c.buckets.shape[0])], NO_BLOCK)
+  level = jnp.arange(num_levels)[None, :]
+
+  def examine(cursor):
+    key_ok = _key_matches(c, cursor, hashes, tokens, salt_b)
+    tentative = jnp.where(key_ok, cursor, NO_BLOCK)
+    expected = jnp.concatenate([parent0[:, None], tentative[:, :-1]], axis=1)
+    full = key_ok & (c.parent[jnp.maximum(cursor, 0)] == expected)
+    bad = valid & ~full
+    first_bad = jnp.min(jnp.where(bad, level, num_levels), axis=1, keepdims=True)
+    advance = valid & (cursor >= 0) & (~key_ok | (level == first_bad))
+    advance &= ~full
+    return first_bad, advance
+
+  def cond(cursor):
+    return jnp.any(examine(cursor)[1])
+
+  def body(cursor):
+    _, advance = examine(cursor)
+    nxt = c.next_in_bucket[jnp.maximum(cursor, 0)]
+    return jnp.where(advance, nxt, cursor)
+
+  cursor = lax.while_loop(cond, body, start)
+  first_bad, _ = examine(cursor)
+  hit = valid & (level < first_bad)
+  return hit, jnp.where(hit, cursor, NO_BLOCK)
+
+
+def first_equal(hashes: jax.Array, equal_fn, valid: jax.Array) -> jax.Array:
+  """For each of E keys, the index of the first key (in index order) equal to it.
+
+  Keys are sorted by hash and index; within a run of equal hashes each key
+  walks forward to the first exactly equal key (`equal_fn(i, j)` on index
+  arrays), so only hash collisions cost extra steps.
+
+  Args:
+    hashes: uint32[E, 2].
+    equal_fn: (int32[E], int32[E]) -> bool[E], exact equality of keys i and j.
+    valid: bool[E]; invalid keys map to themselves.
+
+  Returns:
+    int32[E] representative index.
+  """
+  e = hashes.shape[0]
+  index = jnp.arange(e, dtype=jnp.int32)
+  big = jnp.uint32(0xFFFFFFFF)
+  h0 = jnp.where(valid, hashes[:, 0], big)
+  h1 = jnp.where(valid, hashes[:, 1], big)
+  order_key = jnp.where(valid, index, e + index)
+  s0, s1, _, order = lax.sort((h0, h1, order_key, index), num_keys=3)
+  same_as_prev = jnp.concatenate([jnp.array([False]), (s0[1:] == s0[:-1]) & (s1[1:] == s1[:-1])])
+  run_start = lax.cummax(jnp.where(same_as_prev, 0, jnp.arange(e)), axis=0)
+  position = jnp.zeros(e, jnp.int32).at[order].set(jnp.arange(e, dtype=jnp.int32))
+  mine = position
+
+  def cond(cand):
+    return jnp.any(~equal_fn(order[cand], index) & valid)
+
+  def body(cand):
+    return jnp.where(equal_fn(order[cand], index) | ~valid, cand, cand + 1)
+
+  cand = lax.while_loop(cond, body, jnp.where(valid, run_start[mine], mine))
+  return jnp.where(valid, order[cand], index)
+
+
+def unlink(c: ContentIndex, blocks: jax.Array, n: int) -> ContentIndex:
+  """Removes blocks (with content, -1 skipped) from the hash table; clears their content."""
+  gone = scatter_count(blocks, n) > 0
+  nxt, buckets = c.next_in_bucket, c.buckets
+  # Rebuild each bucket's chain without the removed blocks: a node keeps the
+  # next node that survives (pointer jumping over removed runs).
+  def skip(ptr):
+    return jnp.where((ptr >= 0) & gone[jnp.maximum(ptr, 0)], nxt[jnp.maximum(ptr, 0)], ptr)
+
+  def cond(state):
+    a, b = state
+    return jnp.any((a >= 0) & gone[jnp.maximum(a, 0)]) | jnp.any((b >= 0) & gone[jnp.maximum(b, 0)])
+
+  def body(state):
+    a, b = state
+    return skip(a), skip(b)
+
+  new_next, new_buckets = lax.while_loop(cond, body, (nxt, buckets))
+  return c.replace(next_in_bucket=new_next, buckets=new_buckets,
+                   has_content=c.has_content & ~gone,
+                   computed=c.computed & ~gone)
+
+
+def insert(c: ContentIndex, blocks: jax.Array, hashes: jax.Array) -> ContentIndex:
+  """Links blocks (-1 skipped; distinct, not in the table) into their hash buckets."""
+  t = c.buckets.shape[0]
+  n = c.next_in_bucket.shape[0]
+  valid = blocks >= 0
+  bucket = jnp.where(valid, bucket_of(hashes, t), t)
+  sb, sblk = lax.sort((bucket, blocks), num_keys=1)
+  same_next = jnp.concatenate([sb[1:] == sb[:-1], jnp.array([False])])
+  first = jnp.concatenate([jnp.array([True]), sb[1:] != sb[:-1]])
+  nxt_in_group = jnp.concatenate([sblk[1:], jnp.array([NO_BLOCK], jnp.int32)])
+  old_head = c.buckets[jnp.minimum(sb, t - 1)]
+  link = jnp.where(same_next, nxt_in_group, old_head)
+  live = sb < t
+  next_in_bucket = c.next_in_bucket.at[masked(sblk, live, n)].set(link, mode="drop")
+  buckets = c.buckets.at[masked(sb, live & first, t)].set(sblk, mode="drop")
+  return c.replace(next_in_bucket=next_in_bucket, buckets=buckets)
+
+
+def commit_content(pool: Pool, ok: jax.Array, *, revived: jax.Array,
+                   taken: jax.Array, taken_valid: jax.Array, evicted: jax.Array,
+                   releases: jax.Array, pushed: jax.Array,
+                   reg_blocks: jax.Array, reg_hash: jax.Array,
+                   reg_parent: jax.Array, reg_salt: jax.Array,
+                   reg_tokens: jax.Array, reg_hashed: jax.Array) -> Pool:
+  """Applies one call's effects on a cached pool's content index (if `ok`).
+
+  Args:
+    pool: the pool after `commit_pool` (reference counts already final).
+    ok: whether the call succeeds.
+    revived: int32 scalar, distinct unreferenced blocks with content that hits revive.
+    taken, taken_valid, evicted: from `taken_blocks` (per take rank).
+    releases, pushed: release events and which of them freed their block.
+    reg_*: registrations (blocks -1 skipped): identity of blocks that became full.
+  """
+  c = pool.content
+  n = pool.num_blocks
+  if n == 0:
+    return pool
+  num_evicted = jnp.sum(taken_valid & evicted)
+  taken_ok = taken_valid & ok
+  c = lax.cond(ok & (num_evicted > 0),
+               lambda c: unlink(c, jnp.where(taken_valid & evicted, taken, NO_BLOCK), n),
+               lambda c: c, c)
+  take_idx = masked(taken, taken_ok, n)
+  c = c.replace(last_accessed=c.last_accessed.at[take_idx].set(-1, mode="drop"),
+                computed=c.computed.at[take_idx].set(False, mode="drop"))
+  to_evictor = pushed & take(c.has_content, releases) & ok
+  rel_rank = jnp.cumsum(to_evictor) - 1
+  c = c.replace(release_time=c.release_time.at[masked(releases, to_evictor, n)].set(
+      c.release_clock + rel_rank, mode="drop"))
+  reg_ok = (reg_blocks >= 0) & ok
+  idx = masked(reg_blocks, reg_ok, n)
+  c = c.replace(has_content=c.has_content.at[idx].set(True, mode="drop"),
+                hash=c.hash.at[idx].set(reg_hash, mode="drop"),
+                parent=c.parent.at[idx].set(reg_parent, mode="drop"),
+                salt=c.salt.at[idx].set(reg_salt, mode="drop"),
+                tokens=c.tokens.at[idx].set(reg_tokens, mode="drop"),
+                num_hashed_tokens=c.num_hashed_tokens.at[idx].set(reg_hashed, mode="drop"))
+  c = insert(c, jnp.where(reg_ok, reg_blocks, NO_BLOCK), reg_hash)
+  pushed_to_evictor = jnp.sum(to_evictor)
+  c = c.replace(
+      release_clock=c.release_clock + pushed_to_evictor,
+      num_evictable=jnp.where(
+          ok, c.num_evictable - revived - num_evicted + pushed_to_evictor,
+          c.num_evictable))
+  return pool.replace(content=c)

@@ -1,0 +1,186 @@
+"""Pytrees of the block manager: pools, the manager state and the plans it returns."""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from paged_jax.config import CacheConfig, Status
+
+EMPTY, ON_GPU, ON_CPU = 0, 1, 2   # values of BlockManagerState.device
+NO_BLOCK = -1
+
+
+@flax.struct.dataclass
+class ContentIndex:
+  """Content identities of a cached pool: who holds which full-block prefix.
+
+  A block's identity is (salt, token prefix through the block). It is stored
+  chained: the block's own tokens, its salt and its parent block (the block of
+  the previous prefix, in the same pool; -1 for the first block). Because a
+  parent never leaves the cache before its children (eviction takes children
+  first), parent pointers never dangle. `hash` (two uint32 lanes, truncated to
+  hash_bits) indexes the identity in a chained hash table
+  (`buckets` heads, `next_in_bucket` links); lookups always compare exactly.
+  """
+
+  has_content: jax.Array      # bool[N]
+  hash: jax.Array             # uint32[N, 2]
+  parent: jax.Array           # int32[N]
+  salt: jax.Array             # int32[N]
+  tokens: jax.Array           # int32[N, block_size]
+  num_hashed_tokens: jax.Array  # int32[N]: prefix length through the block
+  last_accessed: jax.Array    # int32[N]
+  release_time: jax.Array     # int32[N]: when the block last went to the evictor
+  computed: jax.Array         # bool[N]
+  buckets: jax.Array          # int32[T]: first block of each hash bucket, -1 if none
+  next_in_bucket: jax.Array   # int32[N]
+  release_clock: jax.Array    # int32 scalar
+  num_evictable: jax.Array    # int32 scalar: blocks with content and no reference
+
+
+@flax.struct.dataclass
+class Pool:
+  """Blocks of one device.
+
+  Free blocks are taken in this order: never-used blocks (`next_fresh`,
+  `next_fresh + 1`, ...), then the `free_stack` (last released first), then
+  eviction of unreferenced blocks with content (cached pools only). The
+  uncached pool starts with every block on the stack ``[0, ..., N-1]`` and no
+  never-used counter, which is the seed's UncachedBlockAllocator.
+  """
+
+  ref_count: jax.Array        # int32[N]
+  free_stack: jax.Array       # int32[N]
+  num_stacked: jax.Array      # int32 scalar
+  next_fresh: jax.Array       # int32 scalar
+  content: ContentIndex | None
+
+  @property
+  def num_blocks(self) -> int:
+    return self.ref_count.shape[0]
+
+  def num_free(self) -> jax.Array:
+    free = self.num_blocks - self.next_fresh + self.num_stacked
+    if self.content is not None:
+      free = free + self.content.num_evictable
+    return free
+
+
+@flax.struct.dataclass
+class SeqHashState:
+  """Per-sequence state for content identities (prefix caching only).
+
+  `rolling` holds two polynomial prefix-hash lanes of all tokens so far and
+  the matching powers of the lane bases; `tail_tokens` holds the tokens of the
+  partial last block, so a block's identity is known when it becomes full.
+  """
+
+  rolling: jax.Array          # uint32[S, 4]: (h0, h1, p0^n, p1^n)
+  tail_tokens: jax.Array      # int32[S, block_size]
+
+
+@flax.struct.dataclass
+class BlockManagerState:
+  """Everything the block manager knows. Immutable; the config is static."""
+
+  cfg: CacheConfig = flax.struct.field(pytree_node=False)
+  tables: jax.Array           # int32[S, M]: physical block per logical block, -1 if none
+  num_tokens: jax.Array       # int32[S]
+  device: jax.Array           # int32[S]: EMPTY, ON_GPU or ON_CPU
+  salt: jax.Array             # int32[S]
+  seq_hash: SeqHashState | None
+  gpu: Pool
+  cpu: Pool
+  num_lookups: jax.Array      # int32 scalar: prefix-cache lookups in the GPU pool
+  num_hits: jax.Array         # int32 scalar
+
+
+@flax.struct.dataclass
+class OpResult:
+  """Result of allocate, fork and free."""
+
+  status: jax.Array           # int32 scalar, a Status
+
+
+@flax.struct.dataclass
+class CopyPlan:
+  """Copy-on-write pairs: copy block `src[i]` to `dst[i]` for i < count (-1 after)."""
+
+  src: jax.Array
+  dst: jax.Array
+  count: jax.Array
+  status: jax.Array
+
+
+@flax.struct.dataclass
+class SwapPlan:
+  """Blocks to move between devices: `src[i]` (source pool) to `dst[i]` (destination)."""
+
+  src: jax.Array
+  dst: jax.Array
+  count: jax.Array
+  status: jax.Array
+
+
+def hash_table_size(num_blocks: int) -> int:
+  """Buckets of a pool's hash table: a power of two, at least twice the blocks."""
+  return max(2, 1 << (2 * max(num_blocks, 1) - 1).bit_length())
+
+
+def init_pool(num_blocks: int, cfg: CacheConfig) -> Pool:
+  """A pool with every block free."""
+  i32 = lambda v: jnp.asarray(v, jnp.int32)
+  if not cfg.enable_prefix_caching:
+    return Pool(ref_count=jnp.zeros(num_blocks, jnp.int32),
+                free_stack=jnp.arange(num_blocks, dtype=jnp.int32),
+                num_stacked=i32(num_blocks), next_fresh=i32(num_blocks),
+                content=None)
+  n = num_blocks
+  content = ContentIndex(
+      has_content=jnp.zeros(n, bool),
+      hash=jnp.zeros((n, 2), jnp.uint32),
+      parent=jnp.full(n, NO_BLOCK, jnp.int32),
+      salt=jnp.zeros(n, jnp.int32),
+      tokens=jnp.zeros((n, cfg.block_size), jnp.int32),
+      num_hashed_tokens=jnp.zeros(n, jnp.int32),
+      last_accessed=jnp.full(n, -1, jnp.int32),
+      release_time=jnp.zeros(n, jnp.int32),
+      computed=jnp.zeros(n, bool),
+      buckets=jnp.full(hash_table_size(n), NO_BLOCK, jnp.int32),
+      next_in_bucket=jnp.full(n, NO_BLOCK, jnp.int32),
+      release_clock=i32(0),
+      num_evictable=i32(0))
+  return Pool(ref_count=jnp.zeros(n, jnp.int32),
+              free_stack=jnp.full(n, NO_BLOCK, jnp.int32),
+              num_stacked=i32(0), next_fresh=i32(0), content=content)
+
+
+def init_state(cfg: CacheConfig) -> BlockManagerState:
+  """An empty manager: every slot empty, every block free."""
+  s, m = cfg.max_seqs, cfg.max_blocks_per_seq
+  seq_hash = None
+  if cfg.enable_prefix_caching:
+    seq_hash = SeqHashState(
+        rolling=jnp.tile(jnp.array([0, 0, 1, 1], jnp.uint32), (s, 1)),
+        tail_tokens=jnp.zeros((s, cfg.block_size), jnp.int32))
+  return BlockManagerState(
+      cfg=cfg,
+      tables=jnp.full((s, m), NO_BLOCK, jnp.int32),
+      num_tokens=jnp.zeros(s, jnp.int32),
+      device=jnp.zeros(s, jnp.int32),
+      salt=jnp.zeros(s, jnp.int32),
+      seq_hash=seq_hash,
+      gpu=init_pool(cfg.num_gpu_blocks, cfg),
+      cpu=init_pool(cfg.num_cpu_blocks, cfg),
+      num_lookups=jnp.zeros((), jnp.int32),
+      num_hits=jnp.zeros((), jnp.int32))
+
+
+def first_failure(*checks: tuple[Status, jax.Array]) -> jax.Array:
+  """The status of the first failing check (in the order given), else OK."""
+  status = jnp.int32(Status.OK)
+  for code, failed in reversed(checks):
+    status = jnp.where(failed, jnp.int32(code), status)
+  return status

@@ -1,0 +1,158 @@
+"""The jitted BlockSpaceManager behind the reference model's mutable interface.
+
+Lets one test body (and the differential property tests) drive both the
+plain-Python reference and the JAX implementation. Array arguments are padded
+to fixed shapes so that a jitted run compiles once per shape.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+import paged_jax as pj
+from paged_jax.block_manager.state import ON_CPU, ON_GPU
+
+_STATIC = {"append_slots": ("num_lookahead_slots",), "can_append_slots": ("num_lookahead_slots",),
+           "can_swap_in": ("num_lookahead_slots",), "get_slot_mapping": ("width",)}
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(cfg: pj.CacheConfig, name: str, use_jit: bool):
+  method = getattr(pj.BlockSpaceManager(cfg), name)
+  return jax.jit(method, static_argnames=_STATIC.get(name, ())) if use_jit else method
+
+
+class JaxManager:
+  """Mutable wrapper: holds a BlockManagerState and checks invariants after each call."""
+
+  def __init__(self, cfg: pj.CacheConfig, use_jit: bool = True, pad_to: int = 4,
+               token_pad: int | None = None, check: bool = True):
+    self.cfg = cfg
+    self.use_jit = use_jit
+    self.pad_to = pad_to
+    self.token_pad = token_pad or cfg.max_tokens_per_seq
+    self.check = check
+    self.state = pj.BlockSpaceManager(cfg).init()
+
+  def _call(self, name, *args, **kwargs):
+    return _compiled(self.cfg, name, self.use_jit)(*args, **kwargs)
+
+  def _ids(self, seq_ids):
+    ids = list(seq_ids)
+    width = max(self.pad_to, len(ids))
+    return np.array(ids + [-1] * (width - len(ids)), np.int32)
+
+  def _mutate(self, name, *args, **kwargs):
+    self.state, result = self._call(name, self.state, *args, **kwargs)
+    if self.check:
+      pj.check_invariants(self.state)
+    return result
+
+  # --- mutating calls
+  def allocate(self, seq_ids, token_ids, num_tokens, salt=0):
+    tokens = list(token_ids)
+    width = max(self.token_pad, len(tokens))
+    padded = np.array(tokens + [0] * (width - len(tokens)), np.int32)
+    # num_tokens beyond the real tokens must stay invalid after padding.
+    n = num_tokens if num_tokens <= len(tokens) else width + 1
+    res = self._mutate("allocate", self._ids(seq_ids), padded, np.int32(n), np.int32(salt))
+    return pj.Status(int(res.status))
+
+  def append_slots(self, seq_ids, new_token_ids, num_new, num_lookahead_slots=0):
+    ids = self._ids(seq_ids)
+    k_cols = max([len(r) for r in new_token_ids] + [1])
+    tokens = np.zeros((len(ids), k_cols), np.int32)
+    for i, row in enumerate(new_token_ids):
+      tokens[i, :len(row)] = row
+    counts = np.zeros(len(ids), np.int32)
+    counts[:len(num_new)] = num_new
+    plan = self._mutate("append_slots", ids, tokens, counts,
+                        num_lookahead_slots=num_lookahead_slots)
+    return pj.Status(int(plan.status)), _pairs(plan)
+
+  def fork(self, parent_id, child_id):
+    return pj.Status(int(self._mutate("fork", np.int32(parent_id), np.int32(child_id)).status))
+
+  def free(self, seq_ids):
+    return pj.Status(int(self._mutate("free", self._ids(seq_ids)).status))
+
+  def swap_out(self, seq_ids):
+    plan = self._mutate("swap_out", self._ids(seq_ids))
+    return pj.Status(int(plan.status)), _pairs(plan)
+
+  def swap_in(self, seq_ids):
+    plan = self._mutate("swap_in", self._ids(seq_ids))
+    return pj.Status(int(plan.status)), _pairs(plan)
+
+  def reset(self):
+    self.state = self._call("reset", self.state)
+    if self.check:
+      pj.check_invariants(self.state)
+
+  def access_all_blocks_in_seq(self, seq_id, now):
+    self.state = self._call("access_all_blocks_in_seq", self.state, np.int32(seq_id), np.int32(now))
+
+  def mark_blocks_as_computed(self, seq_ids, num_computed_tokens):
+    ids = self._ids(seq_ids)
+    if np.ndim(num_computed_tokens) == 0:
+      counts = np.int32(num_computed_tokens)
+    else:
+      counts = np.zeros(len(ids), np.int32)
+      counts[:len(num_computed_tokens)] = num_computed_tokens
+    self.state = self._call("mark_blocks_as_computed", self.state, ids, counts)
+
+  # --- queries
+  def can_allocate(self, num_tokens):
+    return pj.AllocStatus(int(self._call("can_allocate", self.state, np.int32(num_tokens))))
+
+  def can_append_slots(self, seq_ids, num_lookahead_slots=0):
+    return bool(self._call("can_append_slots", self.state, self._ids(seq_ids),
+                           num_lookahead_slots=num_lookahead_slots))
+
+  def can_swap_out(self, seq_ids):
+    return bool(self._call("can_swap_out", self.state, self._ids(seq_ids)))
+
+  def can_swap_in(self, seq_ids, num_lookahead_slots=0):
+    return pj.AllocStatus(int(self._call("can_swap_in", self.state, self._ids(seq_ids),
+                                         num_lookahead_slots=num_lookahead_slots)))
+
+  def get_common_computed_block_ids(self, seq_ids):
+    ids, n = self._call("get_common_computed_block_ids", self.state, self._ids(seq_ids))
+    return np.asarray(ids)[:int(n)].tolist()
+
+  def get_block_table(self, seq_id):
+    return np.asarray(self._call("get_block_table", self.state, np.int32(seq_id))).tolist()
+
+  def get_num_tokens(self, seq_id):
+    return int(self._call("get_num_tokens", self.state, np.array([seq_id], np.int32))[0])
+
+  def get_slot_mapping(self, seq_ids, num_new, width):
+    ids = self._ids(seq_ids)
+    counts = np.zeros(len(ids), np.int32)
+    counts[:len(num_new)] = num_new
+    out = self._call("get_slot_mapping", self.state, ids, counts, width=width)
+    return np.asarray(out)[:len(seq_ids)].tolist()
+
+  def num_free_gpu_blocks(self):
+    return int(self._call("num_free_gpu_blocks", self.state))
+
+  def num_free_cpu_blocks(self):
+    return int(self._call("num_free_cpu_blocks", self.state))
+
+  def ref_counts(self, device):
+    pool = {"gpu": self.state.gpu, "cpu": self.state.cpu}[device]
+    return np.asarray(pool.ref_count).tolist()
+
+  def device_of(self, seq_id):
+    return {ON_GPU: "gpu", ON_CPU: "cpu"}.get(int(self.state.device[seq_id]))
+
+  def prefix_cache_hit_rate(self):
+    return float(self._call("prefix_cache_hit_rate", self.state))
+
+
+def _pairs(plan):
+  n = int(plan.count)
+  return list(zip(np.asarray(plan.src)[:n].tolist(), np.asarray(plan.dst)[:n].tolist()))
