@@ -1,0 +1,375 @@
+"""Paged attention kernels against the XLA reference, and the reference
+against a float64 NumPy model, on CPU (Pallas interpret mode).
+
+Every case poisons the bytes no query may read (free blocks, slots past a
+sequence's length, blocks that left the sliding window) with NaN; outputs
+must equal the reference on the same cache with finite data there.
+"""
+
+import dataclasses
+import functools
+import importlib
+
+import jax
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas.ops.tpu.paged_attention import (
+    paged_attention as shipped_tpu_paged_attention)
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.paged_attention import check_block_tables
+from pallas_kernels.paged_attention import gpu
+from pallas_kernels.paged_attention import paged_attention_reference
+from pallas_kernels.paged_attention import paged_prefill_attention_reference
+from pallas_kernels.paged_attention import tpu
+
+shipped_gpu = importlib.import_module(
+    "jax.experimental.pallas.ops.gpu.paged_attention")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  batch: int
+  num_q_heads: int
+  num_kv_heads: int
+  head_dim: int
+  block_size: int
+  max_blocks: int
+  dtype: str
+  sm_scale: float | None = None
+  soft_cap: float | None = None
+  sliding_window: int | None = None
+  pages_per_step: int | None = None  # kernels only
+  num_splits: int | None = None  # GPU kernel only
+  hole: bool = False  # a -1 table entry inside the longest context
+
+  def __str__(self):
+    extras = "".join(f"-{name}{getattr(self, name)}" for name in (
+        "sm_scale", "soft_cap", "sliding_window", "pages_per_step",
+        "num_splits") if getattr(self, name) is not None)
+    extras += "-hole" if self.hole else ""
+    return (f"b{self.batch}-h{self.num_q_heads}x{self.num_kv_heads}"
+            f"-d{self.head_dim}-bs{self.block_size}-m{self.max_blocks}"
+            f"-{self.dtype}{extras}")
+
+  @property
+  def options(self):
+    return dict(sm_scale=self.sm_scale, soft_cap=self.soft_cap,
+                sliding_window=self.sliding_window)
+
+
+# Together these cover batch 1..8, Hq/Hkv in {1, 2, 4, 8}, Hkv in {1, 2, 4, 8},
+# head_dim 64 and 128, block sizes 8, 16, 32, both dtypes, every option, and
+# tables that split unevenly into steps and splits; lengths (make_lengths)
+# include 0, 1, block multiples and the maximum.
+CASES = [
+    Case(1, 4, 4, 64, 8, 3, "float32", hole=True),
+    Case(3, 4, 2, 128, 16, 3, "bfloat16", soft_cap=5.0),
+    Case(8, 4, 1, 64, 32, 2, "float32", sliding_window=40),
+    Case(4, 64, 8, 128, 8, 4, "bfloat16", sm_scale=0.05, soft_cap=2.0,
+         sliding_window=13),
+    Case(2, 8, 2, 64, 8, 7, "float32", sm_scale=0.2, sliding_window=30,
+         pages_per_step=2, num_splits=3),
+]
+OPTIONS = ("sm_scale", "soft_cap", "sliding_window")
+reference_attention = jax.jit(paged_attention_reference,
+                              static_argnames=OPTIONS)
+prefill_attention = jax.jit(paged_prefill_attention_reference,
+                            static_argnames=OPTIONS)
+KERNELS = {
+    "gpu": jax.jit(functools.partial(gpu.paged_attention, interpret=True),
+                   static_argnames=OPTIONS + ("pages_per_step", "num_splits")),
+    "tpu": jax.jit(functools.partial(tpu.paged_attention, interpret=True),
+                   static_argnames=OPTIONS + ("pages_per_step",)),
+}
+
+
+def make_lengths(rng, batch, capacity, block_size):
+  """Ragged lengths that start with 0, 1, a block multiple, the maximum."""
+  special = [0, 1, 2 * block_size, capacity]
+  lengths = rng.integers(0, capacity + 1, size=batch)
+  lengths[:min(batch, 4)] = special[:batch]
+  if batch == 1:
+    lengths[0] = capacity
+  return lengths.astype(np.int32)
+
+
+def make_inputs(case: Case, seed: int = 0, num_queries: int | None = None):
+  """Random q and pages, tables as the block manager builds them.
+
+  Returns:
+    q, clean (k, v), poisoned (k, v), block_tables, lengths as NumPy arrays.
+    Poisoned pages hold NaN at every slot no query may read; clean pages hold
+    random data there.
+  """
+  rng = np.random.default_rng(seed)
+  capacity = case.max_blocks * case.block_size
+  lengths = make_lengths(rng, case.batch, capacity, case.block_size)
+  num_blocks = case.batch * case.max_blocks + 3
+  owners = rng.permutation(num_blocks)[:case.batch * case.max_blocks]
+  tables = owners.reshape(case.batch, case.max_blocks).astype(np.int32)
+  logical = np.arange(case.max_blocks)[None, :]
+  live = logical * case.block_size < lengths[:, None]
+  if case.sliding_window is not None:
+    live &= (logical + 1) * case.block_size > (lengths[:, None]
+                                               - case.sliding_window)
+  tables = np.where(live, tables, -1).astype(np.int32)
+  if case.hole:
+    tables[np.argmax(lengths), 1] = -1  # not a manager table; must be skipped
+
+  page_shape = (case.num_kv_heads, num_blocks, case.block_size, case.head_dim)
+  dtype = jnp.dtype(case.dtype)
+  k = rng.standard_normal(page_shape).astype(dtype)
+  v = rng.standard_normal(page_shape).astype(dtype)
+  readable = np.zeros((num_blocks, case.block_size), bool)
+  for seq, length in enumerate(lengths):
+    for position in range(length):
+      block = tables[seq, position // case.block_size]
+      if block >= 0:
+        readable[block, position % case.block_size] = True
+  poisoned_k, poisoned_v = k.copy(), v.copy()
+  poisoned_k[:, ~readable] = np.nan
+  poisoned_v[:, ~readable] = np.nan
+  q_shape = (case.batch, case.num_q_heads, case.head_dim)
+  if num_queries is not None:
+    q_shape = (case.batch, num_queries, case.num_q_heads, case.head_dim)
+  q = rng.standard_normal(q_shape).astype(dtype)
+  return q, (k, v), (poisoned_k, poisoned_v), tables, lengths
+
+
+def dense_attention(q, k, v, tables, lengths, query_pos, case: Case):
+  """Float64 attention of queries at ``query_pos[b, t]`` (-1: padding)."""
+  batch, num_queries = query_pos.shape
+  group = case.num_q_heads // case.num_kv_heads
+  scale = (case.sm_scale if case.sm_scale is not None
+           else case.head_dim ** -0.5)
+  out = np.zeros((batch, num_queries, case.num_q_heads, case.head_dim))
+  for b in range(batch):
+    positions = np.arange(lengths[b])
+    blocks = tables[b, positions // case.block_size]
+    for t in range(num_queries):
+      pos = query_pos[b, t]
+      keep = (positions <= pos) & (blocks >= 0)
+      if case.sliding_window is not None:
+        keep &= positions > pos - case.sliding_window
+      if pos < 0 or not keep.any():
+        continue
+      slots = (blocks[keep], positions[keep] % case.block_size)
+      for head in range(case.num_q_heads):
+        kv_head = head // group
+        keys = k[kv_head][slots].astype(np.float64)
+        values = v[kv_head][slots].astype(np.float64)
+        logits = keys @ q[b, t, head].astype(np.float64) * scale
+        if case.soft_cap is not None:
+          logits = case.soft_cap * np.tanh(logits / case.soft_cap)
+        weights = np.exp(logits - logits.max())
+        out[b, t, head] = weights @ values / weights.sum()
+  return out
+
+
+def assert_close(out, expected, dtype):
+  """float32: error below 1e-5; bfloat16: below 2e-2 of the output scale."""
+  out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+  expected = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
+  assert np.isfinite(out).all()
+  error = np.abs(out - expected).max()
+  if jnp.dtype(dtype) == jnp.float32:
+    assert error < 1e-5, error
+  else:
+    assert error < 2e-2 * max(np.abs(expected).max(), 1.0), error
+
+
+def as_jax(*arrays):
+  return tuple(jnp.asarray(a) for a in arrays)
+
+
+@pytest.fixture(scope="module", params=CASES, ids=str)
+def decode_case(request):
+  """A case, its inputs, and the reference output on the clean pages."""
+  case = request.param
+  q, clean, poisoned, tables, lengths = make_inputs(case)
+  expected = reference_attention(*as_jax(q, *clean, tables, lengths),
+                                 **case.options)
+  return case, (q, poisoned, tables, lengths), expected
+
+
+def test_reference_matches_float64_model(decode_case):
+  case, (q, _, tables, lengths), expected = decode_case
+  _, clean, _, _, _ = make_inputs(case)
+  query_pos = (lengths - 1)[:, None]
+  dense = dense_attention(q[:, None], *clean, tables, lengths, query_pos, case)
+  assert_close(expected, dense[:, 0].astype(np.float32), case.dtype)
+  assert not np.asarray(expected, np.float32)[lengths == 0].any()
+
+
+def test_reference_ignores_poisoned_slots(decode_case):
+  case, (q, poisoned, tables, lengths), expected = decode_case
+  out = reference_attention(*as_jax(q, *poisoned, tables, lengths),
+                            **case.options)
+  np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                np.asarray(expected, np.float32))
+
+
+@pytest.mark.parametrize("kernel", ["gpu", "tpu"])
+def test_kernel_matches_reference_on_poisoned_cache(decode_case, kernel):
+  case, (q, poisoned, tables, lengths), expected = decode_case
+  steps = dict(pages_per_step=case.pages_per_step)
+  if kernel == "gpu":
+    steps["num_splits"] = case.num_splits
+  out = KERNELS[kernel](*as_jax(q, *poisoned, tables, lengths),
+                        **case.options, **steps)
+  assert out.shape == q.shape and out.dtype == q.dtype
+  assert_close(out, expected, case.dtype)
+  assert not np.asarray(out, np.float32)[lengths == 0].any()
+
+
+def test_reference_agrees_with_jax_shipped_kernels():
+  # JAX's kernels apply no sm_scale, need in-range tables and read the bytes
+  # past each length (masked by weight, so not NaN-safe): clean pages only.
+  case = Case(3, 16, 2, 128, 16, 4, "float32", sm_scale=1.0, soft_cap=4.0)
+  q, (k, v), _, tables, lengths = make_inputs(case, seed=3)
+  tables = np.maximum(tables, 0)
+  args = as_jax(q, k, v, tables, lengths)
+  expected = reference_attention(*args, **case.options)
+  shipped_gpu_out = shipped_gpu.paged_attention(
+      *args, attn_logits_soft_cap=case.soft_cap, pages_per_compute_block=2,
+      k_splits=2, interpret=True)
+  assert_close(shipped_gpu_out, expected, case.dtype)
+  with pltpu.force_tpu_interpret_mode():
+    shipped_tpu_out = shipped_tpu_paged_attention(
+        args[0], args[1], args[2], args[4], args[3],
+        attn_logits_soft_cap=case.soft_cap, pages_per_compute_block=2)
+  # The shipped TPU kernel computes with K/V rounded to bfloat16.
+  assert_close(shipped_tpu_out, expected, "bfloat16")
+
+
+PREFILL_CASES = [Case(3, 4, 2, 64, 8, 4, "float32", soft_cap=4.0),
+                 Case(2, 8, 2, 128, 16, 3, "bfloat16", sliding_window=9)]
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=str)
+def test_prefill_reference_matches_float64_model(case):
+  num_queries = 5
+  q, clean, poisoned, tables, lengths = make_inputs(case, seed=4,
+                                                    num_queries=num_queries)
+  query_lens = np.minimum(lengths, [num_queries, 2, 1][:case.batch]).astype(
+      np.int32)
+  offsets = np.arange(num_queries)[None, :]
+  query_pos = np.where(offsets < query_lens[:, None],
+                       (lengths - query_lens)[:, None] + offsets, -1)
+  out = prefill_attention(
+      *as_jax(q, *poisoned, tables, lengths, query_lens), **case.options)
+  dense = dense_attention(q, *clean, tables, lengths, query_pos, case)
+  assert_close(out, dense.astype(np.float32), case.dtype)
+  assert not np.asarray(out, np.float32)[query_pos < 0].any()
+
+
+def test_prefill_with_one_query_is_decode():
+  case = CASES[2]
+  q, _, poisoned, tables, lengths = make_inputs(case, seed=5)
+  args = as_jax(q, *poisoned, tables, lengths)
+  decode = reference_attention(*args, **case.options)
+  prefill = prefill_attention(
+      args[0][:, None], *args[1:], jnp.minimum(args[4], 1), **case.options)
+  np.testing.assert_array_equal(np.asarray(prefill[:, 0]), np.asarray(decode))
+
+
+@pytest.mark.parametrize("kernel,platform", [
+    (gpu.paged_attention, "cuda"), (tpu.paged_attention, "tpu")],
+                         ids=["triton", "mosaic"])
+@pytest.mark.parametrize("dtype,num_q_heads", [("bfloat16", 32),
+                                               ("float32", 8)])
+def test_kernel_lowers_for_its_platform(kernel, platform, dtype, num_q_heads):
+  shape = jax.ShapeDtypeStruct
+  pages = shape((8, 100, 16, 128), dtype)
+  run = jax.jit(lambda *a: kernel(*a, soft_cap=30.0, sliding_window=40))
+  lowered = run.trace(shape((3, num_q_heads, 128), dtype), pages, pages,
+                      shape((3, 7), jnp.int32), shape((3,), jnp.int32)).lower(
+                          lowering_platforms=(platform,))
+  assert "paged_attention" in lowered.as_text()
+
+
+IMPLEMENTATIONS = [
+    paged_attention_reference,
+    lambda *a, **kw: gpu.paged_attention(*a, **kw, interpret=True),
+    lambda *a, **kw: tpu.paged_attention(*a, **kw, interpret=True),
+]
+
+
+def good_args():
+  q = jnp.ones((2, 4, 64), jnp.float32)
+  pages = jnp.ones((2, 10, 8, 64), jnp.float32)
+  return dict(q=q, k_pages=pages, v_pages=pages,
+              block_tables=jnp.zeros((2, 3), jnp.int32),
+              lengths=jnp.ones((2,), jnp.int32))
+
+
+BAD_ARGS = {
+    "q rank": (dict(q=jnp.ones((2, 4, 1, 64))), "q must be"),
+    "pages rank": (dict(k_pages=jnp.ones((10, 8, 64)),
+                        v_pages=jnp.ones((10, 8, 64))), "k_pages must be"),
+    "v shape": (dict(v_pages=jnp.ones((2, 10, 8, 32))), "v_pages shape"),
+    "gqa": (dict(q=jnp.ones((2, 3, 64))), "multiple of num_kv_heads"),
+    "dtype": (dict(q=jnp.ones((2, 4, 64), jnp.bfloat16)), "one dtype"),
+    "head_dim": (dict(q=jnp.ones((2, 4, 32))), "head_dim"),
+    "tables rank": (dict(block_tables=jnp.zeros((2,), jnp.int32)),
+                    "block_tables must be"),
+    "tables dtype": (dict(block_tables=jnp.zeros((2, 3))),
+                     "block_tables must be int32"),
+    "lengths": (dict(lengths=jnp.ones((3,), jnp.int32)), "lengths must be"),
+    "soft cap": (dict(soft_cap=0.0), "soft_cap"),
+    "window": (dict(sliding_window=0), "sliding_window"),
+    "scale": (dict(sm_scale=float("nan")), "sm_scale"),
+}
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS,
+                         ids=["reference", "gpu", "tpu"])
+@pytest.mark.parametrize("bad", BAD_ARGS, ids=str)
+def test_bad_arguments_raise_value_error(impl, bad):
+  overrides, message = BAD_ARGS[bad]
+  args = {**good_args(), **overrides}
+  with pytest.raises(ValueError, match=message):
+    impl(**args)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(k_pages=jnp.ones((2, 10, 6, 64)), v_pages=jnp.ones((2, 10, 6, 64))),
+     "block_size must be a power of two"),
+    (dict(pages_per_step=3), "pages_per_step must be a power of two"),
+    (dict(num_splits=0), "num_splits"),
+])
+def test_gpu_kernel_rejects_untileable_shapes(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    gpu.paged_attention(**{**good_args(), **kwargs}, interpret=True)
+
+
+def test_tpu_kernel_rejects_bad_step():
+  with pytest.raises(ValueError, match="pages_per_step"):
+    tpu.paged_attention(**good_args(), pages_per_step=0, interpret=True)
+
+
+def test_prefill_rejects_bad_query_lens():
+  args = good_args()
+  with pytest.raises(ValueError, match="query_lens"):
+    paged_prefill_attention_reference(
+        args["q"][:, None], args["k_pages"], args["v_pages"],
+        args["block_tables"], args["lengths"], jnp.ones((3,), jnp.int32))
+
+
+@pytest.mark.parametrize("tables,lengths,message", [
+    ([[0, 10, -1]], [3], r"block_tables\[0, 1\] = 10 is out of range"),
+    ([[0, -2, -1]], [3], r"block_tables\[0, 1\] = -2"),
+    ([[0, 1, 2]], [25], "length 25 is outside 0..24"),
+    ([[0, 1, 2]], [-1], "length -1"),
+])
+def test_check_block_tables_names_the_bad_entry(tables, lengths, message):
+  with pytest.raises(ValueError, match=message):
+    check_block_tables(np.array(tables, np.int32), np.array(lengths, np.int32),
+                       num_blocks=10, block_size=8)
+
+
+def test_check_block_tables_accepts_valid_tables():
+  check_block_tables(np.array([[9, -1, -1]], np.int32),
+                     np.array([8], np.int32), num_blocks=10, block_size=8)
