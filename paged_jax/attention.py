@@ -1,0 +1,135 @@
+"""Paged attention entry point: the Pallas kernel of the backend, or XLA.
+
+``impl`` chooses the implementation:
+
+* ``"auto"``: the Mosaic kernel on TPU, the Pallas (Triton) kernel on CUDA or
+  ROCm GPUs when its tiles fit (power-of-two block size and head_dim), the
+  XLA reference everywhere else (CPU).
+* ``"pallas"``: the backend's kernel; on CPU the GPU kernel in interpret mode.
+* ``"reference"``: the XLA reference.
+
+Outside jit (concrete block tables and lengths) the tables are checked on the
+host first, so an out-of-range block gives a ValueError that names it.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.paged_attention import common
+from pallas_kernels.paged_attention import gpu
+from pallas_kernels.paged_attention import reference
+from pallas_kernels.paged_attention import tpu
+
+IMPLS = ("auto", "pallas", "reference")
+_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def paged_attention(q, k_pages, v_pages, block_tables, lengths, *,
+                    sm_scale: float | None = None,
+                    soft_cap: float | None = None,
+                    sliding_window: int | None = None,
+                    impl: str = "auto"):
+  """Decode attention of one new token per sequence over a paged KV cache.
+
+  Args:
+    q: ``[batch, num_q_heads, head_dim]``; ``num_q_heads`` a multiple of
+      ``num_kv_heads`` (grouped-query attention).
+    k_pages: ``[num_kv_heads, num_blocks, block_size, head_dim]``, one layer
+      of ``KVCache.k``.
+    v_pages: same as ``k_pages``.
+    block_tables: ``int32[batch, max_blocks_per_seq]``, -1 where no block.
+    lengths: ``int32[batch]``, context length including the new token (whose
+      K/V is already written); 0 gives a zero output.
+    sm_scale: logit scale; None means ``1 / sqrt(head_dim)``.
+    soft_cap: logit soft cap ``cap * tanh(logits / cap)``, or None.
+    sliding_window: keys visible to the query (itself included), or None.
+    impl: ``"auto"``, ``"pallas"`` or ``"reference"``.
+
+  Returns:
+    ``[batch, num_q_heads, head_dim]`` in ``q.dtype``.
+  """
+  common.check_attention_args(q, k_pages, v_pages, block_tables, lengths)
+  common.check_attention_options(sm_scale, soft_cap, sliding_window)
+  if is_concrete(block_tables, lengths):
+    common.check_block_tables(block_tables, lengths, k_pages.shape[1],
+                              k_pages.shape[2])
+  options = dict(sm_scale=sm_scale, soft_cap=soft_cap,
+                 sliding_window=sliding_window)
+  kernel = select_kernel(impl, tile_sizes=k_pages.shape[2:])
+  args = (q, k_pages, v_pages, block_tables, lengths)
+  if kernel is None:
+    return reference.paged_attention_reference(*args, **options)
+  backend, interpret = kernel
+  module = tpu if backend == "tpu" else gpu
+  return module.paged_attention(*args, **options, interpret=interpret)
+
+
+def paged_prefill_attention(q, k_pages, v_pages, block_tables, lengths,
+                            query_lens, *, sm_scale: float | None = None,
+                            soft_cap: float | None = None,
+                            sliding_window: int | None = None):
+  """Causal attention of several new tokens per sequence to their context.
+
+  For prefix-cache hits and chunked prefill: the new tokens' K/V are already
+  written, and row ``i`` of sequence ``b`` is the token at position
+  ``lengths[b] - query_lens[b] + i``. Runs the XLA reference.
+
+  Args:
+    q: ``[batch, num_queries, num_q_heads, head_dim]``.
+    k_pages: ``[num_kv_heads, num_blocks, block_size, head_dim]``.
+    v_pages: same as ``k_pages``.
+    block_tables: ``int32[batch, max_blocks_per_seq]``, -1 where no block.
+    lengths: ``int32[batch]``, context length including the new tokens.
+    query_lens: ``int32[batch]``, new tokens per sequence; rows past it are
+      padding and give zeros.
+    sm_scale: logit scale; None means ``1 / sqrt(head_dim)``.
+    soft_cap: logit soft cap, or None.
+    sliding_window: keys visible to a query (itself included), or None.
+
+  Returns:
+    ``[batch, num_queries, num_q_heads, head_dim]`` in ``q.dtype``.
+  """
+  common.check_attention_args(q, k_pages, v_pages, block_tables, lengths,
+                              query_rank=4)
+  if is_concrete(block_tables, lengths):
+    common.check_block_tables(block_tables, lengths, k_pages.shape[1],
+                              k_pages.shape[2])
+  return reference.paged_prefill_attention_reference(
+      q, k_pages, v_pages, block_tables, lengths, query_lens,
+      sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+
+
+def select_kernel(impl: str, *, tile_sizes: tuple[int, ...] = ()):
+  """Resolves ``impl`` for the default backend.
+
+  Args:
+    impl: ``"auto"``, ``"pallas"`` or ``"reference"``.
+    tile_sizes: sizes the GPU kernels tile by; ``"auto"`` uses the XLA
+      reference on a GPU unless all are powers of two.
+
+  Returns:
+    None for the XLA reference, else ``(backend, interpret)`` with backend
+    ``"gpu"`` or ``"tpu"``.
+  """
+  if impl not in IMPLS:
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+  platform = jax.default_backend()
+  if impl == "reference":
+    return None
+  if platform == "tpu":
+    return "tpu", False
+  if platform in _GPU_PLATFORMS:
+    if impl == "auto" and not all(_is_power_of_two(n) for n in tile_sizes):
+      return None
+    return "gpu", False
+  return None if impl == "auto" else ("gpu", True)
+
+
+def is_concrete(*arrays) -> bool:
+  """True when no argument is a tracer (called outside jit)."""
+  return not any(isinstance(a, jax.core.Tracer) for a in arrays)
+
+
+def _is_power_of_two(size: int) -> bool:
+  return size > 0 and not size & (size - 1)

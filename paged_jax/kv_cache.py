@@ -1,0 +1,509 @@
+"""The paged KV cache: device pages, host swap pages, and the ops on them.
+
+``KVCache`` is a pytree. Each layer has K and V pages
+``[num_kv_heads, num_gpu_blocks, block_size, head_dim]`` in accelerator memory
+and swap pages ``[num_kv_heads, num_cpu_blocks, block_size, head_dim]`` in
+host memory (memory kind ``"pinned_host"``). The ops execute the block
+manager's plans and return a new cache; callers donate the old one
+(``jax.jit(step, donate_argnums=...)``), and every op then updates its arrays
+in place, touching only the slots and blocks it names:
+
+* ``write_kv`` scatters new tokens' K/V into their slots (one layer).
+* ``copy_blocks`` executes a CopyPlan on every layer's K and V in one call.
+* ``swap_out`` / ``swap_in`` move a SwapPlan's blocks between device and host
+  memory: one gather, one transfer, one scatter for all layers. They are
+  jitted here with the cache donated.
+
+A plan is any object with int32 fields ``src``, ``dst`` (fixed capacity,
+unused entries -1) and an int32 scalar ``count``. Called outside jit
+(concrete plans, slots), the ops first check them on the host and raise a
+ValueError that names the bad entry; under jit nothing is checked and entries
+that are -1 or past ``count`` are skipped.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+from flax import struct
+import jax
+from jax.experimental.compute_on import compute_on
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax.attention import is_concrete
+from paged_jax.attention import select_kernel
+from pallas_kernels import copy_blocks as copy_blocks_kernels
+from pallas_kernels import write_kv as write_kv_kernels
+
+_GIB = 1 << 30
+
+
+@struct.dataclass
+class KVCache:
+  """Per-layer K/V pages in device memory and swap pages in host memory.
+
+  Attributes:
+    k: per layer ``[num_kv_heads, num_gpu_blocks, block_size, head_dim]``.
+    v: same as ``k``.
+    k_host: per layer ``[num_kv_heads, num_cpu_blocks, block_size,
+      head_dim]`` in host memory.
+    v_host: same as ``k_host``.
+    device_sharding: where ``k`` and ``v`` live (static).
+    host_sharding: where ``k_host`` and ``v_host`` live (static); device
+      memory when the backend has no host memory kind.
+  """
+
+  k: tuple[jax.Array, ...]
+  v: tuple[jax.Array, ...]
+  k_host: tuple[jax.Array, ...]
+  v_host: tuple[jax.Array, ...]
+  device_sharding: jax.sharding.Sharding = struct.field(pytree_node=False)
+  host_sharding: jax.sharding.Sharding = struct.field(pytree_node=False)
+
+  @classmethod
+  def create(cls, cfg, num_layers: int, num_kv_heads: int, head_dim: int,
+             dtype=jnp.bfloat16, *, device: jax.Device | None = None
+             ) -> KVCache:
+    """Allocates a zeroed cache for ``cfg``.
+
+    Args:
+      cfg: a ``CacheConfig`` (``block_size``, ``num_gpu_blocks``,
+        ``num_cpu_blocks``).
+      num_layers: attention layers.
+      num_kv_heads: KV heads per layer.
+      head_dim: size of one head.
+      dtype: element type of the pages.
+      device: the accelerator; None for ``jax.devices()[0]``.
+
+    Returns:
+      The new cache.
+    """
+    for name, value in (("num_layers", num_layers),
+                        ("num_kv_heads", num_kv_heads),
+                        ("head_dim", head_dim)):
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    device = jax.devices()[0] if device is None else device
+    # NamedSharding (not SingleDeviceSharding) carries the memory kind into
+    # traced types, which host-side gathers and scatters need under jit.
+    mesh = jax.sharding.Mesh(np.asarray([device]), ("device",))
+    device_sharding = jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec())
+    host_kind = host_memory_kind(device)
+    host_sharding = (device_sharding.with_memory_kind(host_kind)
+                     if host_kind else device_sharding)
+    page = (cfg.block_size, head_dim)
+    device_shape = (num_kv_heads, cfg.num_gpu_blocks, *page)
+    host_shape = (num_kv_heads, cfg.num_cpu_blocks, *page)
+    shapes = [device_shape] * (2 * num_layers) + [host_shape] * (2 * num_layers)
+    shardings = ([device_sharding] * (2 * num_layers)
+                 + [host_sharding] * (2 * num_layers))
+    arrays = jax.jit(
+        lambda: tuple(jnp.zeros(shape, dtype) for shape in shapes),
+        out_shardings=tuple(shardings))()
+    layers = [tuple(arrays[i * num_layers:(i + 1) * num_layers])
+              for i in range(4)]
+    return cls(*layers, device_sharding=device_sharding,
+               host_sharding=host_sharding)
+
+  @property
+  def num_layers(self) -> int:
+    return len(self.k)
+
+  @property
+  def num_kv_heads(self) -> int:
+    return self.k[0].shape[0]
+
+  @property
+  def num_gpu_blocks(self) -> int:
+    return self.k[0].shape[1]
+
+  @property
+  def num_cpu_blocks(self) -> int:
+    return self.k_host[0].shape[1]
+
+  @property
+  def block_size(self) -> int:
+    return self.k[0].shape[2]
+
+  @property
+  def head_dim(self) -> int:
+    return self.k[0].shape[3]
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of the device pages (all layers, K and V)."""
+    return sum(a.size * a.dtype.itemsize for a in self.k + self.v)
+
+  @property
+  def host_nbytes(self) -> int:
+    """Bytes of the host swap pages (all layers, K and V)."""
+    return sum(a.size * a.dtype.itemsize for a in self.k_host + self.v_host)
+
+
+def write_kv(cache: KVCache, layer: int, k, v, slot_mapping, *,
+             impl: str = "auto") -> KVCache:
+  """Writes new tokens' keys and values of one layer into their slots.
+
+  Args:
+    cache: the cache (donate it under jit).
+    layer: the layer index, a Python int.
+    k: ``[..., num_kv_heads, head_dim]``, one row per token.
+    v: same as ``k``.
+    slot_mapping: int32 with the leading shape of ``k`` (e.g. the block
+      manager's ``[batch, width]`` slot mapping): ``block * block_size +
+      offset``, or -1 to skip the token. Slots must be distinct.
+    impl: ``"auto"``, ``"pallas"`` or ``"reference"`` (see
+      ``paged_jax.attention``).
+
+  Returns:
+    The cache with the tokens written.
+  """
+  _check_layer(cache, layer)
+  if k.shape[:-2] != slot_mapping.shape:
+    raise ValueError(f"slot_mapping shape {slot_mapping.shape} must be the "
+                     f"leading shape of k {k.shape}")
+  tokens = slot_mapping.size
+  k = k.reshape(tokens, *k.shape[-2:])
+  v = v.reshape(tokens, *v.shape[-2:])
+  slot_mapping = slot_mapping.reshape(tokens)
+  if is_concrete(slot_mapping):
+    check_slot_mapping(slot_mapping, cache.num_gpu_blocks * cache.block_size)
+  args = (cache.k[layer], cache.v[layer], k, v, slot_mapping)
+  kernel = select_kernel(impl, tile_sizes=(cache.head_dim,))
+  if kernel is None:
+    k_pages, v_pages = write_kv_kernels.write_kv_reference(*args)
+  else:
+    backend, interpret = kernel
+    k_pages, v_pages = write_kv_kernels.write_kv(
+        *args, backend=backend, interpret=interpret)
+  return cache.replace(k=_replace_layer(cache.k, layer, k_pages),
+                       v=_replace_layer(cache.v, layer, v_pages))
+
+
+def copy_blocks(cache: KVCache, plan, *, impl: str = "auto") -> KVCache:
+  """Executes a CopyPlan (copy-on-write) on every layer's K and V in one call.
+
+  Args:
+    cache: the cache (donate it under jit).
+    plan: ``src``, ``dst`` (device blocks) and ``count``; entry ``i <
+      count`` copies block ``src[i]`` to ``dst[i]``.
+    impl: ``"auto"``, ``"pallas"`` or ``"reference"``.
+
+  Returns:
+    The cache with the blocks copied.
+  """
+  src, dst, count = _plan_arrays(plan)
+  if is_concrete(src, dst, count):
+    check_plan(src, dst, count, num_src_blocks=cache.num_gpu_blocks,
+               num_dst_blocks=cache.num_gpu_blocks, name="copy plan",
+               disjoint=True)
+  pages = cache.k + cache.v
+  kernel = select_kernel(impl, tile_sizes=(cache.block_size, cache.head_dim))
+  if kernel is None:
+    pages = copy_blocks_kernels.copy_blocks_reference(pages, src, dst, count)
+  else:
+    backend, interpret = kernel
+    pages = copy_blocks_kernels.copy_blocks(
+        pages, src, dst, count, backend=backend, interpret=interpret)
+  layers = cache.num_layers
+  return cache.replace(k=pages[:layers], v=pages[layers:])
+
+
+def swap_out(cache: KVCache, plan) -> KVCache:
+  """Copies device blocks to host blocks (``src[i]`` -> ``dst[i]``, i < count).
+
+  One jitted call for all layers' K and V, with ``cache`` donated: the planned
+  blocks are gathered on the device, moved to host memory in one transfer and
+  scattered into the host pages. The device pages are left as they are (the
+  block manager has freed them).
+
+  Args:
+    cache: the cache; donated, do not use it afterwards.
+    plan: a SwapPlan from ``BlockSpaceManager.swap_out``.
+
+  Returns:
+    The cache with the blocks in host memory.
+  """
+  src, dst, count = _plan_arrays(plan)
+  if is_concrete(src, dst, count):
+    check_plan(src, dst, count, num_src_blocks=cache.num_gpu_blocks,
+               num_dst_blocks=cache.num_cpu_blocks, name="swap_out plan")
+  return _jitted_for(cache, _swap_out)(cache, src, dst, count)
+
+
+def swap_in(cache: KVCache, plan) -> KVCache:
+  """Copies host blocks to device blocks (``src[i]`` -> ``dst[i]``, i < count).
+
+  One jitted call for all layers' K and V, with ``cache`` donated: gather in
+  host memory, one transfer to the device, scatter into the device pages.
+
+  Args:
+    cache: the cache; donated, do not use it afterwards.
+    plan: a SwapPlan from ``BlockSpaceManager.swap_in``.
+
+  Returns:
+    The cache with the blocks back on the device.
+  """
+  src, dst, count = _plan_arrays(plan)
+  if is_concrete(src, dst, count):
+    check_plan(src, dst, count, num_src_blocks=cache.num_cpu_blocks,
+               num_dst_blocks=cache.num_gpu_blocks, name="swap_in plan")
+  return _jitted_for(cache, _swap_in)(cache, src, dst, count)
+
+
+def _jitted_for(cache: KVCache, swap):
+  """``swap`` jitted with the cache donated and its shardings kept."""
+  return _jit_swap(swap, cache.num_layers, cache.device_sharding,
+                   cache.host_sharding)
+
+
+@functools.cache
+def _jit_swap(swap, num_layers, device_sharding, host_sharding):
+  on_device = (device_sharding,) * num_layers
+  on_host = (host_sharding,) * num_layers
+  cache_shardings = KVCache(on_device, on_device, on_host, on_host,
+                            device_sharding=device_sharding,
+                            host_sharding=host_sharding)
+  plan_shardings = (device_sharding,) * 3
+  return jax.jit(swap, donate_argnums=0,
+                 in_shardings=(cache_shardings, *plan_shardings),
+                 out_shardings=cache_shardings)
+
+
+def _swap_out(cache: KVCache, src, dst, count) -> KVCache:
+  live = _live_pairs(src, dst, count)
+  staged = _gather_blocks(cache.k + cache.v, jnp.where(live, src, 0))
+  staged = jax.device_put(staged, cache.host_sharding)
+  targets = jax.device_put(jnp.where(live, dst, cache.num_cpu_blocks),
+                           cache.host_sharding)
+  pages = _in_host_memory(cache, _scatter_blocks)(
+      cache.k_host + cache.v_host, targets, staged)
+  layers = cache.num_layers
+  return cache.replace(k_host=pages[:layers], v_host=pages[layers:])
+
+
+def _swap_in(cache: KVCache, src, dst, count) -> KVCache:
+  live = _live_pairs(src, dst, count)
+  sources = jax.device_put(jnp.where(live, src, 0), cache.host_sharding)
+  staged = _in_host_memory(cache, _gather_blocks)(
+      cache.k_host + cache.v_host, sources)
+  staged = jax.device_put(staged, cache.device_sharding)
+  pages = _scatter_blocks(cache.k + cache.v,
+                          jnp.where(live, dst, cache.num_gpu_blocks), staged)
+  layers = cache.num_layers
+  return cache.replace(k=pages[:layers], v=pages[layers:])
+
+
+def _gather_blocks(pages, blocks):
+  """``[len(pages), num_kv_heads, len(blocks), block_size, head_dim]``."""
+  return jnp.stack([page[:, blocks] for page in pages])
+
+
+def _scatter_blocks(pages, blocks, staged):
+  """Writes ``staged[i]`` into ``pages[i]`` at ``blocks``; past-end dropped."""
+  return tuple(page.at[:, blocks].set(rows, mode="drop")
+               for page, rows in zip(pages, staged))
+
+
+def _in_host_memory(cache: KVCache, fn):
+  """Runs ``fn`` where the host pages live (host compute when offloaded)."""
+  if cache.host_sharding.memory_kind == cache.device_sharding.memory_kind:
+    return fn
+  return compute_on("device_host")(jax.jit(fn))
+
+
+def _live_pairs(src, dst, count):
+  return (jnp.arange(src.shape[0]) < count) & (src >= 0) & (dst >= 0)
+
+
+def check_plan(src, dst, count, *, num_src_blocks: int, num_dst_blocks: int,
+               name: str = "plan", disjoint: bool = False) -> None:
+  """Host-side check of a concrete plan (the checked path).
+
+  Args:
+    src: int32 source blocks.
+    dst: int32 destination blocks.
+    count: number of leading entries in use.
+    num_src_blocks: blocks in the source pool.
+    num_dst_blocks: blocks in the destination pool.
+    name: how error messages call the plan.
+    disjoint: also require that no block is both a source and a destination
+      (copy plans).
+
+  Raises:
+    ValueError: naming the first bad entry: a block out of range, a
+      destination used twice, a block both read and written, or a count
+      outside ``0 .. capacity``.
+  """
+  src, dst = np.asarray(jax.device_get(src)), np.asarray(jax.device_get(dst))
+  count = int(jax.device_get(count))
+  if not 0 <= count <= src.shape[0]:
+    raise ValueError(f"{name}: count {count} is outside 0..{src.shape[0]} "
+                     "(the plan's capacity)")
+  src, dst = src[:count], dst[:count]
+  for label, blocks, limit in (("src", src, num_src_blocks),
+                               ("dst", dst, num_dst_blocks)):
+    bad = np.flatnonzero((blocks < 0) | (blocks >= limit))
+    if bad.size:
+      entry = bad[0]
+      raise ValueError(f"{name} entry {entry}: {label} block {blocks[entry]} "
+                       f"is out of range 0..{limit - 1}")
+  values, counts = np.unique(dst, return_counts=True)
+  if (counts > 1).any():
+    raise ValueError(f"{name}: dst block {values[counts > 1][0]} appears "
+                     f"{counts[counts > 1][0]} times")
+  if disjoint:
+    both = np.intersect1d(src, dst)
+    if both.size:
+      raise ValueError(f"{name}: block {both[0]} is both a source and a "
+                       "destination")
+
+
+def check_slot_mapping(slot_mapping, num_slots: int) -> None:
+  """Host-side check of concrete slots: each -1 or in range, none repeated.
+
+  Args:
+    slot_mapping: int32 slots.
+    num_slots: ``num_gpu_blocks * block_size``.
+
+  Raises:
+    ValueError: naming the first bad slot.
+  """
+  slots = np.asarray(jax.device_get(slot_mapping)).reshape(-1)
+  bad = np.flatnonzero((slots < -1) | (slots >= num_slots))
+  if bad.size:
+    raise ValueError(f"slot_mapping[{bad[0]}] = {slots[bad[0]]} is out of "
+                     f"range -1..{num_slots - 1}")
+  written = slots[slots >= 0]
+  values, counts = np.unique(written, return_counts=True)
+  if (counts > 1).any():
+    raise ValueError(f"slot {values[counts > 1][0]} is written "
+                     f"{counts[counts > 1][0]} times in one slot_mapping")
+
+
+def host_memory_kind(device: jax.Device) -> str | None:
+  """The memory kind for swap pages on ``device``: ``"pinned_host"``.
+
+  Falls back, with one warning per backend, to ``"unpinned_host"`` or to
+  device memory (None) where the backend lacks pinned host memory.
+  """
+  kinds = tuple(memory.kind for memory in device.addressable_memories())
+  return pick_host_memory_kind(kinds, device.platform)
+
+
+@functools.cache
+def pick_host_memory_kind(kinds: tuple[str, ...], platform: str) -> str | None:
+  """Picks the host memory kind from ``kinds``; warns (once) on a fallback.
+
+  Args:
+    kinds: the memory kinds a device offers.
+    platform: the backend's name, for the warning.
+
+  Returns:
+    ``"pinned_host"``, else ``"unpinned_host"``, else None (device memory).
+  """
+  if "pinned_host" in kinds:
+    return "pinned_host"
+  fallback = "unpinned_host" if "unpinned_host" in kinds else None
+  warnings.warn(
+      f"{platform} offers no 'pinned_host' memory (it has {list(kinds)}); "
+      f"KV swap space falls back to {fallback or 'device'} memory",
+      RuntimeWarning, stacklevel=3)
+  return fallback
+
+
+def bytes_per_block(*, block_size: int, num_layers: int, num_kv_heads: int,
+                    head_dim: int, dtype) -> int:
+  """Bytes one block number occupies across all layers' K and V."""
+  itemsize = jnp.dtype(dtype).itemsize
+  return 2 * num_layers * num_kv_heads * block_size * head_dim * itemsize
+
+
+def num_gpu_blocks_for_memory(memory_bytes: int, block_bytes: int, *,
+                              utilization: float = 0.9,
+                              reserved_bytes: int = 0) -> int:
+  """Device blocks that fit a memory budget, like vLLM's gpu_memory_utilization.
+
+  Args:
+    memory_bytes: the device's memory (see ``device_memory_bytes``).
+    block_bytes: ``bytes_per_block(...)``.
+    utilization: fraction of ``memory_bytes`` this process may use.
+    reserved_bytes: bytes kept for weights and activations.
+
+  Returns:
+    ``floor((memory_bytes * utilization - reserved_bytes) / block_bytes)``.
+  """
+  if not 0 < utilization <= 1:
+    raise ValueError(f"utilization must be in (0, 1], got {utilization}")
+  if block_bytes < 1 or memory_bytes < 0 or reserved_bytes < 0:
+    raise ValueError(
+        f"need block_bytes >= 1 and non-negative memory_bytes and "
+        f"reserved_bytes, got {block_bytes}, {memory_bytes}, {reserved_bytes}")
+  budget = int(memory_bytes * utilization) - reserved_bytes
+  blocks = budget // block_bytes
+  if blocks < 1:
+    raise ValueError(
+        f"no room for KV blocks: {memory_bytes} bytes * utilization "
+        f"{utilization} - {reserved_bytes} reserved < one block of "
+        f"{block_bytes} bytes")
+  return blocks
+
+
+def num_cpu_blocks_for_swap_space(swap_space_gib: float,
+                                  block_bytes: int) -> int:
+  """Host blocks that fit ``swap_space_gib`` GiB, like vLLM's swap_space.
+
+  Args:
+    swap_space_gib: host memory for swapped-out blocks, in GiB.
+    block_bytes: ``bytes_per_block(...)``.
+
+  Returns:
+    ``floor(swap_space_gib * 2**30 / block_bytes)``.
+  """
+  if swap_space_gib < 0 or block_bytes < 1:
+    raise ValueError(f"need swap_space_gib >= 0 and block_bytes >= 1, got "
+                     f"{swap_space_gib}, {block_bytes}")
+  return int(swap_space_gib * _GIB) // block_bytes
+
+
+def device_memory_bytes(device: jax.Device | None = None) -> int:
+  """Total memory of ``device`` as its runtime reports it (GPU, TPU).
+
+  Raises:
+    ValueError: where the backend reports no memory limit (CPU).
+  """
+  device = jax.devices()[0] if device is None else device
+  stats = device.memory_stats() or {}
+  if "bytes_limit" not in stats:
+    raise ValueError(f"{device.platform} device {device.id} reports no memory "
+                     "limit; pass memory_bytes explicitly")
+  return int(stats["bytes_limit"])
+
+
+def _plan_arrays(plan):
+  src, dst = jnp.asarray(plan.src), jnp.asarray(plan.dst)
+  count = jnp.asarray(plan.count)
+  for name, array in (("src", src), ("dst", dst)):
+    if array.ndim != 1 or array.dtype != jnp.int32:
+      raise ValueError(f"plan.{name} must be int32[capacity], got "
+                       f"{array.dtype}{list(array.shape)}")
+  if src.shape != dst.shape:
+    raise ValueError(f"plan.src {src.shape} and plan.dst {dst.shape} differ")
+  if count.shape != () or count.dtype != jnp.int32:
+    raise ValueError(f"plan.count must be an int32 scalar, got "
+                     f"{count.dtype}{list(count.shape)}")
+  return src, dst, count
+
+
+def _check_layer(cache: KVCache, layer) -> None:
+  if isinstance(layer, bool) or not isinstance(layer, int) or not (
+      0 <= layer < cache.num_layers):
+    raise ValueError(f"layer must be an int in 0..{cache.num_layers - 1}, got "
+                     f"{layer!r}")
+
+
+def _replace_layer(layers: tuple, layer: int, value) -> tuple:
+  return layers[:layer] + (value,) + layers[layer + 1:]
