@@ -555,10 +555,12 @@ def _prefix_mask(mask: jax.Array) -> jax.Array:
 
 
 def _distinct_blocks(state: BlockManagerState, seq_ids, on_gpu: bool) -> jax.Array:
+  """Distinct blocks held by the sequences of the group that live on that device."""
   s = state.cfg.max_seqs
   seq_ids = _as_i32(seq_ids).reshape(-1)
-  real = (seq_ids >= 0) & (seq_ids < s)
-  rows = jnp.where(real[:, None], state.tables[jnp.clip(seq_ids, 0, s - 1)], NO_BLOCK)
+  safe = jnp.clip(seq_ids, 0, s - 1)
+  there = (seq_ids >= 0) & (seq_ids < s) & (state.device[safe] == (ON_GPU if on_gpu else ON_CPU))
+  rows = jnp.where(there[:, None], state.tables[safe], NO_BLOCK)
   return jnp.sum(scatter_count(rows, _pool(state, on_gpu).num_blocks) > 0)
 
 
@@ -612,6 +614,8 @@ def get_slot_mapping(state: BlockManagerState, seq_ids, num_new, width: int) -> 
   position = (n - count)[:, None] + col
   block = state.tables[safe[:, None], jnp.clip(position // bs, 0, m - 1)]
   ok = (col < count[:, None]) & (block >= 0)
+  if cfg.sliding_window is not None:
+    ok &= position >= (n - cfg.sliding_window)[:, None]
   return jnp.where(ok, block * bs + position % bs, NO_BLOCK)
 
 
