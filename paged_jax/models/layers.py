@@ -1,0 +1,115 @@
+"""Pure building blocks of the Llama decoder: RMSNorm, RoPE and masked attention.
+
+Every function here works on plain arrays, so the NNX modules in `llama.py` and
+the KV-cache backends in `cache.py` share one reference implementation.
+Positions are absolute token positions (int32); a position of -1 marks a
+padding token, which is never attended to and whose output is zero.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+  """Root-mean-square normalisation over the last axis, computed in float32.
+
+  Args:
+    x: activations `[..., hidden]`.
+    scale: learned per-feature gain `[hidden]`.
+    eps: added to the mean square before the reciprocal square root.
+
+  Returns:
+    The normalised activations, in the dtype of `x`.
+  """
+  x32 = x.astype(jnp.float32)
+  inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (x32 * inv_rms * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float) -> jax.Array:
+  """Rotation speed of each of the `head_dim // 2` RoPE feature pairs.
+
+  Args:
+    head_dim: size of one attention head (even).
+    theta: RoPE base; larger values rotate slower.
+
+  Returns:
+    float32 `[head_dim // 2]`, from 1 down to about `1 / theta`.
+  """
+  exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
+  return 1.0 / (theta ** exponents)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotates query or key heads by their absolute positions (rotate-half layout).
+
+  Feature `i` of the first half of a head is paired with feature `i` of the
+  second half, and the pair turns by `position * inverse_frequency[i]`.
+
+  Args:
+    x: `[batch, tokens, heads, head_dim]`.
+    positions: int32 `[batch, tokens]`; negative entries (padding) are
+      treated as position 0.
+    theta: RoPE base.
+
+  Returns:
+    The rotated array, same shape and dtype as `x`.
+  """
+  head_dim = x.shape[-1]
+  angles = (jnp.maximum(positions, 0).astype(jnp.float32)[..., None]
+            * rope_inverse_frequencies(head_dim, theta))
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  x32 = x.astype(jnp.float32)
+  first, second = jnp.split(x32, 2, axis=-1)
+  rotated = jnp.concatenate(
+      [first * cos - second * sin, second * cos + first * sin], axis=-1)
+  return rotated.astype(x.dtype)
+
+
+def masked_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_positions: jax.Array,
+    k_positions: jax.Array,
+    *,
+    sm_scale: float,
+) -> jax.Array:
+  """Grouped-query attention where a query sees keys at positions <= its own.
+
+  Query head `h` reads key/value head `h // (num_q_heads // num_kv_heads)`.
+
+  Args:
+    q: `[batch, q_tokens, num_q_heads, head_dim]`.
+    k: `[batch, k_tokens, num_kv_heads, head_dim]`.
+    v: same shape as `k`.
+    q_positions: int32 `[batch, q_tokens]`, -1 for padding queries.
+    k_positions: int32 `[batch, k_tokens]`, -1 for keys never to be read.
+    sm_scale: multiplier of the query-key dot products.
+
+  Returns:
+    `[batch, q_tokens, num_q_heads, head_dim]` in the dtype of `q`; rows of
+    padding queries are zero. Keys and values that no query sees never reach
+    the output, even when they are NaN.
+  """
+  batch, q_tokens, num_q_heads, head_dim = q.shape
+  num_kv_heads = k.shape[2]
+  grouped_q = q.reshape(batch, q_tokens, num_kv_heads,
+                        num_q_heads // num_kv_heads, head_dim)
+  logits = jnp.einsum("bqhgd,bkhd->bhgqk", grouped_q, k,
+                      preferred_element_type=jnp.float32) * sm_scale
+  visible = ((k_positions[:, None, :] <= q_positions[:, :, None])
+             & (k_positions[:, None, :] >= 0))
+  logits = jnp.where(visible[:, None, None], logits,
+                     jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(logits, axis=-1)
+  # Zero values no query may read, so stale or NaN cache entries stay out.
+  read_by_some_query = jnp.any(visible, axis=1)[:, :, None, None]
+  v = jnp.where(read_by_some_query, v, jnp.zeros((), v.dtype))
+  out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v,
+                   preferred_element_type=jnp.float32)
+  out = jnp.where((q_positions >= 0)[:, :, None, None, None], out, 0.0)
+  return out.reshape(batch, q_tokens, num_q_heads, head_dim).astype(q.dtype)
