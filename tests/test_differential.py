@@ -3,7 +3,7 @@
 After every operation the two must report identical statuses, plans, block
 tables, token counts, devices, ref counts, free counts and hit rates, and the
 jitted state must satisfy `check_invariants`. Set PAGED_JAX_PROPERTY_EXAMPLES
-to run more examples per configuration.
+to run more examples per configuration (default 40 per configuration, 200 in all).
 """
 
 import os
@@ -17,7 +17,7 @@ from paged_jax.config import CacheConfig
 from tests.jax_adapter import JaxManager
 from tests.reference.block_manager import ReferenceBlockSpaceManager
 
-EXAMPLES = int(os.environ.get("PAGED_JAX_PROPERTY_EXAMPLES", "50"))
+EXAMPLES = int(os.environ.get("PAGED_JAX_PROPERTY_EXAMPLES", "40"))
 COLUMNS = 4          # new-token columns of every append (one compile per shape)
 PAD = 4              # seq-id batch width
 

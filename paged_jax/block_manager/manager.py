@@ -670,7 +670,8 @@ def get_common_computed_block_ids(state: BlockManagerState, seq_ids):
   rows = state.tables[safe]
   j = jnp.arange(m)[None, :]
   computed = state.gpu.content.computed[jnp.maximum(rows, 0)] & (rows >= 0)
-  keep = computed & (j < ((n - 1) // bs)[:, None]) & (n >= 1)[:, None]
+  on_gpu = (state.device[safe] == ON_GPU) & (n >= 1)
+  keep = computed & (j < ((n - 1) // bs)[:, None]) & on_gpu[:, None]
   pos = masked(jnp.cumsum(keep, axis=1) - 1, keep, m)
   lists = jnp.full_like(rows, NO_BLOCK).at[jnp.arange(rows.shape[0])[:, None], pos].set(
       rows, mode="drop")
