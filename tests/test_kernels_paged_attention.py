@@ -338,6 +338,7 @@ def test_bad_arguments_raise_value_error(impl, bad):
     (dict(k_pages=jnp.ones((2, 10, 6, 64)), v_pages=jnp.ones((2, 10, 6, 64))),
      "block_size must be a power of two"),
     (dict(pages_per_step=3), "pages_per_step must be a power of two"),
+    (dict(pages_per_step=1), "pages_per_step \\* block_size must be >= 16"),
     (dict(num_splits=0), "num_splits"),
 ])
 def test_gpu_kernel_rejects_untileable_shapes(kwargs, message):

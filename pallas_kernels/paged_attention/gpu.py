@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.paged_attention import common
 
-_MIN_QUERY_ROWS = 16  # smallest M of a tensor-core dot
+_MIN_DOT_SIZE = 16  # smallest dimension of a tensor-core dot
 _TOKENS_PER_STEP = 128
 _TARGET_PROGRAMS = 1024  # enough to fill the SMs of an H100/H200 several times
 
@@ -46,8 +46,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *,
     sm_scale: logit scale; None means ``1 / sqrt(head_dim)``.
     soft_cap: logit soft cap, or None.
     sliding_window: keys visible to the query (itself included), or None.
-    pages_per_step: pages per inner step (power of two); None picks
-      ``128 // block_size`` tokens' worth, at most the table width.
+    pages_per_step: pages per inner step (power of two, at least 16 tokens);
+      None picks 128 tokens' worth, fewer for short tables.
     num_splits: partitions of each table processed in parallel; None picks
       enough programs to fill a large GPU.
     interpret: run in Pallas interpret mode (CPU).
@@ -64,9 +64,14 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *,
   _check_power_of_two("block_size", block_size)
   _check_power_of_two("head_dim", head_dim)
   if pages_per_step is None:
-    pages_per_step = min(max(_TOKENS_PER_STEP // block_size, 1),
-                         pl.next_power_of_2(max_blocks))
+    pages_per_step = min(
+        max(_TOKENS_PER_STEP // block_size, 1),
+        max(pl.next_power_of_2(max_blocks), _MIN_DOT_SIZE // block_size))
   _check_power_of_two("pages_per_step", pages_per_step)
+  if pages_per_step * block_size < _MIN_DOT_SIZE:
+    raise ValueError(
+        f"pages_per_step * block_size must be >= {_MIN_DOT_SIZE} (a tensor-"
+        f"core dot), got {pages_per_step} * {block_size}")
   steps = pl.cdiv(max_blocks, pages_per_step)
   if num_splits is None:
     num_splits = max(1, min(steps, _TARGET_PROGRAMS // (batch * num_kv_heads)))
@@ -75,7 +80,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *,
   pages_per_split = pl.cdiv(steps, num_splits) * pages_per_step
 
   group = num_q_heads // num_kv_heads
-  rows = max(_MIN_QUERY_ROWS, pl.next_power_of_2(group))
+  rows = max(_MIN_DOT_SIZE, pl.next_power_of_2(group))
   grouped_q = q.reshape(batch, num_kv_heads, group, head_dim)
   grouped_q = jnp.pad(grouped_q, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
   split_tables = jnp.pad(

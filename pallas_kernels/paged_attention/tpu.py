@@ -143,7 +143,16 @@ def _decode_kernel(lengths_ref, tables_ref, q_ref, k_hbm, v_hbm, o_ref,
     start_loading(first_step, 0)
 
   q = q_ref[...].astype(jnp.float32).reshape(-1, head_dim)
-  token = lax.broadcasted_iota(jnp.int32, (1, step_tokens), 1)
+
+  def visible(index, shape, axis):
+    """Which tokens of step ``index`` a query sees, along ``axis`` of shape."""
+    token = lax.broadcasted_iota(jnp.int32, shape, axis)
+    position = index * step_tokens + token
+    mask = (position < length) & (position >= first_visible)
+    for page in range(pages_per_step):
+      in_page = (token >= page * block_size) & (token < (page + 1) * block_size)
+      mask &= ~in_page | (table_entry(index, page) >= 0)
+    return mask
 
   def step(index, carry):
     acc, row_max, row_sum = carry
@@ -155,21 +164,16 @@ def _decode_kernel(lengths_ref, tables_ref, q_ref, k_hbm, v_hbm, o_ref,
 
     for copy in page_copies(index, slot):
       copy.wait()
-    position = index * step_tokens + token
-    visible = (position < length) & (position >= first_visible)
-    for page in range(pages_per_step):
-      in_page = (token >= page * block_size) & (token < (page + 1) * block_size)
-      visible &= ~in_page | (table_entry(index, page) >= 0)
     keys = k_buffer[slot].astype(jnp.float32).reshape(step_tokens, head_dim)
     logits = jnp.einsum("gd,td->gt", q, keys,
                         preferred_element_type=jnp.float32) * sm_scale
     logits = common.apply_soft_cap(logits, soft_cap)
-    logits = jnp.where(visible, logits, -jnp.inf)
+    logits = jnp.where(visible(index, (1, step_tokens), 1), logits, -jnp.inf)
     new_max = jnp.maximum(row_max, jnp.max(logits, axis=1, keepdims=True))
     rescale = jnp.exp(row_max - new_max)
     weights = jnp.exp(logits - new_max)
     values = v_buffer[slot].astype(jnp.float32).reshape(step_tokens, head_dim)
-    values = jnp.where(visible.reshape(step_tokens, 1), values, 0.0)
+    values = jnp.where(visible(index, (step_tokens, 1), 0), values, 0.0)
     acc = rescale * acc + jnp.einsum("gt,td->gd", weights, values,
                                      preferred_element_type=jnp.float32)
     return acc, new_max, rescale * row_sum + jnp.sum(weights, axis=1,
