@@ -19,6 +19,17 @@ unused entries -1) and an int32 scalar ``count``. Called outside jit
 (concrete plans, slots), the ops first check them on the host and raise a
 ValueError that names the bad entry; under jit nothing is checked and entries
 that are -1 or past ``count`` are skipped.
+
+In a step, run ``copy_blocks`` (and swaps) before ``write_kv`` and attention,
+as vLLM does: XLA updates a donated array in place only after the reads it
+can order before the update, and a read of the same pages that does not feed
+the update (attention, then a copy) makes it copy the whole array.
+
+On the CPU backend, XLA computes a bfloat16 (or float16) scatter by
+converting the whole array to float32, so there the XLA paths copy a narrow
+float cache on every update; float32 caches, and every dtype on GPU and TPU,
+are updated in place. Host pages hold bit patterns, so the host side of a
+swap is in place on every backend.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ import warnings
 
 from flax import struct
 import jax
+from jax import lax
 from jax.experimental.compute_on import compute_on
 import jax.numpy as jnp
 import numpy as np
@@ -48,7 +60,10 @@ class KVCache:
     k: per layer ``[num_kv_heads, num_gpu_blocks, block_size, head_dim]``.
     v: same as ``k``.
     k_host: per layer ``[num_kv_heads, num_cpu_blocks, block_size,
-      head_dim]`` in host memory.
+      head_dim]`` in host memory, holding the pages' bit patterns as unsigned
+      ints of the same width (``host_pages`` views them as floats). Swaps
+      only move bits, and XLA:CPU, which runs the host side, updates narrow
+      floats by converting the whole array but integers in place.
     v_host: same as ``k_host``.
     device_sharding: where ``k`` and ``v`` live (static).
     host_sharding: where ``k_host`` and ``v_host`` live (static); device
@@ -97,12 +112,13 @@ class KVCache:
     page = (cfg.block_size, head_dim)
     device_shape = (num_kv_heads, cfg.num_gpu_blocks, *page)
     host_shape = (num_kv_heads, cfg.num_cpu_blocks, *page)
-    shapes = [device_shape] * (2 * num_layers) + [host_shape] * (2 * num_layers)
-    shardings = ([device_sharding] * (2 * num_layers)
-                 + [host_sharding] * (2 * num_layers))
     arrays = jax.jit(
-        lambda: tuple(jnp.zeros(shape, dtype) for shape in shapes),
-        out_shardings=tuple(shardings))()
+        lambda: (tuple(jnp.zeros(device_shape, dtype)
+                       for _ in range(2 * num_layers))
+                 + tuple(jnp.zeros(host_shape, _bits_dtype(dtype))
+                         for _ in range(2 * num_layers))),
+        out_shardings=((device_sharding,) * (2 * num_layers)
+                       + (host_sharding,) * (2 * num_layers)))()
     layers = [tuple(arrays[i * num_layers:(i + 1) * num_layers])
               for i in range(4)]
     return cls(*layers, device_sharding=device_sharding,
@@ -111,6 +127,15 @@ class KVCache:
   @property
   def num_layers(self) -> int:
     return len(self.k)
+
+  @property
+  def dtype(self) -> jnp.dtype:
+    return self.k[0].dtype
+
+  def host_pages(self, layer: int) -> tuple[jax.Array, jax.Array]:
+    """Layer ``layer``'s host K and V pages viewed as ``dtype``."""
+    return tuple(lax.bitcast_convert_type(pages[layer], self.dtype)
+                 for pages in (self.k_host, self.v_host))
 
   @property
   def num_kv_heads(self) -> int:
@@ -162,6 +187,7 @@ def write_kv(cache: KVCache, layer: int, k, v, slot_mapping, *,
     The cache with the tokens written.
   """
   _check_layer(cache, layer)
+  k, v, slot_mapping = map(jnp.asarray, (k, v, slot_mapping))
   if k.shape[:-2] != slot_mapping.shape:
     raise ValueError(f"slot_mapping shape {slot_mapping.shape} must be the "
                      f"leading shape of k {k.shape}")
@@ -276,11 +302,11 @@ def _jit_swap(swap, num_layers, device_sharding, host_sharding):
 def _swap_out(cache: KVCache, src, dst, count) -> KVCache:
   live = _live_pairs(src, dst, count)
   staged = _gather_blocks(cache.k + cache.v, jnp.where(live, src, 0))
-  staged = jax.device_put(staged, cache.host_sharding)
+  staged = jax.device_put(_bits(staged), cache.host_sharding)
   targets = jax.device_put(jnp.where(live, dst, cache.num_cpu_blocks),
                            cache.host_sharding)
-  pages = _in_host_memory(cache, _scatter_blocks)(
-      cache.k_host + cache.v_host, targets, staged)
+  pages = _on_host(cache, _set_blocks)(cache.k_host + cache.v_host, targets,
+                                       staged)
   layers = cache.num_layers
   return cache.replace(k_host=pages[:layers], v_host=pages[layers:])
 
@@ -288,11 +314,12 @@ def _swap_out(cache: KVCache, src, dst, count) -> KVCache:
 def _swap_in(cache: KVCache, src, dst, count) -> KVCache:
   live = _live_pairs(src, dst, count)
   sources = jax.device_put(jnp.where(live, src, 0), cache.host_sharding)
-  staged = _in_host_memory(cache, _gather_blocks)(
-      cache.k_host + cache.v_host, sources)
-  staged = jax.device_put(staged, cache.device_sharding)
-  pages = _scatter_blocks(cache.k + cache.v,
-                          jnp.where(live, dst, cache.num_gpu_blocks), staged)
+  staged = _on_host(cache, _gather_blocks)(cache.k_host + cache.v_host,
+                                           sources)
+  staged = lax.bitcast_convert_type(
+      jax.device_put(staged, cache.device_sharding), cache.dtype)
+  pages = _set_blocks(cache.k + cache.v,
+                      jnp.where(live, dst, cache.num_gpu_blocks), staged)
   layers = cache.num_layers
   return cache.replace(k=pages[:layers], v=pages[layers:])
 
@@ -302,17 +329,25 @@ def _gather_blocks(pages, blocks):
   return jnp.stack([page[:, blocks] for page in pages])
 
 
-def _scatter_blocks(pages, blocks, staged):
+def _set_blocks(pages, blocks, staged):
   """Writes ``staged[i]`` into ``pages[i]`` at ``blocks``; past-end dropped."""
   return tuple(page.at[:, blocks].set(rows, mode="drop")
                for page, rows in zip(pages, staged))
 
 
-def _in_host_memory(cache: KVCache, fn):
+def _on_host(cache: KVCache, fn):
   """Runs ``fn`` where the host pages live (host compute when offloaded)."""
   if cache.host_sharding.memory_kind == cache.device_sharding.memory_kind:
     return fn
   return compute_on("device_host")(jax.jit(fn))
+
+
+def _bits_dtype(dtype) -> jnp.dtype:
+  return jnp.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}")
+
+
+def _bits(x: jax.Array) -> jax.Array:
+  return lax.bitcast_convert_type(x, _bits_dtype(x.dtype))
 
 
 def _live_pairs(src, dst, count):

@@ -62,8 +62,11 @@ def test_create_allocates_zeroed_device_and_host_pages():
     assert pages.sharding.memory_kind == "device"
     assert not np.asarray(pages, np.float32).any()
   for pages in cache.k_host + cache.v_host:
-    assert pages.shape == host_shape and pages.dtype == jnp.bfloat16
+    assert pages.shape == host_shape and pages.dtype == jnp.uint16  # bits
     assert pages.sharding.memory_kind == "pinned_host"
+  for pages in cache.host_pages(2):
+    assert pages.dtype == jnp.bfloat16 and not np.asarray(pages,
+                                                          np.float32).any()
   assert (cache.num_layers, cache.num_kv_heads, cache.block_size,
           cache.head_dim) == (3, KV_HEADS, CFG.block_size, HEAD_DIM)
   assert (cache.num_gpu_blocks, cache.num_cpu_blocks) == (12, 4)
@@ -272,12 +275,15 @@ def test_attention_checked_path_rejects_out_of_range_tables(prefill):
 def test_decode_step_updates_the_cache_in_place():
   """copy_blocks, then write_kv and paged_attention per layer, jitted with
   the cache donated, hold no second copy of the cache (reference
-  implementations, CPU)."""
+  implementations, CPU; float32 because XLA:CPU converts bfloat16 arrays to
+  scatter into them)."""
+  dtype = jnp.float32
   cfg = CacheConfig(block_size=8, num_gpu_blocks=512, num_cpu_blocks=16,
                     max_seqs=4, max_blocks_per_seq=4)
-  cache = random_cache(cfg)
+  cache = random_cache(cfg, dtype)
   q, tables, lengths = decode_inputs()
-  new_k = jnp.ones((2, KV_HEADS, HEAD_DIM))
+  q = q.astype(dtype)
+  new_k = jnp.ones((2, KV_HEADS, HEAD_DIM), dtype)
   slots = jnp.asarray([9 * 8 + 4, 8 * 8 + 0], jnp.int32)
   plan = make_plan([(20, 9)], capacity=4)  # copy-on-write of seq 0's block
 

@@ -44,15 +44,23 @@ def random_cache(dtype, cfg=CFG, seed=0):
   rng = np.random.default_rng(seed)
 
   def fill(pages):
-    return tuple(jax.device_put(rng.standard_normal(p.shape).astype(dtype),
-                                p.sharding) for p in pages)
+    # Host pages hold bit patterns: random floats viewed as their bits.
+    return tuple(jax.device_put(
+        rng.standard_normal(p.shape).astype(dtype).view(p.dtype), p.sharding)
+                 for p in pages)
 
   return cache.replace(k=fill(cache.k), v=fill(cache.v),
                        k_host=fill(cache.k_host), v_host=fill(cache.v_host))
 
 
-def snapshot(pages):
-  return [np.asarray(p) for p in pages]
+def device_pages(cache):
+  return [np.asarray(p) for p in cache.k + cache.v]
+
+
+def host_pages(cache):
+  """Every layer's host K, then V, as floats."""
+  layers = [cache.host_pages(layer) for layer in range(cache.num_layers)]
+  return [np.asarray(k) for k, _ in layers] + [np.asarray(v) for _, v in layers]
 
 
 def write_tokens(cache, layer_rows, slots):
@@ -92,10 +100,10 @@ def test_preemption_round_trip_is_bitwise(dtype):
   q = jnp.asarray(rng.standard_normal((3, 4, HEAD_DIM)), dtype)
   before = attention_of(cache, q, tables, lengths)
   moved = [3, 7, 5, 9]
-  pages_before = [p[:, moved] for p in snapshot(cache.k + cache.v)]
+  pages_before = [p[:, moved] for p in device_pages(cache)]
 
   cache = kv_cache.swap_out(cache, make_plan(zip(moved, [4, 0, 6, 2])))
-  for pages, want in zip(snapshot(cache.k_host + cache.v_host), pages_before):
+  for pages, want in zip(host_pages(cache), pages_before):
     np.testing.assert_array_equal(pages[:, [4, 0, 6, 2]], want)
   # D takes the freed blocks 9, 5, 7 and fills them with new tokens.
   reused = np.array([9, 5, 7])
@@ -109,7 +117,7 @@ def test_preemption_round_trip_is_bitwise(dtype):
 
   cache = kv_cache.swap_in(cache, make_plan(zip([4, 0, 6, 2],
                                                 [12, 13, 14, 15])))
-  for pages, want in zip(snapshot(cache.k + cache.v), pages_before):
+  for pages, want in zip(device_pages(cache), pages_before):
     np.testing.assert_array_equal(pages[:, [12, 13, 14, 15]], want)
   swapped_tables = [[12, 13, 14, -1], [12, 13, 15, -1], c_table]
   after = attention_of(cache, q, swapped_tables, lengths)
@@ -117,23 +125,25 @@ def test_preemption_round_trip_is_bitwise(dtype):
     np.testing.assert_array_equal(got, want)
 
 
-def test_pages_stay_in_their_memory_kinds():
-  cache = random_cache(jnp.float32)
+def test_pages_stay_in_their_memory_kinds_and_types():
+  cache = random_cache(jnp.bfloat16)
   cache = kv_cache.swap_out(cache, make_plan([(1, 2)]))
   cache = kv_cache.swap_in(cache, make_plan([(2, 3)]))
-  assert {p.sharding.memory_kind for p in cache.k_host + cache.v_host} == {
-      "pinned_host"}
+  host = cache.k_host + cache.v_host
+  assert {p.sharding.memory_kind for p in host} == {"pinned_host"}
+  assert {p.dtype for p in host} == {jnp.dtype(jnp.uint16)}
   assert {p.sharding.memory_kind for p in cache.k + cache.v} == {"device"}
+  assert {p.dtype for p in cache.k + cache.v} == {jnp.dtype(jnp.bfloat16)}
 
 
 @pytest.mark.parametrize("swap", [kv_cache.swap_out, kv_cache.swap_in],
                          ids=["out", "in"])
 def test_count_zero_is_a_no_op(swap):
   cache = random_cache(jnp.float32)
-  before = snapshot(cache.k + cache.v + cache.k_host + cache.v_host)
+  before = device_pages(cache) + host_pages(cache)
   stale = make_plan([(1, 2), (3, 4)])
   cache = swap(cache, stale._replace(count=jnp.int32(0)))
-  after = snapshot(cache.k + cache.v + cache.k_host + cache.v_host)
+  after = device_pages(cache) + host_pages(cache)
   for got, want in zip(after, before):
     np.testing.assert_array_equal(got, want)
 
@@ -164,9 +174,13 @@ def test_count_beyond_capacity_raises():
     kv_cache.swap_out(random_cache(jnp.float32), plan)
 
 
-@pytest.mark.parametrize("swap", [kv_cache._swap_out, kv_cache._swap_in],
-                         ids=["out", "in"])
-def test_swap_memory_follows_the_plan_not_the_cache(swap):
+@pytest.mark.parametrize("swap,dtype", [
+    (kv_cache._swap_out, jnp.float32), (kv_cache._swap_in, jnp.float32),
+    # On the CPU backend a bfloat16 scatter into the device pages converts
+    # them (see kv_cache), so only swap_out, whose scatter is host-side on
+    # bits, is in place there for bfloat16.
+    (kv_cache._swap_out, jnp.bfloat16)], ids=["out", "in", "out-bfloat16"])
+def test_swap_memory_follows_the_plan_not_the_cache(swap, dtype):
   """In place, and temporaries of the planned blocks only, whatever the cache
   size: one staging buffer of the plan's capacity (on each side at most)."""
   capacity = 4
@@ -176,11 +190,27 @@ def test_swap_memory_follows_the_plan_not_the_cache(swap):
     cfg = CacheConfig(block_size=8, num_gpu_blocks=num_blocks,
                       num_cpu_blocks=num_blocks, max_seqs=4,
                       max_blocks_per_seq=4)
-    cache = kv_cache.KVCache.create(cfg, LAYERS, KV_HEADS, HEAD_DIM,
-                                    jnp.float32)
+    cache = kv_cache.KVCache.create(cfg, LAYERS, KV_HEADS, HEAD_DIM, dtype)
     compiled = kv_cache._jitted_for(cache, swap).lower(cache, *plan).compile()
     memory = compiled.memory_analysis()
     assert memory.alias_size_in_bytes == cache.nbytes + cache.host_nbytes
     temps.append(memory.temp_size_in_bytes)
-  staged_bytes = 2 * LAYERS * KV_HEADS * capacity * 8 * HEAD_DIM * 4
+  staged_bytes = (2 * LAYERS * KV_HEADS * capacity * 8 * HEAD_DIM
+                  * jnp.dtype(dtype).itemsize)
   assert temps[0] == temps[1] <= 2 * staged_bytes + 1024
+
+
+def test_swaps_compose_inside_a_jitted_step():
+  cache = random_cache(jnp.bfloat16)
+  want = np.asarray(cache.v[1])[:, 3]
+
+  def step(cache, out_plan, in_plan):
+    return kv_cache.swap_in(kv_cache.swap_out(cache, out_plan), in_plan)
+
+  cache = jax.jit(step, donate_argnums=0)(cache, make_plan([(3, 6)]),
+                                          make_plan([(6, 10)]))
+  np.testing.assert_array_equal(np.asarray(cache.host_pages(1)[1])[:, 6],
+                                want)
+  np.testing.assert_array_equal(np.asarray(cache.v[1])[:, 10], want)
+  assert cache.v_host[1].sharding.memory_kind == "pinned_host"
+
