@@ -5,12 +5,18 @@ from paged_jax.block_manager import (
     DoubleFreeError, InvalidArgumentError, NotAllocatedError, OpResult,
     OutOfBlocksError, PagedCacheError, SwapPlan, SwapSpaceExhaustedError,
     TableFullError, WrongDeviceError, check_invariants, checked)
+from paged_jax.attention import paged_attention, paged_prefill_attention
 from paged_jax.config import AllocStatus, CacheConfig, Status
+from paged_jax.kv_cache import (
+    KVCache, bytes_per_block, copy_blocks, device_memory_bytes,
+    num_cpu_blocks_for_swap_space, num_gpu_blocks_for_memory, swap_in, swap_out, write_kv)
 
 __all__ = [
     "AllocStatus", "AlreadyAllocatedError", "BlockManagerState", "BlockSpaceManager",
     "CacheConfig", "CopyPlan", "DoubleFreeError", "InvalidArgumentError",
     "NotAllocatedError", "OpResult", "OutOfBlocksError", "PagedCacheError", "Status",
     "SwapPlan", "SwapSpaceExhaustedError", "TableFullError", "WrongDeviceError",
-    "check_invariants", "checked",
+    "check_invariants", "checked", "KVCache", "bytes_per_block", "copy_blocks",
+    "device_memory_bytes", "num_cpu_blocks_for_swap_space", "num_gpu_blocks_for_memory",
+    "paged_attention", "paged_prefill_attention", "swap_in", "swap_out", "write_kv",
 ]
