@@ -1,4 +1,4 @@
-"""Tests of the Llama model, its dense KV cache, tokenizer and shipped weights."""
+"""Tests of the Llama model, its dense KV cache, tokenizer and tiny weights."""
 
 import dataclasses
 import json
@@ -45,7 +45,7 @@ def small_model(request):
 
 
 def _ragged_schedule(rng):
-  """Random tokens and per-row lengths of two prefill chunks and a decode run."""
+  """Random tokens and per-row lengths of two prefill chunks and a decode."""
   tokens = rng.integers(0, GQA_CONFIG.vocab_size, (BATCH, TOTAL_WIDTH))
   chunk_lengths = np.stack([
       rng.integers(1, CHUNK_WIDTH + 1, BATCH),
@@ -56,7 +56,7 @@ def _ragged_schedule(rng):
 
 
 def _chunk(tokens, starts, lengths, width):
-  """Tokens and positions `[BATCH, width]` of each row's next `lengths` tokens."""
+  """Tokens and positions `[BATCH, width]` of each row's next tokens."""
   offsets = np.arange(width)[None, :]
   positions = np.where(offsets < lengths[:, None], starts[:, None] + offsets,
                        -1).astype(np.int32)
@@ -251,10 +251,12 @@ def test_config_dict_round_trip_and_errors():
   assert json.loads(json.dumps(fields)) == fields
   assert models.LlamaConfig.from_dict(fields) == GQA_CONFIG
   assert hash(models.LlamaConfig.from_dict(fields)) == hash(GQA_CONFIG)
-  with pytest.raises(ValueError, match=r"unknown LlamaConfig fields: \['heads'\]"):
+  with pytest.raises(ValueError,
+                     match=r"unknown LlamaConfig fields: \['heads'\]"):
     models.LlamaConfig.from_dict({**fields, "heads": 4})
   del fields["hidden"]
-  with pytest.raises(ValueError, match=r"missing LlamaConfig fields: \['hidden'\]"):
+  with pytest.raises(ValueError,
+                     match=r"missing LlamaConfig fields: \['hidden'\]"):
     models.LlamaConfig.from_dict(fields)
 
 
@@ -346,8 +348,8 @@ def test_load_model_errors(tmp_path):
   config_file = tmp_path / pretrained.CONFIG_FILE
   config_file.write_text(json.dumps(
       dataclasses.replace(GQA_CONFIG, mlp_hidden=40).to_dict()))
-  with pytest.raises(ValueError,
-                     match=r"blocks/0/mlp/down_proj/kernel has shape \(48, 32\)"):
+  with pytest.raises(
+      ValueError, match=r"blocks/0/mlp/down_proj/kernel has shape \(48, 32\)"):
     models.load_model(tmp_path)
   config_file.write_text(json.dumps(
       dataclasses.replace(GQA_CONFIG, tie_embeddings=True).to_dict()))
@@ -378,11 +380,12 @@ def test_tiny_model_predicts_held_out_text(tiny_model):
   """The shipped weights are trained: uniform guessing scores 5.55 nats and
   letter frequencies alone about 3; the shipped model scores about 2.0."""
   tokenizer = models.ByteTokenizer()
-  held_out = tokenizer.encode(models.tiny_corpus()[-1024:])
-  targets = held_out.reshape(4, 256)
+  window = tiny_model.config.max_seq_len
+  held_out = tokenizer.encode(models.tiny_corpus()[-4 * window:])
+  targets = held_out.reshape(4, window)
   inputs = np.concatenate(
       [np.full((4, 1), tokenizer.bos_id, np.int32), targets[:, :-1]], axis=1)
-  positions = np.tile(np.arange(256, dtype=np.int32), (4, 1))
+  positions = np.tile(np.arange(window, dtype=np.int32), (4, 1))
   logits, _ = _forward_fn(tiny_model)(inputs, positions)
   log_probs = jax.nn.log_softmax(logits, axis=-1)
   loss = -float(jnp.mean(jnp.take_along_axis(log_probs, targets[..., None],

@@ -35,7 +35,7 @@ class KVCacheBackend(Protocol):
       *,
       sm_scale: float,
   ) -> tuple[jax.Array, KVCacheBackend]:
-    """Stores the new keys/values of `layer` and attends over the cached context.
+    """Stores `layer`'s new keys and values, then attends over the context.
 
     Args:
       layer: static index of the decoder layer.
@@ -140,8 +140,10 @@ class DenseCache:
           f"{num_kv_heads} kv heads and head_dim {head_dim}")
     rows = jnp.arange(batch)[:, None]
     columns = jnp.where(positions >= 0, positions, self.max_len)
-    cache_k = cache_k.at[rows, columns].set(k.astype(cache_k.dtype), mode="drop")
-    cache_v = cache_v.at[rows, columns].set(v.astype(cache_v.dtype), mode="drop")
+    cache_k = cache_k.at[rows, columns].set(k.astype(cache_k.dtype),
+                                            mode="drop")
+    cache_v = cache_v.at[rows, columns].set(v.astype(cache_v.dtype),
+                                            mode="drop")
     cache_positions = jnp.broadcast_to(
         jnp.arange(self.max_len, dtype=jnp.int32), (batch, self.max_len))
     out = layers.masked_attention(q, cache_k.astype(q.dtype),

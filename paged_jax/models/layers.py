@@ -1,4 +1,4 @@
-"""Pure building blocks of the Llama decoder: RMSNorm, RoPE and masked attention.
+"""Pure building blocks of the Llama decoder: RMSNorm, RoPE, masked attention.
 
 Every function here works on plain arrays, so the NNX modules in `llama.py` and
 the KV-cache backends in `cache.py` share one reference implementation.
@@ -43,7 +43,7 @@ def rope_inverse_frequencies(head_dim: int, theta: float) -> jax.Array:
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-  """Rotates query or key heads by their absolute positions (rotate-half layout).
+  """Rotates query or key heads by their absolute positions (rotate-half).
 
   Feature `i` of the first half of a head is paired with feature `i` of the
   second half, and the pair turns by `position * inverse_frequency[i]`.

@@ -39,7 +39,8 @@ def save_model(model: Llama, directory: str | pathlib.Path, *,
   params = jax.tree.map(lambda x: np.asarray(x.astype(weights_dtype)), params)
   (directory / CONFIG_FILE).write_text(
       json.dumps(model.config.to_dict(), indent=2) + "\n")
-  (directory / WEIGHTS_FILE).write_bytes(serialization.msgpack_serialize(params))
+  (directory / WEIGHTS_FILE).write_bytes(
+      serialization.msgpack_serialize(params))
 
 
 def load_model(directory: str | pathlib.Path) -> Llama:
@@ -122,7 +123,7 @@ def _checked_params(expected: dict, stored: dict) -> dict:
 
 
 def _flatten(tree: dict) -> dict:
-  """`{"blocks/0/mlp/up_proj/kernel": leaf, ...}`; msgpack stores int keys as str."""
+  """`{"blocks/0/attention/q_proj/kernel": leaf, ...}`, keys as strings."""
   leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
   return {_path_string(path): leaf for path, leaf in leaves}
 
