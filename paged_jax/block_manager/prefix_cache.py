@@ -41,10 +41,6 @@ def _powers(base: int, count: int) -> jax.Array:
   return jnp.array(out, dtype=jnp.uint32)
 
 
-def _pow_static(base: int, exp: int) -> int:
-  return pow(base, exp, 1 << 32)
-
-
 def rolling_hashes(rolling: jax.Array, tokens: jax.Array,
                    count: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Prefix hashes after each new token, and the rolling state after `count`.
@@ -69,22 +65,13 @@ def rolling_hashes(rolling: jax.Array, tokens: jax.Array,
     terms = _fmix32(tokens.astype(jnp.uint32) ^ jnp.uint32(_LANE_SEEDS[lane])) * power
     terms = jnp.where(real, terms, jnp.uint32(0))
     lanes.append(rolling[:, lane][:, None] + jnp.cumsum(terms, axis=1, dtype=jnp.uint32))
-    next_power = rolling[:, 2 + lane] * _pow_vector(_BASES[lane], count)
+    next_power = rolling[:, 2 + lane] * _powers(_BASES[lane], k + 1)[count]
     powers_after.append(next_power)
   prefix = jnp.stack(lanes, axis=-1)
   last = jnp.clip(count - 1, 0, max(k - 1, 0))
   final_h = jnp.take_along_axis(prefix, last[:, None, None], axis=1)[:, 0, :] if k else rolling[:, :2]
   final_h = jnp.where((count > 0)[:, None], final_h, rolling[:, :2])
   return prefix, jnp.concatenate([final_h, jnp.stack(powers_after, -1)], axis=-1)
-
-
-def _pow_vector(base: int, exp: jax.Array) -> jax.Array:
-  """uint32 base**exp mod 2**32 for an int32 array of exponents (square and multiply)."""
-  result = jnp.ones(exp.shape, jnp.uint32)
-  for bit in range(31):
-    factor = jnp.uint32(_pow_static(base, 1 << bit))
-    result = jnp.where((exp >> bit) & 1 == 1, result * factor, result)
-  return result
 
 
 def identity_hash(prefix: jax.Array, salt: jax.Array, length: jax.Array,
@@ -168,12 +155,27 @@ def lookup_chains(c: ContentIndex, hashes: jax.Array, tokens: jax.Array,
   return hit, jnp.where(hit, cursor, NO_BLOCK)
 
 
+def _round_winners(slot: jax.Array, pending: jax.Array, size: int) -> jax.Array:
+  """bool[E]: the lowest-index pending entry of each slot (slots in 0..size-1)."""
+  e = slot.shape[0]
+  index = jnp.arange(e, dtype=jnp.int32)
+  first = jnp.full(size, e, jnp.int32).at[masked(slot, pending, size)].min(index, mode="drop")
+  return pending & (first[slot] == index)
+
+
+def _scratch_slots(hashes: jax.Array) -> tuple[jax.Array, int]:
+  """A small scratch table (a power of two >= 2E) and each key's slot in it."""
+  size = max(2, 1 << (2 * max(hashes.shape[0], 1) - 1).bit_length())
+  return bucket_of(hashes, size), size
+
+
 def first_equal(hashes: jax.Array, equal_fn, valid: jax.Array) -> jax.Array:
   """For each of E keys, the index of the first key (in index order) equal to it.
 
-  Keys are sorted by hash and index; within a run of equal hashes each key
-  walks forward to the first exactly equal key (`equal_fn(i, j)` on index
-  arrays), so only hash collisions cost extra steps.
+  In rounds: the lowest-index unresolved key of each hash slot resolves every
+  unresolved key exactly equal to it (`equal_fn(i, j)` on index arrays). Equal
+  keys share a slot, so each key meets its first equal key; only keys that
+  collide in a slot cost extra rounds. No sort.
 
   Args:
     hashes: uint32[E, 2].
@@ -185,24 +187,18 @@ def first_equal(hashes: jax.Array, equal_fn, valid: jax.Array) -> jax.Array:
   """
   e = hashes.shape[0]
   index = jnp.arange(e, dtype=jnp.int32)
-  big = jnp.uint32(0xFFFFFFFF)
-  h0 = jnp.where(valid, hashes[:, 0], big)
-  h1 = jnp.where(valid, hashes[:, 1], big)
-  order_key = jnp.where(valid, index, e + index)
-  s0, s1, _, order = lax.sort((h0, h1, order_key, index), num_keys=3)
-  same_as_prev = jnp.concatenate([jnp.array([False]), (s0[1:] == s0[:-1]) & (s1[1:] == s1[:-1])])
-  run_start = lax.cummax(jnp.where(same_as_prev, 0, jnp.arange(e)), axis=0)
-  position = jnp.zeros(e, jnp.int32).at[order].set(jnp.arange(e, dtype=jnp.int32))
-  mine = position
+  slot, size = _scratch_slots(hashes)
 
-  def cond(cand):
-    return jnp.any(~equal_fn(order[cand], index) & valid)
+  def body(carry):
+    rep, pending = carry
+    winner = _round_winners(slot, pending, size)
+    first = jnp.full(size, e, jnp.int32).at[masked(slot, winner, size)].set(index, mode="drop")
+    cand = jnp.minimum(first[slot], e - 1)
+    equal = pending & (first[slot] < e) & equal_fn(cand, index)
+    return jnp.where(equal, cand, rep), pending & ~equal
 
-  def body(cand):
-    return jnp.where(equal_fn(order[cand], index) | ~valid, cand, cand + 1)
-
-  cand = lax.while_loop(cond, body, jnp.where(valid, run_start[mine], mine))
-  return jnp.where(valid, order[cand], index)
+  rep, _ = lax.while_loop(lambda carry: jnp.any(carry[1]), body, (index, valid))
+  return rep
 
 
 def unlink(c: ContentIndex, blocks: jax.Array, n: int) -> ContentIndex:
@@ -229,21 +225,27 @@ def unlink(c: ContentIndex, blocks: jax.Array, n: int) -> ContentIndex:
 
 
 def insert(c: ContentIndex, blocks: jax.Array, hashes: jax.Array) -> ContentIndex:
-  """Links blocks (-1 skipped; distinct, not in the table) into their hash buckets."""
+  """Links blocks (-1 skipped; distinct, not in the table) at the heads of their buckets.
+
+  In rounds, one block per bucket (per scratch slot) at a time; no sort.
+  """
   t = c.buckets.shape[0]
   n = c.next_in_bucket.shape[0]
-  valid = blocks >= 0
-  bucket = jnp.where(valid, bucket_of(hashes, t), t)
-  sb, sblk = lax.sort((bucket, blocks), num_keys=1)
-  same_next = jnp.concatenate([sb[1:] == sb[:-1], jnp.array([False])])
-  first = jnp.concatenate([jnp.array([True]), sb[1:] != sb[:-1]])
-  nxt_in_group = jnp.concatenate([sblk[1:], jnp.array([NO_BLOCK], jnp.int32)])
-  old_head = c.buckets[jnp.minimum(sb, t - 1)]
-  link = jnp.where(same_next, nxt_in_group, old_head)
-  live = sb < t
-  next_in_bucket = c.next_in_bucket.at[masked(sblk, live, n)].set(link, mode="drop")
-  buckets = c.buckets.at[masked(sb, live & first, t)].set(sblk, mode="drop")
-  return c.replace(next_in_bucket=next_in_bucket, buckets=buckets)
+  bucket = bucket_of(hashes, t)
+  _, size = _scratch_slots(hashes)
+  slot = bucket & (size - 1)   # one bucket, one slot: a round links one block per bucket
+
+  def body(carry):
+    buckets, next_in_bucket, pending = carry
+    winner = _round_winners(slot, pending, size)
+    next_in_bucket = next_in_bucket.at[masked(blocks, winner, n)].set(
+        buckets[bucket], mode="drop")
+    buckets = buckets.at[masked(bucket, winner, t)].set(blocks, mode="drop")
+    return buckets, next_in_bucket, pending & ~winner
+
+  buckets, next_in_bucket, _ = lax.while_loop(
+      lambda carry: jnp.any(carry[2]), body, (c.buckets, c.next_in_bucket, blocks >= 0))
+  return c.replace(buckets=buckets, next_in_bucket=next_in_bucket)
 
 
 def commit_content(pool: Pool, ok: jax.Array, *, revived: jax.Array,
