@@ -56,14 +56,16 @@ def _check_hash_table(name, c, has) -> None:
   buckets = np.asarray(c.buckets)
   nxt = np.asarray(c.next_in_bucket)
   home = np.asarray(bucket_of(c.hash, buckets.shape[0]))
+  prev = np.asarray(c.prev_in_bucket)
   seen = np.zeros(has.shape[0], bool)
   for b, head in enumerate(buckets):
-    node, steps = int(head), 0
+    node, before = int(head), -1
     while node >= 0:
       _require(has[node] and not seen[node] and home[node] == b,
                f"{name} hash chains hold each cached block once, in its bucket")
+      _require(prev[node] == before, f"{name} hash chains are doubly linked")
       seen[node] = True
-      node, steps = int(nxt[node]), steps + 1
+      node, before = int(nxt[node]), node
   _require(np.array_equal(seen, has), f"{name} every cached block is in the hash table")
 
 

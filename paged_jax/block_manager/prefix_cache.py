@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from paged_jax.block_manager.pool import masked, scatter_count, take
+from paged_jax.block_manager.pool import masked, take
 from paged_jax.block_manager.state import NO_BLOCK, ContentIndex, Pool
 
 # Odd bases of the two polynomial hash lanes (invertible mod 2**32).
@@ -201,27 +201,35 @@ def first_equal(hashes: jax.Array, equal_fn, valid: jax.Array) -> jax.Array:
   return rep
 
 
-def unlink(c: ContentIndex, blocks: jax.Array, n: int) -> ContentIndex:
-  """Removes blocks (with content, -1 skipped) from the hash table; clears their content."""
-  gone = scatter_count(blocks, n) > 0
-  nxt, buckets = c.next_in_bucket, c.buckets
-  # Rebuild each bucket's chain without the removed blocks: a node keeps the
-  # next node that survives (pointer jumping over removed runs).
-  def skip(ptr):
-    return jnp.where((ptr >= 0) & gone[jnp.maximum(ptr, 0)], nxt[jnp.maximum(ptr, 0)], ptr)
+def unlink(c: ContentIndex, blocks: jax.Array) -> ContentIndex:
+  """Removes blocks (with content, distinct, -1 skipped) from the hash table.
 
-  def cond(state):
-    a, b = state
-    return jnp.any((a >= 0) & gone[jnp.maximum(a, 0)]) | jnp.any((b >= 0) & gone[jnp.maximum(b, 0)])
+  The chains are doubly linked, so this is a few scatters over `blocks`: each
+  removed run of a chain is bridged from the node before it (or the bucket
+  head) to the node after it. Their content and computed flags are cleared.
+  """
+  n = c.has_content.shape[0]
+  t = c.buckets.shape[0]
+  live = blocks >= 0
+  has = c.has_content.at[masked(blocks, live, n)].set(False, mode="drop")
+  removed = lambda ptr: (ptr >= 0) & ~take(has, ptr, True)
 
-  def body(state):
-    a, b = state
-    return skip(a), skip(b)
+  def walk(links):
+    def body(ptr):
+      return jnp.where(removed(ptr), take(links, ptr, NO_BLOCK), ptr)
+    return lambda start: lax.while_loop(lambda ptr: jnp.any(removed(ptr)), body, start)
 
-  new_next, new_buckets = lax.while_loop(cond, body, (nxt, buckets))
-  return c.replace(next_in_bucket=new_next, buckets=new_buckets,
-                   has_content=c.has_content & ~gone,
-                   computed=c.computed & ~gone)
+  before = walk(c.prev_in_bucket)(take(c.prev_in_bucket, blocks, NO_BLOCK))
+  after = walk(c.next_in_bucket)(take(c.next_in_bucket, blocks, NO_BLOCK))
+  bucket = bucket_of(take(c.hash, blocks), t)
+  next_in_bucket = c.next_in_bucket.at[masked(before, live & (before >= 0), n)].set(
+      after, mode="drop")
+  buckets = c.buckets.at[masked(bucket, live & (before < 0), t)].set(after, mode="drop")
+  prev_in_bucket = c.prev_in_bucket.at[masked(after, live & (after >= 0), n)].set(
+      before, mode="drop")
+  return c.replace(has_content=has, next_in_bucket=next_in_bucket, buckets=buckets,
+                   prev_in_bucket=prev_in_bucket,
+                   computed=c.computed.at[masked(blocks, live, n)].set(False, mode="drop"))
 
 
 def insert(c: ContentIndex, blocks: jax.Array, hashes: jax.Array) -> ContentIndex:
@@ -236,16 +244,21 @@ def insert(c: ContentIndex, blocks: jax.Array, hashes: jax.Array) -> ContentInde
   slot = bucket & (size - 1)   # one bucket, one slot: a round links one block per bucket
 
   def body(carry):
-    buckets, next_in_bucket, pending = carry
+    buckets, next_in_bucket, prev_in_bucket, pending = carry
     winner = _round_winners(slot, pending, size)
-    next_in_bucket = next_in_bucket.at[masked(blocks, winner, n)].set(
-        buckets[bucket], mode="drop")
+    head = buckets[bucket]
+    next_in_bucket = next_in_bucket.at[masked(blocks, winner, n)].set(head, mode="drop")
+    prev_in_bucket = prev_in_bucket.at[masked(head, winner & (head >= 0), n)].set(
+        blocks, mode="drop")
+    prev_in_bucket = prev_in_bucket.at[masked(blocks, winner, n)].set(NO_BLOCK, mode="drop")
     buckets = buckets.at[masked(bucket, winner, t)].set(blocks, mode="drop")
-    return buckets, next_in_bucket, pending & ~winner
+    return buckets, next_in_bucket, prev_in_bucket, pending & ~winner
 
-  buckets, next_in_bucket, _ = lax.while_loop(
-      lambda carry: jnp.any(carry[2]), body, (c.buckets, c.next_in_bucket, blocks >= 0))
-  return c.replace(buckets=buckets, next_in_bucket=next_in_bucket)
+  buckets, next_in_bucket, prev_in_bucket, _ = lax.while_loop(
+      lambda carry: jnp.any(carry[3]), body,
+      (c.buckets, c.next_in_bucket, c.prev_in_bucket, blocks >= 0))
+  return c.replace(buckets=buckets, next_in_bucket=next_in_bucket,
+                   prev_in_bucket=prev_in_bucket)
 
 
 def commit_content(pool: Pool, ok: jax.Array, *, revived: jax.Array,
@@ -270,9 +283,7 @@ def commit_content(pool: Pool, ok: jax.Array, *, revived: jax.Array,
     return pool
   num_evicted = jnp.sum(taken_valid & evicted)
   taken_ok = taken_valid & ok
-  c = lax.cond(ok & (num_evicted > 0),
-               lambda c: unlink(c, jnp.where(taken_valid & evicted, taken, NO_BLOCK), n),
-               lambda c: c, c)
+  c = unlink(c, jnp.where(taken_valid & evicted & ok, taken, NO_BLOCK))
   take_idx = masked(taken, taken_ok, n)
   c = c.replace(last_accessed=c.last_accessed.at[take_idx].set(-1, mode="drop"),
                 computed=c.computed.at[take_idx].set(False, mode="drop"))

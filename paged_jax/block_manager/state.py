@@ -22,7 +22,7 @@ class ContentIndex:
   parent never leaves the cache before its children (eviction takes children
   first), parent pointers never dangle. `hash` (two uint32 lanes, truncated to
   hash_bits) indexes the identity in a chained hash table
-  (`buckets` heads, `next_in_bucket` links); lookups always compare exactly.
+  (`buckets` heads, doubly linked by `next_in_bucket` and `prev_in_bucket`); lookups always compare exactly.
   """
 
   has_content: jax.Array      # bool[N]
@@ -36,6 +36,7 @@ class ContentIndex:
   computed: jax.Array         # bool[N]
   buckets: jax.Array          # int32[T]: first block of each hash bucket, -1 if none
   next_in_bucket: jax.Array   # int32[N]
+  prev_in_bucket: jax.Array   # int32[N]: -1 for the first block of a bucket
   release_clock: jax.Array    # int32 scalar
   num_evictable: jax.Array    # int32 scalar: blocks with content and no reference
 
@@ -150,6 +151,7 @@ def init_pool(num_blocks: int, cfg: CacheConfig) -> Pool:
       computed=jnp.zeros(n, bool),
       buckets=jnp.full(hash_table_size(n), NO_BLOCK, jnp.int32),
       next_in_bucket=jnp.full(n, NO_BLOCK, jnp.int32),
+      prev_in_bucket=jnp.full(n, NO_BLOCK, jnp.int32),
       release_clock=i32(0),
       num_evictable=i32(0))
   return Pool(ref_count=jnp.zeros(n, jnp.int32),
