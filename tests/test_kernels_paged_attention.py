@@ -374,3 +374,18 @@ def test_check_block_tables_names_the_bad_entry(tables, lengths, message):
 def test_check_block_tables_accepts_valid_tables():
   check_block_tables(np.array([[9, -1, -1]], np.int32),
                      np.array([8], np.int32), num_blocks=10, block_size=8)
+
+
+def test_reference_propagates_nan_read_inside_the_context():
+  """A NaN key the query can see poisons that output (stale reads stay visible)."""
+  from pallas_kernels.paged_attention import reference
+  rng = np.random.default_rng(7)
+  k_pages = rng.standard_normal((1, 4, 4, 8)).astype(np.float32)
+  v_pages = rng.standard_normal((1, 4, 4, 8)).astype(np.float32)
+  k_pages[0, 2, 1] = np.nan          # inside sequence 0's context, outside sequence 1's
+  q = rng.standard_normal((2, 2, 8)).astype(np.float32)
+  tables = np.array([[2, -1], [3, 1]], np.int32)
+  out = reference.paged_attention_reference(q, k_pages, v_pages, tables,
+                                           np.array([3, 6], np.int32))
+  assert np.all(np.isnan(np.asarray(out[0])))
+  assert np.all(np.isfinite(np.asarray(out[1])))

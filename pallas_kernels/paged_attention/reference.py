@@ -105,7 +105,8 @@ def paged_prefill_attention_reference(q, k_pages, v_pages, block_tables,
   denominator = jnp.sum(weights, axis=-1, keepdims=True)
   out = jnp.einsum("bkgts,kbsd->bkgtd", weights, values,
                    preferred_element_type=jnp.float32, precision=_HIGHEST)
-  out = jnp.where(denominator > 0, out / jnp.maximum(denominator, 1e-30), 0.0)
+  # Rows with no visible key give zeros; a NaN read inside the context stays NaN.
+  out = jnp.where(denominator == 0, 0.0, out / jnp.where(denominator == 0, 1.0, denominator))
   out = jnp.moveaxis(out, 3, 1).reshape(q.shape)
   return out.astype(q.dtype)
 
