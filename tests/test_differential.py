@@ -160,4 +160,4 @@ def test_jitted_matches_reference(name, seed, num_ops):
 @pytest.mark.parametrize("name", ["uncached", "cached64"])
 def test_unjitted_matches_reference(name):
   """The same functions run eagerly (no jit) agree too."""
-  run_trace(name, seed=1234, num_ops=40, use_jit=False)
+  run_trace(name, seed=1234, num_ops=25, use_jit=False)
