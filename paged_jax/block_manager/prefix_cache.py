@@ -141,16 +141,13 @@ def lookup_chains(c: ContentIndex, hashes: jax.Array, tokens: jax.Array,
     advance &= ~full
     return first_bad, advance
 
-  def cond(cursor):
-    return jnp.any(examine(cursor)[1])
+  def body(carry):
+    cursor, advance, _ = carry
+    cursor = jnp.where(advance, c.next_in_bucket[jnp.maximum(cursor, 0)], cursor)
+    return (cursor, *examine(cursor)[::-1])
 
-  def body(cursor):
-    _, advance = examine(cursor)
-    nxt = c.next_in_bucket[jnp.maximum(cursor, 0)]
-    return jnp.where(advance, nxt, cursor)
-
-  cursor = lax.while_loop(cond, body, start)
-  first_bad, _ = examine(cursor)
+  cursor, _, first_bad = lax.while_loop(lambda carry: jnp.any(carry[1]), body,
+                                        (start, *examine(start)[::-1]))
   hit = valid & (level < first_bad)
   return hit, jnp.where(hit, cursor, NO_BLOCK)
 
