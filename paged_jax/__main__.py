@@ -1,13 +1,26 @@
-"""`python -m paged_jax demo`: replay a simulated serving trace and report paging statistics."""
+"""`python -m paged_jax demo|trace`: serve the tiny model, or replay a trace.
+
+`demo` serves a batch of requests with the shipped tiny model on the paged
+cache (some share a system prefix, some ask for several samples) and reports
+throughput and paging statistics. `trace` replays a simulated serving trace
+through the block manager alone.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import sys
+import time
 
 from paged_jax.config import CacheConfig
-from paged_jax.simulate import TraceConfig, replay
+
+SYSTEM_PREFIX = ("The following are definitions from The Devil's Dictionary "
+                 "by Ambrose Bierce.\n\n")
+HEADWORDS = ("LOVE", "WAR", "PEACE", "LAWYER", "MONEY", "FRIEND", "POLITICS",
+             "HAPPINESS", "DEBT", "GENIUS", "HOPE", "PATIENCE", "CYNIC",
+             "DIPLOMACY", "EDUCATION", "FAME")
 
 
 def _positive(text: str) -> int:
@@ -17,17 +30,119 @@ def _positive(text: str) -> int:
   return value
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m paged_jax")
   sub = parser.add_subparsers(dest="command", required=True)
-  demo = sub.add_parser("demo", help="replay a ShareGPT-like trace through the block manager")
-  demo.add_argument("--num-requests", type=_positive, default=200)
+  demo = sub.add_parser(
+      "demo", help="serve a batch of requests with the tiny model on the paged cache")
+  demo.add_argument("--num-requests", type=_positive, default=32)
   demo.add_argument("--block-size", type=_positive, default=16)
-  demo.add_argument("--num-gpu-blocks", type=_positive, default=2048)
+  demo.add_argument("--num-gpu-blocks", type=_positive, default=96)
+  demo.add_argument("--num-cpu-blocks", type=int, default=64)
   demo.add_argument("--max-seqs", type=_positive, default=32)
+  demo.add_argument("--max-new-tokens", type=_positive, default=40)
   demo.add_argument("--seed", type=int, default=0)
+  demo.add_argument("--model", type=pathlib.Path, default=None,
+                    help="model directory (config.json + weights.msgpack); "
+                         "default: the shipped tiny model")
   demo.add_argument("--json", action="store_true", help="print machine-readable JSON")
-  args = parser.parse_args(argv)
+  trace = sub.add_parser("trace", help="replay a ShareGPT-like trace through the block manager")
+  trace.add_argument("--num-requests", type=_positive, default=200)
+  trace.add_argument("--block-size", type=_positive, default=16)
+  trace.add_argument("--num-gpu-blocks", type=_positive, default=2048)
+  trace.add_argument("--max-seqs", type=_positive, default=32)
+  trace.add_argument("--seed", type=int, default=0)
+  trace.add_argument("--json", action="store_true", help="print machine-readable JSON")
+  return parser
+
+
+def demo_requests(num_requests: int, seed: int):
+  """Prompts for the demo: every other one shares the system prefix, every
+  fourth asks for 4 samples."""
+  import numpy as np
+  from paged_jax.generate import Request
+  from paged_jax.models.tokenizer import ByteTokenizer
+  rng = np.random.default_rng(seed)
+  tokenizer = ByteTokenizer()
+  requests = []
+  for index in range(num_requests):
+    word = HEADWORDS[rng.integers(len(HEADWORDS))]
+    text = (SYSTEM_PREFIX if index % 2 == 0 else "") + f"{word}, n. "
+    requests.append(Request(tokenizer.encode(text), n=4 if index % 4 == 1 else 1))
+  return requests
+
+
+def run_demo(args, parser) -> dict:
+  """Serves the demo batch; returns the report."""
+  import jax
+  from tqdm import tqdm
+  from paged_jax.generate import SamplingParams, generate
+  from paged_jax.models import pretrained
+  from paged_jax.models.tokenizer import ByteTokenizer
+  try:
+    model = (pretrained.load_tiny() if args.model is None
+             else pretrained.load_model(args.model))
+  except (FileNotFoundError, ValueError) as err:
+    parser.error(f"--model: {err}")
+  max_len = model.config.max_seq_len
+  try:
+    cfg = CacheConfig(block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
+                      num_cpu_blocks=args.num_cpu_blocks, max_seqs=args.max_seqs,
+                      max_blocks_per_seq=-(-max_len // args.block_size),
+                      enable_prefix_caching=True, watermark=0.0)
+  except ValueError as err:
+    parser.error(str(err))
+  if args.num_gpu_blocks * args.block_size < max_len:
+    parser.error(f"--num-gpu-blocks {args.num_gpu_blocks} x --block-size "
+                 f"{args.block_size} cannot hold one {max_len}-token sequence")
+  requests = demo_requests(args.num_requests, args.seed)
+  if max(r.n for r in requests) > args.max_seqs:
+    parser.error(f"--max-seqs {args.max_seqs} is below the 4 samples some requests ask for")
+  longest = max(r.prompt.size for r in requests)
+  sampling = SamplingParams(
+      max_new_tokens=min(args.max_new_tokens, max_len - longest),
+      temperature=0.8, top_k=40, eos_id=ByteTokenizer.eos_id)
+  total = sum(r.n for r in requests)
+  start = time.perf_counter()
+  with tqdm(total=total, unit="seq", disable=args.json, file=sys.stderr) as bar:
+    outputs, stats = generate(model, requests, cfg, sampling,
+                              jax.random.key(args.seed), progress=bar.update)
+  seconds = time.perf_counter() - start
+  tokenizer = ByteTokenizer()
+  samples = [dict(prompt=tokenizer.decode(requests[i].prompt),
+                  outputs=[tokenizer.decode(o) for o in outputs[i]])
+             for i in range(min(3, len(requests)))]
+  return dict(
+      requests=len(requests), sequences=total,
+      generated_tokens=stats.generated_tokens, seconds=round(seconds, 3),
+      tokens_per_s=round(stats.generated_tokens / seconds, 1),
+      peak_blocks=stats.peak_blocks, num_gpu_blocks=cfg.num_gpu_blocks,
+      kv_slot_utilization=round(stats.kv_slot_utilization, 4),
+      prefix_cache_hit_rate=round(stats.prefix_cache_hit_rate, 4),
+      prompt_tokens=stats.prompt_tokens, prefill_tokens=stats.prefill_tokens,
+      cow_copies=stats.cow_copies, preemptions=stats.preemptions,
+      swapped_blocks=stats.swaps, decode_steps=stats.decode_steps,
+      samples=samples)
+
+
+def print_demo(report: dict) -> None:
+  for sample in report["samples"]:
+    print(f"--- prompt: {sample['prompt']!r}")
+    for text in sample["outputs"]:
+      print(f"    -> {text!r}")
+  print(f"served {report['requests']} requests ({report['sequences']} sequences), "
+        f"{report['generated_tokens']} tokens in {report['seconds']:.1f} s "
+        f"(compile included): {report['tokens_per_s']:.0f} tokens/s")
+  print(f"peak blocks {report['peak_blocks']}/{report['num_gpu_blocks']}, "
+        f"KV slot utilization {report['kv_slot_utilization']:.1%}, "
+        f"prefix-cache hit rate {report['prefix_cache_hit_rate']:.1%} "
+        f"({report['prefill_tokens']}/{report['prompt_tokens']} prompt tokens computed)")
+  print(f"copy-on-write copies {report['cow_copies']}, preemptions "
+        f"{report['preemptions']}, swapped blocks {report['swapped_blocks']}")
+
+
+def run_trace(args, parser) -> None:
+  from paged_jax.simulate import TraceConfig, replay
   max_len = 2048
   try:
     cfg = CacheConfig(block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
@@ -38,15 +153,31 @@ def main(argv=None) -> int:
   if args.num_gpu_blocks * args.block_size < max_len:
     parser.error(f"--num-gpu-blocks {args.num_gpu_blocks} x --block-size {args.block_size} "
                  f"cannot hold one {max_len}-token request")
-  report = replay(cfg, TraceConfig(num_requests=args.num_requests, max_len=max_len, seed=args.seed))
+  report = replay(cfg, TraceConfig(num_requests=args.num_requests, max_len=max_len,
+                                   seed=args.seed))
+  if args.json:
+    print(json.dumps(report))
+    return
+  print(f"served {report['finished']}/{report['requests']} requests in "
+        f"{report['decode_steps']} decode steps ({report['preemptions']} preemptions)")
+  print(f"mean prompt {report['mean_prompt']:.0f} tokens, mean output {report['mean_output']:.0f}")
+  print(f"KV slots holding tokens: paged {report['paged_utilization']:.1%}, "
+        f"contiguous max-length reservation {report['contiguous_utilization']:.1%}")
+
+
+def main(argv=None) -> int:
+  parser = _parser()
+  args = parser.parse_args(argv)
+  if args.command == "trace":
+    run_trace(args, parser)
+    return 0
+  if args.num_cpu_blocks < 0:
+    parser.error(f"--num-cpu-blocks must be >= 0, got {args.num_cpu_blocks}")
+  report = run_demo(args, parser)
   if args.json:
     print(json.dumps(report))
   else:
-    print(f"served {report['finished']}/{report['requests']} requests in "
-          f"{report['decode_steps']} decode steps ({report['preemptions']} preemptions)")
-    print(f"mean prompt {report['mean_prompt']:.0f} tokens, mean output {report['mean_output']:.0f}")
-    print(f"KV slots holding tokens: paged {report['paged_utilization']:.1%}, "
-          f"contiguous max-length reservation {report['contiguous_utilization']:.1%}")
+    print_demo(report)
   return 0
 
 

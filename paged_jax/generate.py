@@ -259,8 +259,6 @@ _allocate = jax.jit(manager.allocate)
 _can_allocate = jax.jit(manager.can_allocate)
 _fork = jax.jit(manager.fork)
 _free = jax.jit(manager.free)
-_mark_computed = jax.jit(manager.mark_blocks_as_computed)
-_common_computed = jax.jit(manager.get_common_computed_block_ids)
 _slot_mapping = jax.jit(manager.get_slot_mapping, static_argnames="width")
 _block_tables = jax.jit(manager.get_block_tables)
 
@@ -291,6 +289,7 @@ class _Driver:
         finished_any=jnp.array(False), cow_copies=jnp.int32(0),
         peak_blocks=jnp.int32(0), utilization_sum=jnp.float32(0.0))
     self.owner: dict[int, tuple[int, int]] = {}  # slot -> (request, sample)
+    self.admitted_at: dict[int, int] = {}  # slot -> admission counter
     self.swapped: collections.deque[int] = collections.deque()
     self.stats = GenerationStats()
 
@@ -311,6 +310,7 @@ class _Driver:
         break
       waiting.popleft()
       parent = slots[0]
+      hits_before = int(state.num_hits)
       tokens = np.zeros(self.cfg.max_tokens_per_seq, np.int32)
       tokens[:length] = request.prompt
       state, result = _allocate(state, jnp.array([parent], jnp.int32),
@@ -318,10 +318,13 @@ class _Driver:
       if Status(int(result.status)) != Status.OK:
         raise RuntimeError(f"allocate of request {index} failed: "
                            f"{Status(int(result.status)).name}")
-      _, hit_blocks = _common_computed(state, jnp.array([parent], jnp.int32))
-      cached = int(hit_blocks) * self.cfg.block_size
+      # A hit is a block of the prompt's prefix that is in the cache or that
+      # an earlier row of this prefill batch writes before any row attends.
+      hits = int(state.num_hits) - hits_before
+      cached = min(hits * self.cfg.block_size, length - 1)
       for sample, slot in enumerate(slots[:request.n]):
         self.owner[slot] = (index, sample)
+        self.admitted_at[slot] = len(self.admitted_at)
       admitted.append((index, slots[:request.n], cached))
     self.loop = self.loop.replace(state=state)
     if admitted:
@@ -350,7 +353,6 @@ class _Driver:
     tables = _block_tables(state, parents)
     logits, self.kv = _paged_forward(self.graphdef, self.params, self.kv,
                                      tokens, positions, tables, slot_mapping)
-    state = _mark_computed(state, parents, np.where(parents >= 0, suffix, 0) + positions[:, 0].clip(0))
     last = logits[jnp.arange(rows), jnp.maximum(suffix - 1, 0)]
     sample_rows = np.concatenate(
         [np.full(len(slots), row) for row, (_, slots, _) in enumerate(admitted)])
@@ -389,10 +391,10 @@ class _Driver:
         outputs=jnp.asarray(outputs))
 
   def preempt(self) -> None:
-    """Swaps the most recently started running sequence out to host memory."""
+    """Swaps the most recently admitted running sequence out to host memory."""
     seq_ids = np.asarray(self.loop.seq_ids).copy()
     running = np.nonzero(seq_ids >= 0)[0]
-    victim = int(running[-1])
+    victim = int(max(running, key=self.admitted_at.__getitem__))
     state = self.loop.state
     if not bool(self.bm.can_swap_out(state, jnp.array([victim]))):
       raise RuntimeError(
@@ -416,8 +418,14 @@ class _Driver:
       if AllocStatus(int(self.bm.can_swap_in(state, jnp.array([slot])))) != (
           AllocStatus.OK):
         break
+      swapped_in, plan = self.bm.swap_in(state, jnp.array([slot]))
+      # Leave a block for every running sequence's next token, or the loop
+      # would run out at once and swap this sequence straight back out.
+      running = int(np.sum(seq_ids >= 0)) + 1
+      if int(self.bm.num_free_gpu_blocks(swapped_in)) < running:
+        break
+      state = swapped_in
       self.swapped.popleft()
-      state, plan = self.bm.swap_in(state, jnp.array([slot]))
       self.kv = kv_ops.swap_in(self.kv, plan)
       self.stats.swaps += int(plan.count)
       seq_ids[slot] = slot
@@ -449,7 +457,7 @@ class _Driver:
       if bool(jnp.any(self.loop.seq_ids >= 0)):
         self.loop = _decode_loop(self.graphdef, self.params, self.sampling,
                                  self.key, self.loop.replace(kv=self.kv),
-                                 jnp.array(bool(waiting)))
+                                 jnp.array(bool(waiting or self.swapped)))
         self.kv = self.loop.kv
         self.loop = self.loop.replace(kv=None)
         self.stats.loop_launches += 1

@@ -1,0 +1,42 @@
+"""The `python -m paged_jax` command line: option errors and a tiny demo run."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from paged_jax.__main__ import main
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--num-requests", "0"], "--num-requests: must be >= 1"),
+    (["demo", "--block-size", "x"], "--block-size: invalid"),
+    (["demo", "--num-gpu-blocks", "2"], "cannot hold one 128-token sequence"),
+    (["demo", "--num-cpu-blocks", "-1"], "--num-cpu-blocks must be >= 0"),
+    (["demo", "--max-seqs", "2"], "--max-seqs 2 is below the 4 samples"),
+    (["demo", "--model", "/nonexistent/model"], "--model: no config.json"),
+    (["trace", "--num-gpu-blocks", "4"], "cannot hold one 2048-token request"),
+    (["serve"], "invalid choice: 'serve'"),
+])
+def test_bad_options_exit_with_code_2_and_a_message(argv, message, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    main(argv)
+  assert exit_info.value.code == 2
+  assert message in capsys.readouterr().err
+
+
+def test_demo_json_report():
+  result = subprocess.run(
+      [sys.executable, "-m", "paged_jax", "demo", "--num-requests", "2",
+       "--max-new-tokens", "4", "--json"],
+      capture_output=True, text=True, timeout=300, check=True)
+  report = json.loads(result.stdout)
+  assert report["requests"] == 2
+  assert report["sequences"] == 5   # the second request asks for 4 samples
+  assert 2 <= report["generated_tokens"] <= 5 * 4
+  assert report["tokens_per_s"] > 0
+  assert 0 < report["peak_blocks"] <= report["num_gpu_blocks"]
+  assert len(report["samples"]) == 2
+  assert len(report["samples"][1]["outputs"]) == 4
+  assert report["samples"][0]["prompt"].endswith(", n. ")
