@@ -445,7 +445,6 @@ class _Driver:
   def run(self, requests: Sequence[Request], progress=None):
     results = [[None] * r.n for r in requests]
     waiting = collections.deque(range(len(requests)))
-    finished = 0
     while waiting or self.owner:
       self.resume_swapped()
       if not self.swapped:
@@ -555,7 +554,7 @@ def _dense_generate(graphdef, params_state, sampling: SamplingParams, key,
     return i + 1, still, jnp.where(running, new, token), outputs, cache
 
   carry = (jnp.int32(1), running, token, outputs, cache)
-  i, _, _, outputs, _ = jax.lax.while_loop(lambda c: jnp.any(c[1]), step,
+  _, _, _, outputs, _ = jax.lax.while_loop(lambda c: jnp.any(c[1]), step,
                                            carry)
   return outputs
 
