@@ -104,9 +104,9 @@ def describe_failure(op: str, status: Status, state: BlockManagerState, args, kw
     return (f"{op}: seq {real[0] if real else ids[0]} would exceed its block table "
             f"({cfg.max_blocks_per_seq} blocks of {cfg.block_size} = {limit} tokens)")
   if status == Status.OUT_OF_BLOCKS:
-    need = _blocks_needed(op, state, args)
-    return (f"OutOfBlocksError: seq {real[0] if real else ids[0]} needs {need} GPU blocks, "
-            f"{free_gpu} free (watermark {cfg.watermark_blocks})")
+    seq, need = _blocks_needed(op, state, args, kwargs, real)
+    return (f"{op}: seq {seq} needs {need} GPU blocks, {free_gpu} free "
+            f"(watermark {cfg.watermark_blocks})")
   if status == Status.SWAP_SPACE_EXHAUSTED:
     tables = np.asarray(state.tables)[real]
     distinct = len(set(tables[tables >= 0].tolist()))
@@ -115,14 +115,31 @@ def describe_failure(op: str, status: Status, state: BlockManagerState, args, kw
   return f"{op}: {status.name}"
 
 
-def _blocks_needed(op, state, args) -> str:
+def _blocks_needed(op, state, args, kwargs, real) -> tuple[int, int]:
+  """(the first sequence that needs new GPU blocks, how many the call needs in all)."""
   cfg = state.cfg
+  bs = cfg.block_size
+  tables = np.asarray(state.tables)
   if op == "allocate":
-    return str(-(-int(args[2]) // cfg.block_size))
+    return real[0], -(-int(args[2]) // bs)
   if op == "swap_in":
-    tables = np.asarray(state.tables)[[i for i in np.atleast_1d(args[0]) if i >= 0]]
-    return str(len(set(tables[tables >= 0].tolist())))
-  return "more"
+    held = tables[real]
+    return real[0], len(set(held[held >= 0].tolist()))
+  # append_slots: growth of each table, plus a copy of each shared block written into.
+  counts = np.asarray(args[2]).reshape(-1)
+  lookahead = kwargs.get("num_lookahead_slots", args[3] if len(args) > 3 else 0)
+  ref = np.asarray(state.gpu.ref_count)
+  needs = []
+  for row, seq in enumerate(np.asarray(args[0]).reshape(-1).tolist()):
+    if seq not in real:
+      continue
+    n, k = int(state.num_tokens[seq]), int(counts[row])
+    held = tables[seq][tables[seq] >= 0]
+    last = tables[seq][(n - 1) // bs] if n and k and n % bs else -1
+    needs.append((seq, max(0, -(-(n + k + lookahead) // bs) - len(held))
+                  + int(last >= 0 and ref[last] > 1)))
+  total = sum(need for _, need in needs)
+  return next((seq for seq, need in needs if need), real[0]), total
 
 
 def _invalid_reason(op, ids, cfg, args) -> str:

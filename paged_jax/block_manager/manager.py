@@ -64,12 +64,12 @@ def _revived(pool: Pool, pins: jax.Array) -> jax.Array:
   return jnp.sum(pinned & pool.content.has_content & (pool.ref_count == 0))
 
 
-def _commit(state, on_gpu, ok, *, num_takes, ref_delta, releases, taken=None,
+def _commit(state, on_gpu, ok, *, num_takes, gains, releases, gain_weight=1, taken=None,
             taken_valid=None, evicted=None, revived=i32(0), registrations=None):
   """Applies a call's effects on one pool (reference counts, free lists, content)."""
   pool = _pool(state, on_gpu)
   new_pool, pushed = commit_pool(pool, ok, num_takes=num_takes,
-                                 ref_delta=ref_delta, releases=releases)
+                                 gains=gains, releases=releases, gain_weight=gain_weight)
   if pool.content is not None:
     if taken is None:
       taken = jnp.zeros(0, i32)
@@ -137,14 +137,13 @@ def allocate(state: BlockManagerState, seq_ids, token_ids, num_tokens, salt=0):
   taken, evicted = taken_blocks(gpu, num_takes, m, hit_block)
   rank = jnp.clip(jnp.cumsum(need_take) - 1, 0, m - 1)
   row = jnp.where(hit, hit_block, jnp.where(need_take, taken[rank], NO_BLOCK))
-  ref_delta = scatter_count(row, gpu.num_blocks) * group
   registrations = None
   if cfg.enable_prefix_caching:
     registrations = dict(
         reg_blocks=jnp.where(need_take & full, row, NO_BLOCK), reg_hash=hashes,
         reg_parent=jnp.concatenate([jnp.array([NO_BLOCK], i32), row[:-1]]),
         reg_salt=jnp.broadcast_to(salt, (m,)), reg_tokens=blk_tokens, reg_hashed=ends)
-  state = _commit(state, True, ok, num_takes=num_takes, ref_delta=ref_delta,
+  state = _commit(state, True, ok, num_takes=num_takes, gains=row, gain_weight=group,
                   releases=jnp.zeros(0, i32), taken=taken,
                   taken_valid=jnp.arange(m) < num_takes, evicted=evicted,
                   revived=revived, registrations=registrations)
@@ -274,8 +273,7 @@ def append_slots(state: BlockManagerState, seq_ids, new_token_ids, num_new,
   dies = real[:, None] & (dead_cols < _first_live(cfg, n1)[:, None]) & (dead_old >= 0)
   dead_releases = jnp.where(dies, dead_old, NO_BLOCK)
   releases = jnp.concatenate([window_releases, dead_releases], axis=1).ravel()
-  gains = jnp.where(need_take | hit, new, NO_BLOCK)
-  ref_delta = scatter_count(gains, n_blocks) - scatter_count(releases, n_blocks)
+  gains = jnp.where(need_take | hit, new, NO_BLOCK).ravel()
 
   registrations = None
   if cfg.enable_prefix_caching:
@@ -286,7 +284,7 @@ def append_slots(state: BlockManagerState, seq_ids, new_token_ids, num_new,
         reg_hash=ident["hash"].reshape(-1, 2), reg_parent=prev.ravel(),
         reg_salt=jnp.broadcast_to(state.salt[safe][:, None], (b, width)).ravel(),
         reg_tokens=ident["tokens"].reshape(-1, bs), reg_hashed=((cols + 1) * bs).ravel())
-  state = _commit(state, True, ok, num_takes=num_takes, ref_delta=ref_delta,
+  state = _commit(state, True, ok, num_takes=num_takes, gains=gains,
                   releases=releases, taken=taken, taken_valid=jnp.arange(capacity) < num_takes,
                   evicted=evicted, revived=revived, registrations=registrations)
 
@@ -442,10 +440,9 @@ def free(state: BlockManagerState, seq_ids):
   ok = status == Status.OK
   rows = state.tables[safe][:, ::-1]
   for on_gpu, dev in ((True, ON_GPU), (False, ON_CPU)):
-    pool = _pool(state, on_gpu)
     releases = jnp.where((real & (device == dev))[:, None], rows, NO_BLOCK).ravel()
     state = _commit(state, on_gpu, ok, num_takes=i32(0),
-                    ref_delta=-scatter_count(releases, pool.num_blocks), releases=releases)
+                    gains=jnp.zeros(0, i32), releases=releases)
   return _clear_slots(state, safe, real & ok), OpResult(status=status)
 
 
@@ -530,11 +527,11 @@ def _swap(state: BlockManagerState, seq_ids, to_gpu: bool):
         reg_parent=prev, reg_salt=take(content.salt, src), reg_tokens=tokens.reshape(b * m, -1),
         reg_hashed=take(content.num_hashed_tokens, src))
   state = _commit(state, to_gpu, ok, num_takes=num_takes,
-                  ref_delta=scatter_count(new_flat, dst_pool.num_blocks), releases=jnp.zeros(0, i32),
+                  gains=new_flat, releases=jnp.zeros(0, i32),
                   taken=taken, taken_valid=jnp.arange(capacity) < num_takes, evicted=evicted,
                   revived=revived, registrations=registrations)
   state = _commit(state, not to_gpu, ok, num_takes=i32(0),
-                  ref_delta=-scatter_count(flat, src_pool.num_blocks), releases=flat)
+                  gains=jnp.zeros(0, i32), releases=flat)
   keep = real & ok
   state = state.replace(tables=_set_rows(state.tables, safe, keep, new_flat.reshape(b, m)),
                         device=_set_rows(state.device, safe, keep, ON_GPU if to_gpu else ON_CPU))

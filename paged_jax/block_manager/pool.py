@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from paged_jax.block_manager.state import NO_BLOCK, Pool
+from paged_jax.config import Status
 
 _INT_MAX = jnp.iinfo(jnp.int32).max
 
@@ -100,24 +101,25 @@ def release_pushes(pool: Pool, events: jax.Array, final_ref: jax.Array) -> jax.A
   return valid & (take(last, events) == pos) & (take(final_ref, events) == 0)
 
 
-def commit_pool(pool: Pool, ok: jax.Array, *, num_takes: jax.Array,
-                ref_delta: jax.Array,
-                releases: jax.Array) -> tuple[Pool, jax.Array]:
-  """Applies one call's takes, reference changes and releases (if `ok`).
+def commit_pool(pool: Pool, ok: jax.Array, *, num_takes: jax.Array, gains: jax.Array,
+                releases: jax.Array, gain_weight=1) -> tuple[Pool, jax.Array]:
+  """Applies one call's takes, new references and releases (if `ok`).
 
   Args:
     pool: the pool at the start of the call.
     ok: whether the call succeeds; if not, the pool is returned unchanged.
-    num_takes: number of takes (ranks 0 .. num_takes-1 of `taken`).
-    ref_delta: int32[N] net reference change of every block.
+    num_takes: number of takes (ranks 0 .. num_takes-1 of `taken_blocks`).
+    gains: int32[G] blocks gaining `gain_weight` references each (-1 skipped).
     releases: int32[E] release events in order (-1 skipped).
+    gain_weight: references each entry of `gains` adds (scalar).
 
   Returns:
     (new pool, pushed bool[E]: release events that freed their block).
   """
   n = pool.num_blocks
-  final_ref = pool.ref_count + ref_delta
-  pushed = release_pushes(pool, releases, final_ref)
+  ref = pool.ref_count.at[masked(gains, (gains >= 0) & ok, n)].add(gain_weight, mode="drop")
+  ref = ref.at[masked(releases, (releases >= 0) & ok, n)].add(-1, mode="drop")
+  pushed = release_pushes(pool, releases, ref) & ok
   has_content = (take(pool.content.has_content, releases)
                  if pool.content is not None else jnp.zeros(releases.shape, bool))
   to_stack = pushed & ~has_content
@@ -125,10 +127,25 @@ def commit_pool(pool: Pool, ok: jax.Array, *, num_takes: jax.Array,
   fresh_used = jnp.minimum(num_takes, n - pool.next_fresh)
   stack_used = jnp.minimum(num_takes - fresh_used, pool.num_stacked)
   base = pool.num_stacked - stack_used
-  stack_idx = masked(base + stack_rank, to_stack & ok, n)
   new_pool = pool.replace(
-      ref_count=jnp.where(ok, final_ref, pool.ref_count),
-      free_stack=pool.free_stack.at[stack_idx].set(releases, mode="drop"),
+      ref_count=ref,
+      free_stack=pool.free_stack.at[masked(base + stack_rank, to_stack, n)].set(
+          releases, mode="drop"),
       num_stacked=jnp.where(ok, base + jnp.sum(to_stack), pool.num_stacked),
       next_fresh=jnp.where(ok, pool.next_fresh + fresh_used, pool.next_fresh))
   return new_pool, pushed
+
+
+def release(pool: Pool, blocks: jax.Array) -> tuple[Pool, jax.Array]:
+  """Drops one reference per entry of `blocks` (-1 skipped), in order: the pool layer.
+
+  Returns:
+    (pool, status): DOUBLE_FREE, with the pool unchanged, when a block would
+    be released more often than it is referenced.
+  """
+  blocks = jnp.asarray(blocks, jnp.int32).reshape(-1)
+  too_many = jnp.any(scatter_count(blocks, pool.num_blocks) > pool.ref_count)
+  ok = ~too_many
+  new_pool, _ = commit_pool(pool, ok, num_takes=jnp.int32(0), gains=jnp.zeros(0, jnp.int32),
+                            releases=blocks)
+  return new_pool, jnp.where(ok, jnp.int32(Status.OK), jnp.int32(Status.DOUBLE_FREE))

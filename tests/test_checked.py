@@ -1,0 +1,126 @@
+"""Every bad input: a status and the unchanged state under jit; a named exception on the host."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import paged_jax as pj
+
+CFG = pj.CacheConfig(block_size=4, num_gpu_blocks=8, num_cpu_blocks=2, max_seqs=5,
+                     max_blocks_per_seq=4, watermark=0.0)
+BM = pj.BlockSpaceManager(CFG)
+CHECKED = pj.checked(BM)
+TOKENS = jnp.arange(32, dtype=jnp.int32)
+
+
+def ids(*values):
+  return jnp.array(list(values) + [-1] * (2 - len(values)), jnp.int32)
+
+
+@pytest.fixture(scope="module")
+def base_state():
+  """Seq 0 on the GPU (6 tokens, 2 blocks), seq 1 swapped out to the CPU (1 block)."""
+  state = BM.init()
+  state, _ = CHECKED.allocate(state, ids(0), TOKENS, 6)
+  state, _ = CHECKED.allocate(state, ids(1), TOKENS, 3)
+  state, _ = CHECKED.swap_out(state, ids(1))
+  return state
+
+
+def _full_gpu(state):
+  """Seq 2 takes every remaining GPU block."""
+  state, _ = CHECKED.allocate(state, ids(2), TOKENS, 16)
+  assert int(BM.num_free_gpu_blocks(state)) == 2
+  state, _ = CHECKED.allocate(state, ids(3), TOKENS, 8)
+  assert int(BM.num_free_gpu_blocks(state)) == 0
+  return state
+
+
+def _full_cpu(state):
+  """The CPU pool has one free block left; seq 0 holds two GPU blocks."""
+  return state
+
+
+CASES = [
+    # name, prepare, method, args, status, error, words in the message
+    ("free twice (second free)", lambda s: CHECKED.free(s, ids(0))[0], "free", (ids(0),),
+     pj.Status.NOT_ALLOCATED, pj.NotAllocatedError, "seq 0"),
+    ("append to an empty slot", None, "append_slots",
+     (ids(3), jnp.ones((2, 1), jnp.int32), jnp.array([1, 0], jnp.int32)),
+     pj.Status.NOT_ALLOCATED, pj.NotAllocatedError, "seq 3"),
+    ("fork of an empty slot", None, "fork", (jnp.int32(3), jnp.int32(2)),
+     pj.Status.NOT_ALLOCATED, pj.NotAllocatedError, "seq 3"),
+    ("swap_out of an empty slot", None, "swap_out", (ids(3),),
+     pj.Status.NOT_ALLOCATED, pj.NotAllocatedError, "seq 3"),
+    ("allocate into an occupied slot", None, "allocate", (ids(0), TOKENS, jnp.int32(4)),
+     pj.Status.ALREADY_ALLOCATED, pj.AlreadyAllocatedError, "seq 0"),
+    ("fork onto an occupied child", None, "fork", (jnp.int32(0), jnp.int32(1)),
+     pj.Status.ALREADY_ALLOCATED, pj.AlreadyAllocatedError, "seq 1"),
+    ("seq id out of range", None, "free", (ids(7),),
+     pj.Status.INVALID_ARGUMENT, pj.InvalidArgumentError, "seq id 7"),
+    ("seq id named twice", None, "free", (ids(0, 0),),
+     pj.Status.INVALID_ARGUMENT, pj.InvalidArgumentError, "named twice"),
+    ("negative token count in allocate", None, "allocate", (ids(2), TOKENS, jnp.int32(-1)),
+     pj.Status.INVALID_ARGUMENT, pj.InvalidArgumentError, "num_tokens=-1"),
+    ("negative token count in append", None, "append_slots",
+     (ids(0), jnp.ones((2, 1), jnp.int32), jnp.array([-1, 0], jnp.int32)),
+     pj.Status.INVALID_ARGUMENT, pj.InvalidArgumentError, "num_new"),
+    ("prompt longer than a table", None, "allocate", (ids(2), TOKENS, jnp.int32(17)),
+     pj.Status.TABLE_FULL, pj.TableFullError, "16 tokens"),
+    ("append past the table", None, "append_slots",
+     (ids(0), jnp.ones((2, 16), jnp.int32), jnp.array([11, 0], jnp.int32)),
+     pj.Status.TABLE_FULL, pj.TableFullError, "seq 0"),
+    ("out of GPU blocks on allocate", _full_gpu, "allocate", (ids(4), TOKENS, jnp.int32(1)),
+     pj.Status.OUT_OF_BLOCKS, pj.OutOfBlocksError, "0 free"),
+    ("out of GPU blocks on append", _full_gpu, "append_slots",
+     (ids(3), jnp.ones((2, 1), jnp.int32), jnp.array([1, 0], jnp.int32)),
+     pj.Status.OUT_OF_BLOCKS, pj.OutOfBlocksError, "seq 3"),
+    ("out of GPU blocks on swap_in", _full_gpu, "swap_in", (ids(1),),
+     pj.Status.OUT_OF_BLOCKS, pj.OutOfBlocksError, "seq 1"),
+    ("out of CPU blocks on swap_out", _full_cpu, "swap_out", (ids(0),),
+     pj.Status.SWAP_SPACE_EXHAUSTED, pj.SwapSpaceExhaustedError, "1 CPU blocks free"),
+    ("swap_in of a sequence on the GPU", None, "swap_in", (ids(0),),
+     pj.Status.WRONG_DEVICE, pj.WrongDeviceError, "seq 0"),
+    ("swap_out of a sequence on the CPU", None, "swap_out", (ids(1),),
+     pj.Status.WRONG_DEVICE, pj.WrongDeviceError, "seq 1"),
+    ("append to a sequence on the CPU", None, "append_slots",
+     (ids(1), jnp.ones((2, 1), jnp.int32), jnp.array([1, 0], jnp.int32)),
+     pj.Status.WRONG_DEVICE, pj.WrongDeviceError, "seq 1"),
+]
+
+
+def _same(a, b):
+  return jax.tree.all(jax.tree.map(lambda x, y: bool(jnp.array_equal(x, y)), a, b))
+
+
+@pytest.mark.parametrize("name, prepare, method, args, status, error, words", CASES,
+                         ids=[c[0] for c in CASES])
+def test_bad_input(base_state, name, prepare, method, args, status, error, words):
+  state = prepare(base_state) if prepare else base_state
+  new_state, result = jax.jit(getattr(BM, method))(state, *args)
+  assert pj.Status(int(result.status)) == status, name
+  assert _same(new_state, state), "a failed call must return its state unchanged"
+  if hasattr(result, "count"):
+    assert int(result.count) == 0 and bool(jnp.all(result.src == -1))
+  with pytest.raises(error, match=words):
+    getattr(CHECKED, method)(state, *args)
+  pj.check_invariants(state)
+
+
+def test_can_allocate_never_for_a_prompt_longer_than_a_table(base_state):
+  assert pj.AllocStatus(int(BM.can_allocate(base_state, 17))) == pj.AllocStatus.NEVER
+  assert pj.AllocStatus(int(BM.can_allocate(base_state, -1))) == pj.AllocStatus.NEVER
+  assert pj.AllocStatus(int(BM.can_allocate(base_state, 16))) == pj.AllocStatus.OK
+
+
+def test_checked_returns_results_on_success(base_state):
+  state, result = CHECKED.fork(base_state, jnp.int32(0), jnp.int32(2))
+  assert pj.Status(int(result.status)) == pj.Status.OK
+  np.testing.assert_array_equal(BM.get_block_table(state, 2), BM.get_block_table(state, 0))
+
+
+def test_static_lookahead_must_be_a_non_negative_int(base_state):
+  with pytest.raises(ValueError, match="num_lookahead_slots"):
+    BM.append_slots(base_state, ids(0), jnp.ones((2, 1), jnp.int32), jnp.ones(2, jnp.int32),
+                    num_lookahead_slots=-1)

@@ -1,0 +1,47 @@
+"""The pool layer: DOUBLE_FREE when a block is released more often than it is held."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import paged_jax as pj
+from paged_jax.block_manager.pool import release
+from paged_jax.block_manager.state import init_pool
+
+
+def _held_pool(caching):
+  """A GPU pool after one allocation of 6 tokens (block size 4) for a group of two."""
+  cfg = pj.CacheConfig(block_size=4, num_gpu_blocks=6, num_cpu_blocks=0, max_seqs=4,
+                       max_blocks_per_seq=4, enable_prefix_caching=caching)
+  bm = pj.BlockSpaceManager(cfg)
+  state, res = bm.allocate(bm.init(), jnp.array([0, 1]), jnp.arange(6, dtype=jnp.int32), 6)
+  assert int(res.status) == pj.Status.OK
+  return state.gpu, np.asarray(bm.get_block_table(state, 0))[:2]
+
+
+def test_release_of_an_unreferenced_block_is_double_free():
+  pool = init_pool(4, pj.CacheConfig(block_size=4, num_gpu_blocks=4))
+  new, status = jax.jit(release)(pool, jnp.array([2]))
+  assert pj.Status(int(status)) == pj.Status.DOUBLE_FREE
+  assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), new, pool))
+
+
+def test_releasing_more_than_held_is_double_free_and_changes_nothing():
+  for caching in (False, True):
+    pool, blocks = _held_pool(caching)
+    # Each block is held twice: three releases of one block is one too many.
+    events = jnp.array([blocks[0], blocks[1], blocks[0], blocks[0]], jnp.int32)
+    new, status = release(pool, events)
+    assert pj.Status(int(status)) == pj.Status.DOUBLE_FREE
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), new, pool))
+
+
+def test_releasing_every_reference_frees_the_blocks():
+  pool, blocks = _held_pool(False)
+  before = int(pool.num_free())
+  new, status = release(pool, jnp.array([blocks[1], blocks[0], blocks[1], blocks[0]], jnp.int32))
+  assert pj.Status(int(status)) == pj.Status.OK
+  assert int(new.num_free()) == before + 2
+  # Pushed in the order their last reference went: blocks[1] then blocks[0] (top of the stack).
+  top = np.asarray(new.free_stack)[int(new.num_stacked) - 2:int(new.num_stacked)]
+  assert top.tolist() == [int(blocks[1]), int(blocks[0])]
