@@ -2,6 +2,7 @@
 
 from paged_jax.models.cache import DenseCache, KVCacheBackend
 from paged_jax.models.llama import Llama, LlamaConfig, init_dense_cache
+from paged_jax.models.paged import PagedCache
 from paged_jax.models.pretrained import (load_model, load_tiny, save_model,
                                          tiny_corpus)
 from paged_jax.models.tokenizer import ByteTokenizer
@@ -12,6 +13,7 @@ __all__ = [
     "KVCacheBackend",
     "Llama",
     "LlamaConfig",
+    "PagedCache",
     "init_dense_cache",
     "load_model",
     "load_tiny",
