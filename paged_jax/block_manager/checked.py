@@ -7,7 +7,7 @@ import functools
 import jax
 import numpy as np
 
-from paged_jax.block_manager.state import EMPTY, ON_CPU, BlockManagerState
+from paged_jax.block_manager.state import EMPTY, ON_CPU, ON_GPU, BlockManagerState
 from paged_jax.config import Status
 
 
@@ -85,7 +85,7 @@ def describe_failure(op: str, status: Status, state: BlockManagerState, args, kw
   else:
     ids = np.atleast_1d(np.asarray(args[0])).tolist()
   real = [i for i in ids if 0 <= i < cfg.max_seqs]
-  where = {EMPTY: "empty", ON_CPU: "on the CPU"}
+  where = {EMPTY: "empty", ON_GPU: "on the GPU", ON_CPU: "on the CPU"}
   free_gpu = int(state.gpu.num_free())
   if status == Status.INVALID_ARGUMENT:
     return f"{op}: invalid arguments: {_invalid_reason(op, ids, cfg, args)}"
@@ -96,9 +96,9 @@ def describe_failure(op: str, status: Status, state: BlockManagerState, args, kw
     seq = ids[1] if op == "fork" else next(i for i in real if device[i] != EMPTY)
     return f"{op}: seq {seq} is already allocated ({num_tokens[seq]} tokens)"
   if status == Status.WRONG_DEVICE:
-    want = EMPTY if op == "swap_in" else ON_CPU
-    seq = next(i for i in real if device[i] not in (EMPTY, 3 - want) or device[i] == want)
-    return f"{op}: seq {seq} is {where.get(int(device[seq]), 'on the GPU')}, which {op} cannot use"
+    wrong = ON_GPU if op == "swap_in" else ON_CPU
+    seq = next(i for i in real if device[i] == wrong)
+    return f"{op}: seq {seq} is {where[int(device[seq])]}, which {op} cannot use"
   if status == Status.TABLE_FULL:
     limit = cfg.max_tokens_per_seq
     return (f"{op}: seq {real[0] if real else ids[0]} would exceed its block table "
