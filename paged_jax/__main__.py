@@ -135,7 +135,7 @@ def print_demo(report: dict) -> None:
         f"(compile included): {report['tokens_per_s']:.0f} tokens/s")
   print(f"peak blocks {report['peak_blocks']}/{report['num_gpu_blocks']}, "
         f"KV slot utilization {report['kv_slot_utilization']:.1%} (tokens of every "
-        f"sequence per allocated slot; shared blocks count once per sequence), "
+        f"sequence per allocated slot: shared blocks lift it above 100%), "
         f"prefix-cache hit rate {report['prefix_cache_hit_rate']:.1%} "
         f"({report['prefill_tokens']}/{report['prompt_tokens']} prompt tokens computed)")
   print(f"copy-on-write copies {report['cow_copies']}, preemptions "
