@@ -267,12 +267,15 @@ def append_slots(state: BlockManagerState, seq_ids, new_token_ids, num_new,
   # Phase 4: releases (copy sources and replaced blocks, then dead window blocks).
   replaced = (copy | (hit & (old >= 0))) & within
   window_releases = jnp.where(replaced, old, NO_BLOCK)
-  dead_width = k_cols // bs + 1
-  dead_cols = _first_live(cfg, n0)[:, None] + jnp.arange(dead_width, dtype=i32)[None, :]
-  dead_old = jnp.where(dead_cols < m, tables[safe[:, None], jnp.minimum(dead_cols, m - 1)], NO_BLOCK)
-  dies = real[:, None] & (dead_cols < _first_live(cfg, n1)[:, None]) & (dead_old >= 0)
-  dead_releases = jnp.where(dies, dead_old, NO_BLOCK)
-  releases = jnp.concatenate([window_releases, dead_releases], axis=1).ravel()
+  releases = window_releases.ravel()
+  if cfg.sliding_window is not None:
+    dead_width = k_cols // bs + 1
+    dead_cols = _first_live(cfg, n0)[:, None] + jnp.arange(dead_width, dtype=i32)[None, :]
+    dead_old = jnp.where(dead_cols < m, tables[safe[:, None], jnp.minimum(dead_cols, m - 1)],
+                         NO_BLOCK)
+    dies = real[:, None] & (dead_cols < _first_live(cfg, n1)[:, None]) & (dead_old >= 0)
+    dead_releases = jnp.where(dies, dead_old, NO_BLOCK)
+    releases = jnp.concatenate([window_releases, dead_releases], axis=1).ravel()
   gains = jnp.where(need_take | hit, new, NO_BLOCK).ravel()
 
   registrations = None
@@ -291,8 +294,9 @@ def append_slots(state: BlockManagerState, seq_ids, new_token_ids, num_new,
   keep = ok & real
   write_cols = masked(cols, keep[:, None] & in_table, m)
   tables = state.tables.at[safe[:, None], write_cols].set(new, mode="drop")
-  dead_idx = masked(dead_cols, keep[:, None] & dies, m)
-  tables = tables.at[safe[:, None], dead_idx].set(NO_BLOCK, mode="drop")
+  if cfg.sliding_window is not None:
+    dead_idx = masked(dead_cols, keep[:, None] & dies, m)
+    tables = tables.at[safe[:, None], dead_idx].set(NO_BLOCK, mode="drop")
   state = state.replace(tables=tables,
                         num_tokens=_set_rows(state.num_tokens, safe, keep, n1))
   if cfg.enable_prefix_caching:
@@ -317,9 +321,10 @@ def _copy_plan(copy, old, new, capacity, ok, status) -> CopyPlan:
   """Compacts the (old, new) pairs of copying entries, in take order."""
   flat = copy.ravel() & ok
   pos = masked(jnp.cumsum(flat) - 1, flat, capacity)
-  src = jnp.full(capacity, NO_BLOCK, i32).at[pos].set(old.ravel(), mode="drop")
-  dst = jnp.full(capacity, NO_BLOCK, i32).at[pos].set(new.ravel(), mode="drop")
-  return CopyPlan(src=src, dst=dst, count=jnp.sum(flat).astype(i32), status=status)
+  pairs = jnp.full((capacity, 2), NO_BLOCK, i32).at[pos].set(
+      jnp.stack([old.ravel(), new.ravel()], axis=1), mode="drop")
+  return CopyPlan(src=pairs[:, 0], dst=pairs[:, 1], count=jnp.sum(flat).astype(i32),
+                  status=status)
 
 
 def _append_identities(state, safe, real, base, n0, k, new_token_ids, width):

@@ -117,8 +117,10 @@ def commit_pool(pool: Pool, ok: jax.Array, *, num_takes: jax.Array, gains: jax.A
     (new pool, pushed bool[E]: release events that freed their block).
   """
   n = pool.num_blocks
-  ref = pool.ref_count.at[masked(gains, (gains >= 0) & ok, n)].add(gain_weight, mode="drop")
-  ref = ref.at[masked(releases, (releases >= 0) & ok, n)].add(-1, mode="drop")
+  changed = jnp.concatenate([gains, releases])
+  delta = jnp.concatenate([jnp.broadcast_to(jnp.asarray(gain_weight, jnp.int32), gains.shape),
+                           jnp.full(releases.shape, -1, jnp.int32)])
+  ref = pool.ref_count.at[masked(changed, (changed >= 0) & ok, n)].add(delta, mode="drop")
   pushed = release_pushes(pool, releases, ref) & ok
   has_content = (take(pool.content.has_content, releases)
                  if pool.content is not None else jnp.zeros(releases.shape, bool))
