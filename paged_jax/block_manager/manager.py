@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from paged_jax.block_manager import prefix_cache as pc
-from paged_jax.block_manager.pool import commit_pool, masked, scatter_count, take, taken_blocks
+from paged_jax.block_manager.pool import (
+    commit_pool, masked, running_count, scatter_count, take, taken_blocks)
 from paged_jax.block_manager.state import (
     EMPTY, NO_BLOCK, ON_CPU, ON_GPU, BlockManagerState, CopyPlan, OpResult,
     Pool, SwapPlan, first_failure, init_state)
@@ -27,15 +28,35 @@ def _as_i32(x) -> jax.Array:
   return jnp.asarray(x, dtype=i32)
 
 
+def _div(a, b: int):
+  """a // b (floor). A power-of-two b is an arithmetic shift, which keeps fusions cheap."""
+  if isinstance(a, int) or b & (b - 1):
+    return a // b
+  return jnp.right_shift(a, b.bit_length() - 1)
+
+
 def _cdiv(a, b):
-  return (a + b - 1) // b
+  return _div(a + b - 1, b)
 
 
 def _first_live(cfg: CacheConfig, num_tokens: jax.Array) -> jax.Array:
   """First logical block still inside the sliding window (0 without one)."""
   if cfg.sliding_window is None:
     return jnp.zeros_like(num_tokens)
-  return jnp.maximum(0, (num_tokens - cfg.sliding_window) // cfg.block_size)
+  return jnp.maximum(0, _div(num_tokens - cfg.sliding_window, cfg.block_size))
+
+
+def _any_each(*masks: jax.Array) -> tuple[jax.Array, ...]:
+  """``jnp.any`` of each mask, from one OR-reduction of bit-packed flags.
+
+  One reduction instead of one per mask: on XLA:CPU each costs about as much
+  as a scatter at batch 1024.
+  """
+  packed = masks[0].astype(i32)
+  for i, mask in enumerate(masks[1:], 1):
+    packed = packed | (mask.astype(i32) << i)
+  bits = jax.lax.reduce(packed.ravel(), i32(0), jax.lax.bitwise_or, (0,))
+  return tuple((bits >> i) & 1 == 1 for i in range(len(masks)))
 
 
 def _check_ids(ids: jax.Array, num_slots: int):
@@ -90,6 +111,20 @@ def _set_rows(array: jax.Array, rows: jax.Array, keep: jax.Array, values) -> jax
   idx = masked(rows, keep, array.shape[0])
   values = jnp.broadcast_to(values, (rows.shape[0],) + array.shape[1:])
   return array.at[idx].set(values.astype(array.dtype), mode="drop")
+
+
+def _table_entries(tables: jax.Array, rows: jax.Array, cols: jax.Array) -> jax.Array:
+  """tables[rows[:, None], cols] (cols clipped into range), as one flat gather."""
+  m = tables.shape[1]
+  return tables.reshape(-1)[rows[:, None] * m + jnp.clip(cols, 0, m - 1)]
+
+
+def _set_table_entries(tables, rows, cols, keep, values) -> jax.Array:
+  """tables[rows[i], cols[i, j]] = values[i, j] where keep[i, j] (cols in range), flat."""
+  s, m = tables.shape
+  idx = masked(rows[:, None] * m + cols, keep, s * m)
+  values = jnp.broadcast_to(jnp.asarray(values, tables.dtype), idx.shape)
+  return tables.reshape(-1).at[idx.ravel()].set(values.ravel(), mode="drop").reshape(s, m)
 
 
 # ---------------------------------------------------------------------------
@@ -194,30 +229,30 @@ def append_slots(state: BlockManagerState, seq_ids, new_token_ids, num_new,
   k_cols = new_token_ids.shape[1]
   k = _as_i32(num_new).reshape(b)
   real, safe, bad_ids = _check_ids(seq_ids, s)
-  invalid = bad_ids | jnp.any(real & ((k < 0) | (k > k_cols)))
   device = state.device[safe]
-  not_allocated = jnp.any(real & (device == EMPTY))
-  wrong_device = jnp.any(real & (device == ON_CPU))
   n0 = state.num_tokens[safe]
+  bad_count = (k < 0) | (k > k_cols)
   k = jnp.where(real, jnp.clip(k, 0, k_cols), 0)
   n1 = n0 + k
   target_len = _cdiv(n1 + lookahead, bs)
-  table_full = jnp.any(real & (target_len > m))
+  bad_count, not_allocated, wrong_device, table_full = _any_each(
+      real & bad_count, real & (device == EMPTY), real & (device == ON_CPU),
+      real & (target_len > m))
+  invalid = bad_ids | bad_count
 
   # The window of table entries a row can touch: [base, base + width).
   width = _cdiv(bs - 1 + k_cols + lookahead, bs)
-  base = n0 // bs
+  base = _div(n0, bs)
   cols = base[:, None] + jnp.arange(width, dtype=i32)[None, :]
   in_table = cols < m
   tables = state.tables
-  old = jnp.where(in_table, tables[safe[:, None], jnp.minimum(cols, m - 1)], NO_BLOCK)
+  old = jnp.where(in_table, _table_entries(tables, safe, cols), NO_BLOCK)
   old = jnp.where(real[:, None], old, NO_BLOCK)
   live_end = cols >= _first_live(cfg, n1)[:, None]
   written = ((cols * bs < n1[:, None]) & ((cols + 1) * bs > n0[:, None])
              & (k > 0)[:, None] & real[:, None])
 
   gpu = state.gpu
-  n_blocks = gpu.num_blocks
   hit = jnp.zeros((b, width), bool)
   hit_block = jnp.full((b, width), NO_BLOCK, i32)
   call_rep = None
@@ -233,18 +268,14 @@ def append_slots(state: BlockManagerState, seq_ids, new_token_ids, num_new,
   # Phase 2: copy-on-write decisions.
   writer = written & live_end & (old >= 0)
   nonhit_writer = writer & ~hit
-  writers_of = scatter_count(jnp.where(writer, old, NO_BLOCK), n_blocks)
-  row_idx = jnp.broadcast_to(jnp.arange(b, dtype=i32)[:, None], (b, width))
-  last_writer = jnp.full(n_blocks, -1, i32).at[
-      masked(old, nonhit_writer, n_blocks).ravel()].max(row_idx.ravel(), mode="drop")
-  in_place = (nonhit_writer & (take(gpu.ref_count, old) == take(writers_of, old))
-              & (take(last_writer, old) == row_idx))
-  copy = nonhit_writer & ~in_place
+  copy = nonhit_writer & ~_writes_in_place(gpu.ref_count, old, writer, nonhit_writer)
 
   # Phase 3: takes, in array order and logical order within a row.
   within = (cols < target_len[:, None]) & in_table & real[:, None]
   need_take = within & live_end & (((old < 0) & ~hit) | copy)
-  num_takes = jnp.sum(need_take).astype(i32)
+  capacity = b * width
+  take_count = running_count(need_take.ravel())
+  num_takes = take_count[-1] if capacity else i32(0)
   pins = jnp.where(hit & (hit_block >= 0), hit_block, NO_BLOCK)
   revived = _revived(gpu, pins)
   out_of_blocks = num_takes > gpu.num_free() - revived
@@ -254,9 +285,8 @@ def append_slots(state: BlockManagerState, seq_ids, new_token_ids, num_new,
                          (Status.TABLE_FULL, table_full),
                          (Status.OUT_OF_BLOCKS, out_of_blocks))
   ok = status == Status.OK
-  capacity = b * width
   taken, evicted = taken_blocks(gpu, num_takes, capacity, pins)
-  rank = jnp.clip(jnp.cumsum(need_take.ravel()) - 1, 0, max(capacity - 1, 0)).reshape(b, width)
+  rank = jnp.clip(take_count - 1, 0, max(capacity - 1, 0)).reshape(b, width)
   fresh = jnp.where(need_take, taken[rank], NO_BLOCK)
   new = jnp.where(need_take, fresh, jnp.where(live_end, old, NO_BLOCK))
   if call_rep is not None:
@@ -271,7 +301,7 @@ def append_slots(state: BlockManagerState, seq_ids, new_token_ids, num_new,
   if cfg.sliding_window is not None:
     dead_width = k_cols // bs + 1
     dead_cols = _first_live(cfg, n0)[:, None] + jnp.arange(dead_width, dtype=i32)[None, :]
-    dead_old = jnp.where(dead_cols < m, tables[safe[:, None], jnp.minimum(dead_cols, m - 1)],
+    dead_old = jnp.where(dead_cols < m, _table_entries(tables, safe, dead_cols),
                          NO_BLOCK)
     dies = real[:, None] & (dead_cols < _first_live(cfg, n1)[:, None]) & (dead_old >= 0)
     dead_releases = jnp.where(dies, dead_old, NO_BLOCK)
@@ -292,11 +322,9 @@ def append_slots(state: BlockManagerState, seq_ids, new_token_ids, num_new,
                   evicted=evicted, revived=revived, registrations=registrations)
 
   keep = ok & real
-  write_cols = masked(cols, keep[:, None] & in_table, m)
-  tables = state.tables.at[safe[:, None], write_cols].set(new, mode="drop")
+  tables = _set_table_entries(state.tables, safe, cols, keep[:, None] & in_table, new)
   if cfg.sliding_window is not None:
-    dead_idx = masked(dead_cols, keep[:, None] & dies, m)
-    tables = tables.at[safe[:, None], dead_idx].set(NO_BLOCK, mode="drop")
+    tables = _set_table_entries(tables, safe, dead_cols, keep[:, None] & dies, NO_BLOCK)
   state = state.replace(tables=tables,
                         num_tokens=_set_rows(state.num_tokens, safe, keep, n1))
   if cfg.enable_prefix_caching:
@@ -310,6 +338,30 @@ def append_slots(state: BlockManagerState, seq_ids, new_token_ids, num_new,
   return state, plan
 
 
+def _writes_in_place(ref_count, old, writer, nonhit_writer) -> jax.Array:
+  """Which non-hit writers write their block in place instead of copying it.
+
+  The seed's rule, applied in row order: a block is written in place by the
+  last row that writes it, when every reference to it comes from a row writing
+  it in this call; the other writers copy. When every non-hit writer is its
+  block's sole owner (the common decode step) that is all of them, and the
+  block-indexed counts are skipped.
+  """
+  n_blocks = ref_count.shape[0]
+  refs = take(ref_count, old)
+
+  def shared_blocks():
+    writers_of = scatter_count(jnp.where(writer, old, NO_BLOCK), n_blocks)
+    row = jnp.broadcast_to(jnp.arange(old.shape[0], dtype=i32)[:, None], old.shape)
+    last_writer = jnp.full(n_blocks, -1, i32).at[
+        masked(old, nonhit_writer, n_blocks).ravel()].max(row.ravel(), mode="drop")
+    return (nonhit_writer & (refs == take(writers_of, old))
+            & (take(last_writer, old) == row))
+
+  return jax.lax.cond(jnp.any(nonhit_writer & (refs > 1)), shared_blocks,
+                      lambda: nonhit_writer)
+
+
 def _static_lookahead(num_lookahead_slots) -> int:
   if not isinstance(num_lookahead_slots, int) or num_lookahead_slots < 0:
     raise ValueError("num_lookahead_slots must be a static Python int >= 0, "
@@ -320,9 +372,14 @@ def _static_lookahead(num_lookahead_slots) -> int:
 def _copy_plan(copy, old, new, capacity, ok, status) -> CopyPlan:
   """Compacts the (old, new) pairs of copying entries, in take order."""
   flat = copy.ravel() & ok
-  pos = masked(jnp.cumsum(flat) - 1, flat, capacity)
-  pairs = jnp.full((capacity, 2), NO_BLOCK, i32).at[pos].set(
-      jnp.stack([old.ravel(), new.ravel()], axis=1), mode="drop")
+
+  def compact():
+    pos = masked(running_count(flat) - 1, flat, capacity)
+    return jnp.full((capacity, 2), NO_BLOCK, i32).at[pos].set(
+        jnp.stack([old.ravel(), new.ravel()], axis=1), mode="drop")
+
+  # Most decode steps copy nothing.
+  pairs = jax.lax.cond(jnp.any(flat), compact, lambda: jnp.full((capacity, 2), NO_BLOCK, i32))
   return CopyPlan(src=pairs[:, 0], dst=pairs[:, 1], count=jnp.sum(flat).astype(i32),
                   status=status)
 
@@ -352,10 +409,10 @@ def _append_identities(state, safe, real, base, n0, k, new_token_ids, width):
   hashes = pc.identity_hash(h, salt[:, None], ends, cfg.hash_bits)
   parent0 = jnp.where(base > 0, state.tables[safe, jnp.clip(base - 1, 0, m - 1)], NO_BLOCK)
   n1 = n0 + k
-  tail_start = (n1 // bs) * bs - base * bs
+  tail_start = _div(n1, bs) * bs - base * bs
   new_tail = jnp.take_along_axis(buf, jnp.clip(tail_start[:, None] + jnp.arange(bs)[None, :],
                                                0, span - 1), axis=1)
-  new_tail = jnp.where(jnp.arange(bs)[None, :] < (n1 % bs)[:, None], new_tail, 0)
+  new_tail = jnp.where(jnp.arange(bs)[None, :] < (n1 - _div(n1, bs) * bs)[:, None], new_tail, 0)
   return dict(hash=hashes, tokens=buf.reshape(b, width, bs), full=full, parent0=parent0,
               rolling=rolling, tail=new_tail, buf=buf)
 
@@ -518,7 +575,7 @@ def _swap(state: BlockManagerState, seq_ids, to_gpu: bool):
   ok = status == Status.OK
   capacity = b * m
   taken, evicted = taken_blocks(dst_pool, num_takes, capacity, hit_block)
-  rank = jnp.clip(jnp.cumsum(need_take) - 1, 0, max(capacity - 1, 0))
+  rank = jnp.clip(running_count(need_take) - 1, 0, max(capacity - 1, 0))
   first_dst = jnp.where(hit, hit_block, jnp.where(need_take, taken[rank], NO_BLOCK))
   dst_of = jnp.full(src_pool.num_blocks, NO_BLOCK, i32).at[
       masked(flat, is_first, src_pool.num_blocks)].set(first_dst, mode="drop")
@@ -544,7 +601,7 @@ def _swap(state: BlockManagerState, seq_ids, to_gpu: bool):
     looked_up = jnp.sum(is_first & has)
     state = state.replace(num_lookups=state.num_lookups + jnp.where(ok, looked_up, 0),
                           num_hits=state.num_hits + jnp.where(ok, jnp.sum(hit), 0))
-  plan_pos = masked(jnp.cumsum(need_take) - 1, need_take & ok, capacity)
+  plan_pos = masked(running_count(need_take) - 1, need_take & ok, capacity)
   plan = SwapPlan(src=jnp.full(capacity, NO_BLOCK, i32).at[plan_pos].set(flat, mode="drop"),
                   dst=jnp.full(capacity, NO_BLOCK, i32).at[plan_pos].set(new_flat, mode="drop"),
                   count=jnp.where(ok, num_takes, 0), status=status)

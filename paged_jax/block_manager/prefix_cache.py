@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from paged_jax.block_manager.pool import masked, take
+from paged_jax.block_manager.pool import masked, running_count, take
 from paged_jax.block_manager.state import NO_BLOCK, ContentIndex, Pool
 
 # Odd bases of the two polynomial hash lanes (invertible mod 2**32).
@@ -285,7 +285,7 @@ def commit_content(pool: Pool, ok: jax.Array, *, revived: jax.Array,
   c = c.replace(last_accessed=c.last_accessed.at[take_idx].set(-1, mode="drop"),
                 computed=c.computed.at[take_idx].set(False, mode="drop"))
   to_evictor = pushed & take(c.has_content, releases) & ok
-  rel_rank = jnp.cumsum(to_evictor) - 1
+  rel_rank = running_count(to_evictor) - 1
   c = c.replace(release_time=c.release_time.at[masked(releases, to_evictor, n)].set(
       c.release_clock + rel_rank, mode="drop"))
   reg_ok = (reg_blocks >= 0) & ok
