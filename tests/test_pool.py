@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import paged_jax as pj
-from paged_jax.block_manager.pool import release
+from paged_jax.block_manager.pool import release, running_count
 from paged_jax.block_manager.state import init_pool
 
 
@@ -45,3 +45,13 @@ def test_releasing_every_reference_frees_the_blocks():
   # Pushed in the order their last reference went: blocks[1] then blocks[0] (top of the stack).
   top = np.asarray(new.free_stack)[int(new.num_stacked) - 2:int(new.num_stacked)]
   assert top.tolist() == [int(blocks[1]), int(blocks[0])]
+
+
+def test_running_count_is_the_cumsum_at_every_size():
+  rng = np.random.default_rng(0)
+  fn = jax.jit(running_count)
+  for n in (0, 1, 31, 32, 33, 256, 257, 1000, 1024, 1025, 70_000):
+    for dtype, values in ((bool, rng.random(n) < 0.4), (np.int32, rng.integers(0, 5, n))):
+      got = np.asarray(fn(jnp.asarray(values.astype(dtype))))
+      assert got.dtype == np.int32
+      np.testing.assert_array_equal(got, np.cumsum(values), err_msg=f"n={n} {dtype}")

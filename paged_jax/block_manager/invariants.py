@@ -59,7 +59,7 @@ def _check_hash_table(name, c, has) -> None:
   prev = np.asarray(c.prev_in_bucket)
   seen = np.zeros(has.shape[0], bool)
   for b, head in enumerate(buckets):
-    node, before = int(head), -1
+    node, before = int(head), -2 - b
     while node >= 0:
       _require(has[node] and not seen[node] and home[node] == b,
                f"{name} hash chains hold each cached block once, in its bucket")

@@ -77,12 +77,19 @@ def _with_pool(state: BlockManagerState, on_gpu: bool, pool: Pool) -> BlockManag
   return state.replace(gpu=pool) if on_gpu else state.replace(cpu=pool)
 
 
-def _revived(pool: Pool, pins: jax.Array) -> jax.Array:
-  """Distinct unreferenced blocks that `pins` (-1 skipped) take out of the evictor."""
+def _revived(pool: Pool, pins: jax.Array, distinct: bool = False) -> jax.Array:
+  """Distinct unreferenced blocks that `pins` (-1 skipped; `distinct` if known) revive."""
   if pool.content is None:
     return i32(0)
-  pinned = scatter_count(pins, pool.num_blocks) > 0
-  return jnp.sum(pinned & pool.content.has_content & (pool.ref_count == 0))
+  pins = pins.ravel()
+  if distinct:
+    distinct = pins >= 0
+  else:
+    keys = jnp.stack([pins.astype(jnp.uint32), jnp.zeros_like(pins, jnp.uint32)], axis=1)
+    first = pc.first_equal(keys, lambda i, j: pins[i] == pins[j], pins >= 0)
+    distinct = (pins >= 0) & (first == jnp.arange(pins.shape[0]))
+  return jnp.sum(distinct & take(pool.content.has_content, pins)
+                 & (take(pool.ref_count, pins) == 0)).astype(i32)
 
 
 def _commit(state, on_gpu, ok, *, num_takes, gains, releases, gain_weight=1, taken=None,
@@ -151,18 +158,17 @@ def allocate(state: BlockManagerState, seq_ids, token_ids, num_tokens, salt=0):
   if cfg.enable_prefix_caching:
     buf = jnp.zeros(m * bs, i32).at[:token_ids.shape[0]].set(token_ids[:m * bs])
     buf = jnp.where(jnp.arange(m * bs) < n, buf, 0)
-    start = jnp.array([[0, 0, 1, 1]], jnp.uint32)
-    prefix, rolling = pc.rolling_hashes(start, buf[None], n[None])
+    block_ends, rolling = pc.prompt_hashes(buf, n, bs)
     ends = (j + 1) * bs
     full = (ends <= n) & (group > 0)
-    hashes = pc.identity_hash(prefix[0, ends - 1], salt, ends, cfg.hash_bits)
+    hashes = pc.identity_hash(block_ends, salt, ends, cfg.hash_bits)
     blk_tokens = buf.reshape(m, bs)
     hit, hit_block = pc.lookup_chains(gpu.content, hashes[None], blk_tokens[None],
                                       salt[None], jnp.array([NO_BLOCK], i32), full[None])
     hit, hit_block = hit[0], hit_block[0]
   need_take = live & ~hit
   num_takes = jnp.sum(need_take).astype(i32)
-  revived = _revived(gpu, hit_block)
+  revived = _revived(gpu, hit_block, distinct=True)   # one chain: distinct blocks
   out_of_blocks = num_takes > gpu.num_free() - revived
   status = first_failure((Status.INVALID_ARGUMENT, invalid),
                          (Status.ALREADY_ALLOCATED, already),

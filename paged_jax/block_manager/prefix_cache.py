@@ -74,6 +74,34 @@ def rolling_hashes(rolling: jax.Array, tokens: jax.Array,
   return prefix, jnp.concatenate([final_h, jnp.stack(powers_after, -1)], axis=-1)
 
 
+def prompt_hashes(tokens: jax.Array, count: jax.Array,
+                  block_size: int) -> tuple[jax.Array, jax.Array]:
+  """A whole prompt's lane hashes after each block, and its rolling state.
+
+  `rolling_hashes` from an empty sequence, read at block ends only: the terms
+  are summed per block first, so a long prompt needs one short cumsum.
+
+  Args:
+    tokens: int32[L] with L a multiple of block_size.
+    count: int32 scalar, how many tokens are real.
+    block_size: tokens per block.
+
+  Returns:
+    (uint32[L // block_size, 2] hashes after each block, uint32[4] rolling state).
+  """
+  k = tokens.shape[0]
+  real = jnp.arange(k) < count
+  ends, totals, powers_after = [], [], []
+  for lane in range(2):
+    terms = _fmix32(tokens.astype(jnp.uint32) ^ jnp.uint32(_LANE_SEEDS[lane]))
+    terms = jnp.where(real, terms * _powers(_BASES[lane], k), jnp.uint32(0))
+    block_sums = jnp.sum(terms.reshape(-1, block_size), axis=1, dtype=jnp.uint32)
+    ends.append(jnp.cumsum(block_sums, dtype=jnp.uint32))
+    totals.append(jnp.sum(block_sums, dtype=jnp.uint32))
+    powers_after.append(_powers(_BASES[lane], k + 1)[count])
+  return jnp.stack(ends, axis=-1), jnp.stack(totals + powers_after)
+
+
 def identity_hash(prefix: jax.Array, salt: jax.Array, length: jax.Array,
                   hash_bits: int) -> jax.Array:
   """uint32[..., 2]: the indexing hash of (salt, prefix of `length` tokens), truncated."""
@@ -92,13 +120,15 @@ def bucket_of(hashes: jax.Array, num_buckets: int) -> jax.Array:
   return (mixed & jnp.uint32(num_buckets - 1)).astype(jnp.int32)
 
 
-def _key_matches(c: ContentIndex, node: jax.Array, hashes: jax.Array,
-                 tokens: jax.Array, salt: jax.Array) -> jax.Array:
-  """Whether block `node` (>= 0) holds exactly (hash, tokens, salt), parent aside."""
+def _key_matches(c: ContentIndex, node: jax.Array, tokens: jax.Array,
+                 salt: jax.Array) -> jax.Array:
+  """Whether block `node` (>= 0, in a hash chain, so with content) holds (tokens, salt).
+
+  Parent aside: with the parent this is the whole identity, so the stored
+  hash need not be compared.
+  """
   safe = jnp.maximum(node, 0)
-  return ((node >= 0) & c.has_content[safe]
-          & jnp.all(c.hash[safe] == hashes, axis=-1)
-          & (c.salt[safe] == salt)
+  return ((node >= 0) & (c.salt[safe] == salt)
           & jnp.all(c.tokens[safe] == tokens, axis=-1))
 
 
@@ -131,7 +161,7 @@ def lookup_chains(c: ContentIndex, hashes: jax.Array, tokens: jax.Array,
   level = jnp.arange(num_levels)[None, :]
 
   def examine(cursor):
-    key_ok = _key_matches(c, cursor, hashes, tokens, salt_b)
+    key_ok = _key_matches(c, cursor, tokens, salt_b)
     tentative = jnp.where(key_ok, cursor, NO_BLOCK)
     expected = jnp.concatenate([parent0[:, None], tentative[:, :-1]], axis=1)
     full = key_ok & (c.parent[jnp.maximum(cursor, 0)] == expected)
@@ -198,12 +228,23 @@ def first_equal(hashes: jax.Array, equal_fn, valid: jax.Array) -> jax.Array:
   return rep
 
 
+def head_mark(bucket: jax.Array) -> jax.Array:
+  """`prev_in_bucket` of a bucket's first block: -2 - bucket (-1 means in no chain)."""
+  return -2 - bucket
+
+
+def head_bucket(mark: jax.Array) -> jax.Array:
+  """The bucket a `head_mark` names."""
+  return -2 - mark
+
+
 def unlink(c: ContentIndex, blocks: jax.Array) -> ContentIndex:
   """Removes blocks (with content, distinct, -1 skipped) from the hash table.
 
   The chains are doubly linked, so this is a few scatters over `blocks`: each
   removed run of a chain is bridged from the node before it (or the bucket
-  head) to the node after it. Their content and computed flags are cleared.
+  head, which the first block's `head_mark` names) to the node after it.
+  Their content and computed flags are cleared.
   """
   n = c.has_content.shape[0]
   t = c.buckets.shape[0]
@@ -218,10 +259,10 @@ def unlink(c: ContentIndex, blocks: jax.Array) -> ContentIndex:
 
   before = walk(c.prev_in_bucket)(take(c.prev_in_bucket, blocks, NO_BLOCK))
   after = walk(c.next_in_bucket)(take(c.next_in_bucket, blocks, NO_BLOCK))
-  bucket = bucket_of(take(c.hash, blocks), t)
   next_in_bucket = c.next_in_bucket.at[masked(before, live & (before >= 0), n)].set(
       after, mode="drop")
-  buckets = c.buckets.at[masked(bucket, live & (before < 0), t)].set(after, mode="drop")
+  buckets = c.buckets.at[masked(head_bucket(before), live & (before < 0), t)].set(
+      after, mode="drop")
   prev_in_bucket = c.prev_in_bucket.at[masked(after, live & (after >= 0), n)].set(
       before, mode="drop")
   return c.replace(has_content=has, next_in_bucket=next_in_bucket, buckets=buckets,
@@ -232,30 +273,41 @@ def unlink(c: ContentIndex, blocks: jax.Array) -> ContentIndex:
 def insert(c: ContentIndex, blocks: jax.Array, hashes: jax.Array) -> ContentIndex:
   """Links blocks (-1 skipped; distinct, not in the table) at the heads of their buckets.
 
-  In rounds, one block per bucket (per scratch slot) at a time; no sort.
+  As if inserted in rounds, one block per bucket at a time (the lowest index
+  first): each block's successor is its bucket's head when its round comes.
+  The rounds run on small per-block and scratch arrays only; the hash table
+  is written once, after them. No sort.
   """
   t = c.buckets.shape[0]
   n = c.next_in_bucket.shape[0]
   bucket = bucket_of(hashes, t)
   _, size = _scratch_slots(hashes)
-  slot = bucket & (size - 1)   # one bucket, one slot: a round links one block per bucket
+  slot = bucket & (size - 1)   # a bucket's blocks share a slot: one of them per round
 
   def body(carry):
-    buckets, next_in_bucket, prev_in_bucket, pending = carry
+    pending, head, link, superseded = carry
     winner = _round_winners(slot, pending, size)
-    head = buckets[bucket]
-    next_in_bucket = next_in_bucket.at[masked(blocks, winner, n)].set(head, mode="drop")
-    prev_in_bucket = prev_in_bucket.at[masked(head, winner & (head >= 0), n)].set(
+    won_block = jnp.full(size, NO_BLOCK, jnp.int32).at[masked(slot, winner, size)].set(
         blocks, mode="drop")
-    prev_in_bucket = prev_in_bucket.at[masked(blocks, winner, n)].set(NO_BLOCK, mode="drop")
-    buckets = buckets.at[masked(bucket, winner, t)].set(blocks, mode="drop")
-    return buckets, next_in_bucket, prev_in_bucket, pending & ~winner
+    won_bucket = jnp.full(size, -1, jnp.int32).at[masked(slot, winner, size)].set(
+        bucket, mode="drop")
+    link = jnp.where(winner, head, link)
+    bucket_won = ~winner & (won_bucket[slot] == bucket)   # another block of my bucket
+    return (pending & ~winner, jnp.where(bucket_won, won_block[slot], head), link,
+            superseded | (bucket_won & ~pending))
 
-  buckets, next_in_bucket, prev_in_bucket, _ = lax.while_loop(
-      lambda carry: jnp.any(carry[3]), body,
-      (c.buckets, c.next_in_bucket, c.prev_in_bucket, blocks >= 0))
-  return c.replace(buckets=buckets, next_in_bucket=next_in_bucket,
-                   prev_in_bucket=prev_in_bucket)
+  valid = blocks >= 0
+  _, _, link, superseded = lax.while_loop(
+      lambda carry: jnp.any(carry[0]), body,
+      (valid, take(c.buckets, bucket, NO_BLOCK), jnp.full(blocks.shape, NO_BLOCK, jnp.int32),
+       jnp.zeros(blocks.shape, bool)))
+  at_blocks = masked(blocks, valid, n)
+  prev_in_bucket = c.prev_in_bucket.at[at_blocks].set(head_mark(bucket), mode="drop")
+  return c.replace(
+      buckets=c.buckets.at[masked(bucket, valid & ~superseded, t)].set(blocks, mode="drop"),
+      next_in_bucket=c.next_in_bucket.at[at_blocks].set(link, mode="drop"),
+      prev_in_bucket=prev_in_bucket.at[masked(link, valid & (link >= 0), n)].set(
+          blocks, mode="drop"))
 
 
 def commit_content(pool: Pool, ok: jax.Array, *, revived: jax.Array,

@@ -22,7 +22,8 @@ class ContentIndex:
   parent never leaves the cache before its children (eviction takes children
   first), parent pointers never dangle. `hash` (two uint32 lanes, truncated to
   hash_bits) indexes the identity in a chained hash table
-  (`buckets` heads, doubly linked by `next_in_bucket` and `prev_in_bucket`); lookups always compare exactly.
+  (`buckets` heads, doubly linked by `next_in_bucket` and `prev_in_bucket`);
+  lookups always compare exactly.
   """
 
   has_content: jax.Array      # bool[N]
@@ -36,7 +37,7 @@ class ContentIndex:
   computed: jax.Array         # bool[N]
   buckets: jax.Array          # int32[T]: first block of each hash bucket, -1 if none
   next_in_bucket: jax.Array   # int32[N]
-  prev_in_bucket: jax.Array   # int32[N]: -1 for the first block of a bucket
+  prev_in_bucket: jax.Array   # int32[N]: -2 - bucket for the first block of a bucket
   release_clock: jax.Array    # int32 scalar
   num_evictable: jax.Array    # int32 scalar: blocks with content and no reference
 
