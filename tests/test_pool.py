@@ -55,3 +55,33 @@ def test_running_count_is_the_cumsum_at_every_size():
       got = np.asarray(fn(jnp.asarray(values.astype(dtype))))
       assert got.dtype == np.int32
       np.testing.assert_array_equal(got, np.cumsum(values), err_msg=f"n={n} {dtype}")
+
+
+def test_eviction_order_is_the_lru_order_of_a_full_sort():
+  from paged_jax.block_manager.pool import _eviction_order
+  rng = np.random.default_rng(1)
+  cfg = pj.CacheConfig(block_size=4, num_gpu_blocks=300, enable_prefix_caching=True)
+  n = cfg.num_gpu_blocks
+  order = jax.jit(_eviction_order, static_argnums=2)
+  for trial in range(6):
+    pool = init_pool(n, cfg)
+    la_choices = np.array([-1, 0, 3, 7, 2**31 - 2, -(2**31) + 1]) if trial % 2 else np.arange(-1, 4)
+    content = pool.content.replace(
+        has_content=jnp.asarray(rng.random(n) < 0.8),
+        last_accessed=jnp.asarray(rng.choice(la_choices, n), jnp.int32),
+        num_hashed_tokens=jnp.asarray(4 * rng.integers(1, 4, n), jnp.int32),
+        release_time=jnp.asarray(rng.permutation(n), jnp.int32))
+    pool = pool.replace(ref_count=jnp.asarray(rng.integers(0, 3, n) * (rng.random(n) < 0.3),
+                                              jnp.int32), content=content)
+    pinned = jnp.asarray(rng.choice(np.arange(-1, n), 20), jnp.int32)
+    evictable = (np.asarray(content.has_content) & (np.asarray(pool.ref_count) == 0)
+                 & ~np.isin(np.arange(n), np.asarray(pinned)))
+    blocks = np.flatnonzero(evictable)
+    ranked = blocks[np.lexsort((np.asarray(content.release_time)[blocks],
+                                -np.asarray(content.num_hashed_tokens)[blocks],
+                                np.asarray(content.last_accessed)[blocks]))]
+    for capacity in (1, 7, 64, n + 5):
+      expected = np.full(capacity, -1)
+      expected[:min(capacity, len(ranked))] = ranked[:capacity]
+      np.testing.assert_array_equal(np.asarray(order(pool, pinned, capacity)), expected,
+                                    err_msg=f"trial {trial} capacity {capacity}")

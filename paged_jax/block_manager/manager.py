@@ -82,13 +82,12 @@ def _revived(pool: Pool, pins: jax.Array, distinct: bool = False) -> jax.Array:
   if pool.content is None:
     return i32(0)
   pins = pins.ravel()
-  if distinct:
-    distinct = pins >= 0
-  else:
+  counted = pins >= 0
+  if not distinct:
     keys = jnp.stack([pins.astype(jnp.uint32), jnp.zeros_like(pins, jnp.uint32)], axis=1)
-    first = pc.first_equal(keys, lambda i, j: pins[i] == pins[j], pins >= 0)
-    distinct = (pins >= 0) & (first == jnp.arange(pins.shape[0]))
-  return jnp.sum(distinct & take(pool.content.has_content, pins)
+    first = pc.first_equal(keys, lambda i, j: pins[i] == pins[j], counted)
+    counted &= first == jnp.arange(pins.shape[0])
+  return jnp.sum(counted & take(pool.content.has_content, pins)
                  & (take(pool.ref_count, pins) == 0)).astype(i32)
 
 

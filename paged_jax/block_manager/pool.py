@@ -96,19 +96,49 @@ def taken_blocks(pool: Pool, num_takes: jax.Array, capacity: int,
 
 
 def _eviction_order(pool: Pool, pinned: jax.Array, capacity: int) -> jax.Array:
-  """The first `capacity` blocks in LRU eviction order (-1 past the evictable ones)."""
+  """The first `capacity` blocks in LRU eviction order (-1 past the evictable ones).
+
+  The order is by (last_accessed, -num_hashed_tokens, release_time); release
+  times are distinct among evictable blocks, so it is total. Rather than sort
+  the pool, the `capacity` smallest keys are selected by a binary search over
+  counts on each key in turn (a few dozen passes over the pool), and only
+  they are sorted.
+  """
   c = pool.content
   n = pool.num_blocks
-  is_pinned = scatter_count(pinned, n) > 0
-  evictable = c.has_content & (pool.ref_count == 0) & ~is_pinned
+  evictable = c.has_content & (pool.ref_count == 0) & ~(scatter_count(pinned, n) > 0)
+  keys = (c.last_accessed, -c.num_hashed_tokens, c.release_time)
+  need = jnp.minimum(jnp.sum(evictable), capacity).astype(jnp.int32)
+  chosen = jnp.zeros(n, bool)     # blocks before the threshold key
+  tied = evictable                # blocks equal to it on the keys so far
+  for key in keys:
+    threshold = _smallest_reaching(key, tied, need)
+    before = tied & (key < threshold)
+    chosen |= before
+    need = need - jnp.sum(before).astype(jnp.int32)
+    tied &= key == threshold
+  chosen |= tied & (need > 0)     # the one block at the threshold itself
+  slot = masked(running_count(chosen) - 1, chosen, capacity)
   big = jnp.int32(_INT_MAX)
-  keys = (jnp.where(evictable, c.last_accessed, big),
-          jnp.where(evictable, -c.num_hashed_tokens, big),
-          jnp.where(evictable, c.release_time, big))
-  *_, order = lax.sort((*keys, jnp.arange(n, dtype=jnp.int32)), num_keys=3)
-  order = order[:capacity] if n >= capacity else jnp.pad(order, (0, capacity - n))
-  ok = evictable[order] & (jnp.arange(capacity) < n)
-  return jnp.where(ok, order, NO_BLOCK)
+  candidates = tuple(jnp.full(capacity, big, jnp.int32).at[slot].set(key, mode="drop")
+                     for key in keys + (jnp.arange(n, dtype=jnp.int32),))
+  *_, order = lax.sort(candidates, num_keys=3)
+  return jnp.where(order < big, order, NO_BLOCK)
+
+
+def _smallest_reaching(key: jax.Array, among: jax.Array, count: jax.Array) -> jax.Array:
+  """The smallest v with at least `count` entries of `among` having key <= v (binary search)."""
+  lo = jnp.min(jnp.where(among, key, _INT_MAX))
+  hi = jnp.max(jnp.where(among, key, -_INT_MAX - 1))
+
+  def step(bounds):
+    lo, hi = bounds
+    mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)     # floor((lo + hi) / 2), no overflow
+    enough = jnp.sum(among & (key <= mid)) >= count
+    return jnp.where(enough, lo, mid + 1), jnp.where(enough, mid, hi)
+
+  lo, _ = lax.while_loop(lambda bounds: bounds[0] < bounds[1], step, (lo, hi))
+  return lo
 
 
 def release_pushes(pool: Pool, events: jax.Array, final_ref: jax.Array) -> jax.Array:
