@@ -54,7 +54,7 @@ def _any_each(*masks: jax.Array) -> tuple[jax.Array, ...]:
   """
   packed = masks[0].astype(i32)
   for i, mask in enumerate(masks[1:], 1):
-    packed = packed | (mask.astype(i32) << i)
+    packed = packed | (mask.astype(i32) << i)    # broadcasting: masks may differ in shape
   bits = jax.lax.reduce(packed.ravel(), i32(0), jax.lax.bitwise_or, (0,))
   return tuple((bits >> i) & 1 == 1 for i in range(len(masks)))
 
@@ -240,10 +240,6 @@ def append_slots(state: BlockManagerState, seq_ids, new_token_ids, num_new,
   k = jnp.where(real, jnp.clip(k, 0, k_cols), 0)
   n1 = n0 + k
   target_len = _cdiv(n1 + lookahead, bs)
-  bad_count, not_allocated, wrong_device, table_full = _any_each(
-      real & bad_count, real & (device == EMPTY), real & (device == ON_CPU),
-      real & (target_len > m))
-  invalid = bad_ids | bad_count
 
   # The window of table entries a row can touch: [base, base + width).
   width = _cdiv(bs - 1 + k_cols + lookahead, bs)
@@ -256,8 +252,15 @@ def append_slots(state: BlockManagerState, seq_ids, new_token_ids, num_new,
   live_end = cols >= _first_live(cfg, n1)[:, None]
   written = ((cols * bs < n1[:, None]) & ((cols + 1) * bs > n0[:, None])
              & (k > 0)[:, None] & real[:, None])
-
+  writer = written & live_end & (old >= 0)
   gpu = state.gpu
+  refs = take(gpu.ref_count, old)
+  bad_count, not_allocated, wrong_device, table_full, shared = _any_each(
+      (real & bad_count)[:, None], (real & (device == EMPTY))[:, None],
+      (real & (device == ON_CPU))[:, None], (real & (target_len > m))[:, None],
+      writer & (refs > 1))
+  invalid = bad_ids | bad_count
+
   hit = jnp.zeros((b, width), bool)
   hit_block = jnp.full((b, width), NO_BLOCK, i32)
   call_rep = None
@@ -271,9 +274,9 @@ def append_slots(state: BlockManagerState, seq_ids, new_token_ids, num_new,
     hit_block = pool_block
 
   # Phase 2: copy-on-write decisions.
-  writer = written & live_end & (old >= 0)
   nonhit_writer = writer & ~hit
-  copy = nonhit_writer & ~_writes_in_place(gpu.ref_count, old, writer, nonhit_writer)
+  copy = nonhit_writer & ~_writes_in_place(gpu.ref_count, old, refs, writer, nonhit_writer,
+                                           shared)
 
   # Phase 3: takes, in array order and logical order within a row.
   within = (cols < target_len[:, None]) & in_table & real[:, None]
@@ -343,17 +346,16 @@ def append_slots(state: BlockManagerState, seq_ids, new_token_ids, num_new,
   return state, plan
 
 
-def _writes_in_place(ref_count, old, writer, nonhit_writer) -> jax.Array:
+def _writes_in_place(ref_count, old, refs, writer, nonhit_writer, shared) -> jax.Array:
   """Which non-hit writers write their block in place instead of copying it.
 
   The seed's rule, applied in row order: a block is written in place by the
-  last row that writes it, when every reference to it comes from a row writing
-  it in this call; the other writers copy. When every non-hit writer is its
-  block's sole owner (the common decode step) that is all of them, and the
-  block-indexed counts are skipped.
+  last row that writes it, when every reference to it (`refs`, its ref count)
+  comes from a row writing it in this call; the other writers copy. Unless
+  some writer's block is `shared` (the common decode step), that is every
+  non-hit writer, and the block-indexed counts are skipped.
   """
   n_blocks = ref_count.shape[0]
-  refs = take(ref_count, old)
 
   def shared_blocks():
     writers_of = scatter_count(jnp.where(writer, old, NO_BLOCK), n_blocks)
@@ -363,8 +365,7 @@ def _writes_in_place(ref_count, old, writer, nonhit_writer) -> jax.Array:
     return (nonhit_writer & (refs == take(writers_of, old))
             & (take(last_writer, old) == row))
 
-  return jax.lax.cond(jnp.any(nonhit_writer & (refs > 1)), shared_blocks,
-                      lambda: nonhit_writer)
+  return jax.lax.cond(shared, shared_blocks, lambda: nonhit_writer)
 
 
 def _static_lookahead(num_lookahead_slots) -> int:
