@@ -266,9 +266,8 @@ def append_slots(state: BlockManagerState, seq_ids, new_token_ids, num_new,
   call_rep = None
   if cfg.enable_prefix_caching:
     ident = _append_identities(state, safe, real, base, n0, k, new_token_ids, width)
-    pool_hit, pool_block = pc.lookup_chains(gpu.content, ident["hash"], ident["tokens"],
-                                            state.salt[safe], ident["parent0"], ident["full"])
-    call_rep = _dedup_rows(ident, pool_hit, pool_block, state.salt[safe], base, width)
+    pool_hit, pool_block, call_rep = _resolve_identities(gpu.content, ident, state.salt[safe],
+                                                         base, width)
     call_hit = ident["full"] & ~pool_hit & (call_rep != jnp.arange(b * width).reshape(b, width))
     hit = pool_hit | call_hit
     hit_block = pool_block
@@ -421,6 +420,40 @@ def _append_identities(state, safe, real, base, n0, k, new_token_ids, width):
   new_tail = jnp.where(jnp.arange(bs)[None, :] < (n1 - _div(n1, bs) * bs)[:, None], new_tail, 0)
   return dict(hash=hashes, tokens=buf.reshape(b, width, bs), full=full, parent0=parent0,
               rolling=rolling, tail=new_tail, buf=buf)
+
+
+def _resolve_identities(content, ident, salt, base, width):
+  """Pool hits and within-call representatives (`_dedup_rows`) of the blocks rows fill.
+
+  Only rows that fill a block take part. When they are at most an eighth of
+  the batch (a decode step; one row of a batch of 4 to 15), they are gathered
+  into a batch of that size first, so the lookups and the dedup rounds cost
+  what that small batch costs.
+  """
+  def resolve(ident, salt, base):
+    pool_hit, pool_block = pc.lookup_chains(content, ident["hash"], ident["tokens"], salt,
+                                            ident["parent0"], ident["full"])
+    return pool_hit, pool_block, _dedup_rows(ident, pool_hit, pool_block, salt, base, width)
+
+  b = salt.shape[0]
+  capacity = max(1, b // 8) if b >= 4 else 0
+  if capacity == 0:
+    return resolve(ident, salt, base)
+  filling = jnp.any(ident["full"], axis=1)
+
+  def compacted():
+    slot = masked(running_count(filling) - 1, filling, capacity)
+    rows = jnp.full(capacity, b, i32).at[slot].set(jnp.arange(b, dtype=i32), mode="drop")
+    sub = {key: take(value, rows) for key, value in ident.items()}
+    sub["full"] &= (rows < b)[:, None]
+    hit, block, rep = resolve(sub, take(salt, rows), take(base, rows))
+    entry = rows[rep // width] * width + rep % width        # back to the batch's numbering
+    return (jnp.zeros((b, width), bool).at[rows].set(hit, mode="drop"),
+            jnp.full((b, width), NO_BLOCK, i32).at[rows].set(block, mode="drop"),
+            jnp.arange(b * width, dtype=i32).reshape(b, width).at[rows].set(entry, mode="drop"))
+
+  return jax.lax.cond(jnp.sum(filling) <= capacity, compacted,
+                      lambda: resolve(ident, salt, base))
 
 
 def _dedup_rows(ident, pool_hit, pool_block, salt, base, width):
