@@ -172,10 +172,9 @@ def commit_pool(pool: Pool, ok: jax.Array, *, num_takes: jax.Array, gains: jax.A
     (new pool, pushed bool[E]: release events that freed their block).
   """
   n = pool.num_blocks
-  changed = jnp.concatenate([gains, releases])
-  delta = jnp.concatenate([jnp.broadcast_to(jnp.asarray(gain_weight, jnp.int32), gains.shape),
-                           jnp.full(releases.shape, -1, jnp.int32)])
-  ref = pool.ref_count.at[masked(changed, (changed >= 0) & ok, n)].add(delta, mode="drop")
+  weight = jnp.broadcast_to(jnp.asarray(gain_weight, jnp.int32), gains.shape)
+  ref = pool.ref_count.at[masked(gains, (gains >= 0) & ok, n)].add(weight, mode="drop")
+  ref = ref.at[masked(releases, (releases >= 0) & ok, n)].add(-1, mode="drop")
   fresh_used = jnp.minimum(num_takes, n - pool.next_fresh)
   stack_used = jnp.minimum(num_takes - fresh_used, pool.num_stacked)
   base = pool.num_stacked - stack_used
