@@ -516,8 +516,8 @@ def fork(state: BlockManagerState, parent_id, child_id):
   row = state.tables[p]
   for on_gpu, dev in ((True, ON_GPU), (False, ON_CPU)):
     pool = _pool(state, on_gpu)
-    gains = jnp.where(ok & (state.device[p] == dev), row, NO_BLOCK)
-    pool = pool.replace(ref_count=pool.ref_count + scatter_count(gains, pool.num_blocks))
+    gains = masked(row, ok & (state.device[p] == dev) & (row >= 0), pool.num_blocks)
+    pool = pool.replace(ref_count=pool.ref_count.at[gains].add(1, mode="drop"))
     state = _with_pool(state, on_gpu, pool)
   cs, keep = c[None], ok[None]
   copy_row = lambda a: _set_rows(a, cs, keep, a[p][None])
