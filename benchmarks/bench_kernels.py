@@ -21,7 +21,6 @@ script works; ``--full`` forces the full sizes, ``--small`` the small ones.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import importlib
@@ -41,6 +40,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from paged_jax import attention  # pylint: disable=g-import-not-at-top
 from paged_jax import kv_cache  # pylint: disable=g-import-not-at-top
 from paged_jax.config import CacheConfig  # pylint: disable=g-import-not-at-top
+from benchmarks.sizes import parse_size_args  # pylint: disable=g-import-not-at-top
 
 shipped_gpu = importlib.import_module(
     "jax.experimental.pallas.ops.gpu.paged_attention")
@@ -220,18 +220,10 @@ def decode_step_temp_fraction(sizes: Sizes, impl: str, dtype: str) -> float:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  size_flag = parser.add_mutually_exclusive_group()
-  size_flag.add_argument("--full", action="store_true",
-                         help="Llama-3-8B sizes (default on GPU/TPU)")
-  size_flag.add_argument("--small", action="store_true",
-                         help="small sizes (default on CPU)")
-  parser.add_argument("--iters", type=int, default=None)
-  args = parser.parse_args()
-  platform = jax.default_backend()
+  full, iters, platform = parse_size_args(__doc__.splitlines()[0], "Llama-3-8B sizes",
+                                         "small sizes", accelerator_iters=20)
   accelerator = platform in ("gpu", "tpu")
-  sizes = FULL if args.full or (accelerator and not args.small) else SMALL
-  iters = args.iters or (20 if accelerator else 3)
+  sizes = FULL if full else SMALL
   mode = "" if accelerator else " (Pallas in interpret mode)"
   print(f"backend: {platform}, device: {jax.devices()[0].device_kind}{mode}")
 

@@ -16,7 +16,6 @@ and 1024 blocks; ``--full`` forces the full sizes, ``--small`` the small ones.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import pathlib
 import statistics
@@ -31,6 +30,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from paged_jax import kv_cache  # pylint: disable=g-import-not-at-top
 from paged_jax.config import CacheConfig  # pylint: disable=g-import-not-at-top
+from benchmarks.sizes import parse_size_args  # pylint: disable=g-import-not-at-top
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,18 +86,9 @@ def scattered_plan(num_blocks: int, pool: int, seed: int) -> Plan:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  size_flag = parser.add_mutually_exclusive_group()
-  size_flag.add_argument("--full", action="store_true",
-                         help="Llama-3-8B pages (default on GPU/TPU)")
-  size_flag.add_argument("--small", action="store_true",
-                         help="4 layers, fewer blocks (default on CPU)")
-  parser.add_argument("--iters", type=int, default=None)
-  args = parser.parse_args()
-  platform = jax.default_backend()
-  accelerator = platform in ("gpu", "tpu")
-  sizes = FULL if args.full or (accelerator and not args.small) else SMALL
-  iters = args.iters or (10 if accelerator else 3)
+  full, iters, platform = parse_size_args(__doc__.splitlines()[0], "Llama-3-8B pages",
+                                         "4 layers, fewer blocks", accelerator_iters=10)
+  sizes = FULL if full else SMALL
   pool = max(sizes.block_counts)
   cfg = CacheConfig(block_size=sizes.block_size, num_gpu_blocks=pool,
                     num_cpu_blocks=pool, max_seqs=1, max_blocks_per_seq=1)

@@ -32,6 +32,11 @@ def _fmix32(x: jax.Array) -> jax.Array:
   return x ^ (x >> 16)
 
 
+def _token_mix(tokens: jax.Array, lane: int) -> jax.Array:
+  """Each token's term in hash lane `lane`, before its power of the lane base."""
+  return _fmix32(tokens.astype(jnp.uint32) ^ jnp.uint32(_LANE_SEEDS[lane]))
+
+
 def _powers(base: int, count: int) -> jax.Array:
   """uint32[count]: base**0 .. base**(count-1) mod 2**32 (static constants)."""
   out, p = [], 1
@@ -62,7 +67,7 @@ def rolling_hashes(rolling: jax.Array, tokens: jax.Array,
   for lane in range(2):
     steps = _powers(_BASES[lane], k)
     power = rolling[:, 2 + lane][:, None] * steps[None, :]
-    terms = _fmix32(tokens.astype(jnp.uint32) ^ jnp.uint32(_LANE_SEEDS[lane])) * power
+    terms = _token_mix(tokens, lane) * power
     terms = jnp.where(real, terms, jnp.uint32(0))
     lanes.append(rolling[:, lane][:, None] + jnp.cumsum(terms, axis=1, dtype=jnp.uint32))
     next_power = rolling[:, 2 + lane] * _powers(_BASES[lane], k + 1)[count]
@@ -93,8 +98,8 @@ def prompt_hashes(tokens: jax.Array, count: jax.Array,
   real = jnp.arange(k) < count
   ends, totals, powers_after = [], [], []
   for lane in range(2):
-    terms = _fmix32(tokens.astype(jnp.uint32) ^ jnp.uint32(_LANE_SEEDS[lane]))
-    terms = jnp.where(real, terms * _powers(_BASES[lane], k), jnp.uint32(0))
+    terms = jnp.where(real, _token_mix(tokens, lane) * _powers(_BASES[lane], k),
+                      jnp.uint32(0))
     block_sums = jnp.sum(terms.reshape(-1, block_size), axis=1, dtype=jnp.uint32)
     ends.append(jnp.cumsum(block_sums, dtype=jnp.uint32))
     totals.append(jnp.sum(block_sums, dtype=jnp.uint32))
