@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import paged_jax as pj
-from paged_jax.block_manager.pool import release, running_count
+from paged_jax.block_manager.pool import release, running_count, running_count_and_total
 from paged_jax.block_manager.state import init_pool
 
 
@@ -49,13 +49,16 @@ def test_releasing_every_reference_frees_the_blocks():
 
 def test_running_count_is_the_cumsum_at_every_size():
   rng = np.random.default_rng(0)
-  fn = jax.jit(running_count)
-  for n in (0, 1, 31, 32, 33, 256, 257, 1000, 1024, 1025, 70_000):
+  fn, with_total = jax.jit(running_count), jax.jit(running_count_and_total)
+  for n in (0, 1, 31, 32, 33, 256, 257, 1000, 1024, 1025, 8192, 8224, 70_000):
     for density in (0.0, 0.4, 1.0):
-      mask = rng.random(n) < density
-      got = np.asarray(fn(jnp.asarray(mask)))
+      mask = jnp.asarray(rng.random(n) < density)
+      got = np.asarray(fn(mask))
       assert got.dtype == np.int32
       np.testing.assert_array_equal(got, np.cumsum(mask), err_msg=f"n={n} density {density}")
+      running, total = with_total(mask)
+      np.testing.assert_array_equal(running, got)
+      assert total.dtype == np.int32 and int(total) == int(np.sum(mask))
 
 
 def test_eviction_order_is_the_lru_order_of_a_full_sort():

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 
 from paged_jax.block_manager import prefix_cache as pc
 from paged_jax.block_manager.pool import (
-    commit_pool, masked, running_count, scatter_count, take, taken_blocks)
+    commit_pool, masked, running_count, running_count_and_total, scatter_count, take,
+    taken_blocks)
 from paged_jax.block_manager.state import (
     EMPTY, NO_BLOCK, ON_CPU, ON_GPU, BlockManagerState, CopyPlan, OpResult,
     Pool, SwapPlan, first_failure, init_state)
@@ -92,11 +93,12 @@ def _revived(pool: Pool, pins: jax.Array, distinct: bool = False) -> jax.Array:
 
 
 def _commit(state, on_gpu, ok, *, num_takes, gains, releases, gain_weight=1, taken=None,
-            taken_valid=None, evicted=None, revived=i32(0), registrations=None):
+            taken_valid=None, evicted=None, revived=i32(0), registrations=None,
+            may_release=None):
   """Applies a call's effects on one pool (reference counts, free lists, content)."""
   pool = _pool(state, on_gpu)
-  new_pool, pushed = commit_pool(pool, ok, num_takes=num_takes,
-                                 gains=gains, releases=releases, gain_weight=gain_weight)
+  new_pool, pushed = commit_pool(pool, ok, num_takes=num_takes, gains=gains, releases=releases,
+                                 gain_weight=gain_weight, may_release=may_release)
   if pool.content is not None:
     if taken is None:
       taken = jnp.zeros(0, i32)
@@ -281,8 +283,7 @@ def append_slots(state: BlockManagerState, seq_ids, new_token_ids, num_new,
   within = (cols < target_len[:, None]) & in_table & real[:, None]
   need_take = within & live_end & (((old < 0) & ~hit) | copy)
   capacity = b * width
-  take_count = running_count(need_take.ravel())
-  num_takes = take_count[-1] if capacity else i32(0)
+  take_count, num_takes = running_count_and_total(need_take.ravel())
   pins = jnp.where(hit & (hit_block >= 0), hit_block, NO_BLOCK)
   revived = _revived(gpu, pins)
   out_of_blocks = num_takes > gpu.num_free() - revived
@@ -324,12 +325,16 @@ def append_slots(state: BlockManagerState, seq_ids, new_token_ids, num_new,
         reg_hash=ident["hash"].reshape(-1, 2), reg_parent=prev.ravel(),
         reg_salt=jnp.broadcast_to(state.salt[safe][:, None], (b, width)).ravel(),
         reg_tokens=ident["tokens"].reshape(-1, bs), reg_hashed=((cols + 1) * bs).ravel())
+  # Without caching or a window, only copy-on-write releases, and only if a block is shared.
+  plain = not cfg.enable_prefix_caching and cfg.sliding_window is None
   state = _commit(state, True, ok, num_takes=num_takes, gains=gains,
                   releases=releases, taken=taken, taken_valid=jnp.arange(capacity) < num_takes,
-                  evicted=evicted, revived=revived, registrations=registrations)
+                  evicted=evicted, revived=revived, registrations=registrations,
+                  may_release=shared if plain else None)
 
   keep = ok & real
-  tables = _set_table_entries(state.tables, safe, cols, keep[:, None] & in_table, new)
+  changed = keep[:, None] & in_table & (new != old)
+  tables = _set_table_entries(state.tables, safe, cols, changed, new)
   if cfg.sliding_window is not None:
     tables = _set_table_entries(tables, safe, dead_cols, keep[:, None] & dies, NO_BLOCK)
   state = state.replace(tables=tables,
@@ -341,7 +346,7 @@ def append_slots(state: BlockManagerState, seq_ids, new_token_ids, num_new,
                             tail_tokens=_set_rows(sh.tail_tokens, safe, keep, ident["tail"])),
         num_lookups=state.num_lookups + jnp.where(ok, jnp.sum(ident["full"]), 0),
         num_hits=state.num_hits + jnp.where(ok, jnp.sum(hit), 0))
-  plan = _copy_plan(copy, old, new, b * (_cdiv(k_cols, bs) + 1), ok, status)
+  plan = _copy_plan(copy, old, new, b * (_cdiv(k_cols, bs) + 1), ok, status, shared)
   return state, plan
 
 
@@ -374,19 +379,21 @@ def _static_lookahead(num_lookahead_slots) -> int:
   return num_lookahead_slots
 
 
-def _copy_plan(copy, old, new, capacity, ok, status) -> CopyPlan:
-  """Compacts the (old, new) pairs of copying entries, in take order."""
-  flat = copy.ravel() & ok
+def _copy_plan(copy, old, new, capacity, ok, status, shared) -> CopyPlan:
+  """Compacts the (old, new) pairs of copying entries, in take order.
 
+  Only a writer of a `shared` block copies; most decode steps have none.
+  """
   def compact():
+    flat = copy.ravel() & ok
     pos = masked(running_count(flat) - 1, flat, capacity)
-    return jnp.full((capacity, 2), NO_BLOCK, i32).at[pos].set(
+    pairs = jnp.full((capacity, 2), NO_BLOCK, i32).at[pos].set(
         jnp.stack([old.ravel(), new.ravel()], axis=1), mode="drop")
+    return pairs, jnp.sum(flat).astype(i32)
 
-  # Most decode steps copy nothing.
-  pairs = jax.lax.cond(jnp.any(flat), compact, lambda: jnp.full((capacity, 2), NO_BLOCK, i32))
-  return CopyPlan(src=pairs[:, 0], dst=pairs[:, 1], count=jnp.sum(flat).astype(i32),
-                  status=status)
+  pairs, count = jax.lax.cond(shared & ok, compact,
+                              lambda: (jnp.full((capacity, 2), NO_BLOCK, i32), i32(0)))
+  return CopyPlan(src=pairs[:, 0], dst=pairs[:, 1], count=count, status=status)
 
 
 def _append_identities(state, safe, real, base, n0, k, new_token_ids, width):

@@ -36,20 +36,36 @@ def scatter_count(blocks: jax.Array, size: int, weights=None) -> jax.Array:
   return jnp.zeros(size, jnp.int32).at[idx.ravel()].add(weights.ravel(), mode="drop")
 
 
-def running_count(counts: jax.Array) -> jax.Array:
-  """``jnp.cumsum(counts)`` (int32) of a 1-D bool or small non-negative int array.
+def running_count(flags: jax.Array) -> jax.Array:
+  """``jnp.cumsum(flags)`` (int32) of a 1-D bool array."""
+  return running_count_and_total(flags)[0]
+
+
+def running_count_and_total(flags: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(``jnp.cumsum(flags)``, ``jnp.sum(flags)``), int32, of a 1-D bool array.
 
   XLA:CPU lowers cumsum to reduce-windows that cost several ns per entry, a
-  large part of a decode step at batch 1024. Beyond 256 entries, blocks of 32
-  are summed with a triangular f32 matmul and the block totals recursively:
-  exact while every sum stays below 2**24.
+  large part of a decode step at batch 1024. Instead the flags are packed 32
+  to a word: an entry's count is the popcount of its word up to itself plus
+  the running total of the words before.
   """
-  if counts.shape[0] <= 256:
-    return jnp.cumsum(counts, dtype=jnp.int32)
-  return _running_sum(counts.astype(jnp.float32)).astype(jnp.int32)
+  n = flags.shape[0]
+  words = -(-n // 32)
+  bits = jnp.pad(flags, (0, words * 32 - n)).reshape(words, 32).astype(jnp.uint32)
+  packed = lax.reduce(bits << jnp.arange(32, dtype=jnp.uint32), jnp.uint32(0),
+                      lax.bitwise_or, (1,))
+  counts = lax.population_count(packed).astype(jnp.int32)
+  before = (jnp.cumsum(counts) if words <= 256
+            else _running_sum(counts.astype(jnp.float32)).astype(jnp.int32)) - counts
+  i = jnp.arange(n, dtype=jnp.int32)
+  bit = (i & 31).astype(jnp.uint32)
+  up_to_i = packed[i >> 5] & ((jnp.uint32(2) << bit) - 1)    # 2 << 31 wraps to 0: all bits
+  running = before[i >> 5] + lax.population_count(up_to_i).astype(jnp.int32)
+  return running, jnp.sum(counts, dtype=jnp.int32)
 
 
 def _running_sum(x: jax.Array, width: int = 32) -> jax.Array:
+  """Cumsum of a long f32 array by triangular matmuls over blocks of `width` (exact below 2**24)."""
   n = x.shape[0]
   if n <= width:
     return jnp.dot(x, jnp.triu(jnp.ones((n, n), x.dtype)), precision=lax.Precision.HIGHEST)
@@ -157,7 +173,8 @@ def release_pushes(pool: Pool, events: jax.Array, final_ref: jax.Array) -> jax.A
 
 
 def commit_pool(pool: Pool, ok: jax.Array, *, num_takes: jax.Array, gains: jax.Array,
-                releases: jax.Array, gain_weight=1) -> tuple[Pool, jax.Array]:
+                releases: jax.Array, gain_weight=1,
+                may_release: jax.Array | None = None) -> tuple[Pool, jax.Array]:
   """Applies one call's takes, new references and releases (if `ok`).
 
   Args:
@@ -167,6 +184,8 @@ def commit_pool(pool: Pool, ok: jax.Array, *, num_takes: jax.Array, gains: jax.A
     gains: int32[G] blocks gaining `gain_weight` references each (-1 skipped).
     releases: int32[E] release events in order (-1 skipped).
     gain_weight: references each entry of `gains` adds (scalar).
+    may_release: False only if `releases` is known to be all -1 (bool scalar;
+      default: checked here).
 
   Returns:
     (new pool, pushed bool[E]: release events that freed their block).
@@ -174,26 +193,28 @@ def commit_pool(pool: Pool, ok: jax.Array, *, num_takes: jax.Array, gains: jax.A
   n = pool.num_blocks
   weight = jnp.broadcast_to(jnp.asarray(gain_weight, jnp.int32), gains.shape)
   ref = pool.ref_count.at[masked(gains, (gains >= 0) & ok, n)].add(weight, mode="drop")
-  ref = ref.at[masked(releases, (releases >= 0) & ok, n)].add(-1, mode="drop")
   fresh_used = jnp.minimum(num_takes, n - pool.next_fresh)
   stack_used = jnp.minimum(num_takes - fresh_used, pool.num_stacked)
   base = pool.num_stacked - stack_used
 
-  def push_released():
+  def push_released(ref):
+    ref = ref.at[masked(releases, (releases >= 0) & ok, n)].add(-1, mode="drop")
     pushed = release_pushes(pool, releases, ref) & ok
     has_content = (take(pool.content.has_content, releases)
                    if pool.content is not None else jnp.zeros(releases.shape, bool))
     to_stack = pushed & ~has_content
     stack_rank = running_count(to_stack) - 1
     stack = pool.free_stack.at[masked(base + stack_rank, to_stack, n)].set(releases, mode="drop")
-    return pushed, stack, base + jnp.sum(to_stack)
+    return ref, pushed, stack, base + jnp.sum(to_stack)
 
-  def nothing_released():
-    return jnp.zeros(releases.shape, bool), pool.free_stack, base
+  def nothing_released(ref):
+    return ref, jnp.zeros(releases.shape, bool), pool.free_stack, base
 
-  # Most decode steps release nothing: skip the block-indexed scratch work.
-  pushed, free_stack, num_stacked = lax.cond(jnp.any((releases >= 0) & ok), push_released,
-                                             nothing_released)
+  # Most decode steps release nothing: skip the releases' scatters and scratch work.
+  if may_release is None:
+    may_release = jnp.any(releases >= 0)
+  ref, pushed, free_stack, num_stacked = lax.cond(may_release & ok, push_released,
+                                                  nothing_released, ref)
   new_pool = pool.replace(
       ref_count=ref, free_stack=free_stack,
       num_stacked=jnp.where(ok, num_stacked, pool.num_stacked),
