@@ -598,7 +598,7 @@ def _swap(state: BlockManagerState, seq_ids, to_gpu: bool):
   hit = jnp.zeros(b * m, bool)
   hit_block = jnp.full(b * m, NO_BLOCK, i32)
   content = src_pool.content
-  if content is not None:
+  if content is not None:   # (then the destination has a content index too, or no blocks)
     has = (flat >= 0) & take(content.has_content, flat)
     src = flat
     hashes = take(content.hash, src).reshape(b, m, 2)
@@ -734,6 +734,8 @@ def access_all_blocks_in_seq(state: BlockManagerState, seq_id, now) -> BlockMana
   row = state.tables[safe]
   for on_gpu, dev in ((True, ON_GPU), (False, ON_CPU)):
     pool = _pool(state, on_gpu)
+    if pool.content is None:    # no blocks
+      continue
     hit = (row >= 0) & (seq >= 0) & (seq < s) & (state.device[safe] == dev)
     c = pool.content
     c = c.replace(last_accessed=c.last_accessed.at[masked(row, hit, pool.num_blocks)].max(
@@ -745,7 +747,7 @@ def access_all_blocks_in_seq(state: BlockManagerState, seq_id, now) -> BlockMana
 def mark_blocks_as_computed(state: BlockManagerState, seq_ids, num_computed_tokens):
   """Marks blocks 0 .. min(c, num_tokens) // block_size - 1 of GPU sequences computed."""
   cfg = state.cfg
-  if not cfg.enable_prefix_caching:
+  if state.gpu.content is None:
     return state
   s, bs, m = cfg.max_seqs, cfg.block_size, cfg.max_blocks_per_seq
   seq_ids = _as_i32(seq_ids).reshape(-1)
@@ -767,7 +769,7 @@ def get_common_computed_block_ids(state: BlockManagerState, seq_ids):
   cfg = state.cfg
   s, bs, m = cfg.max_seqs, cfg.block_size, cfg.max_blocks_per_seq
   seq_ids = _as_i32(seq_ids).reshape(-1)
-  if not cfg.enable_prefix_caching:
+  if state.gpu.content is None:
     return jnp.full(m, NO_BLOCK, i32), i32(0)
   real = (seq_ids >= 0) & (seq_ids < s)
   safe = jnp.clip(seq_ids, 0, s - 1)

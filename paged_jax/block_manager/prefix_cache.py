@@ -125,19 +125,7 @@ def bucket_of(hashes: jax.Array, num_buckets: int) -> jax.Array:
   return (mixed & jnp.uint32(num_buckets - 1)).astype(jnp.int32)
 
 
-def _key_matches(c: ContentIndex, node: jax.Array, tokens: jax.Array,
-                 salt: jax.Array) -> jax.Array:
-  """Whether block `node` (>= 0, in a hash chain, so with content) holds (tokens, salt).
-
-  Parent aside: with the parent this is the whole identity, so the stored
-  hash need not be compared.
-  """
-  safe = jnp.maximum(node, 0)
-  return ((node >= 0) & (c.salt[safe] == salt)
-          & jnp.all(c.tokens[safe] == tokens, axis=-1))
-
-
-def lookup_chains(c: ContentIndex, hashes: jax.Array, tokens: jax.Array,
+def lookup_chains(c: ContentIndex | None, hashes: jax.Array, tokens: jax.Array,
                   salt: jax.Array, parent0: jax.Array,
                   valid: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Finds the cached blocks of R chains of L consecutive full blocks.
@@ -147,8 +135,13 @@ def lookup_chains(c: ContentIndex, hashes: jax.Array, tokens: jax.Array,
   sequence). Hits form a prefix of each row's levels: a block's content can
   only be cached under a cached parent.
 
+  Each level walks its bucket's chain to the first block with its stored
+  hash (cheap reads), then every candidate is verified exactly (tokens, salt,
+  parent). Only the first failing level of a row can still hit further down
+  its chain (a hash collision): it walks on, and the rest is verified again.
+
   Args:
-    c: the pool's content index.
+    c: the pool's content index (None: no hits).
     hashes: uint32[R, L, 2] identity hashes.
     tokens: int32[R, L, block_size] each block's own tokens.
     salt: int32[R].
@@ -159,30 +152,37 @@ def lookup_chains(c: ContentIndex, hashes: jax.Array, tokens: jax.Array,
     (hit bool[R, L], block int32[R, L], -1 where no hit).
   """
   num_levels = hashes.shape[1]
-  if c.has_content.shape[0] == 0:
+  if c is None:     # a pool without blocks
     return jnp.zeros(valid.shape, bool), jnp.full(valid.shape, NO_BLOCK, jnp.int32)
-  salt_b = jnp.broadcast_to(salt[:, None], valid.shape)
-  start = jnp.where(valid, c.buckets[bucket_of(hashes, c.buckets.shape[0])], NO_BLOCK)
   level = jnp.arange(num_levels)[None, :]
 
-  def examine(cursor):
-    key_ok = _key_matches(c, cursor, tokens, salt_b)
-    tentative = jnp.where(key_ok, cursor, NO_BLOCK)
-    expected = jnp.concatenate([parent0[:, None], tentative[:, :-1]], axis=1)
-    full = key_ok & (c.parent[jnp.maximum(cursor, 0)] == expected)
-    bad = valid & ~full
+  def seek(cursor):
+    """Moves each cursor along its chain to the first block holding its level's hash."""
+    def walking(cursor):
+      return valid & (cursor >= 0) & jnp.any(take(c.hash, cursor) != hashes, axis=-1)
+    return lax.while_loop(lambda cur: jnp.any(walking(cur)),
+                          lambda cur: jnp.where(walking(cur), take(c.next_in_bucket, cur), cur),
+                          cursor)
+
+  def verify(cursor):
+    """(first level of each row that is not a verified hit, cursors to walk on)."""
+    safe = jnp.maximum(cursor, 0)
+    key_ok = ((cursor >= 0) & (c.salt[safe] == salt[:, None])
+              & jnp.all(c.tokens[safe] == tokens, axis=-1))
+    expected = jnp.concatenate([parent0[:, None], jnp.where(key_ok, cursor, NO_BLOCK)[:, :-1]],
+                               axis=1)
+    bad = valid & ~(key_ok & (c.parent[safe] == expected))
     first_bad = jnp.min(jnp.where(bad, level, num_levels), axis=1, keepdims=True)
-    advance = valid & (cursor >= 0) & (~key_ok | (level == first_bad))
-    advance &= ~full
-    return first_bad, advance
+    return first_bad, (level == first_bad) & (cursor >= 0)
 
-  def body(carry):
-    cursor, advance, _ = carry
-    cursor = jnp.where(advance, c.next_in_bucket[jnp.maximum(cursor, 0)], cursor)
-    return (cursor, *examine(cursor)[::-1])
+  def walk_on(carry):
+    cursor, _, retry = carry
+    cursor = seek(jnp.where(retry, take(c.next_in_bucket, cursor), cursor))
+    return (cursor, *verify(cursor))
 
-  cursor, _, first_bad = lax.while_loop(lambda carry: jnp.any(carry[1]), body,
-                                        (start, *examine(start)[::-1]))
+  start = seek(jnp.where(valid, c.buckets[bucket_of(hashes, c.buckets.shape[0])], NO_BLOCK))
+  cursor, first_bad, _ = lax.while_loop(lambda carry: jnp.any(carry[2]), walk_on,
+                                        (start, *verify(start)))
   hit = valid & (level < first_bad)
   return hit, jnp.where(hit, cursor, NO_BLOCK)
 
@@ -333,11 +333,10 @@ def commit_content(pool: Pool, ok: jax.Array, *, revived: jax.Array,
   """
   c = pool.content
   n = pool.num_blocks
-  if n == 0:
-    return pool
   num_evicted = jnp.sum(taken_valid & evicted)
   taken_ok = taken_valid & ok
-  c = unlink(c, jnp.where(taken_valid & evicted & ok, taken, NO_BLOCK))
+  evicted_blocks = jnp.where(taken_valid & evicted & ok, taken, NO_BLOCK)
+  c = lax.cond(jnp.any(evicted_blocks >= 0), unlink, lambda c, _: c, c, evicted_blocks)
   take_idx = masked(taken, taken_ok, n)
   c = c.replace(last_accessed=c.last_accessed.at[take_idx].set(-1, mode="drop"),
                 computed=c.computed.at[take_idx].set(False, mode="drop"))

@@ -57,7 +57,7 @@ class Pool:
   free_stack: jax.Array       # int32[N]
   num_stacked: jax.Array      # int32 scalar
   next_fresh: jax.Array       # int32 scalar
-  content: ContentIndex | None
+  content: ContentIndex | None   # None without prefix caching or without blocks
 
   @property
   def num_blocks(self) -> int:
@@ -132,9 +132,13 @@ def hash_table_size(num_blocks: int) -> int:
 
 
 def init_pool(num_blocks: int, cfg: CacheConfig) -> Pool:
-  """A pool with every block free."""
+  """A pool with every block free.
+
+  With prefix caching it has a content index, unless it has no blocks (no
+  swap space, say): every leaf of the state costs a jitted call dispatch time.
+  """
   i32 = lambda v: jnp.asarray(v, jnp.int32)
-  if not cfg.enable_prefix_caching:
+  if not cfg.enable_prefix_caching or num_blocks == 0:
     return Pool(ref_count=jnp.zeros(num_blocks, jnp.int32),
                 free_stack=jnp.arange(num_blocks, dtype=jnp.int32),
                 num_stacked=i32(num_blocks), next_fresh=i32(num_blocks),
