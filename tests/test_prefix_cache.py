@@ -1,9 +1,10 @@
-"""Prefix-cache building blocks: prompt hashing agrees with the rolling hash."""
+"""Prefix-cache building blocks: prompt hashing, pools without blocks."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+import paged_jax as pj
 from paged_jax.block_manager import prefix_cache as pc
 
 
@@ -20,3 +21,42 @@ def test_prompt_hashes_match_the_rolling_hash_at_block_ends():
     np.testing.assert_array_equal(np.asarray(ends[:full]),
                                   np.asarray(prefix[0, block_size - 1::block_size][:full]))
     np.testing.assert_array_equal(np.asarray(prompt_rolling), np.asarray(rolling[0]))
+
+
+def _same_state(a, b) -> bool:
+  return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_caching_without_swap_space():
+  """An empty CPU pool has no content index; caching and swap failures still work."""
+  cfg = pj.CacheConfig(block_size=4, num_gpu_blocks=8, num_cpu_blocks=0, max_seqs=2,
+                       max_blocks_per_seq=4, enable_prefix_caching=True)
+  bm = pj.BlockSpaceManager(cfg)
+  state = bm.init()
+  assert state.cpu.content is None and state.gpu.content is not None
+  tokens = jnp.arange(1, 9, dtype=jnp.int32)
+  state, res = jax.jit(bm.allocate)(state, jnp.array([0]), tokens, 8)
+  assert res.status == pj.Status.OK
+  state = jax.jit(bm.access_all_blocks_in_seq)(state, 0, 5)
+  after, plan = jax.jit(bm.swap_out)(state, jnp.array([0]))
+  assert plan.status == pj.Status.SWAP_SPACE_EXHAUSTED and _same_state(after, state)
+  state, _ = jax.jit(bm.free)(state, jnp.array([0]))
+  state, res = jax.jit(bm.allocate)(state, jnp.array([1]), tokens, 8)
+  assert res.status == pj.Status.OK
+  assert float(bm.prefix_cache_hit_rate(state)) == 0.5    # the second prompt hit both blocks
+  pj.check_invariants(state)
+
+
+def test_caching_without_gpu_blocks():
+  cfg = pj.CacheConfig(block_size=4, num_gpu_blocks=0, num_cpu_blocks=4, max_seqs=2,
+                       max_blocks_per_seq=4, enable_prefix_caching=True)
+  bm = pj.BlockSpaceManager(cfg)
+  state = bm.init()
+  assert state.gpu.content is None and state.cpu.content is not None
+  assert bm.can_allocate(state, 8) == pj.AllocStatus.NEVER
+  after, res = jax.jit(bm.allocate)(state, jnp.array([0]), jnp.arange(8, dtype=jnp.int32), 8)
+  assert res.status == pj.Status.OUT_OF_BLOCKS and _same_state(after, state)
+  assert _same_state(bm.mark_blocks_as_computed(state, jnp.array([0]), 8), state)
+  ids, count = bm.get_common_computed_block_ids(state, jnp.array([0]))
+  assert int(count) == 0 and np.all(np.asarray(ids) == -1)
+  pj.check_invariants(state)
