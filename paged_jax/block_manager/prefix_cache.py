@@ -156,13 +156,17 @@ def lookup_chains(c: ContentIndex | None, hashes: jax.Array, tokens: jax.Array,
     return jnp.zeros(valid.shape, bool), jnp.full(valid.shape, NO_BLOCK, jnp.int32)
   level = jnp.arange(num_levels)[None, :]
 
+  def walking(cursor):
+    return valid & (cursor >= 0) & jnp.any(take(c.hash, cursor) != hashes, axis=-1)
+
+  def step(carry):
+    cursor, walk = carry
+    cursor = jnp.where(walk, take(c.next_in_bucket, cursor), cursor)
+    return cursor, walking(cursor)
+
   def seek(cursor):
     """Moves each cursor along its chain to the first block holding its level's hash."""
-    def walking(cursor):
-      return valid & (cursor >= 0) & jnp.any(take(c.hash, cursor) != hashes, axis=-1)
-    return lax.while_loop(lambda cur: jnp.any(walking(cur)),
-                          lambda cur: jnp.where(walking(cur), take(c.next_in_bucket, cur), cur),
-                          cursor)
+    return lax.while_loop(lambda carry: jnp.any(carry[1]), step, (cursor, walking(cursor)))[0]
 
   def verify(cursor):
     """(first level of each row that is not a verified hit, cursors to walk on)."""
@@ -187,12 +191,12 @@ def lookup_chains(c: ContentIndex | None, hashes: jax.Array, tokens: jax.Array,
   return hit, jnp.where(hit, cursor, NO_BLOCK)
 
 
-def _round_winners(slot: jax.Array, pending: jax.Array, size: int) -> jax.Array:
-  """bool[E]: the lowest-index pending entry of each slot (slots in 0..size-1)."""
+def _round_winner(slot: jax.Array, pending: jax.Array, size: int) -> jax.Array:
+  """int32[E]: for each entry, the lowest-index pending entry of its slot (E if none)."""
   e = slot.shape[0]
   index = jnp.arange(e, dtype=jnp.int32)
   first = jnp.full(size, e, jnp.int32).at[masked(slot, pending, size)].min(index, mode="drop")
-  return pending & (first[slot] == index)
+  return first[slot]
 
 
 def _scratch_slots(hashes: jax.Array) -> tuple[jax.Array, int]:
@@ -223,10 +227,9 @@ def first_equal(hashes: jax.Array, equal_fn, valid: jax.Array) -> jax.Array:
 
   def body(carry):
     rep, pending = carry
-    winner = _round_winners(slot, pending, size)
-    first = jnp.full(size, e, jnp.int32).at[masked(slot, winner, size)].set(index, mode="drop")
-    cand = jnp.minimum(first[slot], e - 1)
-    equal = pending & (first[slot] < e) & equal_fn(cand, index)
+    won = _round_winner(slot, pending, size)
+    cand = jnp.minimum(won, e - 1)
+    equal = pending & (won < e) & equal_fn(cand, index)
     return jnp.where(equal, cand, rep), pending & ~equal
 
   rep, _ = lax.while_loop(lambda carry: jnp.any(carry[1]), body, (index, valid))
@@ -289,16 +292,17 @@ def insert(c: ContentIndex, blocks: jax.Array, hashes: jax.Array) -> ContentInde
   _, size = _scratch_slots(hashes)
   slot = bucket & (size - 1)   # a bucket's blocks share a slot: one of them per round
 
+  e = blocks.shape[0]
+  index = jnp.arange(e, dtype=jnp.int32)
+
   def body(carry):
     pending, head, link, superseded = carry
-    winner = _round_winners(slot, pending, size)
-    won_block = jnp.full(size, NO_BLOCK, jnp.int32).at[masked(slot, winner, size)].set(
-        blocks, mode="drop")
-    won_bucket = jnp.full(size, -1, jnp.int32).at[masked(slot, winner, size)].set(
-        bucket, mode="drop")
+    won = _round_winner(slot, pending, size)
+    winner = pending & (won == index)
     link = jnp.where(winner, head, link)
-    bucket_won = ~winner & (won_bucket[slot] == bucket)   # another block of my bucket
-    return (pending & ~winner, jnp.where(bucket_won, won_block[slot], head), link,
+    other = jnp.minimum(won, e - 1)
+    bucket_won = ~winner & (won < e) & (bucket[other] == bucket)   # another block of my bucket
+    return (pending & ~winner, jnp.where(bucket_won, blocks[other], head), link,
             superseded | (bucket_won & ~pending))
 
   valid = blocks >= 0
