@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import paged_jax as pj
-from paged_jax.block_manager.pool import release, running_count, running_count_and_total
+from paged_jax.block_manager.pool import (
+    count_true, release, running_count, running_count_and_total)
 from paged_jax.block_manager.state import init_pool
 
 
@@ -47,9 +48,10 @@ def test_releasing_every_reference_frees_the_blocks():
   assert top.tolist() == [int(blocks[1]), int(blocks[0])]
 
 
-def test_running_count_is_the_cumsum_at_every_size():
+def test_running_count_and_count_true_are_cumsum_and_sum_at_every_size():
   rng = np.random.default_rng(0)
-  fn, with_total = jax.jit(running_count), jax.jit(running_count_and_total)
+  fn, with_total, count = (jax.jit(running_count), jax.jit(running_count_and_total),
+                           jax.jit(count_true))
   for n in (0, 1, 31, 32, 33, 256, 257, 1000, 1024, 1025, 8192, 8224, 70_000):
     for density in (0.0, 0.4, 1.0):
       mask = jnp.asarray(rng.random(n) < density)
@@ -59,6 +61,7 @@ def test_running_count_is_the_cumsum_at_every_size():
       running, total = with_total(mask)
       np.testing.assert_array_equal(running, got)
       assert total.dtype == np.int32 and int(total) == int(np.sum(mask))
+      assert int(count(mask)) == int(np.sum(mask))
 
 
 def test_eviction_order_is_the_lru_order_of_a_full_sort():

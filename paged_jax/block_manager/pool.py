@@ -50,10 +50,8 @@ def running_count_and_total(flags: jax.Array) -> tuple[jax.Array, jax.Array]:
   the running total of the words before.
   """
   n = flags.shape[0]
-  words = -(-n // 32)
-  bits = jnp.pad(flags, (0, words * 32 - n)).reshape(words, 32).astype(jnp.uint32)
-  packed = lax.reduce(bits << jnp.arange(32, dtype=jnp.uint32), jnp.uint32(0),
-                      lax.bitwise_or, (1,))
+  packed = _packed(flags)
+  words = packed.shape[0]
   counts = lax.population_count(packed).astype(jnp.int32)
   before = (jnp.cumsum(counts) if words <= 256
             else _running_sum(counts.astype(jnp.float32)).astype(jnp.int32)) - counts
@@ -62,6 +60,23 @@ def running_count_and_total(flags: jax.Array) -> tuple[jax.Array, jax.Array]:
   up_to_i = packed[i >> 5] & ((jnp.uint32(2) << bit) - 1)    # 2 << 31 wraps to 0: all bits
   running = before[i >> 5] + lax.population_count(up_to_i).astype(jnp.int32)
   return running, jnp.sum(counts, dtype=jnp.int32)
+
+
+def count_true(flags: jax.Array) -> jax.Array:
+  """``jnp.sum(flags)`` (int32) of a 1-D bool array, as popcounts of packed bits.
+
+  One fused pass: XLA:CPU's plain sum of a long mask first writes it out as
+  int32, about 3x slower on a pool-sized mask.
+  """
+  return jnp.sum(lax.population_count(_packed(flags)).astype(jnp.int32), dtype=jnp.int32)
+
+
+def _packed(flags: jax.Array) -> jax.Array:
+  """uint32[ceil(n / 32)]: flags packed 32 to a word, entry i at bit i % 32 of word i // 32."""
+  n = flags.shape[0]
+  words = -(-n // 32)
+  bits = jnp.pad(flags, (0, words * 32 - n)).reshape(words, 32).astype(jnp.uint32)
+  return lax.reduce(bits << jnp.arange(32, dtype=jnp.uint32), jnp.uint32(0), lax.bitwise_or, (1,))
 
 
 def _running_sum(x: jax.Array, width: int = 32) -> jax.Array:
@@ -124,21 +139,23 @@ def _eviction_order(pool: Pool, pinned: jax.Array, capacity: int) -> jax.Array:
   n = pool.num_blocks
   evictable = c.has_content & (pool.ref_count == 0) & ~(scatter_count(pinned, n) > 0)
   keys = (c.last_accessed, -c.num_hashed_tokens, c.release_time)
-  need = jnp.minimum(jnp.sum(evictable), capacity).astype(jnp.int32)
+  need = jnp.minimum(count_true(evictable), capacity)
   chosen = jnp.zeros(n, bool)     # blocks before the threshold key
   tied = evictable                # blocks equal to it on the keys so far
   for key in keys:
     threshold = _smallest_reaching(key, tied, need)
     before = tied & (key < threshold)
     chosen |= before
-    need = need - jnp.sum(before).astype(jnp.int32)
+    need = need - count_true(before)
     tied &= key == threshold
   chosen |= tied & (need > 0)     # the one block at the threshold itself
   slot = masked(running_count(chosen) - 1, chosen, capacity)
+  victims = jnp.full(capacity, n, jnp.int32).at[slot].set(jnp.arange(n, dtype=jnp.int32),
+                                                          mode="drop")
   big = jnp.int32(_INT_MAX)
-  candidates = tuple(jnp.full(capacity, big, jnp.int32).at[slot].set(key, mode="drop")
-                     for key in keys + (jnp.arange(n, dtype=jnp.int32),))
-  *_, order = lax.sort(candidates, num_keys=3)
+  valid = victims < n
+  candidates = tuple(jnp.where(valid, take(key, victims), big) for key in keys)
+  *_, order = lax.sort(candidates + (jnp.where(valid, victims, big),), num_keys=3)
   return jnp.where(order < big, order, NO_BLOCK)
 
 
@@ -150,7 +167,7 @@ def _smallest_reaching(key: jax.Array, among: jax.Array, count: jax.Array) -> ja
   def step(bounds):
     lo, hi = bounds
     mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)     # floor((lo + hi) / 2), no overflow
-    enough = jnp.sum(among & (key <= mid)) >= count
+    enough = count_true(among & (key <= mid)) >= count
     return jnp.where(enough, lo, mid + 1), jnp.where(enough, mid, hi)
 
   lo, _ = lax.while_loop(lambda bounds: bounds[0] < bounds[1], step, (lo, hi))
