@@ -27,12 +27,17 @@ def _same_state(a, b) -> bool:
   return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
+def _cached_manager(num_gpu_blocks: int, num_cpu_blocks: int):
+  cfg = pj.CacheConfig(block_size=4, num_gpu_blocks=num_gpu_blocks,
+                       num_cpu_blocks=num_cpu_blocks, max_seqs=2, max_blocks_per_seq=4,
+                       enable_prefix_caching=True)
+  bm = pj.BlockSpaceManager(cfg)
+  return bm, bm.init()
+
+
 def test_caching_without_swap_space():
   """An empty CPU pool has no content index; caching and swap failures still work."""
-  cfg = pj.CacheConfig(block_size=4, num_gpu_blocks=8, num_cpu_blocks=0, max_seqs=2,
-                       max_blocks_per_seq=4, enable_prefix_caching=True)
-  bm = pj.BlockSpaceManager(cfg)
-  state = bm.init()
+  bm, state = _cached_manager(num_gpu_blocks=8, num_cpu_blocks=0)
   assert state.cpu.content is None and state.gpu.content is not None
   tokens = jnp.arange(1, 9, dtype=jnp.int32)
   state, res = jax.jit(bm.allocate)(state, jnp.array([0]), tokens, 8)
@@ -48,10 +53,7 @@ def test_caching_without_swap_space():
 
 
 def test_caching_without_gpu_blocks():
-  cfg = pj.CacheConfig(block_size=4, num_gpu_blocks=0, num_cpu_blocks=4, max_seqs=2,
-                       max_blocks_per_seq=4, enable_prefix_caching=True)
-  bm = pj.BlockSpaceManager(cfg)
-  state = bm.init()
+  bm, state = _cached_manager(num_gpu_blocks=0, num_cpu_blocks=4)
   assert state.gpu.content is None and state.cpu.content is not None
   assert bm.can_allocate(state, 8) == pj.AllocStatus.NEVER
   after, res = jax.jit(bm.allocate)(state, jnp.array([0]), jnp.arange(8, dtype=jnp.int32), 8)
