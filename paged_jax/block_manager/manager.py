@@ -168,7 +168,7 @@ def allocate(state: BlockManagerState, seq_ids, token_ids, num_tokens, salt=0):
                                       salt[None], jnp.array([NO_BLOCK], i32), full[None])
     hit, hit_block = hit[0], hit_block[0]
   need_take = live & ~hit
-  num_takes = jnp.sum(need_take).astype(i32)
+  take_count, num_takes = running_count_and_total(need_take)
   revived = _revived(gpu, hit_block, distinct=True)   # one chain: distinct blocks
   out_of_blocks = num_takes > gpu.num_free() - revived
   status = first_failure((Status.INVALID_ARGUMENT, invalid),
@@ -177,7 +177,7 @@ def allocate(state: BlockManagerState, seq_ids, token_ids, num_tokens, salt=0):
                          (Status.OUT_OF_BLOCKS, out_of_blocks))
   ok = (status == Status.OK) & (group > 0)
   taken, evicted = taken_blocks(gpu, num_takes, m, hit_block)
-  rank = jnp.clip(jnp.cumsum(need_take) - 1, 0, m - 1)
+  rank = jnp.clip(take_count - 1, 0, m - 1)
   row = jnp.where(hit, hit_block, jnp.where(need_take, taken[rank], NO_BLOCK))
   registrations = None
   if cfg.enable_prefix_caching:
@@ -610,7 +610,7 @@ def _swap(state: BlockManagerState, seq_ids, to_gpu: bool):
     hit = chain_hit.ravel() & is_first
     hit_block = jnp.where(hit, chain_block.ravel(), NO_BLOCK)
   need_take = is_first & ~hit
-  num_takes = jnp.sum(need_take).astype(i32)
+  take_count, num_takes = running_count_and_total(need_take)
   revived = _revived(dst_pool, hit_block)
   short = num_takes > dst_pool.num_free() - revived
   status = first_failure(
@@ -621,7 +621,7 @@ def _swap(state: BlockManagerState, seq_ids, to_gpu: bool):
   ok = status == Status.OK
   capacity = b * m
   taken, evicted = taken_blocks(dst_pool, num_takes, capacity, hit_block)
-  rank = jnp.clip(running_count(need_take) - 1, 0, max(capacity - 1, 0))
+  rank = jnp.clip(take_count - 1, 0, max(capacity - 1, 0))
   first_dst = jnp.where(hit, hit_block, jnp.where(need_take, taken[rank], NO_BLOCK))
   dst_of = jnp.full(src_pool.num_blocks, NO_BLOCK, i32).at[
       masked(flat, is_first, src_pool.num_blocks)].set(first_dst, mode="drop")
@@ -647,7 +647,7 @@ def _swap(state: BlockManagerState, seq_ids, to_gpu: bool):
     looked_up = jnp.sum(is_first & has)
     state = state.replace(num_lookups=state.num_lookups + jnp.where(ok, looked_up, 0),
                           num_hits=state.num_hits + jnp.where(ok, jnp.sum(hit), 0))
-  plan_pos = masked(running_count(need_take) - 1, need_take & ok, capacity)
+  plan_pos = masked(take_count - 1, need_take & ok, capacity)
   plan = SwapPlan(src=jnp.full(capacity, NO_BLOCK, i32).at[plan_pos].set(flat, mode="drop"),
                   dst=jnp.full(capacity, NO_BLOCK, i32).at[plan_pos].set(new_flat, mode="drop"),
                   count=jnp.where(ok, num_takes, 0), status=status)
