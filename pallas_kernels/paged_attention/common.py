@@ -35,6 +35,12 @@ def check_attention_args(q, k_pages, v_pages, block_tables, lengths, *,
   """
   layout = {3: "[batch, num_q_heads, head_dim]",
             4: "[batch, num_queries, num_q_heads, head_dim]"}[query_rank]
+  pages = "[num_kv_heads, num_blocks, block_size, head_dim]"
+  for name, value, expected in (
+      ("q", q, layout), ("k_pages", k_pages, pages), ("v_pages", v_pages, pages),
+      ("block_tables", block_tables, "int32[batch, max_blocks_per_seq]"),
+      ("lengths", lengths, "int32[batch]")):
+    require_array(name, value, expected)
   if q.ndim != query_rank:
     raise ValueError(f"q must be {layout}, got shape {q.shape}")
   if k_pages.ndim != 4:
@@ -65,6 +71,28 @@ def check_attention_args(q, k_pages, v_pages, block_tables, lengths, *,
   for name, array in (("block_tables", block_tables), ("lengths", lengths)):
     if array.dtype != jnp.int32:
       raise ValueError(f"{name} must be int32, got {array.dtype}")
+
+
+def require_array(name: str, value, expected: str) -> None:
+  """Raises ValueError unless ``value`` is an array (it has a shape and a dtype).
+
+  Args:
+    name: the argument's name, for the message.
+    value: what the caller passed.
+    expected: the layout the argument should have, for the message.
+  """
+  if hasattr(value, "shape") and hasattr(value, "dtype"):
+    return
+  if isinstance(value, (tuple, list)) and value and all(
+      hasattr(item, "shape") for item in value):
+    hint = (f"a {type(value).__name__} of {len(value)} arrays; pass one "
+            "layer's pages, e.g. cache.k[layer]" if name.endswith("_pages")
+            else f"a {type(value).__name__} of {len(value)} arrays")
+  else:
+    hint = f"a {type(value).__name__}"
+    if isinstance(value, (tuple, list)):
+      hint += "; convert it with jnp.asarray(..., jnp.int32)"
+  raise ValueError(f"{name} must be an array {expected}, got {hint}")
 
 
 def check_attention_options(sm_scale, soft_cap, sliding_window) -> None:
@@ -98,8 +126,9 @@ def check_block_tables(block_tables, lengths, num_blocks: int,
 
   Raises:
     ValueError: naming the first sequence whose table entry lies outside
-      ``-1 .. num_blocks - 1`` or whose length is negative or longer than its
-      table.
+      ``-1 .. num_blocks - 1``, whose length is negative or longer than its
+      table, or whose last token's block is missing (-1): its length runs
+      past the blocks it holds.
   """
   tables = np.asarray(jax.device_get(block_tables))
   lengths = np.asarray(jax.device_get(lengths))
@@ -114,6 +143,15 @@ def check_block_tables(block_tables, lengths, num_blocks: int,
     raise ValueError(
         f"sequence {seq}: block_tables[{seq}, {entry}] = {tables[seq, entry]} "
         f"is out of range for {num_blocks} blocks (-1 marks no block)")
+  for seq, length in enumerate(lengths):
+    last = (length - 1) // block_size
+    if length > 0 and tables[seq, last] < 0:
+      held = tables[seq][tables[seq] >= 0].tolist()
+      raise ValueError(
+          f"sequence {seq}: length {length} runs past the blocks it holds: "
+          f"its last token (position {length - 1}) needs "
+          f"block_tables[{seq}, {last}], which is -1; the row holds blocks "
+          f"{held}")
 
 
 def default_sm_scale(head_dim: int, sm_scale: float | None) -> float:
