@@ -28,23 +28,35 @@ ON_GPU = jax.default_backend() == "gpu"
 
 # Block sizes 16 (4 pages a step), 64 (one page) and 128 (half a page a
 # step); head_dim 64, 128 and 256; groups of 2, 8 and 1; ragged lengths with
-# 0 and the maximum; a hole in a table; every option; uneven splits.
+# 0 and the maximum; a hole in a table; every option. The kernel options give
+# one split of 3 steps through 2 buffers (slots refilled), the default splits
+# through paged_attention(impl="mosaic_gpu"), and 3 splits of 2 steps over 4
+# steps (the last split empty).
 CASES = [
-    Case(3, 4, 2, 64, 16, 9, "bfloat16", sm_scale=0.2, hole=True,
-         num_splits=2),
-    Case(2, 8, 1, 128, 64, 3, "float16", soft_cap=5.0, sliding_window=70),
-    Case(2, 2, 2, 256, 128, 2, "bfloat16", soft_cap=3.0, sliding_window=100,
-         num_splits=3),
+    (Case(3, 4, 2, 64, 16, 9, "bfloat16", sm_scale=0.2, hole=True),
+     dict(num_splits=1, num_buffers=2)),
+    (Case(2, 8, 1, 128, 64, 3, "float16", soft_cap=5.0, sliding_window=70),
+     {}),
+    (Case(2, 2, 2, 256, 128, 2, "bfloat16", soft_cap=3.0, sliding_window=100),
+     dict(num_splits=3)),
 ]
 MOSAIC = jax.jit(
     functools.partial(mosaic_gpu.paged_attention, interpret=not ON_GPU),
     static_argnames=OPTIONS + ("num_splits", "num_buffers"))
+PUBLIC = jax.jit(attention.paged_attention,
+                 static_argnames=OPTIONS + ("impl",))
 
 
-@pytest.fixture(scope="module", params=CASES, ids=str)
+def case_id(param):
+  case, kernel_options = param
+  options = "-".join(f"{k}{v}" for k, v in kernel_options.items())
+  return f"{case}-{options or 'public'}"
+
+
+@pytest.fixture(scope="module", params=CASES, ids=case_id)
 def decode_case(request):
-  """A case, its poisoned inputs, and the reference on the clean pages."""
-  case = request.param
+  """A case, kernel options, poisoned inputs, the reference on clean pages."""
+  case, kernel_options = request.param
   q, clean, poisoned, tables, lengths = make_inputs(case, seed=1)
   free = np.setdiff1d(np.arange(clean[0].shape[1]), tables)[0]
   swap = {0: free, free: 0}
@@ -54,12 +66,16 @@ def decode_case(request):
   assert np.isnan(poisoned[1][:, 0]).all()  # block 0 is free, so poisoned
   expected = reference_attention(*as_jax(q, *clean, tables, lengths),
                                  **case.options)
-  return case, as_jax(q, *poisoned, tables, lengths), expected
+  return (case, kernel_options, as_jax(q, *poisoned, tables, lengths),
+          expected)
 
 
 def test_mosaic_kernel_matches_reference_on_poisoned_cache(decode_case):
-  case, args, expected = decode_case
-  out = MOSAIC(*args, **case.options, num_splits=case.num_splits)
+  case, kernel_options, args, expected = decode_case
+  if kernel_options:
+    out = MOSAIC(*args, **case.options, **kernel_options)
+  else:
+    out = PUBLIC(*args, **case.options, impl="mosaic_gpu")
   assert out.shape == args[0].shape and out.dtype == args[0].dtype
   assert_close(out, expected, case.dtype)
   assert not np.asarray(out, np.float32)[np.asarray(args[4]) == 0].any()
@@ -67,7 +83,7 @@ def test_mosaic_kernel_matches_reference_on_poisoned_cache(decode_case):
 
 @pytest.mark.skipif(not ON_GPU, reason="compiled Triton kernel needs a GPU")
 def test_triton_kernel_matches_reference_on_gpu(decode_case):
-  case, args, expected = decode_case
+  case, _, args, expected = decode_case
   out = jax.jit(gpu.paged_attention, static_argnames=OPTIONS)(
       *args, **case.options)
   assert_close(out, expected, case.dtype)
@@ -142,15 +158,11 @@ def test_forced_gpu_kernels_interpret_on_cpu():
     select("cuda")
 
 
-def test_paged_attention_runs_the_forced_kernel():
-  case = Case(2, 4, 2, 64, 16, 4, "bfloat16", soft_cap=4.0)
-  q, _, poisoned, tables, lengths = make_inputs(case, seed=2)
-  args = as_jax(q, *poisoned, tables, lengths)
-  run = jax.jit(attention.paged_attention,
-                static_argnames=("soft_cap", "impl"))
-  direct = MOSAIC(*args, soft_cap=4.0)
-  forced = run(*args, soft_cap=4.0, impl="mosaic_gpu")
-  np.testing.assert_array_equal(np.asarray(forced, np.float32),
-                                np.asarray(direct, np.float32))
-  triton = run(*args, soft_cap=4.0, impl="triton")
-  assert_close(triton, forced, case.dtype)
+def test_paged_attention_runs_the_forced_triton_kernel():
+  case = Case(2, 2, 1, 64, 16, 2, "bfloat16", soft_cap=4.0)
+  q, clean, poisoned, tables, lengths = make_inputs(case, seed=2)
+  out = PUBLIC(*as_jax(q, *poisoned, tables, lengths), soft_cap=4.0,
+               impl="triton")
+  expected = reference_attention(*as_jax(q, *clean, tables, lengths),
+                                 soft_cap=4.0)
+  assert_close(out, expected, case.dtype)
