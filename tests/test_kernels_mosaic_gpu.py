@@ -89,6 +89,23 @@ def test_triton_kernel_matches_reference_on_gpu(decode_case):
   assert_close(out, expected, case.dtype)
 
 
+@pytest.mark.parametrize("dtype,block_size,head_dim,num_buffers", [
+    ("bfloat16", 16, 128, 4), ("float16", 128, 256, None)])
+def test_mosaic_kernel_lowers_for_cuda(dtype, block_size, head_dim,
+                                       num_buffers):
+  """The Mosaic GPU lowering (layouts, wgmma and TMA shapes) runs on CPU."""
+  shape = jax.ShapeDtypeStruct
+  pages = shape((8, 100, block_size, head_dim), dtype)
+  run = jax.jit(functools.partial(
+      mosaic_gpu.paged_attention, soft_cap=30.0, sliding_window=40,
+      num_buffers=num_buffers))
+  lowered = run.trace(shape((3, 32, head_dim), dtype), pages, pages,
+                      shape((3, 7), jnp.int32),
+                      shape((3,), jnp.int32)).lower(
+                          lowering_platforms=("cuda",))
+  assert "mosaic_gpu" in lowered.as_text()
+
+
 def mosaic_args(**overrides):
   pages = jnp.ones((2, 10, 16, 64), jnp.bfloat16)
   args = dict(q=jnp.ones((2, 4, 64), jnp.bfloat16), k_pages=pages,
