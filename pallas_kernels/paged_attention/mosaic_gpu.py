@@ -4,8 +4,9 @@ Grid ``(batch, num_kv_heads, num_splits)``, one warpgroup per program. A
 program holds the query heads of one KV head, padded to the 64 rows of a
 wgmma, in shared memory, and walks its split of one sequence's table 64
 tokens at a time (several pages, or a slice of one page of 128). The pages
-of a step arrive by TMA into one of ``num_buffers`` shared-memory slots; the copies of the next ``num_buffers - 1`` steps are in flight while a
-step computes (QK on the tensor cores, online softmax in registers, PV on the
+of a step arrive by TMA into one of ``num_buffers`` shared-memory slots; the
+copies of the next ``num_buffers - 1`` steps are in flight while a step
+computes (QK on the tensor cores, online softmax in registers, PV on the
 tensor cores). Only steps that overlap ``[window start, length)`` run.
 
 Each split writes its output normalized by its own softmax sum, and the
@@ -17,8 +18,10 @@ their logits are masked to -inf, and on the steps that hold any, the V rows
 are zeroed in shared memory before the PV product.
 
 On CPU the kernel runs in Mosaic GPU interpret mode, which simulates shared
-memory, barriers and TMA. Pages are bfloat16 or float16: Hopper's wgmma
-takes float32 only as tf32 with both operands K-major, and V is not.
+memory, barriers and TMA; there the QK product is a dot of the values loaded
+from shared memory (the interpreter's wgmma takes no transposed operand) and
+register layouts are not cast. Pages are bfloat16 or float16: Mosaic GPU's
+wgmma transposes only 16-bit operands (float32 runs as tf32).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ _TARGET_PROGRAMS = 512  # a few waves of one-program-per-SM on an H100/H200
 _SMEM_BUDGET = 200 * 1024  # of the 227 KiB an sm90 block may use
 _MAX_BUFFERS = 4
 _BLOCK_SIZES = (16, 32, 64, 128)
-# wgmma takes float32 only as tf32 and K-major, but PV needs V MN-major.
+# QK needs K transposed, which wgmma does for 16-bit operands only.
 _DTYPES = (jnp.bfloat16, jnp.float16)
 
 
@@ -51,8 +54,8 @@ def interpret_params():
   """Mosaic GPU interpret-mode parameters (the public name where one exists)."""
   params = getattr(plgpu, "InterpretGPUParams", None)
   if params is None:
-    from jax._src.pallas.mosaic_gpu.interpret import params as private_params  # pylint: disable=g-import-not-at-top
-    params = private_params.InterpretGPUParams
+    from jax._src.pallas.mosaic_gpu.interpret import params  # pylint: disable=g-import-not-at-top
+    params = params.InterpretGPUParams
   return params()
 
 
@@ -225,33 +228,34 @@ def _decode_program(lengths_ref, tables_ref, q_ref, k_ref, v_ref, out_ref,
       fetch(first_step + i, i)
   plgpu.barrier_wait(q_bar)
 
-  def visible_tokens(step, shape, axis):
+  def visible_tokens(step, chunks, shape, axis):
     """Bool mask of the step's visible tokens along ``axis`` of ``shape``."""
     token = with_layout(lax.broadcasted_iota(jnp.int32, shape, axis),
                         plgpu.Layout.WGMMA)
     position = split_start + step * _STEP_TOKENS + token
     visible = (position < length) & (position >= first_visible)
-    for offset, page, _ in step_chunks(step):
+    for offset, page, _ in chunks:
       # Hide [offset, offset + chunk) behind a -1 entry; else hide nothing.
       hidden_start = jnp.where(page < 0, offset, 0)
       hidden_stop = jnp.where(page < 0, offset + chunk, 0)
       visible &= (token < hidden_start) | (token >= hidden_stop)
     return visible
 
-  def step_is_partial(step):
+  def step_is_partial(step, chunks):
     start = split_start + step * _STEP_TOKENS
     partial = (start < first_visible) | (start + _STEP_TOKENS > length)
-    for _, page, _ in step_chunks(step):
+    for _, page, _ in chunks:
       partial |= page < 0
     return partial
 
   def body(step, carry):
     acc, row_max, row_sum = carry
     slot = lax.rem(step - first_step, num_buffers)
+    chunks = step_chunks(step)
     plgpu.barrier_wait(k_bars.at[slot])
     logits = _logits(q_smem, k_smem.at[slot], interpret)
     logits = common.apply_soft_cap(logits * sm_scale, soft_cap)
-    logits = jnp.where(visible_tokens(step, logits.shape, 1), logits,
+    logits = jnp.where(visible_tokens(step, chunks, logits.shape, 1), logits,
                        -jnp.inf)
     new_max = jnp.maximum(row_max, logits.max(axis=1))
     rescale = jnp.exp(row_max - new_max)
@@ -261,10 +265,10 @@ def _decode_program(lengths_ref, tables_ref, q_ref, k_ref, v_ref, out_ref,
     p_smem[...] = weights.astype(dtype)
 
     plgpu.barrier_wait(v_bars.at[slot])
-    @pl.when(step_is_partial(step))
+    @pl.when(step_is_partial(step, chunks))
     def _zero_hidden_values():
       values = v_smem[slot]
-      visible = visible_tokens(step, values.shape, 0)
+      visible = visible_tokens(step, chunks, values.shape, 0)
       v_smem[slot] = jnp.where(visible, values, jnp.zeros_like(values))
     plgpu.commit_smem()
 
