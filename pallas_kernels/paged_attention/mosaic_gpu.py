@@ -203,17 +203,20 @@ def _decode_program(lengths_ref, tables_ref, q_ref, k_ref, v_ref, out_ref,
       _STEP_TOKENS)
 
   def step_chunks(step):
-    """(offset in the step, table entry, first row in the page) per copy."""
+    """(offset in the step, table entry, first row in the page) per copy.
+
+    Steps past the table read its last entries (never used).
+    """
     chunks = []
     for offset in range(0, _STEP_TOKENS, chunk):
       token = split_start + step * _STEP_TOKENS + offset
-      page = tables_ref[b, token // block_size]
-      chunks.append((offset, page, token % block_size))
+      entry = jnp.minimum(token // block_size, tables_ref.shape[1] - 1)
+      chunks.append((offset, tables_ref[b, entry], token % block_size))
     return chunks
 
-  def fetch(step, slot):
+  def fetch(chunks, slot):
     """Starts the TMA copies of a step's pages (block 0 for -1 entries)."""
-    for offset, page, row in step_chunks(step):
+    for offset, page, row in chunks:
       source = (h, jnp.maximum(page, 0), pl.ds(row, chunk))
       target = (slot, pl.ds(offset, chunk))
       plgpu.copy_gmem_to_smem(k_ref.at[source], k_smem.at[target],
@@ -225,7 +228,7 @@ def _decode_program(lengths_ref, tables_ref, q_ref, k_ref, v_ref, out_ref,
   for i in range(num_buffers):
     @pl.when(first_step + i < stop_step)
     def _prologue():
-      fetch(first_step + i, i)
+      fetch(step_chunks(first_step + i), i)
   plgpu.barrier_wait(q_bar)
 
   def visible_tokens(step, chunks, shape, axis):
@@ -252,6 +255,8 @@ def _decode_program(lengths_ref, tables_ref, q_ref, k_ref, v_ref, out_ref,
     acc, row_max, row_sum = carry
     slot = lax.rem(step - first_step, num_buffers)
     chunks = step_chunks(step)
+    # Read early, so the table reads overlap the step's compute.
+    refill_chunks = step_chunks(step + num_buffers)
     plgpu.barrier_wait(k_bars.at[slot])
     logits = _logits(q_smem, k_smem.at[slot], interpret)
     logits = common.apply_soft_cap(logits * sm_scale, soft_cap)
@@ -280,7 +285,7 @@ def _decode_program(lengths_ref, tables_ref, q_ref, k_ref, v_ref, out_ref,
 
     @pl.when(step + num_buffers < stop_step)
     def _refill():
-      fetch(step + num_buffers, slot)
+      fetch(refill_chunks, slot)
     return acc, new_max, row_sum
 
   head_dim = q_ref.shape[-1]
