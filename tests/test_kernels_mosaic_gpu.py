@@ -183,3 +183,12 @@ def test_paged_attention_runs_the_forced_triton_kernel():
   expected = reference_attention(*as_jax(q, *clean, tables, lengths),
                                  soft_cap=4.0)
   assert_close(out, expected, case.dtype)
+
+
+def test_jax_without_mosaic_gpu_falls_back_to_triton(monkeypatch):
+  monkeypatch.setattr(mosaic_gpu, "plgpu", None)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(attention, "gpu_compute_capability", lambda: 9.0)
+  assert select("auto") == ("triton", False)
+  with pytest.raises(NotImplementedError, match="needs a JAX with"):
+    mosaic_gpu.paged_attention(**mosaic_args())
