@@ -3,7 +3,9 @@
 On CPU the kernel runs in Mosaic GPU interpret mode (simulated shared memory,
 barriers and TMA); on a GPU it compiles, and the Triton kernel runs on the
 same cases. Every case poisons the bytes no query may read with NaN, block 0
-(which the kernel copies for -1 table entries) included.
+(which the kernel copies for -1 table entries) included. The kernel takes
+bfloat16 and float16 pages; float32 gets a ValueError (Mosaic GPU's wgmma
+transposes only 16-bit operands) and the Triton kernel in "auto".
 """
 
 import functools
@@ -19,7 +21,6 @@ from pallas_kernels.paged_attention import mosaic_gpu
 from tests.test_kernels_paged_attention import as_jax
 from tests.test_kernels_paged_attention import assert_close
 from tests.test_kernels_paged_attention import Case
-from tests.test_kernels_paged_attention import good_args
 from tests.test_kernels_paged_attention import make_inputs
 from tests.test_kernels_paged_attention import OPTIONS
 from tests.test_kernels_paged_attention import reference_attention
