@@ -3,8 +3,10 @@
 Decode attention reads ``2 * batch * length * num_kv_heads * head_dim`` bytes
 of K and V; its bandwidth is those bytes over the time of one call, shown as
 a fraction of the bandwidth of an on-device copy (``(read + write) bytes /
-time``) measured in the same run. Rows compare this library's Pallas kernel
-for the backend, JAX's shipped Pallas paged attention and the XLA reference.
+time``) measured in the same run. Rows compare this library's kernels (on a
+GPU its Mosaic GPU and Triton kernels, on TPU its Mosaic kernel), JAX's
+shipped Pallas paged attention and the XLA reference; a kernel that fails to
+compile or run gets a row saying so, and the others still run.
 copy_blocks moves ``pairs`` blocks of every layer's K and V (read + write).
 The last table compiles a donated decode step (copy_blocks, write_kv,
 paged_attention) with the Pallas kernels and reports its temporary bytes as a
@@ -15,8 +17,13 @@ heads, head_dim 128, bfloat16, block 16; batch 1/16/64, lengths 1k/4k/16k,
 1024 copy pairs over 32 layers). On CPU the Pallas kernels run in interpret
 mode, so the default sizes are small and the numbers only show that the
 script works; ``--full`` forces the full sizes, ``--small`` the small ones.
+``--batches``, ``--lengths`` and ``--block-sizes`` replace those of the
+decode table, ``--attention-only`` skips the copy_blocks and decode-step
+tables.
 
   python benchmarks/bench_kernels.py [--full | --small] [--iters N]
+      [--batches 1,64] [--lengths 4096] [--block-sizes 16,64]
+      [--attention-only]
 """
 
 from __future__ import annotations
@@ -40,10 +47,15 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from paged_jax import attention  # pylint: disable=g-import-not-at-top
 from paged_jax import kv_cache  # pylint: disable=g-import-not-at-top
 from paged_jax.config import CacheConfig  # pylint: disable=g-import-not-at-top
-from benchmarks.sizes import parse_size_args  # pylint: disable=g-import-not-at-top
+from pallas_kernels.paged_attention import mosaic_gpu  # pylint: disable=g-import-not-at-top
+from benchmarks.sizes import resolve_sizes  # pylint: disable=g-import-not-at-top
+from benchmarks.sizes import size_parser  # pylint: disable=g-import-not-at-top
 
-shipped_gpu = importlib.import_module(
-    "jax.experimental.pallas.ops.gpu.paged_attention")
+try:  # deprecated with Pallas's Triton backend; gone from some JAX releases
+  shipped_gpu = importlib.import_module(
+      "jax.experimental.pallas.ops.gpu.paged_attention")
+except ImportError:
+  shipped_gpu = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,34 +123,56 @@ def decode_inputs(sizes: Sizes, batch: int, length: int, seed: int = 0):
 def attention_impls(platform: str, blocks_per_seq: int):
   """name -> jitted fn(q, k_pages, v_pages, tables, lengths)."""
   interpret = platform not in ("gpu", "tpu")
-  # JAX's kernels take no sm_scale; the others get 1.0 to do the same work.
-  ours = functools.partial(attention.paged_attention, sm_scale=1.0,
-                           impl="pallas")
-  reference = functools.partial(attention.paged_attention, sm_scale=1.0,
-                                impl="reference")
+
+  def ours(impl):
+    # JAX's kernels take no sm_scale; the others get 1.0 to do the same work.
+    return jax.jit(functools.partial(attention.paged_attention, sm_scale=1.0,
+                                     impl=impl))
+
   pages_per_block = min(8, blocks_per_seq)
   if platform == "tpu":
     def shipped(q, k, v, tables, lengths):
       return shipped_tpu_paged_attention(
           q, k, v, lengths, tables, pages_per_compute_block=pages_per_block)
+    kernels = {"mosaic tpu (ours)": ours("pallas")}
   else:
     def shipped(q, k, v, tables, lengths):
       return shipped_gpu.paged_attention(
           q, k, v, tables, lengths, pages_per_compute_block=pages_per_block,
-          k_splits=min(16, blocks_per_seq // pages_per_block),
+          k_splits=max(1, min(16, blocks_per_seq // pages_per_block)),
           interpret=interpret)
-  return {"pallas (this library)": jax.jit(ours),
-          "pallas (jax shipped)": jax.jit(shipped),
-          "xla reference": jax.jit(reference)}
+    kernels = {MOSAIC: ours("mosaic_gpu"), "triton (ours)": ours("triton")}
+    if not interpret:
+      # The default takes 4 page slots; with 2 two programs share an SM.
+      for slots in (2, 3):
+        kernels[f"mosaic gpu, {slots} {SLOTS}"] = jax.jit(functools.partial(
+            mosaic_gpu.paged_attention, sm_scale=1.0, num_buffers=slots))
+  if shipped_gpu is not None or platform == "tpu":
+    kernels[SHIPPED] = jax.jit(shipped)
+  return {**kernels, "xla reference": ours("reference")}
+
+
+MOSAIC = "mosaic gpu (ours)"
+SLOTS = "slots"  # rows of the Mosaic kernel with other num_buffers
+SHIPPED = "jax shipped pallas"
+
+
+def try_time_call(fn, *args, iters: int) -> tuple[float, str]:
+  """(median seconds, "") or (nan, the first line of the error)."""
+  try:
+    return time_call(fn, *args, iters=iters), ""
+  except Exception as error:  # pylint: disable=broad-except
+    message = str(error).strip().splitlines() or [""]
+    return float("nan"), f"{type(error).__name__}: {message[0][:120]}"
 
 
 def bench_attention(sizes: Sizes, platform: str, copy_bw: float, iters: int):
-  """Prints the decode table; returns {(batch, length, impl): fraction}."""
+  """Prints the decode table; returns {(block, batch, length, impl): frac}."""
   print(f"\ndecode paged attention: {sizes.num_q_heads} q heads, "
         f"{sizes.num_kv_heads} kv heads, head_dim {sizes.head_dim}, "
-        f"{sizes.dtype}, block {sizes.block_size}")
-  print(f"{'batch':>5} {'length':>6} {'KV MiB':>8} {'impl':<22} "
-        f"{'time us':>10} {'GB/s':>8} {'of copy':>8}")
+        f"{sizes.dtype}")
+  print(f"{'block':>5} {'batch':>5} {'length':>6} {'KV MiB':>8} "
+        f"{'impl':<20} {'time us':>10} {'GB/s':>8} {'of copy':>8}")
   fractions = {}
   for batch in sizes.batches:
     for length in sizes.lengths:
@@ -146,13 +180,36 @@ def bench_attention(sizes: Sizes, platform: str, copy_bw: float, iters: int):
       kv_bytes = 2 * inputs[1].size * inputs[1].dtype.itemsize
       impls = attention_impls(platform, length // sizes.block_size)
       for name, fn in impls.items():
-        seconds = time_call(fn, *inputs, iters=iters)
+        seconds, error = try_time_call(fn, *inputs, iters=iters)
         fraction = kv_bytes / seconds / copy_bw
-        fractions[batch, length, name] = fraction
-        print(f"{batch:>5} {length:>6} {kv_bytes / 2**20:>8.1f} {name:<22} "
-              f"{seconds * 1e6:>10.1f} {kv_bytes / seconds / 1e9:>8.1f} "
-              f"{fraction:>8.1%}")
+        fractions[sizes.block_size, batch, length, name] = fraction
+        row = (f"{sizes.block_size:>5} {batch:>5} {length:>6} "
+               f"{kv_bytes / 2**20:>8.1f} {name:<20} ")
+        if error:
+          print(row + f"failed: {error}")
+        else:
+          print(row + f"{seconds * 1e6:>10.1f} "
+                f"{kv_bytes / seconds / 1e9:>8.1f} {fraction:>8.1%}")
   return fractions
+
+
+def attention_summary(fractions) -> str:
+  """Our best kernel's fraction of copy bandwidth, and where it wins."""
+  impls = {name for *_, name in fractions}
+  ours = MOSAIC if MOSAIC in impls else "mosaic tpu (ours)"
+  points = sorted({key[:3] for key in fractions})
+  others = {name for name in impls if name != ours and SLOTS not in name}
+  wins = sum(all(fractions[p + (ours,)] > fractions[p + (other,)]
+                 for other in others if np.isfinite(fractions[p + (other,)]))
+             for p in points)
+  shapes = {p[1:] for p in points}
+  shape = (64, 4096) if (64, 4096) in shapes else max(shapes)
+  at_shape = ", ".join(
+      f"block {p[0]} {fractions[p + (ours,)]:.0%}"
+      for p in points if p[1:] == shape)
+  return (f"decode B={shape[0]} L={shape[1]}: {ours} at {at_shape} of copy "
+          f"bandwidth (target 85%), faster than every other kernel at "
+          f"{wins}/{len(points)} points")
 
 
 def bench_copy_blocks(sizes: Sizes, copy_bw: float, iters: int):
@@ -220,19 +277,38 @@ def decode_step_temp_fraction(sizes: Sizes, impl: str, dtype: str) -> float:
 
 
 def main():
-  full, iters, platform = parse_size_args(__doc__.splitlines()[0], "Llama-3-8B sizes",
-                                         "small sizes", accelerator_iters=20)
+  parser = size_parser(__doc__.splitlines()[0], "Llama-3-8B sizes",
+                       "small sizes")
+  parser.add_argument("--batches", type=int_list, default=None)
+  parser.add_argument("--lengths", type=int_list, default=None)
+  parser.add_argument("--block-sizes", type=int_list, default=None)
+  parser.add_argument("--attention-only", action="store_true")
+  args = parser.parse_args()
+  full, iters, platform = resolve_sizes(args, accelerator_iters=20)
   accelerator = platform in ("gpu", "tpu")
   sizes = FULL if full else SMALL
+  sizes = dataclasses.replace(sizes, batches=args.batches or sizes.batches,
+                              lengths=args.lengths or sizes.lengths)
   mode = "" if accelerator else " (Pallas in interpret mode)"
-  print(f"backend: {platform}, device: {jax.devices()[0].device_kind}{mode}")
+  device = jax.devices()[0]
+  capability = getattr(device, "compute_capability", "")
+  print(f"backend: {platform}, device: {device.device_kind} {capability}, "
+        f"jax {jax.__version__}{mode}")
 
   largest = max(sizes.batches) * max(sizes.lengths)
   copy_bytes = 2 * largest * sizes.num_kv_heads * sizes.head_dim * 2
   copy_bw = copy_bandwidth(copy_bytes, iters)
   print(f"device copy of {copy_bytes / 2**20:.0f} MiB: "
         f"{copy_bw / 1e9:.1f} GB/s (read + write)")
-  fractions = bench_attention(sizes, platform, copy_bw, iters)
+  fractions = {}
+  for block_size in args.block_sizes or (sizes.block_size,):
+    fractions.update(bench_attention(
+        dataclasses.replace(sizes, block_size=block_size), platform, copy_bw,
+        iters))
+  summary = f"summary: {platform}{mode}: {attention_summary(fractions)}"
+  if args.attention_only:
+    print(f"\n{summary}")
+    return
   copy_blocks_fraction = bench_copy_blocks(sizes, copy_bw, iters)
   # XLA:CPU converts a bfloat16 array to float32 to scatter into it.
   step_dtype = sizes.dtype if accelerator else "float32"
@@ -242,17 +318,14 @@ def main():
         f"{step_dtype}: temp bytes / cache bytes")
   for impl, fraction in temp.items():
     print(f"{impl:<10} {fraction:>8.2%}")
+  print(f"\n{summary}, copy_blocks at {copy_blocks_fraction:.0%} (target "
+        f"80%), decode-step temp {temp['pallas']:.2%} of the cache (target "
+        f"< 10%)")
 
-  points = {(b, n) for b, n, _ in fractions}
-  faster = sum(fractions[p + ("pallas (this library)",)]
-               > fractions[p + ("pallas (jax shipped)",)] for p in points)
-  key = (64, 4096) if (64, 4096) in points else max(points)
-  print(f"\nsummary: {platform}{mode}: decode B={key[0]} L={key[1]} at "
-        f"{fractions[key + ('pallas (this library)',)]:.0%} of copy bandwidth "
-        f"(target 85%), faster than JAX's shipped kernel at {faster}/"
-        f"{len(points)} points, copy_blocks at {copy_blocks_fraction:.0%} "
-        f"(target 80%), decode-step temp {temp['pallas']:.2%} of the cache "
-        f"(target < 10%)")
+
+def int_list(text: str) -> tuple[int, ...]:
+  """Parses "1,16,64"."""
+  return tuple(int(part) for part in text.split(","))
 
 
 if __name__ == "__main__":

@@ -2,10 +2,15 @@
 
 ``impl`` chooses the implementation:
 
-* ``"auto"``: the Mosaic kernel on TPU, the Pallas (Triton) kernel on CUDA or
-  ROCm GPUs when its tiles fit (power-of-two block size and head_dim), the
-  XLA reference everywhere else (CPU).
-* ``"pallas"``: the backend's kernel; on CPU the GPU kernel in interpret mode.
+* ``"auto"``: the Mosaic kernel on TPU; on CUDA GPUs of compute capability
+  9.0 and newer (Hopper, Blackwell) the Mosaic GPU kernel when its tiles fit,
+  else the Pallas (Triton) kernel when its tiles fit (power-of-two block size
+  and head_dim), as on older and ROCm GPUs; the XLA reference everywhere else
+  (CPU).
+* ``"pallas"``: the backend's kernel (the one ``"auto"`` prefers); on CPU the
+  Triton kernel in interpret mode.
+* ``"mosaic_gpu"``, ``"triton"``: that GPU kernel; on CPU in its interpret
+  mode.
 * ``"reference"``: the XLA reference.
 
 Outside jit (concrete block tables and lengths) the tables are checked on the
@@ -18,10 +23,13 @@ import jax
 
 from pallas_kernels.paged_attention import common
 from pallas_kernels.paged_attention import gpu
+from pallas_kernels.paged_attention import mosaic_gpu
 from pallas_kernels.paged_attention import reference
 from pallas_kernels.paged_attention import tpu
 
 IMPLS = ("auto", "pallas", "reference")
+ATTENTION_IMPLS = IMPLS + ("mosaic_gpu", "triton")
+_KERNELS = {"tpu": tpu, "triton": gpu, "mosaic_gpu": mosaic_gpu}
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
@@ -44,7 +52,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *,
     sm_scale: logit scale; None means ``1 / sqrt(head_dim)``.
     soft_cap: logit soft cap ``cap * tanh(logits / cap)``, or None.
     sliding_window: keys visible to the query (itself included), or None.
-    impl: ``"auto"``, ``"pallas"`` or ``"reference"``.
+    impl: ``"auto"``, ``"pallas"``, ``"mosaic_gpu"``, ``"triton"`` or
+      ``"reference"`` (see the module docstring).
 
   Returns:
     ``[batch, num_q_heads, head_dim]`` in ``q.dtype``.
@@ -56,13 +65,15 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *,
                               k_pages.shape[2])
   options = dict(sm_scale=sm_scale, soft_cap=soft_cap,
                  sliding_window=sliding_window)
-  kernel = select_kernel(impl, tile_sizes=k_pages.shape[2:])
+  kernel = select_attention_kernel(
+      impl, dtype=q.dtype, block_size=k_pages.shape[2],
+      head_dim=k_pages.shape[3],
+      group=q.shape[1] // k_pages.shape[0])
   args = (q, k_pages, v_pages, block_tables, lengths)
   if kernel is None:
     return reference.paged_attention_reference(*args, **options)
-  backend, interpret = kernel
-  module = tpu if backend == "tpu" else gpu
-  return module.paged_attention(*args, **options, interpret=interpret)
+  name, interpret = kernel
+  return _KERNELS[name].paged_attention(*args, **options, interpret=interpret)
 
 
 def paged_prefill_attention(q, k_pages, v_pages, block_tables, lengths,
@@ -124,6 +135,54 @@ def select_kernel(impl: str, *, tile_sizes: tuple[int, ...] = ()):
       return None
     return "gpu", False
   return None if impl == "auto" else ("gpu", True)
+
+
+def select_attention_kernel(impl: str, *, dtype, block_size: int,
+                            head_dim: int, group: int):
+  """Resolves ``impl`` of ``paged_attention`` for the default backend.
+
+  Args:
+    impl: one of ``ATTENTION_IMPLS``.
+    dtype: dtype of the queries and pages.
+    block_size: tokens per page.
+    head_dim: size of a head.
+    group: query heads per KV head.
+
+  Returns:
+    None for the XLA reference, else ``(kernel, interpret)`` with kernel
+    ``"tpu"``, ``"mosaic_gpu"`` or ``"triton"``.
+
+  Raises:
+    ValueError: for an unknown ``impl``.
+  """
+  if impl not in ATTENTION_IMPLS:
+    raise ValueError(f"impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+  platform = jax.default_backend()
+  on_gpu = platform in _GPU_PLATFORMS
+  if impl in ("mosaic_gpu", "triton"):
+    return impl, not on_gpu
+  if impl == "reference":
+    return None
+  if platform == "tpu":
+    return "tpu", False
+  if not on_gpu:
+    return None if impl == "auto" else ("triton", True)
+  if (gpu_compute_capability() >= 9.0
+      and mosaic_gpu.supports(dtype, block_size, head_dim, group)):
+    return "mosaic_gpu", False
+  if impl == "auto" and not all(
+      _is_power_of_two(n) for n in (block_size, head_dim)):
+    return None
+  return "triton", False
+
+
+def gpu_compute_capability() -> float:
+  """Compute capability of the first device (9.0 for Hopper), 0 if none."""
+  capability = getattr(jax.devices()[0], "compute_capability", None)
+  try:
+    return float(capability)
+  except (TypeError, ValueError):
+    return 0.0
 
 
 def is_concrete(*arrays) -> bool:
