@@ -17,6 +17,7 @@ import jax
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.paged_attention import (
     paged_attention as shipped_tpu_paged_attention)
+from jax.experimental.pallas.ops.tpu.paged_attention import quantization_utils
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -272,6 +273,26 @@ def test_reference_agrees_with_jax_shipped_kernels():
         attn_logits_soft_cap=case.soft_cap, pages_per_compute_block=2)
   # The shipped TPU kernel computes with K/V rounded to bfloat16.
   assert_close(shipped_tpu_out, expected, "bfloat16")
+
+
+def test_quantized_reference_agrees_with_jax_shipped_tpu_kernel():
+  # The shipped kernel's quantization_utils scale is the per-token, per-head
+  # absmax ([..., block_size, 1]) and it dequantizes as x * h / 127.5, so our
+  # int8 pages serve it unchanged with h = scale * 127.5: the layouts meet.
+  case = Case(2, 8, 2, 128, 16, 3, "float32", sm_scale=1.0, kv_dtype="int8")
+  q, pages, _, tables, lengths = make_inputs(case, seed=6)
+  tables = np.maximum(tables, 0)
+  expected = attend(reference_attention, q, pages, tables, lengths,
+                    **case.options)
+  k, v, k_scales, v_scales = map(jnp.asarray, pages)
+  to_shipped = lambda x, s: quantization_utils.QuantizedTensor(
+      x, s[..., None] * quantization_utils.MAX_INT8)
+  with pltpu.force_tpu_interpret_mode():
+    shipped = shipped_tpu_paged_attention(
+        jnp.asarray(q), to_shipped(k, k_scales), to_shipped(v, v_scales),
+        jnp.asarray(lengths), jnp.asarray(tables), pages_per_compute_block=1)
+  # It dequantizes K/V to bfloat16.
+  assert_close(shipped, expected, "bfloat16")
 
 
 PREFILL_CASES = [Case(3, 4, 2, 64, 8, 4, "float32", soft_cap=4.0),

@@ -270,3 +270,11 @@ def test_quantized_cache_keeps_the_tiny_models_log_probability(accuracy):
   assert accuracy["int8"]["relative_change"] < 0.005
   assert accuracy["float8_e4m3fn"]["relative_change"] < 0.015
   assert accuracy["int8"]["greedy_agree"] > accuracy["int8"]["num_prompts"] / 2
+
+
+def test_generate_passes_kv_cache_dtype_to_the_cache():
+  from paged_jax import generate as generate_lib
+  with pytest.raises(ValueError, match="KV cache dtype int16 is not"):
+    generate_lib.generate(load_tiny(), [np.arange(4, dtype=np.int32)], CFG,
+                          generate_lib.SamplingParams(max_new_tokens=2),
+                          jax.random.key(0), kv_cache_dtype=jnp.int16)
