@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import paged_jax as pj
 from paged_jax import kv_cache
 from paged_jax.config import CacheConfig
 from paged_jax.models import kv_accuracy
@@ -273,8 +274,7 @@ def test_quantized_cache_keeps_the_tiny_models_log_probability(accuracy):
 
 
 def test_generate_passes_kv_cache_dtype_to_the_cache():
-  from paged_jax import generate as generate_lib
   with pytest.raises(ValueError, match="KV cache dtype int16 is not"):
-    generate_lib.generate(load_tiny(), [np.arange(4, dtype=np.int32)], CFG,
-                          generate_lib.SamplingParams(max_new_tokens=2),
-                          jax.random.key(0), kv_cache_dtype=jnp.int16)
+    pj.generate(load_tiny(), [np.arange(4, dtype=np.int32)], CFG,
+                pj.SamplingParams(max_new_tokens=2), jax.random.key(0),
+                kv_cache_dtype=jnp.int16)
