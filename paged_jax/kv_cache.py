@@ -300,6 +300,8 @@ def write_kv(cache: KVCache, layer: int, k, v, slot_mapping, *,
 def copy_blocks(cache: KVCache, plan, *, impl: str = "auto") -> KVCache:
   """Executes a CopyPlan (copy-on-write) on every layer's K and V in one call.
 
+  A quantized cache's scales are copied with their blocks.
+
   Args:
     cache: the cache (donate it under jit).
     plan: ``src``, ``dst`` (device blocks) and ``count``; entry ``i <
@@ -339,8 +341,8 @@ def swap_out(cache: KVCache, plan) -> KVCache:
 
   One jitted call for all layers' K and V, with ``cache`` donated: the planned
   blocks are gathered on the device, moved to host memory in one transfer and
-  scattered into the host pages. The device pages are left as they are (the
-  block manager has freed them).
+  scattered into the host pages (scales likewise, in a quantized cache). The
+  device pages are left as they are (the block manager has freed them).
 
   Args:
     cache: the cache; donated, do not use it afterwards.
@@ -360,7 +362,8 @@ def swap_in(cache: KVCache, plan) -> KVCache:
   """Copies host blocks to device blocks (``src[i]`` -> ``dst[i]``, i < count).
 
   One jitted call for all layers' K and V, with ``cache`` donated: gather in
-  host memory, one transfer to the device, scatter into the device pages.
+  host memory, one transfer to the device, scatter into the device pages
+  (scales likewise, in a quantized cache).
 
   Args:
     cache: the cache; donated, do not use it afterwards.
