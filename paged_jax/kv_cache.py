@@ -9,6 +9,10 @@ manager's plans and return a new cache; callers donate the old one
 in place, touching only the slots and blocks it names:
 
 * ``write_kv`` scatters new tokens' K/V into their slots (one layer).
+* ``copy_blocks`` executes a CopyPlan on every layer's K and V in one call.
+* ``swap_out`` / ``swap_in`` move a SwapPlan's blocks between device and host
+  memory: one gather, one transfer, one scatter for all layers. They are
+  jitted here with the cache donated.
 
 A cache created with ``dtype=jnp.int8`` or ``jnp.float8_e4m3fn`` is
 quantized: beside each layer's pages it keeps float32 scales ``k_scale``,
@@ -18,12 +22,9 @@ head (host copies ``k_scale_host``, ``v_scale_host`` for swap space).
 for int8, rounding to nearest; ``absmax / 448`` for fp8 e4m3), every op moves
 the scales with their pages, and attention dequantizes as it reads (pass
 ``k_scales=cache.k_scale[layer]``, ``v_scales=cache.v_scale[layer]``). Float
-caches have no scales (the fields are None).
-
-* ``copy_blocks`` executes a CopyPlan on every layer's K and V in one call.
-* ``swap_out`` / ``swap_in`` move a SwapPlan's blocks between device and host
-  memory: one gather, one transfer, one scatter for all layers. They are
-  jitted here with the cache donated.
+caches have no scales (the fields are None). The scales are written,
+copied and swapped by XLA scatters and gathers (in place when donated); the
+pages go through the Pallas kernels where ``impl`` picks them.
 
 A plan is any object with int32 fields ``src``, ``dst`` (fixed capacity,
 unused entries -1) and an int32 scalar ``count``. Called outside jit
@@ -38,8 +39,8 @@ the update (attention, then a copy) makes it copy the whole array.
 
 On the CPU backend, XLA computes a bfloat16 (or float16) scatter by
 converting the whole array to float32, so there the XLA paths copy a narrow
-float cache on every update; float32 caches, and every dtype on GPU and TPU,
-are updated in place. Host pages hold bit patterns, so the host side of a
+float cache on every update (fp8 pages included); float32 and int8 caches,
+and every dtype on GPU and TPU, are updated in place. Host pages hold bit patterns, so the host side of a
 swap is in place on every backend.
 """
 
@@ -341,8 +342,9 @@ def swap_out(cache: KVCache, plan) -> KVCache:
 
   One jitted call for all layers' K and V, with ``cache`` donated: the planned
   blocks are gathered on the device, moved to host memory in one transfer and
-  scattered into the host pages (scales likewise, in a quantized cache). The
-  device pages are left as they are (the block manager has freed them).
+  scattered into the host pages (a quantized cache's scales likewise, in a
+  second transfer). The device pages are left as they are (the block manager
+  has freed them).
 
   Args:
     cache: the cache; donated, do not use it afterwards.
@@ -362,8 +364,8 @@ def swap_in(cache: KVCache, plan) -> KVCache:
   """Copies host blocks to device blocks (``src[i]`` -> ``dst[i]``, i < count).
 
   One jitted call for all layers' K and V, with ``cache`` donated: gather in
-  host memory, one transfer to the device, scatter into the device pages
-  (scales likewise, in a quantized cache).
+  host memory, one transfer to the device, scatter into the device pages (a
+  quantized cache's scales likewise, in a second transfer).
 
   Args:
     cache: the cache; donated, do not use it afterwards.
