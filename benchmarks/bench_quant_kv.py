@@ -1,4 +1,4 @@
-"""Quantized KV cache (int8, fp8 e4m3) against bfloat16: capacity, speed, accuracy.
+"""Quantized KV caches (int8, fp8) against bfloat16: capacity, speed, accuracy.
 
 1. Capacity: sequences of `--seq-len` tokens whose blocks fit the same KV
    memory, from `bytes_per_block` and `num_gpu_blocks_for_memory` (scales
@@ -130,14 +130,16 @@ def main():
   rates = decode_tokens_per_second(model, prompts, args.new_tokens,
                                    args.repeats)
   for name, rate in rates.items():
-    print(f"{name:>14} {rate:>10.1f} tokens/s {rate / rates['bfloat16']:>6.2f}x")
+    print(f"{name:>14} {rate:>10.1f} tokens/s "
+          f"{rate / rates['bfloat16']:>6.2f}x")
 
   print("\n3. Accuracy, tiny model, against the bfloat16 cache")
   eval_prompts = [text[s:s + 32] for s in range(30000, 350000, 20000)]
   results = kv_accuracy.kv_cache_accuracy(
       load_tiny(), tokenizer, text[20000:], eval_prompts,
       dtypes=DTYPES[1:], num_rows=8)
-  print(f"{'dtype':>14} {'mean log p':>11} {'change':>8} {'greedy 16 agree':>16}")
+  print(f"{'dtype':>14} {'mean log p':>11} {'change':>8} "
+        f"{'greedy 16 agree':>16}")
   for r in results:
     print(f"{r['dtype']:>14} {r['mean_log_prob']:>11.4f} "
           f"{100 * r['relative_change']:>7.3f}% "

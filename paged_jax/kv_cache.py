@@ -40,8 +40,8 @@ the update (attention, then a copy) makes it copy the whole array.
 On the CPU backend, XLA computes a bfloat16 (or float16) scatter by
 converting the whole array to float32, so there the XLA paths copy a narrow
 float cache on every update (fp8 pages included); float32 and int8 caches,
-and every dtype on GPU and TPU, are updated in place. Host pages hold bit patterns, so the host side of a
-swap is in place on every backend.
+and every dtype on GPU and TPU, are updated in place. Host pages hold bit
+patterns, so the host side of a swap is in place on every backend.
 """
 
 from __future__ import annotations

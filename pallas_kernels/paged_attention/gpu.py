@@ -192,9 +192,9 @@ def _decode_kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, *refs,
     weights = jnp.exp(logits - new_max[:, None])
     values = jnp.where(visible[:, None], values, jnp.zeros_like(values))
     value_weights = weights
-    if quantized:
+    if quantized:  # V's scales go into the weights; masked, as NaN * 0 = NaN
       v_scale = v_scale_ref[safe_pages].reshape(step_tokens)
-      value_weights *= jnp.where(visible, v_scale, 0.0)[None, :]
+      value_weights = weights * jnp.where(visible, v_scale, 0.0)[None, :]
     acc = rescale[:, None] * acc + jnp.dot(
         value_weights.astype(values.dtype), values,
         preferred_element_type=jnp.float32)

@@ -7,8 +7,8 @@ into a double buffer (the next step's pages load while this step computes),
 and keeps an online softmax for the query heads of its KV head. Only steps
 that overlap ``[window start, length)`` are loaded. Quantized pages (int8,
 float8_e4m3fn) arrive with their per-token scales (one more DMA per page and
-array) and are dequantized to float32 in VMEM. On CPU the kernel runs in TPU interpret
-mode (``interpret=True``).
+array) and are dequantized to float32 in VMEM. On CPU the kernel runs in TPU
+interpret mode (``interpret=True``).
 """
 
 from __future__ import annotations
