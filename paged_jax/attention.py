@@ -37,6 +37,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *,
                     sm_scale: float | None = None,
                     soft_cap: float | None = None,
                     sliding_window: int | None = None,
+                    k_scales=None, v_scales=None,
                     impl: str = "auto"):
   """Decode attention of one new token per sequence over a paged KV cache.
 
@@ -52,23 +53,33 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *,
     sm_scale: logit scale; None means ``1 / sqrt(head_dim)``.
     soft_cap: logit soft cap ``cap * tanh(logits / cap)``, or None.
     sliding_window: keys visible to the query (itself included), or None.
+    k_scales: for int8 / float8_e4m3fn pages, their float32 scales
+      ``[num_kv_heads, num_blocks, block_size]`` (``KVCache.k_scale[layer]``);
+      None for float pages.
+    v_scales: same as ``k_scales``, for ``v_pages``.
     impl: ``"auto"``, ``"pallas"``, ``"mosaic_gpu"``, ``"triton"`` or
       ``"reference"`` (see the module docstring).
 
   Returns:
     ``[batch, num_q_heads, head_dim]`` in ``q.dtype``.
+
+  Raises:
+    ValueError: for bad shapes, dtypes or options, or a page dtype the chosen
+      kernel cannot serve (the message names the kernel).
   """
-  common.check_attention_args(q, k_pages, v_pages, block_tables, lengths)
+  common.check_attention_args(q, k_pages, v_pages, block_tables, lengths,
+                              k_scales=k_scales, v_scales=v_scales)
   common.check_attention_options(sm_scale, soft_cap, sliding_window)
   if is_concrete(block_tables, lengths):
     common.check_block_tables(block_tables, lengths, k_pages.shape[1],
                               k_pages.shape[2])
   options = dict(sm_scale=sm_scale, soft_cap=soft_cap,
-                 sliding_window=sliding_window)
+                 sliding_window=sliding_window, k_scales=k_scales,
+                 v_scales=v_scales)
   kernel = select_attention_kernel(
       impl, dtype=q.dtype, block_size=k_pages.shape[2],
       head_dim=k_pages.shape[3],
-      group=q.shape[1] // k_pages.shape[0])
+      group=q.shape[1] // k_pages.shape[0], quantized=k_scales is not None)
   args = (q, k_pages, v_pages, block_tables, lengths)
   if kernel is None:
     return reference.paged_attention_reference(*args, **options)
@@ -79,7 +90,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *,
 def paged_prefill_attention(q, k_pages, v_pages, block_tables, lengths,
                             query_lens, *, sm_scale: float | None = None,
                             soft_cap: float | None = None,
-                            sliding_window: int | None = None):
+                            sliding_window: int | None = None,
+                            k_scales=None, v_scales=None):
   """Causal attention of several new tokens per sequence to their context.
 
   For prefix-cache hits and chunked prefill: the new tokens' K/V are already
@@ -97,18 +109,22 @@ def paged_prefill_attention(q, k_pages, v_pages, block_tables, lengths,
     sm_scale: logit scale; None means ``1 / sqrt(head_dim)``.
     soft_cap: logit soft cap, or None.
     sliding_window: keys visible to a query (itself included), or None.
+    k_scales: scales of quantized pages, as in ``paged_attention``.
+    v_scales: same as ``k_scales``, for ``v_pages``.
 
   Returns:
     ``[batch, num_queries, num_q_heads, head_dim]`` in ``q.dtype``.
   """
   common.check_attention_args(q, k_pages, v_pages, block_tables, lengths,
-                              query_rank=4)
+                              query_rank=4, k_scales=k_scales,
+                              v_scales=v_scales)
   if is_concrete(block_tables, lengths):
     common.check_block_tables(block_tables, lengths, k_pages.shape[1],
                               k_pages.shape[2])
   return reference.paged_prefill_attention_reference(
       q, k_pages, v_pages, block_tables, lengths, query_lens,
-      sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+      sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+      k_scales=k_scales, v_scales=v_scales)
 
 
 def select_kernel(impl: str, *, tile_sizes: tuple[int, ...] = ()):
@@ -138,7 +154,7 @@ def select_kernel(impl: str, *, tile_sizes: tuple[int, ...] = ()):
 
 
 def select_attention_kernel(impl: str, *, dtype, block_size: int,
-                            head_dim: int, group: int):
+                            head_dim: int, group: int, quantized: bool = False):
   """Resolves ``impl`` of ``paged_attention`` for the default backend.
 
   Args:
@@ -147,6 +163,8 @@ def select_attention_kernel(impl: str, *, dtype, block_size: int,
     block_size: tokens per page.
     head_dim: size of a head.
     group: query heads per KV head.
+    quantized: whether the pages are int8 / fp8 with scales, which the Mosaic
+      GPU kernel does not serve (``"auto"`` then takes the Triton kernel).
 
   Returns:
     None for the XLA reference, else ``(kernel, interpret)`` with kernel
@@ -167,7 +185,7 @@ def select_attention_kernel(impl: str, *, dtype, block_size: int,
     return "tpu", False
   if not on_gpu:
     return None if impl == "auto" else ("triton", True)
-  if (gpu_compute_capability() >= 9.0
+  if (gpu_compute_capability() >= 9.0 and not quantized
       and mosaic_gpu.supports(dtype, block_size, head_dim, group)):
     return "mosaic_gpu", False
   if impl == "auto" and not all(

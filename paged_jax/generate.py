@@ -272,13 +272,14 @@ class _Driver:
   """Host side of `generate`: admission, prefill, preemption and results."""
 
   def __init__(self, model: Llama, cfg: CacheConfig, sampling: SamplingParams,
-               key: jax.Array):
+               key: jax.Array, kv_cache_dtype=None):
     self.cfg, self.sampling, self.key = cfg, sampling, key
     self.graphdef, self.params = nnx.split(model)
     self.bm = BlockSpaceManager(cfg)
     mc = model.config
-    self.kv = KVCache.create(cfg, mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                             dtype=mc.compute_dtype)
+    self.kv = KVCache.create(
+        cfg, mc.num_layers, mc.num_kv_heads, mc.head_dim,
+        dtype=mc.compute_dtype if kv_cache_dtype is None else kv_cache_dtype)
     s = cfg.max_seqs
     self.loop = _Loop(
         state=self.bm.init(), kv=None, seq_ids=jnp.full(s, -1, jnp.int32),
@@ -485,7 +486,8 @@ class _Driver:
 
 
 def generate(model: Llama, requests: Sequence[Request], cfg: CacheConfig,
-             sampling: SamplingParams, key: jax.Array, *, progress=None
+             sampling: SamplingParams, key: jax.Array, *, progress=None,
+             kv_cache_dtype=None
              ) -> tuple[list[list[np.ndarray]], GenerationStats]:
   """Serves `requests` on a paged KV cache.
 
@@ -497,6 +499,8 @@ def generate(model: Llama, requests: Sequence[Request], cfg: CacheConfig,
     key: PRNG key of the sampling.
     progress: optional callable, given the number of sequences that
       finished since its last call.
+    kv_cache_dtype: dtype of the KV pages: None for the model's compute
+      dtype, or ``jnp.int8`` / ``jnp.float8_e4m3fn`` for a quantized cache.
 
   Returns:
     `(outputs, stats)`: `outputs[i][j]` is the int32 tokens of sample `j` of
@@ -521,7 +525,8 @@ def generate(model: Llama, requests: Sequence[Request], cfg: CacheConfig,
         request.prompt.min()) < 0:
       raise ValueError(f"request {index} has token ids outside "
                        f"0..{model.config.vocab_size - 1}")
-  return _Driver(model, cfg, sampling, key).run(requests, progress)
+  return _Driver(model, cfg, sampling, key, kv_cache_dtype).run(requests,
+                                                                progress)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2))

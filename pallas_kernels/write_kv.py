@@ -63,16 +63,47 @@ def write_kv_reference(k_cache, v_cache, k, v, slot_mapping):
     The updated ``(k_cache, v_cache)``.
   """
   check_write_kv_args(k_cache, v_cache, k, v, slot_mapping)
-  num_blocks, block_size = k_cache.shape[1:3]
+  return _scatter_slots((k_cache, v_cache), (k, v), slot_mapping)
+
+
+def write_scales(k_scale_cache, v_scale_cache, k_scales, v_scales,
+                 slot_mapping):
+  """Writes quantized tokens' scales into their slots (one XLA scatter each).
+
+  Args:
+    k_scale_cache: float32 ``[num_kv_heads, num_blocks, block_size]``.
+    v_scale_cache: same as ``k_scale_cache``.
+    k_scales: float32 ``[tokens, num_kv_heads]``.
+    v_scales: same as ``k_scales``.
+    slot_mapping: ``int32[tokens]``, ``block * block_size + offset`` or -1.
+
+  Returns:
+    The updated ``(k_scale_cache, v_scale_cache)``.
+  """
+  num_kv_heads = k_scale_cache.shape[0]
+  for name, cache in (("k_scale_cache", k_scale_cache),
+                      ("v_scale_cache", v_scale_cache)):
+    if cache.ndim != 3 or cache.shape != k_scale_cache.shape:
+      raise ValueError(f"{name} must be [num_kv_heads, num_blocks, "
+                       f"block_size] like k_scale_cache, got {cache.shape}")
+  expected = (slot_mapping.shape[0], num_kv_heads)
+  for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
+    if scales.shape != expected:
+      raise ValueError(f"{name} must be [tokens, num_kv_heads] = {expected}, "
+                       f"got {scales.shape}")
+  return _scatter_slots((k_scale_cache, v_scale_cache), (k_scales, v_scales),
+                        slot_mapping)
+
+
+def _scatter_slots(caches, rows, slot_mapping):
+  """``caches[i][:, slot]`` = ``rows[i][token]`` for each written token."""
+  num_blocks, block_size = caches[0].shape[1:3]
   # An index past the end is dropped; -1 would wrap around to the last block.
   block = jnp.where(slot_mapping >= 0, slot_mapping // block_size, num_blocks)
   offset = slot_mapping % block_size
-
-  def scatter(cache, new):
-    return cache.at[:, block, offset].set(jnp.swapaxes(new, 0, 1),
-                                          mode="drop")
-
-  return scatter(k_cache, k), scatter(v_cache, v)
+  return tuple(cache.at[:, block, offset].set(jnp.swapaxes(new, 0, 1),
+                                              mode="drop")
+               for cache, new in zip(caches, rows))
 
 
 def check_write_kv_args(k_cache, v_cache, k, v, slot_mapping) -> None:

@@ -11,12 +11,15 @@ from pallas_kernels import copy_blocks as copy_blocks_lib
 
 # (num_caches, num_kv_heads, head_dim, block_size, num_blocks, capacity,
 #  count, dtype): capacities with unused -1 tails, a count of 0, every
-# block size 8/16/32, head_dim 64/128 and both dtypes.
+# block size 8/16/32, head_dim 64/128, both float dtypes and the quantized
+# page dtypes (int8, float8_e4m3fn).
 CASES = [
     (4, 2, 64, 8, 12, 5, 3, "float32"),
     (2, 8, 128, 16, 8, 3, 3, "bfloat16"),
     (6, 1, 64, 32, 6, 2, 1, "float32"),
     (2, 4, 128, 8, 4, 2, 0, "bfloat16"),
+    (2, 2, 64, 16, 6, 3, 2, "int8"),
+    (2, 1, 128, 8, 6, 2, 2, "float8_e4m3fn"),
 ]
 copy_blocks_reference = jax.jit(copy_blocks_lib.copy_blocks_reference)
 KERNELS = {
@@ -32,8 +35,7 @@ def make_inputs(case, seed=0):
    dtype) = case
   rng = np.random.default_rng(seed)
   shape = (num_kv_heads, num_blocks, block_size, head_dim)
-  caches = [rng.standard_normal(shape).astype(jnp.dtype(dtype))
-            for _ in range(num_caches)]
+  caches = [random_pages(rng, shape, dtype) for _ in range(num_caches)]
   blocks = rng.permutation(num_blocks)
   src = np.full(capacity, -1, np.int32)
   dst = np.full(capacity, -1, np.int32)
@@ -42,6 +44,13 @@ def make_inputs(case, seed=0):
     # A stale pair past count must be ignored.
     src[count], dst[count] = blocks[2 * count], blocks[2 * count + 1]
   return caches, src, dst, np.int32(count)
+
+
+def random_pages(rng, shape, dtype):
+  """Random pages; int8 pages spread over most of their range."""
+  dtype = jnp.dtype(dtype)
+  scale = 40.0 if jnp.issubdtype(dtype, jnp.integer) else 1.0
+  return (rng.standard_normal(shape) * scale).astype(dtype)
 
 
 def expected_caches(caches, src, dst, count):

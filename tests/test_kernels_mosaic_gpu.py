@@ -142,10 +142,11 @@ def test_mosaic_kernel_rejects_bad_arguments(kwargs, message):
     mosaic_gpu.paged_attention(**mosaic_args(**kwargs), interpret=True)
 
 
-def select(impl, dtype=jnp.bfloat16, block_size=16, head_dim=128, group=4):
+def select(impl, dtype=jnp.bfloat16, block_size=16, head_dim=128, group=4,
+           quantized=False):
   return attention.select_attention_kernel(
       impl, dtype=dtype, block_size=block_size, head_dim=head_dim,
-      group=group)
+      group=group, quantized=quantized)
 
 
 @pytest.mark.parametrize("capability,shape,expected", [
@@ -156,6 +157,7 @@ def select(impl, dtype=jnp.bfloat16, block_size=16, head_dim=128, group=4):
     (9.0, dict(head_dim=192), ("mosaic_gpu", False)),
     (8.0, dict(head_dim=192), None),
     (9.0, dict(block_size=8), ("triton", False)),
+    (9.0, dict(quantized=True), ("triton", False)),
 ])
 def test_auto_picks_mosaic_on_sm90_and_newer(monkeypatch, capability, shape,
                                               expected):

@@ -3,21 +3,26 @@ against a float64 NumPy model, on CPU (Pallas interpret mode).
 
 Every case poisons the bytes no query may read (free blocks, slots past a
 sequence's length, blocks that left the sliding window) with NaN; outputs
-must equal the reference on the same cache with finite data there.
+must equal the reference on the same cache with finite data there. Quantized
+cases (int8, float8_e4m3fn pages) poison those slots' scales, and fp8 pages
+too.
 """
 
 import dataclasses
 import functools
 import importlib
+import types
 
 import jax
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.paged_attention import (
     paged_attention as shipped_tpu_paged_attention)
+from jax.experimental.pallas.ops.tpu.paged_attention import quantization_utils
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import quantization
 from pallas_kernels.paged_attention import check_block_tables
 from pallas_kernels.paged_attention import gpu
 from pallas_kernels.paged_attention import paged_attention_reference
@@ -43,12 +48,14 @@ class Case:
   pages_per_step: int | None = None  # kernels only
   num_splits: int | None = None  # GPU kernel only
   hole: bool = False  # a -1 table entry inside the longest context
+  kv_dtype: str | None = None  # quantized pages (with scales), else dtype
 
   def __str__(self):
     extras = "".join(f"-{name}{getattr(self, name)}" for name in (
         "sm_scale", "soft_cap", "sliding_window", "pages_per_step",
         "num_splits") if getattr(self, name) is not None)
     extras += "-hole" if self.hole else ""
+    extras += f"-{self.kv_dtype}" if self.kv_dtype else ""
     return (f"b{self.batch}-h{self.num_q_heads}x{self.num_kv_heads}"
             f"-d{self.head_dim}-bs{self.block_size}-m{self.max_blocks}"
             f"-{self.dtype}{extras}")
@@ -62,7 +69,8 @@ class Case:
 # Together these cover batch 1..8, Hq/Hkv in {1, 2, 4, 8}, Hkv in {1, 2, 4, 8},
 # head_dim 64 and 128, block sizes 8, 16, 32, both dtypes, every option, and
 # tables that split unevenly into steps and splits; lengths (make_lengths)
-# include 0, 1, block multiples and the maximum.
+# include 0, 1, block multiples and the maximum. The last two read int8 and
+# fp8 pages.
 CASES = [
     Case(1, 4, 4, 64, 8, 3, "float32", hole=True),
     Case(3, 4, 2, 128, 16, 3, "bfloat16", soft_cap=5.0),
@@ -71,6 +79,9 @@ CASES = [
          sliding_window=13),
     Case(2, 8, 2, 64, 8, 7, "float32", sm_scale=0.2, sliding_window=30,
          pages_per_step=2, num_splits=3),
+    Case(2, 4, 1, 64, 16, 2, "bfloat16", soft_cap=5.0, kv_dtype="int8"),
+    Case(2, 4, 2, 64, 8, 4, "float32", sliding_window=20, pages_per_step=2,
+         num_splits=2, hole=True, kv_dtype="float8_e4m3fn"),
 ]
 OPTIONS = ("sm_scale", "soft_cap", "sliding_window")
 reference_attention = jax.jit(paged_attention_reference,
@@ -99,9 +110,10 @@ def make_inputs(case: Case, seed: int = 0, num_queries: int | None = None):
   """Random q and pages, tables as the block manager builds them.
 
   Returns:
-    q, clean (k, v), poisoned (k, v), block_tables, lengths as NumPy arrays.
-    Poisoned pages hold NaN at every slot no query may read; clean pages hold
-    random data there.
+    q, clean pages, poisoned pages, block_tables, lengths as NumPy arrays;
+    pages are ``(k, v, k_scales, v_scales)``, scales None unless the case is
+    quantized. Poisoned pages (or their scales) hold NaN at every slot no
+    query may read; clean pages hold random data there.
   """
   rng = np.random.default_rng(seed)
   capacity = case.max_blocks * case.block_size
@@ -128,18 +140,37 @@ def make_inputs(case: Case, seed: int = 0, num_queries: int | None = None):
       block = tables[seq, position // case.block_size]
       if block >= 0:
         readable[block, position % case.block_size] = True
-  poisoned_k, poisoned_v = k.copy(), v.copy()
-  poisoned_k[:, ~readable] = np.nan
-  poisoned_v[:, ~readable] = np.nan
+  clean = (k, v, None, None)
+  if case.kv_dtype is not None:
+    (k, k_scales), (v, v_scales) = (
+        map(np.asarray, quantization.quantize(jnp.asarray(x), case.kv_dtype))
+        for x in (k, v))
+    clean = (k, v, k_scales, v_scales)
+  poisoned = tuple(None if x is None else x.copy() for x in clean)
+  for x in poisoned:
+    if x is not None and jnp.issubdtype(x.dtype, jnp.floating):
+      x[:, ~readable] = np.nan
   q_shape = (case.batch, case.num_q_heads, case.head_dim)
   if num_queries is not None:
     q_shape = (case.batch, num_queries, case.num_q_heads, case.head_dim)
   q = rng.standard_normal(q_shape).astype(dtype)
-  return q, (k, v), (poisoned_k, poisoned_v), tables, lengths
+  return q, clean, poisoned, tables, lengths
 
 
-def dense_attention(q, k, v, tables, lengths, query_pos, case: Case):
+def attend(fn, q, pages, tables, lengths, *extra, **options):
+  """``fn`` on JAX copies of the inputs, pages given as (k, v, scales...)."""
+  k, v, k_scales, v_scales = (None if x is None else jnp.asarray(x)
+                              for x in pages)
+  return fn(*as_jax(q, k, v, tables, lengths, *extra), k_scales=k_scales,
+            v_scales=v_scales, **options)
+
+
+def dense_attention(q, pages, tables, lengths, query_pos, case: Case):
   """Float64 attention of queries at ``query_pos[b, t]`` (-1: padding)."""
+  k, v, k_scales, v_scales = pages
+  if k_scales is not None:
+    k = k.astype(np.float64) * k_scales[..., None]
+    v = v.astype(np.float64) * v_scales[..., None]
   batch, num_queries = query_pos.shape
   group = case.num_q_heads // case.num_kv_heads
   scale = (case.sm_scale if case.sm_scale is not None
@@ -189,8 +220,8 @@ def decode_case(request):
   """A case, its inputs, and the reference output on the clean pages."""
   case = request.param
   q, clean, poisoned, tables, lengths = make_inputs(case)
-  expected = reference_attention(*as_jax(q, *clean, tables, lengths),
-                                 **case.options)
+  expected = attend(reference_attention, q, clean, tables, lengths,
+                    **case.options)
   return case, (q, poisoned, tables, lengths), expected
 
 
@@ -198,15 +229,15 @@ def test_reference_matches_float64_model(decode_case):
   case, (q, _, tables, lengths), expected = decode_case
   _, clean, _, _, _ = make_inputs(case)
   query_pos = (lengths - 1)[:, None]
-  dense = dense_attention(q[:, None], *clean, tables, lengths, query_pos, case)
+  dense = dense_attention(q[:, None], clean, tables, lengths, query_pos, case)
   assert_close(expected, dense[:, 0].astype(np.float32), case.dtype)
   assert not np.asarray(expected, np.float32)[lengths == 0].any()
 
 
 def test_reference_ignores_poisoned_slots(decode_case):
   case, (q, poisoned, tables, lengths), expected = decode_case
-  out = reference_attention(*as_jax(q, *poisoned, tables, lengths),
-                            **case.options)
+  out = attend(reference_attention, q, poisoned, tables, lengths,
+               **case.options)
   np.testing.assert_array_equal(np.asarray(out, np.float32),
                                 np.asarray(expected, np.float32))
 
@@ -217,8 +248,8 @@ def test_kernel_matches_reference_on_poisoned_cache(decode_case, kernel):
   steps = dict(pages_per_step=case.pages_per_step)
   if kernel == "gpu":
     steps["num_splits"] = case.num_splits
-  out = KERNELS[kernel](*as_jax(q, *poisoned, tables, lengths),
-                        **case.options, **steps)
+  out = attend(KERNELS[kernel], q, poisoned, tables, lengths,
+               **case.options, **steps)
   assert out.shape == q.shape and out.dtype == q.dtype
   assert_close(out, expected, case.dtype)
   assert not np.asarray(out, np.float32)[lengths == 0].any()
@@ -228,7 +259,7 @@ def test_reference_agrees_with_jax_shipped_kernels():
   # JAX's kernels apply no sm_scale, need in-range tables and read the bytes
   # past each length (masked by weight, so not NaN-safe): clean pages only.
   case = Case(3, 16, 2, 128, 16, 4, "float32", sm_scale=1.0, soft_cap=4.0)
-  q, (k, v), _, tables, lengths = make_inputs(case, seed=3)
+  q, (k, v, _, _), _, tables, lengths = make_inputs(case, seed=3)
   tables = np.maximum(tables, 0)
   args = as_jax(q, k, v, tables, lengths)
   expected = reference_attention(*args, **case.options)
@@ -244,8 +275,29 @@ def test_reference_agrees_with_jax_shipped_kernels():
   assert_close(shipped_tpu_out, expected, "bfloat16")
 
 
+def test_quantized_reference_agrees_with_jax_shipped_tpu_kernel():
+  # The shipped kernel's quantization_utils scale is the per-token, per-head
+  # absmax ([..., block_size, 1]) and it dequantizes as x * h / 127.5, so our
+  # int8 pages serve it unchanged with h = scale * 127.5: the layouts meet.
+  case = Case(2, 8, 2, 128, 16, 3, "float32", sm_scale=1.0, kv_dtype="int8")
+  q, pages, _, tables, lengths = make_inputs(case, seed=6)
+  tables = np.maximum(tables, 0)
+  expected = attend(reference_attention, q, pages, tables, lengths,
+                    **case.options)
+  k, v, k_scales, v_scales = map(jnp.asarray, pages)
+  to_shipped = lambda x, s: quantization_utils.QuantizedTensor(
+      x, s[..., None] * quantization_utils.MAX_INT8)
+  with pltpu.force_tpu_interpret_mode():
+    shipped = shipped_tpu_paged_attention(
+        jnp.asarray(q), to_shipped(k, k_scales), to_shipped(v, v_scales),
+        jnp.asarray(lengths), jnp.asarray(tables), pages_per_compute_block=1)
+  # It dequantizes K/V to bfloat16.
+  assert_close(shipped, expected, "bfloat16")
+
+
 PREFILL_CASES = [Case(3, 4, 2, 64, 8, 4, "float32", soft_cap=4.0),
-                 Case(2, 8, 2, 128, 16, 3, "bfloat16", sliding_window=9)]
+                 Case(2, 8, 2, 128, 16, 3, "bfloat16", sliding_window=9),
+                 Case(2, 4, 1, 64, 8, 2, "bfloat16", kv_dtype="int8")]
 
 
 @pytest.mark.parametrize("case", PREFILL_CASES, ids=str)
@@ -258,9 +310,9 @@ def test_prefill_reference_matches_float64_model(case):
   offsets = np.arange(num_queries)[None, :]
   query_pos = np.where(offsets < query_lens[:, None],
                        (lengths - query_lens)[:, None] + offsets, -1)
-  out = prefill_attention(
-      *as_jax(q, *poisoned, tables, lengths, query_lens), **case.options)
-  dense = dense_attention(q, *clean, tables, lengths, query_pos, case)
+  out = attend(prefill_attention, q, poisoned, tables, lengths, query_lens,
+               **case.options)
+  dense = dense_attention(q, clean, tables, lengths, query_pos, case)
   assert_close(out, dense.astype(np.float32), case.dtype)
   assert not np.asarray(out, np.float32)[query_pos < 0].any()
 
@@ -268,7 +320,7 @@ def test_prefill_reference_matches_float64_model(case):
 def test_prefill_with_one_query_is_decode():
   case = CASES[2]
   q, _, poisoned, tables, lengths = make_inputs(case, seed=5)
-  args = as_jax(q, *poisoned, tables, lengths)
+  args = as_jax(q, *poisoned[:2], tables, lengths)
   decode = reference_attention(*args, **case.options)
   prefill = prefill_attention(
       args[0][:, None], *args[1:], jnp.minimum(args[4], 1), **case.options)
@@ -278,14 +330,18 @@ def test_prefill_with_one_query_is_decode():
 @pytest.mark.parametrize("kernel,platform", [
     (gpu.paged_attention, "cuda"), (tpu.paged_attention, "tpu")],
                          ids=["triton", "mosaic"])
-@pytest.mark.parametrize("dtype,num_q_heads", [("bfloat16", 32),
-                                               ("float32", 8)])
-def test_kernel_lowers_for_its_platform(kernel, platform, dtype, num_q_heads):
+@pytest.mark.parametrize("dtype,num_q_heads,kv_dtype", [
+    ("bfloat16", 32, None), ("float32", 8, None), ("bfloat16", 8, "int8")])
+def test_kernel_lowers_for_its_platform(kernel, platform, dtype, num_q_heads,
+                                        kv_dtype):
   shape = jax.ShapeDtypeStruct
-  pages = shape((8, 100, 16, 128), dtype)
-  run = jax.jit(lambda *a: kernel(*a, soft_cap=30.0, sliding_window=40))
+  pages = shape((8, 100, 16, 128), kv_dtype or dtype)
+  scales = shape((8, 100, 16), jnp.float32) if kv_dtype else None
+  run = jax.jit(lambda *a, **scales: kernel(*a, soft_cap=30.0,
+                                            sliding_window=40, **scales))
   lowered = run.trace(shape((3, num_q_heads, 128), dtype), pages, pages,
-                      shape((3, 7), jnp.int32), shape((3,), jnp.int32)).lower(
+                      shape((3, 7), jnp.int32), shape((3,), jnp.int32),
+                      k_scales=scales, v_scales=scales).lower(
                           lowering_platforms=(platform,))
   assert "paged_attention" in lowered.as_text()
 
@@ -344,6 +400,45 @@ def test_bad_arguments_raise_value_error(impl, bad):
 def test_gpu_kernel_rejects_untileable_shapes(kwargs, message):
   with pytest.raises(ValueError, match=message):
     gpu.paged_attention(**{**good_args(), **kwargs}, interpret=True)
+
+
+KERNEL_NAMES = ["paged_attention_reference", "paged_attention_gpu",
+                "paged_attention_tpu"]
+
+
+@pytest.mark.parametrize("impl,name", zip(IMPLEMENTATIONS, KERNEL_NAMES),
+                         ids=["reference", "gpu", "tpu"])
+@pytest.mark.parametrize("pages,scales,message", [
+    ("int8", None, "int8 pages need k_scales"),
+    ("float8_e5m2", "both", "cannot serve scales with float8_e5m2"),
+    ("float32", "both", "cannot serve scales with float32"),
+    ("int8", "k only", "both k_scales and v_scales or neither"),
+    ("int8", "bad shape", r"k_scales must be float32\[2, 10, 8\]"),
+], ids=["no scales", "e5m2", "float pages", "one scale", "scale shape"])
+def test_quantization_errors_name_the_kernel(impl, name, pages, scales,
+                                             message):
+  args = good_args()
+  args["k_pages"] = args["v_pages"] = args["k_pages"].astype(pages)
+  good = jnp.ones((2, 10, 8), jnp.float32)
+  args.update({None: {}, "both": dict(k_scales=good, v_scales=good),
+               "k only": dict(k_scales=good),
+               "bad shape": dict(k_scales=good[:, :, :4], v_scales=good)
+               }[scales])
+  with pytest.raises(ValueError, match=f"{name}.*{message}"):
+    impl(**args)
+
+
+@pytest.mark.parametrize("capability,served", [("8.0", False), ("8.9", True),
+                                               ("9.0", True)])
+def test_gpu_kernel_serves_fp8_from_compute_capability_8_9(capability,
+                                                            served):
+  device = types.SimpleNamespace(compute_capability=capability)
+  if served:
+    gpu.check_fp8_capability(device)
+  else:
+    with pytest.raises(ValueError, match="paged_attention_gpu cannot serve "
+                       "float8_e4m3fn pages on compute capability 8.0"):
+      gpu.check_fp8_capability(device)
 
 
 def test_tpu_kernel_rejects_bad_step():

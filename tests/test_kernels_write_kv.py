@@ -10,12 +10,15 @@ import pytest
 from pallas_kernels import write_kv as write_kv_lib
 
 # (num_kv_heads, head_dim, block_size, num_blocks, tokens, dtype): every value
-# of Hkv in {1, 2, 4, 8}, head_dim 64/128, block 8/16/32 and both dtypes.
+# of Hkv in {1, 2, 4, 8}, head_dim 64/128, block 8/16/32, both float dtypes
+# and the quantized page dtypes (int8, float8_e4m3fn).
 CASES = [
     (1, 64, 8, 6, 5, "float32"),
     (2, 128, 16, 4, 9, "bfloat16"),
     (4, 64, 32, 3, 7, "float32"),
     (8, 128, 8, 5, 4, "bfloat16"),
+    (2, 64, 16, 4, 6, "int8"),
+    (1, 128, 8, 3, 5, "float8_e4m3fn"),
 ]
 write_kv_reference = jax.jit(write_kv_lib.write_kv_reference)
 KERNELS = {
@@ -31,9 +34,11 @@ def make_inputs(case, seed=0):
   rng = np.random.default_rng(seed)
   dtype = jnp.dtype(dtype)
   cache_shape = (num_kv_heads, num_blocks, block_size, head_dim)
-  caches = [rng.standard_normal(cache_shape).astype(dtype) for _ in range(2)]
-  new = [rng.standard_normal((tokens, num_kv_heads, head_dim)).astype(dtype)
-         for _ in range(2)]
+  scale = 40.0 if jnp.issubdtype(dtype, jnp.integer) else 1.0  # int8 range
+  caches = [(rng.standard_normal(cache_shape) * scale).astype(dtype)
+            for _ in range(2)]
+  new = [(rng.standard_normal((tokens, num_kv_heads, head_dim)) * scale
+          ).astype(dtype) for _ in range(2)]
   slots = rng.permutation(num_blocks * block_size)[:tokens].astype(np.int32)
   slots[0] = -1
   return caches, new, slots

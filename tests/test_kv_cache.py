@@ -272,18 +272,22 @@ def test_attention_checked_path_rejects_out_of_range_tables(prefill):
       attention.paged_attention(*args)
 
 
-def test_decode_step_updates_the_cache_in_place():
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_decode_step_updates_the_cache_in_place(dtype):
   """copy_blocks, then write_kv and paged_attention per layer, jitted with
-  the cache donated, hold no second copy of the cache (reference
-  implementations, CPU; float32 because XLA:CPU converts bfloat16 arrays to
-  scatter into them)."""
-  dtype = jnp.float32
+  the cache donated, hold no second copy of the cache, scales included
+  (reference implementations, CPU; float32 and int8 because XLA:CPU converts
+  bfloat16 and fp8 arrays to scatter into them)."""
   cfg = CacheConfig(block_size=8, num_gpu_blocks=512, num_cpu_blocks=16,
                     max_seqs=4, max_blocks_per_seq=4)
-  cache = random_cache(cfg, dtype)
+  if dtype == "int8":
+    cache = kv_cache.KVCache.create(cfg, LAYERS, KV_HEADS, HEAD_DIM,
+                                    dtype=dtype)  # only lowered
+  else:
+    cache = random_cache(cfg, dtype)
   q, tables, lengths = decode_inputs()
-  q = q.astype(dtype)
-  new_k = jnp.ones((2, KV_HEADS, HEAD_DIM), dtype)
+  q = q.astype(jnp.float32)
+  new_k = jnp.ones((2, KV_HEADS, HEAD_DIM), jnp.float32)
   slots = jnp.asarray([9 * 8 + 4, 8 * 8 + 0], jnp.int32)
   plan = make_plan([(20, 9)], capacity=4)  # copy-on-write of seq 0's block
 
@@ -295,7 +299,7 @@ def test_decode_step_updates_the_cache_in_place():
                                 impl="reference")
       outputs.append(attention.paged_attention(
           q, cache.k[layer], cache.v[layer], tables, lengths,
-          impl="reference"))
+          impl="reference", **cache.scales(layer)))
     return cache, outputs
 
   compiled = jax.jit(step, donate_argnums=0).lower(

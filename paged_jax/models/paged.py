@@ -3,7 +3,9 @@
 `PagedCache` adapts `paged_jax.write_kv` and the paged attention kernels to
 the `KVCacheBackend` interface: each layer scatters its new keys and values
 into the slots the block manager planned, then attends over the sequence's
-pages through its block table.
+pages through its block table. With a quantized `KVCache` (int8 or fp8
+pages) `write_kv` quantizes the new rows and attention reads the layer's
+scales with its pages.
 """
 
 from __future__ import annotations
@@ -57,11 +59,13 @@ class PagedCache:
     kv = write_kv(self.kv, layer, k, v, self.slot_mapping)
     lengths = (jnp.max(positions, axis=1) + 1).astype(jnp.int32)
     k_pages, v_pages = kv.k[layer], kv.v[layer]
+    scales = kv.scales(layer)
     if positions.shape[1] == 1:
       out = paged_attention(q[:, 0], k_pages, v_pages, self.block_tables,
-                            lengths, sm_scale=sm_scale)[:, None]
+                            lengths, sm_scale=sm_scale, **scales)[:, None]
     else:
       query_lens = jnp.sum(positions >= 0, axis=1).astype(jnp.int32)
       out = paged_prefill_attention(q, k_pages, v_pages, self.block_tables,
-                                    lengths, query_lens, sm_scale=sm_scale)
+                                    lengths, query_lens, sm_scale=sm_scale,
+                                    **scales)
     return out, self.replace(kv=kv)

@@ -19,9 +19,12 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import quantization
+
 
 def check_attention_args(q, k_pages, v_pages, block_tables, lengths, *,
-                         query_rank: int = 3) -> None:
+                         query_rank: int = 3, k_scales=None, v_scales=None,
+                         kernel: str = "paged attention") -> None:
   """Raises ValueError unless shapes and dtypes describe one paged attention.
 
   Args:
@@ -32,6 +35,10 @@ def check_attention_args(q, k_pages, v_pages, block_tables, lengths, *,
     block_tables: ``int32[batch, max_blocks_per_seq]``.
     lengths: ``int32[batch]``.
     query_rank: 3 for decode, 4 for the prefill variant.
+    k_scales: None, or float32 ``[num_kv_heads, num_blocks, block_size]``
+      scales of int8 / float8_e4m3fn pages (see ``quantization``).
+    v_scales: same as ``k_scales``, for ``v_pages``.
+    kernel: the implementation's name, for the messages.
   """
   layout = {3: "[batch, num_q_heads, head_dim]",
             4: "[batch, num_queries, num_q_heads, head_dim]"}[query_rank]
@@ -49,7 +56,9 @@ def check_attention_args(q, k_pages, v_pages, block_tables, lengths, *,
   if v_pages.shape != k_pages.shape:
     raise ValueError(f"v_pages shape {v_pages.shape} differs from k_pages "
                      f"shape {k_pages.shape}")
-  if not q.dtype == k_pages.dtype == v_pages.dtype:
+  quantization.check_scales(k_pages, v_pages, k_scales, v_scales,
+                            kernel=kernel)
+  if k_scales is None and not q.dtype == k_pages.dtype == v_pages.dtype:
     raise ValueError(f"q, k_pages and v_pages must share one dtype, got "
                      f"{q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
   if not jnp.issubdtype(q.dtype, jnp.floating):

@@ -7,6 +7,11 @@ online softmax. Only steps that overlap ``[window start, length)`` run, so a
 short sequence or a sliding window costs what it reads. The partial results
 of the splits are merged in XLA (flash-decoding).
 
+Quantized pages (int8, float8_e4m3fn) are converted to the query dtype
+(exactly) as they are read and their per-token scales applied to the logits
+(K) and to the softmax weights (V); fp8 needs compute capability 8.9 or
+newer (Triton's fp8e4nv).
+
 Block sizes, head_dim and ``pages_per_step`` must be powers of two (Triton
 tiles). On CPU the kernel runs with ``interpret=True``.
 """
@@ -26,6 +31,8 @@ from pallas_kernels.paged_attention import common
 _MIN_DOT_SIZE = 16  # smallest dimension of a tensor-core dot
 _TOKENS_PER_STEP = 128
 _TARGET_PROGRAMS = 1024  # enough to fill the SMs of an H100/H200 several times
+_NAME = "paged_attention_gpu"
+_MIN_FP8_CAPABILITY = (8, 9)
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *,
@@ -34,6 +41,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *,
                     sliding_window: int | None = None,
                     pages_per_step: int | None = None,
                     num_splits: int | None = None,
+                    k_scales=None, v_scales=None,
                     interpret: bool = False):
   """Decode attention over a paged KV cache (one query token per sequence).
 
@@ -50,13 +58,24 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *,
       None picks 128 tokens' worth, fewer for short tables.
     num_splits: partitions of each table processed in parallel; None picks
       enough programs to fill a large GPU.
+    k_scales: float32 ``[num_kv_heads, num_blocks, block_size]`` scales of
+      int8 or float8_e4m3fn pages, or None.
+    v_scales: same as ``k_scales``, for ``v_pages``.
     interpret: run in Pallas interpret mode (CPU).
 
   Returns:
     ``[batch, num_q_heads, head_dim]`` in ``q.dtype``; zeros where
     ``lengths`` is 0.
+
+  Raises:
+    ValueError: for bad shapes or dtypes, untileable sizes, or fp8 pages on
+      a GPU older than compute capability 8.9.
   """
-  common.check_attention_args(q, k_pages, v_pages, block_tables, lengths)
+  common.check_attention_args(q, k_pages, v_pages, block_tables, lengths,
+                              k_scales=k_scales, v_scales=v_scales,
+                              kernel=_NAME)
+  if not interpret and k_pages.dtype == jnp.float8_e4m3fn:
+    check_fp8_capability(jax.devices()[0])
   common.check_attention_options(sm_scale, soft_cap, sliding_window)
   batch, num_q_heads, head_dim = q.shape
   num_kv_heads, _, block_size, _ = k_pages.shape
@@ -88,13 +107,17 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *,
       ((0, 0), (0, num_splits * pages_per_split - max_blocks)),
       constant_values=-1).reshape(batch, num_splits, pages_per_split)
 
+  quantized = k_scales is not None
   kernel = functools.partial(
       _decode_kernel,
       sm_scale=common.default_sm_scale(head_dim, sm_scale),
       soft_cap=soft_cap, sliding_window=sliding_window,
-      pages_per_step=pages_per_step)
+      pages_per_step=pages_per_step, quantized=quantized)
   page_spec = pl.BlockSpec((None, *k_pages.shape[1:]),
                            lambda b, h, s: (h, 0, 0, 0))
+  scale_spec = pl.BlockSpec((None, *k_pages.shape[1:3]),
+                            lambda b, h, s: (h, 0, 0))
+  scale_args = (k_scales, v_scales) if quantized else ()
   partial_shape = (batch, num_kv_heads, num_splits, rows)
   acc, row_max, row_sum = pl.pallas_call(
       kernel,
@@ -107,7 +130,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *,
                        lambda b, h, s: (b, h, 0, 0)),
           page_spec,
           page_spec,
-      ],
+      ] + [scale_spec] * len(scale_args),
       out_specs=[
           pl.BlockSpec((None, None, None, rows, head_dim),
                        lambda b, h, s: (b, h, s, 0, 0)),
@@ -122,15 +145,19 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *,
       compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
       interpret=interpret,
       name="paged_attention_gpu",
-  )(lengths, split_tables, grouped_q, k_pages, v_pages)
+  )(lengths, split_tables, grouped_q, k_pages, v_pages, *scale_args)
   out = _merge_splits(acc, row_max, row_sum)[:, :, :group]
   return out.reshape(q.shape).astype(q.dtype)
 
 
-def _decode_kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref,
-                   acc_ref, max_ref, sum_ref, *, sm_scale, soft_cap,
-                   sliding_window, pages_per_step):
+def _decode_kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, *refs,
+                   sm_scale, soft_cap, sliding_window, pages_per_step,
+                   quantized):
   """One (sequence, KV head, split): unnormalized output, row max, row sum."""
+  if quantized:
+    k_scale_ref, v_scale_ref, acc_ref, max_ref, sum_ref = refs
+  else:
+    acc_ref, max_ref, sum_ref = refs
   batch_index, split = pl.program_id(0), pl.program_id(2)
   block_size = k_ref.shape[-2]
   pages_per_split = tables_ref.shape[0]
@@ -149,21 +176,27 @@ def _decode_kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref,
     acc, row_max, row_sum = carry
     pages = tables_ref[pl.ds(index * pages_per_step, pages_per_step)]
     safe_pages = jnp.where(pages >= 0, pages, 0)
-    keys = k_ref[safe_pages].reshape(step_tokens, -1)
-    values = v_ref[safe_pages].reshape(step_tokens, -1)
+    keys = k_ref[safe_pages].reshape(step_tokens, -1).astype(q.dtype)
+    values = v_ref[safe_pages].reshape(step_tokens, -1).astype(q.dtype)
     page_of_token = tables_ref[index * pages_per_step + token // block_size]
     position = split_start + index * step_tokens + token
     visible = ((page_of_token >= 0) & (position < length)
                & (position >= first_visible))
     logits = jnp.dot(q, keys.T, preferred_element_type=jnp.float32) * sm_scale
+    if quantized:
+      logits *= k_scale_ref[safe_pages].reshape(step_tokens)[None, :]
     logits = common.apply_soft_cap(logits, soft_cap)
     logits = jnp.where(visible[None, :], logits, -jnp.inf)
     new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))
     rescale = jnp.exp(row_max - new_max)
     weights = jnp.exp(logits - new_max[:, None])
     values = jnp.where(visible[:, None], values, jnp.zeros_like(values))
+    value_weights = weights
+    if quantized:  # V's scales go into the weights; masked, as NaN * 0 = NaN
+      v_scale = v_scale_ref[safe_pages].reshape(step_tokens)
+      value_weights = weights * jnp.where(visible, v_scale, 0.0)[None, :]
     acc = rescale[:, None] * acc + jnp.dot(
-        weights.astype(values.dtype), values,
+        value_weights.astype(values.dtype), values,
         preferred_element_type=jnp.float32)
     return acc, new_max, rescale * row_sum + jnp.sum(weights, axis=1)
 
@@ -184,6 +217,19 @@ def _merge_splits(acc, row_max, row_sum):
   total = jnp.sum(row_sum * rescale, axis=2)[..., None]
   out = jnp.sum(acc * rescale[..., None], axis=2)
   return jnp.where(total > 0, out / jnp.maximum(total, 1e-30), 0.0)
+
+
+def check_fp8_capability(device) -> None:
+  """Raises ValueError on a CUDA ``device`` older than sm 8.9 (no fp8e4nv)."""
+  if getattr(device, "compute_capability", None) is None:
+    return
+  capability = tuple(
+      int(part) for part in str(device.compute_capability).split("."))
+  if capability < _MIN_FP8_CAPABILITY:
+    raise ValueError(
+        f"{_NAME} cannot serve float8_e4m3fn pages on compute capability "
+        f"{device.compute_capability} (needs 8.9 or newer); use an int8 "
+        "cache")
 
 
 def _check_power_of_two(name: str, value: int) -> None:

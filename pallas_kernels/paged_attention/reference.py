@@ -11,15 +11,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import quantization
 from pallas_kernels.paged_attention import common
 
 _HIGHEST = jax.lax.Precision.HIGHEST
+_NAME = "paged_attention_reference"
 
 
 def paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, *,
                               sm_scale: float | None = None,
                               soft_cap: float | None = None,
-                              sliding_window: int | None = None):
+                              sliding_window: int | None = None,
+                              k_scales=None, v_scales=None):
   """Decode attention: one new query token per sequence.
 
   Args:
@@ -32,16 +35,21 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, *,
     sm_scale: logit scale; None means ``1 / sqrt(head_dim)``.
     soft_cap: logit soft cap, or None.
     sliding_window: keys visible to a query (itself included), or None.
+    k_scales: float32 ``[num_kv_heads, num_blocks, block_size]`` scales of
+      int8 or float8_e4m3fn pages (dequantized as read), or None.
+    v_scales: same as ``k_scales``, for ``v_pages``.
 
   Returns:
     ``[batch, num_q_heads, head_dim]`` in ``q.dtype``; zeros where
     ``lengths`` is 0.
   """
-  common.check_attention_args(q, k_pages, v_pages, block_tables, lengths)
+  common.check_attention_args(q, k_pages, v_pages, block_tables, lengths,
+                              k_scales=k_scales, v_scales=v_scales,
+                              kernel=_NAME)
   out = paged_prefill_attention_reference(
       q[:, None], k_pages, v_pages, block_tables, lengths,
       jnp.minimum(lengths, 1), sm_scale=sm_scale, soft_cap=soft_cap,
-      sliding_window=sliding_window)
+      sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales)
   return out[:, 0]
 
 
@@ -49,7 +57,8 @@ def paged_prefill_attention_reference(q, k_pages, v_pages, block_tables,
                                       lengths, query_lens, *,
                                       sm_scale: float | None = None,
                                       soft_cap: float | None = None,
-                                      sliding_window: int | None = None):
+                                      sliding_window: int | None = None,
+                                      k_scales=None, v_scales=None):
   """Causal attention of new tokens to their paged context (prefill, chunks).
 
   The new tokens' K/V are already written into the pages. Row ``i`` of
@@ -67,13 +76,17 @@ def paged_prefill_attention_reference(q, k_pages, v_pages, block_tables,
     sm_scale: logit scale; None means ``1 / sqrt(head_dim)``.
     soft_cap: logit soft cap, or None.
     sliding_window: keys visible to a query (itself included), or None.
+    k_scales: float32 ``[num_kv_heads, num_blocks, block_size]`` scales of
+      int8 or float8_e4m3fn pages (dequantized as read), or None.
+    v_scales: same as ``k_scales``, for ``v_pages``.
 
   Returns:
     ``[batch, num_queries, num_q_heads, head_dim]`` in ``q.dtype``; padding
     rows are zeros.
   """
   common.check_attention_args(q, k_pages, v_pages, block_tables, lengths,
-                              query_rank=4)
+                              query_rank=4, k_scales=k_scales,
+                              v_scales=v_scales, kernel=_NAME)
   common.check_attention_options(sm_scale, soft_cap, sliding_window)
   if query_lens.shape != lengths.shape or query_lens.dtype != jnp.int32:
     raise ValueError(f"query_lens must be int32{list(lengths.shape)}, got "
@@ -84,7 +97,7 @@ def paged_prefill_attention_reference(q, k_pages, v_pages, block_tables,
   scale = common.default_sm_scale(head_dim, sm_scale)
 
   keys, values, key_in_context = _gather_context(
-      k_pages, v_pages, block_tables, lengths)
+      k_pages, v_pages, block_tables, lengths, k_scales, v_scales)
   key_pos = jnp.arange(keys.shape[2], dtype=jnp.int32)
   query_pos = (lengths - query_lens)[:, None] + jnp.arange(
       num_queries, dtype=jnp.int32)
@@ -111,8 +124,11 @@ def paged_prefill_attention_reference(q, k_pages, v_pages, block_tables,
   return out.astype(q.dtype)
 
 
-def _gather_context(k_pages, v_pages, block_tables, lengths):
+def _gather_context(k_pages, v_pages, block_tables, lengths, k_scales,
+                    v_scales):
   """Gathers each sequence's pages into contiguous keys and values.
+
+  Quantized pages (scales not None) are dequantized to float32.
 
   Returns:
     keys, values: ``[num_kv_heads, batch, max_blocks * block_size, head_dim]``.
@@ -130,8 +146,14 @@ def _gather_context(k_pages, v_pages, block_tables, lengths):
   key_in_context = jnp.repeat(has_block, block_size, axis=1) & (
       key_pos[None, :] < lengths[:, None])
 
-  def gather(pages):
-    return pages[:, safe_tables].reshape(num_kv_heads, batch, context, head_dim)
+  def gather(pages, scales):
+    pages = pages[:, safe_tables].reshape(num_kv_heads, batch, context,
+                                          head_dim)
+    if scales is None:
+      return pages
+    scales = scales[:, safe_tables].reshape(num_kv_heads, batch, context)
+    return quantization.dequantize(pages, scales)
 
-  values = jnp.where(key_in_context[None, :, :, None], gather(v_pages), 0)
-  return gather(k_pages), values, key_in_context
+  values = jnp.where(key_in_context[None, :, :, None],
+                     gather(v_pages, v_scales), 0)
+  return gather(k_pages, k_scales), values, key_in_context

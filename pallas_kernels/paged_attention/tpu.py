@@ -5,8 +5,10 @@ tables are scalar-prefetched into SMEM; each program walks its sequence's
 pages ``pages_per_step`` at a time, copying them from HBM with async DMAs
 into a double buffer (the next step's pages load while this step computes),
 and keeps an online softmax for the query heads of its KV head. Only steps
-that overlap ``[window start, length)`` are loaded. On CPU the kernel runs in
-TPU interpret mode (``interpret=True``).
+that overlap ``[window start, length)`` are loaded. Quantized pages (int8,
+float8_e4m3fn) arrive with their per-token scales (one more DMA per page and
+array) and are dequantized to float32 in VMEM. On CPU the kernel runs in TPU
+interpret mode (``interpret=True``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pallas_kernels.paged_attention import common
 
 _TOKENS_PER_STEP = 128
 _SUBLANES = 8
+_NAME = "paged_attention_tpu"
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *,
@@ -30,6 +33,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *,
                     soft_cap: float | None = None,
                     sliding_window: int | None = None,
                     pages_per_step: int | None = None,
+                    k_scales=None, v_scales=None,
                     interpret: bool = False):
   """Decode attention over a paged KV cache (one query token per sequence).
 
@@ -44,13 +48,18 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *,
     sliding_window: keys visible to the query (itself included), or None.
     pages_per_step: pages per DMA step; None picks ``128 // block_size``
       tokens' worth, at most the table width.
+    k_scales: float32 ``[num_kv_heads, num_blocks, block_size]`` scales of
+      int8 or float8_e4m3fn pages, or None.
+    v_scales: same as ``k_scales``, for ``v_pages``.
     interpret: run in TPU interpret mode (CPU).
 
   Returns:
     ``[batch, num_q_heads, head_dim]`` in ``q.dtype``; zeros where
     ``lengths`` is 0.
   """
-  common.check_attention_args(q, k_pages, v_pages, block_tables, lengths)
+  common.check_attention_args(q, k_pages, v_pages, block_tables, lengths,
+                              k_scales=k_scales, v_scales=v_scales,
+                              kernel=_NAME)
   common.check_attention_options(sm_scale, soft_cap, sliding_window)
   batch, num_q_heads, head_dim = q.shape
   num_kv_heads, _, block_size, _ = k_pages.shape
@@ -76,11 +85,15 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *,
     q_spec = pl.BlockSpec((None, group, head_dim), lambda b, h, *_: (b, h, 0))
 
   buffer_shape = (2, pages_per_step, block_size, head_dim)
+  quantized = k_scales is not None
+  scale_args = (k_scales, v_scales) if quantized else ()
+  scale_buffers = [pltpu.VMEM(buffer_shape[:3], jnp.float32)] * len(scale_args)
   kernel = functools.partial(
       _decode_kernel,
       sm_scale=common.default_sm_scale(head_dim, sm_scale),
       soft_cap=soft_cap, sliding_window=sliding_window,
-      pages_per_step=pages_per_step, blocks_per_seq=padded_blocks)
+      pages_per_step=pages_per_step, blocks_per_seq=padded_blocks,
+      quantized=quantized)
   out = pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -90,11 +103,12 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *,
               q_spec,
               pl.BlockSpec(memory_space=pl.ANY),
               pl.BlockSpec(memory_space=pl.ANY),
-          ],
+          ] + [pl.BlockSpec(memory_space=pl.ANY)] * len(scale_args),
           out_specs=q_spec,
           scratch_shapes=[
               pltpu.VMEM(buffer_shape, k_pages.dtype),
               pltpu.VMEM(buffer_shape, v_pages.dtype),
+              *scale_buffers,
               pltpu.SemaphoreType.DMA((2,)),
               pltpu.SemaphoreType.DMA((2,)),
           ]),
@@ -103,14 +117,22 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *,
           dimension_semantics=("parallel", "parallel")),
       interpret=pltpu.InterpretParams() if interpret else False,
       name="paged_attention_tpu",
-  )(lengths, flat_tables, kernel_q, k_pages, v_pages)
+  )(lengths, flat_tables, kernel_q, k_pages, v_pages, *scale_args)
   return out.reshape(q.shape).astype(q.dtype)
 
 
-def _decode_kernel(lengths_ref, tables_ref, q_ref, k_hbm, v_hbm, o_ref,
-                   k_buffer, v_buffer, k_sems, v_sems, *, sm_scale, soft_cap,
-                   sliding_window, pages_per_step, blocks_per_seq):
+def _decode_kernel(lengths_ref, tables_ref, q_ref, k_hbm, v_hbm, *refs,
+                   sm_scale, soft_cap, sliding_window, pages_per_step,
+                   blocks_per_seq, quantized):
   """One (sequence, KV head): the normalized output of its query heads."""
+  if quantized:
+    (k_scale_hbm, v_scale_hbm, o_ref, k_buffer, v_buffer, k_scale_buffer,
+     v_scale_buffer, k_sems, v_sems) = refs
+    scale_streams = ((k_scale_hbm, k_scale_buffer, k_sems),
+                     (v_scale_hbm, v_scale_buffer, v_sems))
+  else:
+    o_ref, k_buffer, v_buffer, k_sems, v_sems = refs
+    scale_streams = ()
   batch_index, head = pl.program_id(0), pl.program_id(1)
   block_size, head_dim = k_hbm.shape[2], k_hbm.shape[3]
   step_tokens = pages_per_step * block_size
@@ -129,7 +151,7 @@ def _decode_kernel(lengths_ref, tables_ref, q_ref, k_hbm, v_hbm, o_ref,
     for page in range(pages_per_step):
       block = jnp.maximum(table_entry(step, page), 0)
       for hbm, buffer, sems in ((k_hbm, k_buffer, k_sems),
-                                (v_hbm, v_buffer, v_sems)):
+                                (v_hbm, v_buffer, v_sems), *scale_streams):
         copies.append(pltpu.make_async_copy(
             hbm.at[head, block], buffer.at[slot, page], sems.at[slot]))
     return copies
@@ -167,12 +189,16 @@ def _decode_kernel(lengths_ref, tables_ref, q_ref, k_hbm, v_hbm, o_ref,
     keys = k_buffer[slot].astype(jnp.float32).reshape(step_tokens, head_dim)
     logits = jnp.einsum("gd,td->gt", q, keys,
                         preferred_element_type=jnp.float32) * sm_scale
+    if quantized:
+      logits *= k_scale_buffer[slot].reshape(1, step_tokens)
     logits = common.apply_soft_cap(logits, soft_cap)
     logits = jnp.where(visible(index, (1, step_tokens), 1), logits, -jnp.inf)
     new_max = jnp.maximum(row_max, jnp.max(logits, axis=1, keepdims=True))
     rescale = jnp.exp(row_max - new_max)
     weights = jnp.exp(logits - new_max)
     values = v_buffer[slot].astype(jnp.float32).reshape(step_tokens, head_dim)
+    if quantized:
+      values *= v_scale_buffer[slot].reshape(step_tokens, 1)
     values = jnp.where(visible(index, (step_tokens, 1), 0), values, 0.0)
     acc = rescale * acc + jnp.einsum("gt,td->gd", weights, values,
                                      preferred_element_type=jnp.float32)
