@@ -228,8 +228,8 @@ def _load_hf(directory: pathlib.Path, dtype: str, max_seq_len: int | None):
             for file, handle in handles.items() for name in handle.keys()
             if not name.endswith(".rotary_emb.inv_freq")}   # a torch buffer
 
-  def read(name):
-    return handles[stored[name][0]].get_tensor(name)
+  def read(name, dtype):
+    return handles[stored[name][0]].get_tensor(name).astype(dtype)
 
   model = _build(config, _hf_sources(config), stored, read)
   tokenizer_config = directory / "tokenizer_config.json"
@@ -353,14 +353,25 @@ def _load_gguf(path: pathlib.Path, dtype: str, max_seq_len: int | None):
   stored = {name: (path, tuple(int(n) for n in reversed(tensor.shape)))
             for name, tensor in tensors.items()}
 
-  def read(name):
-    tensor = tensors[name]
-    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    return values.reshape(stored[name][1])
+  def read(name, dtype):
+    return _dequantize(tensors[name], stored[name][1], dtype)
 
   model = _build(config, _gguf_sources(config), stored, read)
   tokenizer = PretrainedTokenizer.from_gguf_fields(fields, source=str(path))
   return model, tokenizer
+
+
+def _dequantize(tensor, shape: tuple[int, ...], dtype,
+                rows_per_chunk: int = 4096) -> np.ndarray:
+  """`tensor` as a `dtype` array of `shape`, dequantized a few rows at a time
+  so that no float32 copy of a large tensor exists."""
+  data = tensor.data.reshape(-1, tensor.data.shape[-1])
+  out = np.empty((data.shape[0], int(np.prod(shape)) // data.shape[0]), dtype)
+  for start in range(0, data.shape[0], rows_per_chunk):
+    chunk = data[start:start + rows_per_chunk]
+    out[start:start + len(chunk)] = gguf.quants.dequantize(
+        chunk, tensor.tensor_type).reshape(len(chunk), -1)
+  return out.reshape(shape)
 
 
 # Both formats.
@@ -375,7 +386,7 @@ def _build(config: LlamaConfig, sources: dict[str, _Source],
     config: the model's config.
     sources: what each parameter is made from (see `_hf_sources`).
     stored: the checkpoint's tensors: name -> (file, shape).
-    read: reads one stored tensor as a numpy array.
+    read: reads one stored tensor as a numpy array of the given dtype.
 
   Raises:
     ValueError: if a tensor is missing, extra or misshapen.
@@ -401,7 +412,7 @@ def _build(config: LlamaConfig, sources: dict[str, _Source],
 
   def load(path, _):
     name, _, layout = sources["/".join(str(key.key) for key in path)]
-    return jnp.asarray(layout(read(name).astype(dtype)))
+    return jnp.asarray(layout(read(name, dtype)))
 
   nnx.replace_by_pure_dict(params, jax.tree_util.tree_map_with_path(load, pure))
   return nnx.merge(graphdef, params)
