@@ -145,7 +145,8 @@ def run_demo(args, parser) -> dict:
   longest = max(r.prompt.size for r in requests)
   sampling = SamplingParams(
       max_new_tokens=min(args.max_new_tokens, max_len - longest),
-      temperature=0.8 if tokenizer is None else 0.7, top_k=40,
+      temperature=0.8 if tokenizer is None else 0.6, top_k=40,
+      top_p=1.0 if tokenizer is None else 0.9,
       eos_id=(tokenizer or ByteTokenizer()).eos_token_id)
   total = sum(r.n for r in requests)
   start = time.perf_counter()

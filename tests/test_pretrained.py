@@ -384,7 +384,7 @@ def _merges(tokenizer):
 
 
 def write_gguf(path, hf, weights, tokenizer, types, rng, *, arch="llama",
-               tokenizer_model="gpt2", extra=None):
+               tokenizer_model="gpt2", extra=None, rope_dims=None):
   """A GGUF file of `weights` (2-D ones stored as `types`, cycling) and the
   float32 tensors `extra` (GGUF names); returns the dequantized weights, in
   GGUF row order, under Hugging Face names."""
@@ -397,6 +397,8 @@ def write_gguf(path, hf, weights, tokenizer, types, rng, *, arch="llama",
   writer.add_head_count_kv(hf["num_key_value_heads"])
   writer.add_rope_freq_base(hf["rope_theta"])
   writer.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+  if rope_dims is not None:
+    writer.add_rope_dimension_count(rope_dims)
   writer.add_tokenizer_model(tokenizer_model)
   writer.add_tokenizer_pre("smollm")
   vocab = tokenizer.get_vocab()
@@ -609,6 +611,7 @@ def small_gguf_weights():
      "tokenizer.ggml.model 'llama' is not supported"),
     (dict(extra={"blk.0.attn_output.bias": np.ones(32, np.float32)}),
      r"unexpected tensor\(s\) blk.0.attn_output.bias"),
+    (dict(rope_dims=4), r"partial RoPE \(4 of 8 features\)"),
 ])
 def test_gguf_errors_are_named(tmp_path, bpe, small_gguf_weights, kwargs,
                                message):
@@ -708,3 +711,13 @@ def test_smollm2_paged_and_dense_greedy_decoding_agree(smollm2):
   assert paged[0][0].size == 32
   np.testing.assert_array_equal(paged[0][0], dense[0])
   assert tokenizer.decode(paged[0][0]).strip()   # some visible text
+
+
+def test_unreadable_gguf_and_bad_dtype_are_named(tmp_path, bpe, llama_weights):
+  junk = tmp_path / "junk.gguf"
+  junk.write_bytes(b"not a gguf file at all")
+  with pytest.raises(ValueError, match="junk.gguf: not a readable GGUF file"):
+    models.load_pretrained(junk)
+  folder = write_hf(tmp_path / "model", _config(), llama_weights, bpe)
+  with pytest.raises(ValueError, match="dtype must be one of"):
+    models.load_pretrained(folder, dtype="int8")

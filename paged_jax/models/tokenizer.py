@@ -290,11 +290,11 @@ class PretrainedTokenizer:
     tokenizer.pre_tokenizer = _gguf_pre_tokenizer(
         fields.get("tokenizer.ggml.pre"))
     tokenizer.decoder = tokenizers.decoders.ByteLevel()
-    types = fields.get("tokenizer.ggml.token_type", [])
+    token_types = fields.get("tokenizer.ggml.token_type", [])
     tokenizer.add_special_tokens([
         tokenizers.AddedToken(tokens[index], special=True, normalized=False)
-        for index, kind in enumerate(types)
-        if kind in (_GGUF_CONTROL, _GGUF_USER_DEFINED)])
+        for index, token_type in enumerate(token_types)
+        if token_type in (_GGUF_CONTROL, _GGUF_USER_DEFINED)])
     template = fields.get("tokenizer.chat_template")
 
     def token(key):
