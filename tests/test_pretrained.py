@@ -384,7 +384,8 @@ def _merges(tokenizer):
 
 
 def write_gguf(path, hf, weights, tokenizer, types, rng, *, arch="llama",
-               tokenizer_model="gpt2", extra=None, rope_dims=None):
+               tokenizer_model="gpt2", extra=None, rope_dims=None,
+               rope_scaling=None):
   """A GGUF file of `weights` (2-D ones stored as `types`, cycling) and the
   float32 tensors `extra` (GGUF names); returns the dequantized weights, in
   GGUF row order, under Hugging Face names."""
@@ -399,6 +400,8 @@ def write_gguf(path, hf, weights, tokenizer, types, rng, *, arch="llama",
   writer.add_layer_norm_rms_eps(hf["rms_norm_eps"])
   if rope_dims is not None:
     writer.add_rope_dimension_count(rope_dims)
+  if rope_scaling is not None:
+    writer.add_string(f"{arch}.rope.scaling.type", rope_scaling)
   writer.add_tokenizer_model(tokenizer_model)
   writer.add_tokenizer_pre("smollm")
   vocab = tokenizer.get_vocab()
@@ -612,6 +615,7 @@ def small_gguf_weights():
     (dict(extra={"blk.0.attn_output.bias": np.ones(32, np.float32)}),
      r"unexpected tensor\(s\) blk.0.attn_output.bias"),
     (dict(rope_dims=4), r"partial RoPE \(4 of 8 features\)"),
+    (dict(rope_scaling="linear"), "RoPE scaling 'linear' is not supported"),
 ])
 def test_gguf_errors_are_named(tmp_path, bpe, small_gguf_weights, kwargs,
                                message):

@@ -278,6 +278,9 @@ def config_from_gguf(fields: dict, *, dtype: str = "bfloat16",
   if rotated != head_dim:
     raise ValueError(f"{source}: partial RoPE ({rotated} of {head_dim} "
                      "features) is not supported")
+  scaling = fields.get(f"{arch}.rope.scaling.type", "none")
+  if scaling != "none":
+    raise ValueError(f"{source}: RoPE scaling {scaling!r} is not supported")
   vocab = fields.get(f"{arch}.vocab_size") or len(
       fields.get("tokenizer.ggml.tokens", ()))
   return LlamaConfig(
