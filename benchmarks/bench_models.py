@@ -34,19 +34,20 @@ def measure_load(dtype: str) -> dict:
   import jax.numpy as jnp
   from paged_jax.models import load_pretrained
   jnp.zeros(1).block_until_ready()   # start the runtime before the baseline
-  baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  before = resource.getrusage(resource.RUSAGE_SELF)
   tracemalloc.start()
   start = time.perf_counter()
   model, _ = load_pretrained(MODEL, dtype=dtype, max_seq_len=512)
   seconds = time.perf_counter() - start
   _, traced_peak = tracemalloc.get_traced_memory()
-  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+  after = resource.getrusage(resource.RUSAGE_SELF)   # sizes in KiB on Linux
   import jax
   from flax import nnx
   params = jax.tree.leaves(nnx.state(model, nnx.Param))
-  return dict(dtype=dtype, seconds=seconds,
+  cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+  return dict(dtype=dtype, seconds=seconds, cpu_seconds=cpu,
               params_mb=sum(p.nbytes for p in params) / 2**20,
-              rss_peak_mb=(peak - baseline) / 2**10,
+              rss_peak_mb=(after.ru_maxrss - before.ru_maxrss) / 2**10,
               traced_peak_mb=traced_peak / 2**20)
 
 
@@ -93,6 +94,7 @@ def throughput(args) -> dict:
                                  (batch, prompt_len))
     logits, cache = forward(state, prompt, positions,
                             wrap(make_cache(), positions))
+    logits.block_until_ready()
     prefill_done = time.perf_counter()
     token = jnp.argmax(logits[:, -1:], axis=-1).astype(jnp.int32)
     for step in range(steps):
@@ -153,10 +155,11 @@ def main():
 
   import jax
   loads = [load_in_subprocess(dtype) for dtype in ("bfloat16", "float32")]
-  print(f"{'load':<10}{'seconds':>9}{'params MB':>11}{'peak RSS MB':>13}"
-        f"{'traced MB':>11}")
+  print(f"{'load':<10}{'seconds':>9}{'CPU s':>7}{'params MB':>11}"
+        f"{'peak RSS MB':>13}{'traced MB':>11}")
   for row in loads:
-    print(f"{row['dtype']:<10}{row['seconds']:>9.2f}{row['params_mb']:>11.0f}"
+    print(f"{row['dtype']:<10}{row['seconds']:>9.2f}{row['cpu_seconds']:>7.2f}"
+          f"{row['params_mb']:>11.0f}"
           f"{row['rss_peak_mb']:>13.0f}{row['traced_peak_mb']:>11.0f}")
 
   timings = throughput(args)
@@ -172,7 +175,8 @@ def main():
           f"{decode_tokens / row['decode_s']:>14.1f}")
   bf16 = loads[0]
   print()
-  print(f"summary: bfloat16 load {bf16['seconds']:.1f} s, peak RSS "
+  print(f"summary: bfloat16 load {bf16['seconds']:.1f} s "
+        f"({bf16['cpu_seconds']:.1f} CPU s), peak RSS "
         f"{bf16['rss_peak_mb']:.0f} MB for {bf16['params_mb']:.0f} MB of "
         f"parameters; paged/dense prefill "
         f"{timings['dense']['prefill_s'] / timings['paged']['prefill_s']:.2f}x"
