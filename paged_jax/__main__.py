@@ -25,10 +25,8 @@ HEADWORDS = ("LOVE", "WAR", "PEACE", "LAWYER", "MONEY", "FRIEND", "POLITICS",
              "HAPPINESS", "DEBT", "GENIUS", "HOPE", "PATIENCE", "CYNIC",
              "DIPLOMACY", "EDUCATION", "FAME")
 DEFAULT_MODEL = "smollm2-135m-instruct"
-SYSTEM_PROMPT = ("You are a helpful assistant running on paged_jax, a JAX "
-                 "library that stores the attention keys and values of every "
-                 "conversation in fixed-size blocks. Answer in one or two "
-                 "short sentences.")
+SYSTEM_PROMPT = ("You are a helpful AI assistant named SmolLM, trained by "
+                 "Hugging Face. Answer in one or two short sentences.")
 QUESTIONS = ("What is the capital of France?", "Why is the sky blue?",
              "Name three primary colours.", "What is a prime number?",
              "How many legs does a spider have?",
