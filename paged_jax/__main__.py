@@ -1,9 +1,12 @@
-"""`python -m paged_jax demo|trace`: serve the tiny model, or replay a trace.
+"""`python -m paged_jax demo|trace`: serve a model, or replay a trace.
 
-`demo` serves a batch of requests with the shipped tiny model on the paged
-cache (some share a system prefix, some ask for several samples) and reports
-throughput and paging statistics. `trace` replays a simulated serving trace
-through the block manager alone.
+`demo` serves a batch of requests on the paged cache and reports throughput
+and paging statistics. With a pretrained model (SmolLM2-135M-Instruct by
+default) the requests are chat conversations that share a system prompt;
+with `--model tiny` (the shipped byte-level toy) they are dictionary
+headwords, every other one after a shared prefix. Every fourth request asks
+for 4 samples. `trace` replays a simulated serving trace through the block
+manager alone.
 """
 
 from __future__ import annotations
@@ -21,6 +24,17 @@ SYSTEM_PREFIX = ("The following are definitions from The Devil's Dictionary "
 HEADWORDS = ("LOVE", "WAR", "PEACE", "LAWYER", "MONEY", "FRIEND", "POLITICS",
              "HAPPINESS", "DEBT", "GENIUS", "HOPE", "PATIENCE", "CYNIC",
              "DIPLOMACY", "EDUCATION", "FAME")
+DEFAULT_MODEL = "smollm2-135m-instruct"
+SYSTEM_PROMPT = ("You are a helpful AI assistant named SmolLM, trained by "
+                 "Hugging Face. Answer in one or two short sentences.")
+QUESTIONS = ("What is the capital of France?", "Why is the sky blue?",
+             "Name three primary colours.", "What is a prime number?",
+             "How many legs does a spider have?",
+             "What does a bee make?", "Give me a synonym for happy.",
+             "What is the boiling point of water in Celsius?",
+             "Who wrote Romeo and Juliet?", "What is photosynthesis?",
+             "Suggest a name for a pet goldfish.",
+             "What is the largest planet in the solar system?")
 
 
 def _positive(text: str) -> int:
@@ -35,16 +49,22 @@ def _parser() -> argparse.ArgumentParser:
   sub = parser.add_subparsers(dest="command", required=True)
   demo = sub.add_parser(
       "demo", help="serve a batch of requests with the tiny model on the paged cache")
-  demo.add_argument("--num-requests", type=_positive, default=32)
+  demo.add_argument("--num-requests", type=_positive, default=None,
+                    help="default: 8 for a pretrained model, 32 for tiny")
   demo.add_argument("--block-size", type=_positive, default=16)
   demo.add_argument("--num-gpu-blocks", type=_positive, default=96)
   demo.add_argument("--num-cpu-blocks", type=int, default=64)
   demo.add_argument("--max-seqs", type=_positive, default=32)
   demo.add_argument("--max-new-tokens", type=_positive, default=40)
   demo.add_argument("--seed", type=int, default=0)
-  demo.add_argument("--model", type=pathlib.Path, default=None,
-                    help="model directory (config.json + weights.msgpack); "
-                         "default: the shipped tiny model")
+  demo.add_argument("--model", default=DEFAULT_MODEL,
+                    help="a Hugging Face folder, a .gguf file, a model name "
+                         f"or 'tiny' (default: {DEFAULT_MODEL})")
+  demo.add_argument("--dtype", default="float32",
+                    choices=("float32", "bfloat16", "float16"),
+                    help="parameter and compute dtype of a pretrained model")
+  demo.add_argument("--max-seq-len", type=_positive, default=256,
+                    help="context of a pretrained model in the demo")
   demo.add_argument("--json", action="store_true", help="print machine-readable JSON")
   trace = sub.add_parser("trace", help="replay a ShareGPT-like trace through the block manager")
   trace.add_argument("--num-requests", type=_positive, default=200)
@@ -56,20 +76,43 @@ def _parser() -> argparse.ArgumentParser:
   return parser
 
 
-def demo_requests(num_requests: int, seed: int):
-  """Prompts for the demo: every other one shares the system prefix, every
-  fourth asks for 4 samples."""
+def demo_requests(num_requests: int, seed: int, tokenizer=None):
+  """The demo's requests and the text that shows each prompt.
+
+  With `tokenizer` None (the tiny model), headwords of which every other one
+  follows the shared system prefix; else chat conversations, all with the
+  same system prompt. Every fourth request asks for 4 samples.
+  """
   import numpy as np
   from paged_jax.generate import Request
   from paged_jax.models.tokenizer import ByteTokenizer
   rng = np.random.default_rng(seed)
-  tokenizer = ByteTokenizer()
-  requests = []
+  requests, shown = [], []
   for index in range(num_requests):
-    word = HEADWORDS[rng.integers(len(HEADWORDS))]
-    text = (SYSTEM_PREFIX if index % 2 == 0 else "") + f"{word}, n. "
-    requests.append(Request(tokenizer.encode(text), n=4 if index % 4 == 1 else 1))
-  return requests
+    if tokenizer is None:
+      word = HEADWORDS[rng.integers(len(HEADWORDS))]
+      text = shown_text = (SYSTEM_PREFIX if index % 2 == 0 else "") + f"{word}, n. "
+      ids = ByteTokenizer().encode(text)
+    else:
+      shown_text = QUESTIONS[(index + seed) % len(QUESTIONS)]
+      text = tokenizer.apply_chat_template(
+          [dict(role="system", content=SYSTEM_PROMPT),
+           dict(role="user", content=shown_text)], add_generation_prompt=True)
+      ids = tokenizer.encode(text)
+    requests.append(Request(np.asarray(ids, np.int32), n=4 if index % 4 == 1 else 1))
+    shown.append(shown_text)
+  return requests, shown
+
+
+def load_demo_model(name: str, dtype: str, max_seq_len: int):
+  """`(model, tokenizer)`; tokenizer None for the tiny model or a folder saved
+  by `save_model`."""
+  from paged_jax.models import load_pretrained, pretrained
+  if name == "tiny":
+    return pretrained.load_tiny(), None
+  if (pathlib.Path(name) / pretrained.WEIGHTS_FILE).is_file():
+    return pretrained.load_model(name), None
+  return load_pretrained(name, dtype=dtype, max_seq_len=max_seq_len)
 
 
 def run_demo(args, parser) -> dict:
@@ -77,11 +120,9 @@ def run_demo(args, parser) -> dict:
   import jax
   from tqdm import tqdm
   from paged_jax.generate import SamplingParams, generate
-  from paged_jax.models import pretrained
   from paged_jax.models.tokenizer import ByteTokenizer
   try:
-    model = (pretrained.load_tiny() if args.model is None
-             else pretrained.load_model(args.model))
+    model, tokenizer = load_demo_model(args.model, args.dtype, args.max_seq_len)
   except (FileNotFoundError, ValueError) as err:
     parser.error(f"--model: {err}")
   max_len = model.config.max_seq_len
@@ -95,22 +136,25 @@ def run_demo(args, parser) -> dict:
   if args.num_gpu_blocks * args.block_size < max_len:
     parser.error(f"--num-gpu-blocks {args.num_gpu_blocks} x --block-size "
                  f"{args.block_size} cannot hold one {max_len}-token sequence")
-  requests = demo_requests(args.num_requests, args.seed)
+  num_requests = args.num_requests or (32 if tokenizer is None else 8)
+  requests, shown = demo_requests(num_requests, args.seed, tokenizer)
   if max(r.n for r in requests) > args.max_seqs:
     parser.error(f"--max-seqs {args.max_seqs} is below the 4 samples some requests ask for")
   longest = max(r.prompt.size for r in requests)
   sampling = SamplingParams(
       max_new_tokens=min(args.max_new_tokens, max_len - longest),
-      temperature=0.8, top_k=40, eos_id=ByteTokenizer.eos_id)
+      temperature=0.8 if tokenizer is None else 0.6, top_k=40,
+      top_p=1.0 if tokenizer is None else 0.9,
+      eos_id=(tokenizer or ByteTokenizer()).eos_token_id)
   total = sum(r.n for r in requests)
   start = time.perf_counter()
   with tqdm(total=total, unit="seq", disable=args.json, file=sys.stderr) as bar:
     outputs, stats = generate(model, requests, cfg, sampling,
                               jax.random.key(args.seed), progress=bar.update)
   seconds = time.perf_counter() - start
-  tokenizer = ByteTokenizer()
-  samples = [dict(prompt=tokenizer.decode(requests[i].prompt),
-                  outputs=[tokenizer.decode(o) for o in outputs[i]])
+  tokenizer = tokenizer or ByteTokenizer()
+  samples = [dict(prompt=shown[i],
+                  outputs=[tokenizer.decode(o).strip() for o in outputs[i]])
              for i in range(min(3, len(requests)))]
   return dict(
       requests=len(requests), sequences=total,

@@ -1,4 +1,8 @@
-"""The `python -m paged_jax` command line: option errors and a tiny demo run."""
+"""The `python -m paged_jax` command line: option errors and a tiny demo run.
+
+The demo's default model is SmolLM2 (see tests/test_pretrained.py for it);
+these runs use `--model tiny`, which loads in well under a second.
+"""
 
 import json
 import subprocess
@@ -12,10 +16,14 @@ from paged_jax.__main__ import main
 @pytest.mark.parametrize("argv, message", [
     (["demo", "--num-requests", "0"], "--num-requests: must be >= 1"),
     (["demo", "--block-size", "x"], "--block-size: invalid"),
-    (["demo", "--num-gpu-blocks", "2"], "cannot hold one 128-token sequence"),
+    (["demo", "--model", "tiny", "--num-gpu-blocks", "2"],
+     "cannot hold one 128-token sequence"),
     (["demo", "--num-cpu-blocks", "-1"], "--num-cpu-blocks must be >= 0"),
-    (["demo", "--max-seqs", "2"], "--max-seqs 2 is below the 4 samples"),
-    (["demo", "--model", "/nonexistent/model"], "--model: no config.json"),
+    (["demo", "--model", "tiny", "--max-seqs", "2"],
+     "--max-seqs 2 is below the 4 samples"),
+    (["demo", "--model", "/nonexistent/model"],
+     "--model: '/nonexistent/model' is neither a model folder"),
+    (["demo", "--dtype", "int8"], "--dtype: invalid choice"),
     (["trace", "--num-gpu-blocks", "4"], "cannot hold one 2048-token request"),
     (["serve"], "invalid choice: 'serve'"),
 ])
@@ -28,7 +36,8 @@ def test_bad_options_exit_with_code_2_and_a_message(argv, message, capsys):
 
 def test_demo_json_report():
   result = subprocess.run(
-      [sys.executable, "-m", "paged_jax", "demo", "--num-requests", "2",
+      [sys.executable, "-m", "paged_jax", "demo", "--model", "tiny",
+       "--num-requests", "2",
        "--max-new-tokens", "4", "--json"],
       capture_output=True, text=True, timeout=300, check=True)
   report = json.loads(result.stdout)

@@ -37,6 +37,10 @@ class KVCacheBackend(Protocol):
   ) -> tuple[jax.Array, KVCacheBackend]:
     """Stores `layer`'s new keys and values, then attends over the context.
 
+    A backend that supports sliding-window attention (`DenseCache`) also takes
+    `sliding_window`, the keys each query sees; the model passes it only when
+    its config has one.
+
     Args:
       layer: static index of the decoder layer.
       q: rotated queries `[batch, tokens, num_q_heads, head_dim]`.
@@ -118,8 +122,9 @@ class DenseCache:
       positions: jax.Array,
       *,
       sm_scale: float,
+      sliding_window: int | None = None,
   ) -> tuple[jax.Array, DenseCache]:
-    """See `KVCacheBackend.attend`.
+    """See `KVCacheBackend.attend`; `sliding_window` as in `masked_attention`.
 
     Tokens at positions outside `0 .. max_len - 1` are not stored. A query at
     position `p` reads cache positions `0 .. p`, which the caller must have
@@ -148,7 +153,8 @@ class DenseCache:
         jnp.arange(self.max_len, dtype=jnp.int32), (batch, self.max_len))
     out = layers.masked_attention(q, cache_k.astype(q.dtype),
                                   cache_v.astype(q.dtype), positions,
-                                  cache_positions, sm_scale=sm_scale)
+                                  cache_positions, sm_scale=sm_scale,
+                                  sliding_window=sliding_window)
     new_cache = self.replace(k=_replace_at(self.k, layer, cache_k),
                              v=_replace_at(self.v, layer, cache_v))
     return out, new_cache

@@ -8,8 +8,42 @@ padding token, which is never attended to and whose output is zero.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3RopeScaling:
+  """Llama 3.1's RoPE frequency scaling (`rope_type: "llama3"`).
+
+  Rotations slower than `original_max_position_embeddings / low_freq_factor`
+  positions per turn are slowed down `factor` times, those faster than
+  `original_max_position_embeddings / high_freq_factor` are kept, and the band
+  between is interpolated linearly in the inverse wavelength.
+
+  Attributes:
+    factor: slow-down of the low frequencies.
+    low_freq_factor: context fraction below which wavelengths are scaled.
+    high_freq_factor: context fraction above which wavelengths are kept.
+    original_max_position_embeddings: the context length trained without it.
+  """
+
+  factor: float
+  low_freq_factor: float
+  high_freq_factor: float
+  original_max_position_embeddings: int
+
+  def __post_init__(self):
+    if not (self.factor >= 1.0 and
+            0.0 < self.low_freq_factor < self.high_freq_factor and
+            self.original_max_position_embeddings >= 1):
+      raise ValueError(
+          "llama3 rope scaling needs factor >= 1, 0 < low_freq_factor < "
+          f"high_freq_factor and original_max_position_embeddings >= 1, "
+          f"got {self}")
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -28,21 +62,33 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
   return (x32 * inv_rms * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_inverse_frequencies(head_dim: int, theta: float) -> jax.Array:
+def rope_inverse_frequencies(
+    head_dim: int, theta: float, scaling: Llama3RopeScaling | None = None
+) -> jax.Array:
   """Rotation speed of each of the `head_dim // 2` RoPE feature pairs.
 
   Args:
     head_dim: size of one attention head (even).
     theta: RoPE base; larger values rotate slower.
+    scaling: Llama 3 frequency scaling, or None.
 
   Returns:
     float32 `[head_dim // 2]`, from 1 down to about `1 / theta`.
   """
   exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
-  return 1.0 / (theta ** exponents)
+  inv_freq = 1.0 / (theta ** exponents)
+  if scaling is None:
+    return inv_freq
+  context = scaling.original_max_position_embeddings
+  wavelength = 2.0 * math.pi / inv_freq
+  smooth = ((context / wavelength - scaling.low_freq_factor)
+            / (scaling.high_freq_factor - scaling.low_freq_factor))
+  smooth = jnp.clip(smooth, 0.0, 1.0)
+  return (1.0 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float,
+               scaling: Llama3RopeScaling | None = None) -> jax.Array:
   """Rotates query or key heads by their absolute positions (rotate-half).
 
   Feature `i` of the first half of a head is paired with feature `i` of the
@@ -53,13 +99,14 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     positions: int32 `[batch, tokens]`; negative entries (padding) are
       treated as position 0.
     theta: RoPE base.
+    scaling: Llama 3 frequency scaling, or None.
 
   Returns:
     The rotated array, same shape and dtype as `x`.
   """
   head_dim = x.shape[-1]
   angles = (jnp.maximum(positions, 0).astype(jnp.float32)[..., None]
-            * rope_inverse_frequencies(head_dim, theta))
+            * rope_inverse_frequencies(head_dim, theta, scaling))
   cos = jnp.cos(angles)[:, :, None, :]
   sin = jnp.sin(angles)[:, :, None, :]
   x32 = x.astype(jnp.float32)
@@ -77,10 +124,13 @@ def masked_attention(
     k_positions: jax.Array,
     *,
     sm_scale: float,
+    sliding_window: int | None = None,
 ) -> jax.Array:
   """Grouped-query attention where a query sees keys at positions <= its own.
 
   Query head `h` reads key/value head `h // (num_q_heads // num_kv_heads)`.
+  With a sliding window `w`, a query at position `p` sees only the keys at
+  `p - w + 1 .. p`.
 
   Args:
     q: `[batch, q_tokens, num_q_heads, head_dim]`.
@@ -89,6 +139,7 @@ def masked_attention(
     q_positions: int32 `[batch, q_tokens]`, -1 for padding queries.
     k_positions: int32 `[batch, k_tokens]`, -1 for keys never to be read.
     sm_scale: multiplier of the query-key dot products.
+    sliding_window: keys each query sees (itself included), or None for all.
 
   Returns:
     `[batch, q_tokens, num_q_heads, head_dim]` in the dtype of `q`; rows of
@@ -103,6 +154,9 @@ def masked_attention(
                       preferred_element_type=jnp.float32) * sm_scale
   visible = ((k_positions[:, None, :] <= q_positions[:, :, None])
              & (k_positions[:, None, :] >= 0))
+  if sliding_window is not None:
+    visible &= (k_positions[:, None, :]
+                > q_positions[:, :, None] - sliding_window)
   logits = jnp.where(visible[:, None, None], logits,
                      jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(logits, axis=-1)

@@ -1,7 +1,9 @@
 """A Llama-style decoder in Flax NNX with pluggable KV-cache backends.
 
 RMSNorm pre-normalisation, RoPE on absolute positions, grouped-query
-attention and a SwiGLU MLP. One forward, three uses:
+attention and a SwiGLU MLP, with the variations of the Llama 2/3, Mistral,
+Qwen2 and Qwen3 families as config fields (Llama 3 RoPE scaling, a sliding
+window, q/k/v biases, per-head q/k RMSNorm). One forward, three uses:
 
 * training: `model(tokens)`, full causal self-attention, no cache;
 * dense cache: `model(tokens, positions, cache=DenseCache)` for prefill
@@ -23,6 +25,7 @@ import jax.numpy as jnp
 
 from paged_jax.models import layers
 from paged_jax.models.cache import DenseCache, KVCacheBackend
+from paged_jax.models.layers import Llama3RopeScaling
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -43,9 +46,17 @@ class LlamaConfig:
     max_seq_len: longest sequence the model is meant for (dense caches default
       to it).
     dtype: computation dtype name ("float32", "bfloat16" or "float16"); a
-      dtype object is accepted and stored by name. Parameters stay float32.
+      dtype object is accepted and stored by name.
     tie_embeddings: whether the output projection reuses the token embedding.
     norm_eps: RMSNorm epsilon.
+    param_dtype: dtype name of the parameters (same choices as `dtype`).
+    attention_bias: whether the q/k/v projections have biases (Qwen2).
+    qk_norm: whether queries and keys get a per-head RMSNorm before RoPE
+      (Qwen3).
+    rope_scaling: Llama 3 RoPE frequency scaling, or None.
+    sliding_window: keys each query attends to (itself included), or None for
+      the whole context (Mistral). A paged `CacheConfig` takes the same
+      value, so blocks that slide out of the window are freed.
   """
 
   vocab_size: int
@@ -60,6 +71,11 @@ class LlamaConfig:
   dtype: str = "float32"
   tie_embeddings: bool = True
   norm_eps: float = 1e-5
+  param_dtype: str = "float32"
+  attention_bias: bool = False
+  qk_norm: bool = False
+  rope_scaling: Llama3RopeScaling | None = None
+  sliding_window: int | None = None
 
   def __post_init__(self):
     for name in ("vocab_size", "num_layers", "num_q_heads", "num_kv_heads",
@@ -77,18 +93,35 @@ class LlamaConfig:
       raise ValueError(f"rope_theta must be > 1, got {self.rope_theta}")
     if not self.norm_eps > 0.0:
       raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")
-    if not isinstance(self.tie_embeddings, bool):
+    for name in ("tie_embeddings", "attention_bias", "qk_norm"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+    window = self.sliding_window
+    if window is not None and (isinstance(window, bool) or
+                               not isinstance(window, int) or window < 1):
       raise ValueError(
-          f"tie_embeddings must be a bool, got {self.tie_embeddings!r}")
-    dtype_name = (self.dtype if isinstance(self.dtype, str)
-                  else jnp.dtype(self.dtype).name)
-    if dtype_name not in _DTYPES:
-      raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-    object.__setattr__(self, "dtype", dtype_name)
+          f"sliding_window must be a positive int or None, got {window!r}")
+    if isinstance(self.rope_scaling, dict):
+      object.__setattr__(self, "rope_scaling",
+                         Llama3RopeScaling(**self.rope_scaling))
+    if not isinstance(self.rope_scaling, (Llama3RopeScaling, type(None))):
+      raise ValueError(
+          f"rope_scaling must be a Llama3RopeScaling or None, got "
+          f"{self.rope_scaling!r}")
+    for name in ("dtype", "param_dtype"):
+      value = getattr(self, name)
+      dtype_name = value if isinstance(value, str) else jnp.dtype(value).name
+      if dtype_name not in _DTYPES:
+        raise ValueError(f"{name} must be one of {_DTYPES}, got {value!r}")
+      object.__setattr__(self, name, dtype_name)
 
   @property
   def compute_dtype(self) -> jnp.dtype:
     return jnp.dtype(self.dtype)
+
+  @property
+  def parameter_dtype(self) -> jnp.dtype:
+    return jnp.dtype(self.param_dtype)
 
   @property
   def sm_scale(self) -> float:
@@ -140,8 +173,8 @@ def init_dense_cache(
 class RMSNorm(nnx.Module):
   """RMS normalisation with a learned gain."""
 
-  def __init__(self, dim: int, *, eps: float):
-    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+  def __init__(self, dim: int, *, eps: float, param_dtype=jnp.float32):
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
     self.eps = eps
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -149,10 +182,14 @@ class RMSNorm(nnx.Module):
 
 
 def _linear(in_features: int, out_features: int, config: LlamaConfig,
-            rngs: nnx.Rngs) -> nnx.Linear:
-  return nnx.Linear(in_features, out_features, use_bias=False,
-                    dtype=config.compute_dtype, param_dtype=jnp.float32,
-                    rngs=rngs)
+            rngs: nnx.Rngs, *, use_bias: bool = False) -> nnx.Linear:
+  return nnx.Linear(in_features, out_features, use_bias=use_bias,
+                    dtype=config.compute_dtype,
+                    param_dtype=config.parameter_dtype, rngs=rngs)
+
+
+def _norm(dim: int, config: LlamaConfig) -> RMSNorm:
+  return RMSNorm(dim, eps=config.norm_eps, param_dtype=config.parameter_dtype)
 
 
 class Attention(nnx.Module):
@@ -163,10 +200,13 @@ class Attention(nnx.Module):
     self.layer_index = layer_index
     q_width = config.num_q_heads * config.head_dim
     kv_width = config.num_kv_heads * config.head_dim
-    self.q_proj = _linear(config.hidden, q_width, config, rngs)
-    self.k_proj = _linear(config.hidden, kv_width, config, rngs)
-    self.v_proj = _linear(config.hidden, kv_width, config, rngs)
+    bias = config.attention_bias
+    self.q_proj = _linear(config.hidden, q_width, config, rngs, use_bias=bias)
+    self.k_proj = _linear(config.hidden, kv_width, config, rngs, use_bias=bias)
+    self.v_proj = _linear(config.hidden, kv_width, config, rngs, use_bias=bias)
     self.o_proj = _linear(q_width, config.hidden, config, rngs)
+    self.q_norm = _norm(config.head_dim, config) if config.qk_norm else None
+    self.k_norm = _norm(config.head_dim, config) if config.qk_norm else None
 
   def __call__(
       self, x: jax.Array, positions: jax.Array, cache: KVCacheBackend | None
@@ -184,14 +224,18 @@ class Attention(nnx.Module):
     q = self.q_proj(x).reshape(q_shape)
     k = self.k_proj(x).reshape(kv_shape)
     v = self.v_proj(x).reshape(kv_shape)
-    q = layers.apply_rope(q, positions, config.rope_theta)
-    k = layers.apply_rope(k, positions, config.rope_theta)
+    if config.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q = layers.apply_rope(q, positions, config.rope_theta, config.rope_scaling)
+    k = layers.apply_rope(k, positions, config.rope_theta, config.rope_scaling)
+    window = ({} if config.sliding_window is None
+              else {"sliding_window": config.sliding_window})
     if cache is None:
       out = layers.masked_attention(q, k, v, positions, positions,
-                                    sm_scale=config.sm_scale)
+                                    sm_scale=config.sm_scale, **window)
     else:
       out, cache = cache.attend(self.layer_index, q, k, v, positions,
-                                sm_scale=config.sm_scale)
+                                sm_scale=config.sm_scale, **window)
     return self.o_proj(out.reshape(batch, tokens, -1)), cache
 
 
@@ -211,9 +255,9 @@ class DecoderBlock(nnx.Module):
   """Pre-norm residual block: attention, then MLP."""
 
   def __init__(self, config: LlamaConfig, layer_index: int, *, rngs: nnx.Rngs):
-    self.attention_norm = RMSNorm(config.hidden, eps=config.norm_eps)
+    self.attention_norm = _norm(config.hidden, config)
     self.attention = Attention(config, layer_index, rngs=rngs)
-    self.mlp_norm = RMSNorm(config.hidden, eps=config.norm_eps)
+    self.mlp_norm = _norm(config.hidden, config)
     self.mlp = SwiGLU(config, rngs=rngs)
 
   def __call__(
@@ -230,12 +274,13 @@ class Llama(nnx.Module):
   def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
     self.config = config
     self.embed = nnx.Embed(config.vocab_size, config.hidden,
-                           dtype=config.compute_dtype, param_dtype=jnp.float32,
+                           dtype=config.compute_dtype,
+                           param_dtype=config.parameter_dtype,
                            embedding_init=nnx.initializers.normal(0.02),
                            rngs=rngs)
     self.blocks = nnx.List(
         [DecoderBlock(config, i, rngs=rngs) for i in range(config.num_layers)])
-    self.final_norm = RMSNorm(config.hidden, eps=config.norm_eps)
+    self.final_norm = _norm(config.hidden, config)
     self.lm_head = (None if config.tie_embeddings else
                     _linear(config.hidden, config.vocab_size, config, rngs))
 

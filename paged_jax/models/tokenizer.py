@@ -1,10 +1,26 @@
-"""Byte-level tokenizer: token ids 0..255 are UTF-8 bytes, then BOS and EOS."""
+"""Tokenizers: the tiny model's bytes, and pretrained models' vocabularies.
+
+`ByteTokenizer` maps UTF-8 bytes to ids 0..255 (then BOS and EOS) and needs no
+file. `PretrainedTokenizer` wraps a Hugging Face `tokenizers.Tokenizer` built
+from a `tokenizer.json` or from a GGUF file's `tokenizer.ggml.*` fields, and
+renders chat templates with jinja2 the way transformers does. Both have
+`encode`, `decode`, `vocab_size`, `bos_token_id`, `eos_token_id` and
+`apply_chat_template`.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+import datetime
+import functools
+import json
+from typing import Any
 
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
 import numpy as np
+import tokenizers
 
 
 class ByteTokenizer:
@@ -14,11 +30,21 @@ class ByteTokenizer:
     bos_id: id that starts a sequence (256).
     eos_id: id that ends a sequence (257).
     vocab_size: number of ids (258).
+    bos_token_id: `bos_id`, under the name `PretrainedTokenizer` uses.
+    eos_token_id: `eos_id`, likewise.
+    chat_template: None: the tiny model knows no chat format.
   """
 
   bos_id = 256
   eos_id = 257
   vocab_size = 258
+  bos_token_id = bos_id
+  eos_token_id = eos_id
+  chat_template = None
+
+  def apply_chat_template(self, messages, **kwargs) -> str:
+    """Raises: ValueError, always: there is no chat template."""
+    raise ValueError("ByteTokenizer has no chat template")
 
   def encode(self, text: str, *, add_bos: bool = False,
              add_eos: bool = False) -> np.ndarray:
@@ -67,3 +93,269 @@ class ByteTokenizer:
           f"token id {int(bad[0])} is outside 0..{self.vocab_size - 1}")
     data = ids[ids < 256].astype(np.uint8).tobytes()
     return data.decode("utf-8", errors="replace")
+
+
+# End-of-turn tokens that llama.cpp treats as ending generation; a GGUF whose
+# chat template closes turns with one of them stops there.
+_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+# GGUF token types (llama.cpp's llama_token_type) that are special tokens.
+_GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
+
+
+class PretrainedTokenizer:
+  """A pretrained model's tokenizer (Hugging Face `tokenizers` underneath).
+
+  Attributes:
+    tokenizer: the underlying `tokenizers.Tokenizer`.
+    bos_token: text of the beginning-of-sequence token, or None.
+    eos_token: text of the token that ends a reply, or None.
+    chat_template: jinja2 source of the chat template, or None.
+  """
+
+  def __init__(self, tokenizer: tokenizers.Tokenizer, *,
+               bos_token: str | None = None, eos_token: str | None = None,
+               chat_template: str | None = None):
+    """Wraps `tokenizer`.
+
+    Raises:
+      ValueError: if `bos_token` or `eos_token` is not in the vocabulary.
+    """
+    for name, token in (("bos_token", bos_token), ("eos_token", eos_token)):
+      if token is not None and tokenizer.token_to_id(token) is None:
+        raise ValueError(f"{name} {token!r} is not in the vocabulary")
+    self.tokenizer = tokenizer
+    self.bos_token = bos_token
+    self.eos_token = eos_token
+    self.chat_template = chat_template
+
+  @property
+  def vocab_size(self) -> int:
+    return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+  @property
+  def bos_token_id(self) -> int | None:
+    return _token_id(self.tokenizer, self.bos_token)
+
+  @property
+  def eos_token_id(self) -> int | None:
+    return _token_id(self.tokenizer, self.eos_token)
+
+  def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+    """Token ids of `text`; special tokens written in it map to their ids.
+
+    Args:
+      text: any string.
+      add_special_tokens: let the tokenizer's post-processor add its tokens
+        (a BOS for Llama 3, say). A rendered chat template has them already.
+
+    Returns:
+      The ids.
+
+    Raises:
+      ValueError: if `text` is not a str.
+    """
+    if not isinstance(text, str):
+      raise ValueError(f"text must be a str, got {type(text).__name__}")
+    return self.tokenizer.encode(
+        text, add_special_tokens=add_special_tokens).ids
+
+  def decode(self, ids: Sequence[int] | np.ndarray, *,
+             skip_special_tokens: bool = True) -> str:
+    """Text of `ids`.
+
+    Args:
+      ids: token ids: an integer array or a sequence of ints.
+      skip_special_tokens: leave out special tokens (BOS, end of turn, ...).
+
+    Returns:
+      The decoded string.
+
+    Raises:
+      ValueError: if an id is outside `0 .. vocab_size - 1`.
+    """
+    ids = np.asarray(ids)
+    if ids.size and not np.issubdtype(ids.dtype, np.integer):
+      raise ValueError(f"ids must be integers, got dtype {ids.dtype}")
+    ids = ids.astype(np.int64).ravel()
+    bad = ids[(ids < 0) | (ids >= self.vocab_size)]
+    if bad.size:
+      raise ValueError(
+          f"token id {int(bad[0])} is outside 0..{self.vocab_size - 1}")
+    return self.tokenizer.decode(ids.tolist(),
+                                 skip_special_tokens=skip_special_tokens)
+
+  def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
+                          add_generation_prompt: bool = False,
+                          **variables) -> str:
+    """Renders a conversation with the model's chat template.
+
+    As transformers does: jinja2 in a sandbox with `trim_blocks` and
+    `lstrip_blocks`, the `loopcontrols` extension, a `tojson` filter, and
+    `raise_exception` and `strftime_now` globals; the template sees
+    `messages`, `add_generation_prompt`, `bos_token`, `eos_token` and
+    `variables`.
+
+    Args:
+      messages: dicts with `role` and `content`.
+      add_generation_prompt: end with the header of an assistant turn.
+      **variables: more template variables (`tools`, ...).
+
+    Returns:
+      The prompt text; encode it with `encode` (no special tokens added).
+
+    Raises:
+      ValueError: if the tokenizer has no chat template.
+      jinja2.TemplateError: if the template rejects the conversation (its
+        `raise_exception` message) or does not parse.
+    """
+    if self.chat_template is None:
+      raise ValueError("this tokenizer has no chat template")
+    template = _compiled_template(self.chat_template)
+    return template.render(
+        messages=list(messages), add_generation_prompt=add_generation_prompt,
+        bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+        **variables)
+
+  @classmethod
+  def from_files(cls, tokenizer_json: str, tokenizer_config: str | None = None,
+                 chat_template: str | None = None) -> PretrainedTokenizer:
+    """Builds the tokenizer of a Hugging Face model folder.
+
+    Args:
+      tokenizer_json: path of `tokenizer.json`.
+      tokenizer_config: path of `tokenizer_config.json` (BOS, EOS and the
+        chat template), or None.
+      chat_template: path of a `chat_template.jinja`, which wins over the
+        config's template, or None.
+
+    Returns:
+      The tokenizer.
+
+    Raises:
+      ValueError: if a file does not parse or names a token not in the
+        vocabulary.
+    """
+    try:
+      tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_json))
+    except Exception as err:  # the Rust library raises a bare Exception
+      raise ValueError(f"cannot read {tokenizer_json}: {err}") from err
+    settings = {}
+    if tokenizer_config is not None:
+      with open(tokenizer_config, encoding="utf-8") as file:
+        settings = json.load(file)
+    template = _default_template(settings.get("chat_template"))
+    if chat_template is not None:
+      with open(chat_template, encoding="utf-8") as file:
+        template = file.read()
+    return cls(tokenizer, bos_token=_token_text(settings.get("bos_token")),
+               eos_token=_token_text(settings.get("eos_token")),
+               chat_template=template)
+
+  @classmethod
+  def from_gguf_fields(cls, fields: Mapping[str, Any],
+                       source: str = "GGUF file") -> PretrainedTokenizer:
+    """Builds the tokenizer stored in a GGUF file's metadata.
+
+    Only BPE vocabularies (`tokenizer.ggml.model` "gpt2", as SmolLM2, Qwen
+    and Llama 3 have) are supported. Tokens of the control and user-defined
+    types become special tokens. When the chat template closes turns with an
+    end-of-turn token (`<|im_end|>`, `<|eot_id|>`, ...), that token is the
+    EOS, as in llama.cpp, whatever `eos_token_id` says.
+
+    Args:
+      fields: `tokenizer.ggml.*` and `tokenizer.chat_template` values, by key.
+      source: the file, for error messages.
+
+    Returns:
+      The tokenizer.
+
+    Raises:
+      ValueError: if the vocabulary is missing or of another kind.
+    """
+    kind = fields.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+      raise ValueError(
+          f"{source}: tokenizer.ggml.model {kind!r} is not supported "
+          "(only 'gpt2' BPE vocabularies)")
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+      if key not in fields:
+        raise ValueError(f"{source}: no {key} field")
+    tokens = list(fields["tokenizer.ggml.tokens"])
+    merges = [tuple(merge.split(" ", 1))
+              for merge in fields["tokenizer.ggml.merges"]]
+    model = tokenizers.models.BPE(
+        {token: index for index, token in enumerate(tokens)}, merges,
+        fuse_unk=False)
+    tokenizer = tokenizers.Tokenizer(model)
+    tokenizer.pre_tokenizer = _gguf_pre_tokenizer(
+        fields.get("tokenizer.ggml.pre"))
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    token_types = fields.get("tokenizer.ggml.token_type", [])
+    tokenizer.add_special_tokens([
+        tokenizers.AddedToken(tokens[index], special=True, normalized=False)
+        for index, token_type in enumerate(token_types)
+        if token_type in (_GGUF_CONTROL, _GGUF_USER_DEFINED)])
+    template = fields.get("tokenizer.chat_template")
+
+    def token(key):
+      index = fields.get(key)
+      return None if index is None or index >= len(tokens) else tokens[index]
+
+    eos = token("tokenizer.ggml.eos_token_id")
+    for candidate in _END_OF_TURN_TOKENS:
+      if template is not None and candidate in template and candidate in tokens:
+        eos = candidate
+        break
+    return cls(tokenizer, bos_token=token("tokenizer.ggml.bos_token_id"),
+               eos_token=eos, chat_template=template)
+
+
+def _gguf_pre_tokenizer(pre: str | None) -> tokenizers.pre_tokenizers.PreTokenizer:
+  """The pre-tokenizer llama.cpp's `tokenizer.ggml.pre` names."""
+  byte_level = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  if pre == "smollm":   # SmolLM: digits one by one, then GPT-2's split
+    return tokenizers.pre_tokenizers.Sequence([
+        tokenizers.pre_tokenizers.Digits(individual_digits=True), byte_level])
+  return byte_level
+
+
+def _token_id(tokenizer: tokenizers.Tokenizer, token: str | None) -> int | None:
+  return None if token is None else tokenizer.token_to_id(token)
+
+
+def _token_text(value) -> str | None:
+  """A tokenizer_config token: a string, or a dict with its `content`."""
+  return value.get("content") if isinstance(value, dict) else value
+
+
+def _default_template(value) -> str | None:
+  """The template named "default" when the config lists several."""
+  if isinstance(value, list):
+    named = {entry["name"]: entry["template"] for entry in value}
+    return named.get("default")
+  return value
+
+
+def _raise_exception(message: str):
+  raise jinja2.TemplateError(message)
+
+
+def _strftime_now(format_string: str) -> str:
+  return datetime.datetime.now().strftime(format_string)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None,
+            sort_keys=False) -> str:
+  return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                    separators=separators, sort_keys=sort_keys)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_template(source: str) -> jinja2.Template:
+  environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
+      trim_blocks=True, lstrip_blocks=True,
+      extensions=[jinja2.ext.loopcontrols])
+  environment.filters["tojson"] = _tojson
+  environment.globals["raise_exception"] = _raise_exception
+  environment.globals["strftime_now"] = _strftime_now
+  return environment.from_string(source)
