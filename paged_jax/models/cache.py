@@ -37,9 +37,9 @@ class KVCacheBackend(Protocol):
   ) -> tuple[jax.Array, KVCacheBackend]:
     """Stores `layer`'s new keys and values, then attends over the context.
 
-    A backend that supports sliding-window attention (`DenseCache`) also takes
-    `sliding_window`, the keys each query sees; the model passes it only when
-    its config has one.
+    A backend that supports sliding-window attention (`DenseCache`,
+    `PagedCache`) also takes `sliding_window`, the keys each query sees; the
+    model passes it only when its config has one.
 
     Args:
       layer: static index of the decoder layer.

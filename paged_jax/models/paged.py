@@ -42,12 +42,14 @@ class PagedCache:
       positions: jax.Array,
       *,
       sm_scale: float,
+      sliding_window: int | None = None,
   ) -> tuple[jax.Array, PagedCache]:
-    """See `KVCacheBackend.attend`.
+    """See `KVCacheBackend.attend`; `sliding_window` as in `paged_attention`.
 
     A row's new tokens come first, padding (position -1) after them. One
     token per row runs the decode kernel, more run prefill attention over the
-    cached pages and the new tokens.
+    cached pages and the new tokens. With a sliding window, the block tables
+    may hold -1 for blocks that left it (the manager's `sliding_window`).
 
     Raises:
       ValueError: if `slot_mapping` does not match the tokens of `k`.
@@ -62,10 +64,11 @@ class PagedCache:
     scales = kv.scales(layer)
     if positions.shape[1] == 1:
       out = paged_attention(q[:, 0], k_pages, v_pages, self.block_tables,
-                            lengths, sm_scale=sm_scale, **scales)[:, None]
+                            lengths, sm_scale=sm_scale,
+                            sliding_window=sliding_window, **scales)[:, None]
     else:
       query_lens = jnp.sum(positions >= 0, axis=1).astype(jnp.int32)
       out = paged_prefill_attention(q, k_pages, v_pages, self.block_tables,
                                     lengths, query_lens, sm_scale=sm_scale,
-                                    **scales)
+                                    sliding_window=sliding_window, **scales)
     return out, self.replace(kv=kv)
