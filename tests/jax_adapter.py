@@ -13,16 +13,27 @@ import jax
 import numpy as np
 
 import paged_jax as pj
+from paged_jax.block_manager.manager import jit_op
 from paged_jax.block_manager.state import ON_CPU, ON_GPU
-
-_STATIC = {"append_slots": ("num_lookahead_slots",), "can_append_slots": ("num_lookahead_slots",),
-           "can_swap_in": ("num_lookahead_slots",), "get_slot_mapping": ("width",)}
-
 
 @functools.lru_cache(maxsize=None)
 def _compiled(cfg: pj.CacheConfig, name: str, use_jit: bool):
   method = getattr(pj.BlockSpaceManager(cfg), name)
-  return jax.jit(method, static_argnames=_STATIC.get(name, ())) if use_jit else method
+  return jit_op(method) if use_jit else method
+
+
+@functools.lru_cache(maxsize=None)
+def _snapshot_fn(cfg: pj.CacheConfig):
+  """One jitted call that reads what the differential tests compare after each op."""
+  bm = pj.BlockSpaceManager(cfg)
+  slots = np.arange(cfg.max_seqs, dtype=np.int32)
+
+  def snapshot(state):
+    return dict(tables=bm.get_block_tables(state, slots), tokens=bm.get_num_tokens(state, slots),
+                devices=state.device, gpu_refs=state.gpu.ref_count, cpu_refs=state.cpu.ref_count,
+                free_gpu=bm.num_free_gpu_blocks(state), free_cpu=bm.num_free_cpu_blocks(state),
+                hit_rate=bm.prefix_cache_hit_rate(state))
+  return jax.jit(snapshot)
 
 
 class JaxManager:
@@ -35,7 +46,7 @@ class JaxManager:
     self.pad_to = pad_to
     self.token_pad = token_pad or cfg.max_tokens_per_seq
     self.check = check
-    self.state = pj.BlockSpaceManager(cfg).init()
+    self.state, self._devices = pj.BlockSpaceManager(cfg).init(), None
 
   def _call(self, name, *args, **kwargs):
     return _compiled(self.cfg, name, self.use_jit)(*args, **kwargs)
@@ -46,20 +57,27 @@ class JaxManager:
     return np.array(ids + [-1] * (width - len(ids)), np.int32)
 
   def _mutate(self, name, *args, **kwargs):
-    self.state, result = self._call(name, self.state, *args, **kwargs)
+    state, result = self._call(name, self.state, *args, **kwargs)
+    self._set_state(state)
+    return result
+
+  def _set_state(self, state):
+    self.state, self._devices = state, None
     if self.check:
       pj.check_invariants(self.state)
-    return result
 
   # --- mutating calls
   def allocate(self, seq_ids, token_ids, num_tokens, salt=0):
+    return self.allocate_counting_hits(seq_ids, token_ids, num_tokens, salt)[0]
+
+  def allocate_counting_hits(self, seq_ids, token_ids, num_tokens, salt=0):
     tokens = list(token_ids)
     width = max(self.token_pad, len(tokens))
     padded = np.array(tokens + [0] * (width - len(tokens)), np.int32)
     # num_tokens beyond the real tokens must stay invalid after padding.
     n = num_tokens if num_tokens <= len(tokens) else width + 1
     res = self._mutate("allocate", self._ids(seq_ids), padded, np.int32(n), np.int32(salt))
-    return pj.Status(int(res.status))
+    return pj.Status(int(res.status)), int(res.num_hit_blocks)
 
   def append_slots(self, seq_ids, new_token_ids, num_new, num_lookahead_slots=0):
     ids = self._ids(seq_ids)
@@ -88,12 +106,11 @@ class JaxManager:
     return pj.Status(int(plan.status)), _pairs(plan)
 
   def reset(self):
-    self.state = self._call("reset", self.state)
-    if self.check:
-      pj.check_invariants(self.state)
+    self._set_state(self._call("reset", self.state))
 
   def access_all_blocks_in_seq(self, seq_id, now):
-    self.state = self._call("access_all_blocks_in_seq", self.state, np.int32(seq_id), np.int32(now))
+    self._set_state(self._call("access_all_blocks_in_seq", self.state, np.int32(seq_id),
+                               np.int32(now)))
 
   def mark_blocks_as_computed(self, seq_ids, num_computed_tokens):
     ids = self._ids(seq_ids)
@@ -102,7 +119,7 @@ class JaxManager:
     else:
       counts = np.zeros(len(ids), np.int32)
       counts[:len(num_computed_tokens)] = num_computed_tokens
-    self.state = self._call("mark_blocks_as_computed", self.state, ids, counts)
+    self._set_state(self._call("mark_blocks_as_computed", self.state, ids, counts))
 
   # --- queries
   def can_allocate(self, num_tokens):
@@ -147,7 +164,18 @@ class JaxManager:
     return np.asarray(pool.ref_count).tolist()
 
   def device_of(self, seq_id):
-    return {ON_GPU: "gpu", ON_CPU: "cpu"}.get(int(self.state.device[seq_id]))
+    if self._devices is None:     # one transfer per state, not one per slot
+      self._devices = np.asarray(self.state.device)
+    return {ON_GPU: "gpu", ON_CPU: "cpu"}.get(int(self._devices[seq_id]))
+
+  def snapshot(self):
+    """Tables, token counts, devices, ref counts, free counts and hit rate, from one call."""
+    snap = jax.device_get(_snapshot_fn(self.cfg)(self.state))
+    return dict(tables=snap["tables"].tolist(), tokens=snap["tokens"].tolist(),
+                devices=[{ON_GPU: "gpu", ON_CPU: "cpu"}.get(d) for d in snap["devices"].tolist()],
+                gpu_refs=snap["gpu_refs"].tolist(), cpu_refs=snap["cpu_refs"].tolist(),
+                free=(int(snap["free_gpu"]), int(snap["free_cpu"])),
+                hit_rate=round(float(snap["hit_rate"]), 6))
 
   def prefix_cache_hit_rate(self):
     return float(self._call("prefix_cache_hit_rate", self.state))

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import paged_jax as pj
 from paged_jax.block_manager import prefix_cache as pc
@@ -52,13 +53,7 @@ def test_caching_without_swap_space():
   pj.check_invariants(state)
 
 
-def test_caching_without_gpu_blocks():
-  bm, state = _cached_manager(num_gpu_blocks=0, num_cpu_blocks=4)
-  assert state.gpu.content is None and state.cpu.content is not None
-  assert bm.can_allocate(state, 8) == pj.AllocStatus.NEVER
-  after, res = jax.jit(bm.allocate)(state, jnp.array([0]), jnp.arange(8, dtype=jnp.int32), 8)
-  assert res.status == pj.Status.OUT_OF_BLOCKS and _same_state(after, state)
-  assert _same_state(bm.mark_blocks_as_computed(state, jnp.array([0]), 8), state)
-  ids, count = bm.get_common_computed_block_ids(state, jnp.array([0]))
-  assert int(count) == 0 and np.all(np.asarray(ids) == -1)
-  pj.check_invariants(state)
+def test_a_cache_without_gpu_blocks_is_refused():
+  with pytest.raises(ValueError, match="num_gpu_blocks must be >= 1, got 0"):
+    pj.CacheConfig(num_gpu_blocks=0)
+  assert pj.CacheConfig(num_gpu_blocks=1, num_cpu_blocks=0).num_cpu_blocks == 0
