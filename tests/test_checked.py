@@ -168,6 +168,8 @@ def test_checked_refuses_a_state_of_another_config(base_state):
     CHECKED.allocate(state, ids(0), TOKENS, 4)
   with pytest.raises(pj.InvalidArgumentError, match="num_gpu_blocks=16"):
     CHECKED.get_block_tables(state, ids(0))
+  with pytest.raises(pj.InvalidArgumentError, match="state must be a BlockManagerState, got dict"):
+    CHECKED.free({}, ids(0))
 
 
 def test_table_queries_of_an_out_of_range_id(base_state):

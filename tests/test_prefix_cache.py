@@ -41,14 +41,17 @@ def test_caching_without_swap_space():
   bm, state = _cached_manager(num_gpu_blocks=8, num_cpu_blocks=0)
   assert state.cpu.content is None and state.gpu.content is not None
   tokens = jnp.arange(1, 9, dtype=jnp.int32)
-  state, res = jax.jit(bm.allocate)(state, jnp.array([0]), tokens, 8)
-  assert res.status == pj.Status.OK
+  allocate = jax.jit(bm.allocate)
+  state, res = allocate(state, jnp.array([0]), tokens, 8)
+  assert res.status == pj.Status.OK and res.num_hit_blocks == 0
   state = jax.jit(bm.access_all_blocks_in_seq)(state, 0, 5)
   after, plan = jax.jit(bm.swap_out)(state, jnp.array([0]))
   assert plan.status == pj.Status.SWAP_SPACE_EXHAUSTED and _same_state(after, state)
   state, _ = jax.jit(bm.free)(state, jnp.array([0]))
-  state, res = jax.jit(bm.allocate)(state, jnp.array([1]), tokens, 8)
-  assert res.status == pj.Status.OK
+  state, res = allocate(state, jnp.array([1]), tokens, 8)
+  assert res.status == pj.Status.OK and res.num_hit_blocks == 2
+  _, res = allocate(state, jnp.array([1]), tokens, 8)       # a failed call counts no hit
+  assert res.status == pj.Status.ALREADY_ALLOCATED and res.num_hit_blocks == 0
   assert float(bm.prefix_cache_hit_rate(state)) == 0.5    # the second prompt hit both blocks
   pj.check_invariants(state)
 

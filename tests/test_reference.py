@@ -1,6 +1,6 @@
 """Hand-checkable tests of the plain-Python reference block manager.
 
-Each test pins one rule of DESIGN.md section 4 or docs/semantics.md on a tiny
+Each test pins one rule of docs/semantics.md on a tiny
 configuration whose expected block numbers can be worked out on paper; the
 comments show the working.
 """
@@ -830,7 +830,7 @@ def test_slot_mapping():
 
 
 def check_invariants(manager):
-  """The rules of DESIGN section 4, "Live entries" and "Pools"."""
+  """The rules of docs/semantics.md on live entries and pools."""
   state, cfg = manager._state, manager.cfg
   for device, pool in state.pools.items():
     holders = [0] * pool.num_blocks

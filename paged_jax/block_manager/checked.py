@@ -64,7 +64,8 @@ class CheckedBlockSpaceManager:
     def call(state, *args, **kwargs):
       _check_state(name, state, self.bm.cfg)
       if name in _ID_QUERIES:
-        _check_query_ids(name, state.cfg, kwargs.get("seq_ids", kwargs.get("seq_id", args[0])))
+        _check_query_ids(name, state.cfg, args[0] if args else
+                         kwargs.get("seq_ids", kwargs.get("seq_id")))
       try:
         out = jitted(state, *args, **kwargs)
       except ValueError as error:    # a dtype, shape or static argument, found at trace time

@@ -1,6 +1,6 @@
-"""BlockSpaceManager: the seed's block manager as pure, batched, jittable functions.
+"""BlockSpaceManager: vLLM's v1 block manager as pure, batched, jittable functions.
 
-Every mutating call works in DESIGN's phases (lookups, copy-on-write
+Every mutating call works in phases (docs/semantics.md: lookups, copy-on-write
 decisions, takes, releases, registration) over the whole batch at once:
 takes are ranked with a cumsum, releases are an ordered event list, and all
 writes are scatters masked by the call's status, so a failed call returns the
@@ -542,7 +542,7 @@ def _write_appended_rows(state: BlockManagerState, rows: _AppendRows, found: _Ap
 def _writes_in_place(ref_count, old, refs, writer, nonhit_writer, shared) -> jax.Array:
   """Which non-hit writers write their block in place instead of copying it.
 
-  The seed's rule, applied in row order: a block is written in place by the
+  vLLM's v1 rule, applied in row order: a block is written in place by the
   last row that writes it, when every reference to it (`refs`, its ref count)
   comes from a row writing it in this call; the other writers copy. Unless
   some writer's block is `shared` (the common decode step), that is every

@@ -53,7 +53,7 @@ class Pool:
   `next_fresh + 1`, ...), then the `free_stack` (last released first), then
   eviction of unreferenced blocks with content (cached pools only). The
   uncached pool starts with every block on the stack ``[0, ..., N-1]`` and no
-  never-used counter, which is the seed's UncachedBlockAllocator.
+  never-used counter, which is vLLM's v1 UncachedBlockAllocator.
   """
 
   ref_count: jax.Array        # int32[N]

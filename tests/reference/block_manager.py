@@ -1,16 +1,17 @@
-"""Plain-Python reference model of the block manager (DESIGN.md section 4).
+"""Plain-Python reference model of the block manager (docs/semantics.md).
 
 ``ReferenceBlockSpaceManager`` is the oracle that the jitted
 ``paged_jax.block_manager`` is checked against: same tables, ref counts,
 plans, statuses, free counts and hit rates on every operation sequence. It is
-sequential and simple on purpose. Every mutating call runs the phases of
-DESIGN section 4 ("One call, in phases") literally, on a deep copy of the
-state that is only kept when the call succeeds, so a failed call changes
+sequential and simple on purpose. Every mutating call runs the phases of one
+call (docs/semantics.md) literally, on a deep copy of the state that is only kept when the call succeeds, so a failed call changes
 nothing, counters included.
 
 Block tables hold block numbers, one entry per logical block, -1 where a
 block left the sliding window. Host-side queries raise ValueError for bad
-arguments; mutating calls report them as a ``Status``.
+arguments, except the admission queries (``can_*``), which answer no for a
+group that their operation would refuse; mutating calls report them as a
+``Status``.
 """
 
 from __future__ import annotations
