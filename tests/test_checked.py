@@ -9,6 +9,8 @@ import pytest
 
 import paged_jax as pj
 
+pytestmark = pytest.mark.usefixtures("quick_compiles")
+
 CFG = pj.CacheConfig(block_size=4, num_gpu_blocks=8, num_cpu_blocks=2, max_seqs=5,
                      max_blocks_per_seq=4, watermark=0.0)
 BM = pj.BlockSpaceManager(CFG)

@@ -18,6 +18,8 @@ from paged_jax.config import CacheConfig
 from tests.jax_adapter import JaxManager
 from tests.reference.block_manager import ReferenceBlockSpaceManager
 
+pytestmark = pytest.mark.usefixtures("quick_compiles")
+
 EXAMPLES = int(os.environ.get("PAGED_JAX_PROPERTY_EXAMPLES", "40"))
 COLUMNS = 4          # new-token columns of every append (one compile per shape)
 PAD = 4              # seq-id batch width
@@ -165,6 +167,8 @@ def test_jitted_matches_reference(name, seed, num_ops):
 
 
 # A short trace that runs every op, and each path of the cached manager, once.
+# Eagerly each primitive compiles once per shape: every append has 2 token
+# columns and lookahead 1.
 _P5 = [1, 2, 1, 2, 1]
 EAGER_STEPS = [
     lambda m: m.allocate([0, 1], _P5, 5),
@@ -172,23 +176,25 @@ EAGER_STEPS = [
     lambda m: m.fork(2, 3),
     lambda m: m.fork(3, 4),
     # Rows 1 and 2 share the block row 0 fills (hits within the call); 0 writes in place.
-    lambda m: m.append_slots([0, 1, 2], [[2], [2], [2]], [1, 1, 1]),
+    lambda m: m.append_slots([0, 1, 2], [[2, 0], [2, 0], [2, 0]], [1, 1, 1],
+                             num_lookahead_slots=1),
     # Seq 3 copies the block it shares with seq 4; lookahead grows its table.
-    lambda m: m.append_slots([3, -1], [[5, 6], [0, 0]], [2, 0], num_lookahead_slots=3),
+    lambda m: m.append_slots([3, -1], [[5, 6], [0, 0]], [2, 0], num_lookahead_slots=1),
     lambda m: (m.can_append_slots([3, 4]), m.can_swap_out([0, 1]), m.can_allocate(12),
                m.get_slot_mapping([0, 3], [2, 3], 4)),
     lambda m: m.mark_blocks_as_computed([0, 1], [6, 6]),
     lambda m: m.get_common_computed_block_ids([0, 1]),
     lambda m: m.access_all_blocks_in_seq(0, 5),
     lambda m: m.swap_out([0, 1]),
-    lambda m: (m.can_swap_in([0, 1], 2), m.swap_in([0, 1])),    # hits in the GPU pool
+    lambda m: (m.can_swap_in([0, 1], 2), m.swap_in([0, 1])),    # some hits in the GPU pool
     lambda m: m.free([2, 4]),
-    lambda m: m.allocate([5], [2] * 12, 12),
+    lambda m: m.allocate([5], [2] * 12, 12),                    # out of blocks
     lambda m: m.free([0, 1, 3]),
     lambda m: m.allocate([4], [1, 1, 2] * 4, 12),               # evicts cached blocks
-    lambda m: (m.allocate([5], _P5, 5), m.append_slots([9], [[1]], [1]), m.swap_in([4]),
-               m.free([-1, 2]), m.append_slots([4], [[1]], [1], num_lookahead_slots=3),
-               m.allocate([0], [2, 1], 2)),
+    lambda m: (m.allocate([4], _P5, 5), m.append_slots([9], [[1, 0]], [1], num_lookahead_slots=1),
+               m.swap_in([4]), m.free([-1, 2]),
+               m.append_slots([4], [[1, 0]], [1], num_lookahead_slots=1),
+               m.allocate([0], [2, 1], 2)),                   # each failing status
     lambda m: m.reset(),
 ]
 

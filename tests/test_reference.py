@@ -19,6 +19,8 @@ from tests.reference.allocators import PhysicalTokenBlock
 from tests.reference.allocators import UncachedBlockAllocator
 from tests.reference.block_manager import ReferenceBlockSpaceManager
 
+pytestmark = pytest.mark.usefixtures("quick_compiles")
+
 
 def make_manager(**overrides) -> ReferenceBlockSpaceManager:
   fields = dict(block_size=2, num_gpu_blocks=6, num_cpu_blocks=6, max_seqs=8,
