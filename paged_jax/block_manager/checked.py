@@ -93,7 +93,8 @@ def checked(bm) -> CheckedBlockSpaceManager:
 def _check_state(op: str, state, cfg: CacheConfig) -> None:
   """InvalidArgumentError unless `state` is a BlockManagerState built from `cfg`."""
   if not isinstance(state, BlockManagerState):
-    raise InvalidArgumentError(f"{op}: state must be a BlockManagerState, got {type(state).__name__}")
+    raise InvalidArgumentError(
+        f"{op}: state must be a BlockManagerState, got {type(state).__name__}")
   if state.cfg != cfg:
     differ = ", ".join(f"{f.name}={getattr(state.cfg, f.name)!r} (state) vs "
                        f"{getattr(cfg, f.name)!r} (manager)"

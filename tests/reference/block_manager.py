@@ -4,8 +4,9 @@
 ``paged_jax.block_manager`` is checked against: same tables, ref counts,
 plans, statuses, free counts and hit rates on every operation sequence. It is
 sequential and simple on purpose. Every mutating call runs the phases of one
-call (docs/semantics.md) literally, on a deep copy of the state that is only kept when the call succeeds, so a failed call changes
-nothing, counters included.
+call (docs/semantics.md) literally, on a deep copy of the state that is only
+kept when the call succeeds, so a failed call changes nothing, counters
+included.
 
 Block tables hold block numbers, one entry per logical block, -1 where a
 block left the sliding window. Host-side queries raise ValueError for bad
