@@ -167,8 +167,8 @@ def test_jitted_matches_reference(name, seed, num_ops):
 
 
 # A short trace that runs every op, and each path of the cached manager, once.
-# Eagerly each primitive compiles once per shape: every append has 2 token
-# columns and lookahead 1.
+# Eagerly every call traces and compiles its loops and conditionals again, so
+# the trace is short; every append has 2 token columns and lookahead 1.
 _P5 = [1, 2, 1, 2, 1]
 EAGER_STEPS = [
     lambda m: m.allocate([0, 1], _P5, 5),
@@ -187,14 +187,10 @@ EAGER_STEPS = [
     lambda m: m.access_all_blocks_in_seq(0, 5),
     lambda m: m.swap_out([0, 1]),
     lambda m: (m.can_swap_in([0, 1], 2), m.swap_in([0, 1])),    # some hits in the GPU pool
-    lambda m: m.free([2, 4]),
-    lambda m: m.allocate([5], [2] * 12, 12),                    # out of blocks
-    lambda m: m.free([0, 1, 3]),
-    lambda m: m.allocate([4], [1, 1, 2] * 4, 12),               # evicts cached blocks
-    lambda m: (m.allocate([4], _P5, 5), m.append_slots([9], [[1, 0]], [1], num_lookahead_slots=1),
-               m.swap_in([4]), m.free([-1, 2]),
-               m.append_slots([4], [[1, 0]], [1], num_lookahead_slots=1),
-               m.allocate([0], [2, 1], 2)),                   # each failing status
+    lambda m: m.free([0, 1, 2, 3]),
+    lambda m: m.allocate([5], [1, 1, 2] * 4, 12),               # evicts cached blocks
+    # Failures are masked writes, not other code: two of them (the jitted test has them all).
+    lambda m: (m.allocate([4], _P5, 5), m.append_slots([9], [[1, 0]], [1], num_lookahead_slots=1)),
     lambda m: m.reset(),
 ]
 
