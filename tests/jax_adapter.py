@@ -8,8 +8,10 @@ to fixed shapes so that a jitted run compiles once per shape.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import paged_jax as pj
@@ -23,17 +25,42 @@ def _compiled(cfg: pj.CacheConfig, name: str, use_jit: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def _snapshot_fn(cfg: pj.CacheConfig):
-  """One jitted call that reads what the differential tests compare after each op."""
+def _host_view_fn(cfg: pj.CacheConfig):
+  """A jitted call that packs a state's leaves and the queries the tests compare into one
+  int32 array (one transfer per state), and the shapes of those queries."""
   bm = pj.BlockSpaceManager(cfg)
   slots = np.arange(cfg.max_seqs, dtype=np.int32)
 
-  def snapshot(state):
-    return dict(tables=bm.get_block_tables(state, slots), tokens=bm.get_num_tokens(state, slots),
-                devices=state.device, gpu_refs=state.gpu.ref_count, cpu_refs=state.cpu.ref_count,
-                free_gpu=bm.num_free_gpu_blocks(state), free_cpu=bm.num_free_cpu_blocks(state),
-                hit_rate=bm.prefix_cache_hit_rate(state))
-  return jax.jit(snapshot)
+  def queries(state):
+    return (bm.get_block_tables(state, slots), bm.get_num_tokens(state, slots),
+            bm.num_free_gpu_blocks(state), bm.num_free_cpu_blocks(state),
+            bm.prefix_cache_hit_rate(state))
+
+  def packed(state):
+    return jnp.concatenate([_as_int32(x).ravel()
+                            for x in jax.tree.leaves((state, queries(state)))])
+  return jax.jit(packed), jax.eval_shape(queries, bm.init())
+
+
+def _as_int32(x):
+  if x.dtype in (jnp.uint32, jnp.float32):
+    return jax.lax.bitcast_convert_type(x, jnp.int32)
+  return x.astype(jnp.int32)
+
+
+def _unpack(packed: np.ndarray, like):
+  """The pytree `like` (arrays or shapes) with its leaves read back from `packed`."""
+  leaves, treedef = jax.tree.flatten(like)
+  out, start = [], 0
+  for leaf in leaves:
+    dtype, size = np.dtype(leaf.dtype), math.prod(leaf.shape)
+    chunk = packed[start:start + size].reshape(leaf.shape)
+    start += size
+    out.append(chunk.view(dtype) if dtype in (np.uint32, np.float32) else chunk.astype(dtype))
+  return jax.tree.unflatten(treedef, out)
+
+
+_DEVICES = {ON_GPU: "gpu", ON_CPU: "cpu"}
 
 
 class JaxManager:
@@ -46,7 +73,7 @@ class JaxManager:
     self.pad_to = pad_to
     self.token_pad = token_pad or cfg.max_tokens_per_seq
     self.check = check
-    self.state, self._devices = pj.BlockSpaceManager(cfg).init(), None
+    self.state, self._host_view = pj.BlockSpaceManager(cfg).init(), None
 
   def _call(self, name, *args, **kwargs):
     return _compiled(self.cfg, name, self.use_jit)(*args, **kwargs)
@@ -62,9 +89,16 @@ class JaxManager:
     return result
 
   def _set_state(self, state):
-    self.state, self._devices = state, None
+    self.state, self._host_view = state, None
     if self.check:
-      pj.check_invariants(self.state)
+      pj.check_invariants(self._host()[0])
+
+  def _host(self):
+    """(state, compared queries) as NumPy, from one transfer per state."""
+    if self._host_view is None:
+      fn, query_shapes = _host_view_fn(self.cfg)
+      self._host_view = _unpack(np.asarray(fn(self.state)), (self.state, query_shapes))
+    return self._host_view
 
   # --- mutating calls
   def allocate(self, seq_ids, token_ids, num_tokens, salt=0):
@@ -164,18 +198,15 @@ class JaxManager:
     return np.asarray(pool.ref_count).tolist()
 
   def device_of(self, seq_id):
-    if self._devices is None:     # one transfer per state, not one per slot
-      self._devices = np.asarray(self.state.device)
-    return {ON_GPU: "gpu", ON_CPU: "cpu"}.get(int(self._devices[seq_id]))
+    return _DEVICES.get(int(self._host()[0].device[seq_id]))
 
   def snapshot(self):
-    """Tables, token counts, devices, ref counts, free counts and hit rate, from one call."""
-    snap = jax.device_get(_snapshot_fn(self.cfg)(self.state))
-    return dict(tables=snap["tables"].tolist(), tokens=snap["tokens"].tolist(),
-                devices=[{ON_GPU: "gpu", ON_CPU: "cpu"}.get(d) for d in snap["devices"].tolist()],
-                gpu_refs=snap["gpu_refs"].tolist(), cpu_refs=snap["cpu_refs"].tolist(),
-                free=(int(snap["free_gpu"]), int(snap["free_cpu"])),
-                hit_rate=round(float(snap["hit_rate"]), 6))
+    """Tables, token counts, devices, ref counts, free counts and hit rate."""
+    state, (tables, tokens, free_gpu, free_cpu, hit_rate) = self._host()
+    return dict(tables=tables.tolist(), tokens=tokens.tolist(),
+                devices=[_DEVICES.get(d) for d in state.device.tolist()],
+                gpu_refs=state.gpu.ref_count.tolist(), cpu_refs=state.cpu.ref_count.tolist(),
+                free=(int(free_gpu), int(free_cpu)), hit_rate=round(float(hit_rate), 6))
 
   def prefix_cache_hit_rate(self):
     return float(self._call("prefix_cache_hit_rate", self.state))
