@@ -35,8 +35,8 @@ class CacheConfig:
 
   Attributes:
     block_size: tokens per KV block.
-    num_gpu_blocks: blocks in accelerator memory.
-    num_cpu_blocks: blocks of host swap space.
+    num_gpu_blocks: blocks in accelerator memory (at least 1).
+    num_cpu_blocks: blocks of host swap space (0: no swapping).
     max_seqs: sequence slots; sequence ids are ``0 .. max_seqs - 1``.
     max_blocks_per_seq: entries of a block table, so the longest sequence is
       ``max_blocks_per_seq * block_size`` tokens.
@@ -59,10 +59,9 @@ class CacheConfig:
   hash_bits: int = 64
 
   def __post_init__(self):
-    for name in ("block_size", "max_seqs", "max_blocks_per_seq"):
+    for name in ("block_size", "num_gpu_blocks", "max_seqs", "max_blocks_per_seq"):
       _require_int(name, getattr(self, name), minimum=1)
-    for name in ("num_gpu_blocks", "num_cpu_blocks"):
-      _require_int(name, getattr(self, name), minimum=0)
+    _require_int("num_cpu_blocks", self.num_cpu_blocks, minimum=0)   # 0: no swap space
     if not 0.0 <= self.watermark < 1.0:
       raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
     if self.sliding_window is not None:

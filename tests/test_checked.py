@@ -1,11 +1,15 @@
 """Every bad input: a status and the unchanged state under jit; a named exception on the host."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import paged_jax as pj
+
+pytestmark = pytest.mark.usefixtures("quick_compiles")
 
 CFG = pj.CacheConfig(block_size=4, num_gpu_blocks=8, num_cpu_blocks=2, max_seqs=5,
                      max_blocks_per_seq=4, watermark=0.0)
@@ -124,3 +128,78 @@ def test_static_lookahead_must_be_a_non_negative_int(base_state):
   with pytest.raises(ValueError, match="num_lookahead_slots"):
     BM.append_slots(base_state, ids(0), jnp.ones((2, 1), jnp.int32), jnp.ones(2, jnp.int32),
                     num_lookahead_slots=-1)
+
+
+# Arguments whose dtype or shape is wrong: a ValueError at trace time (jit or not),
+# an InvalidArgumentError on the checked path; nothing runs.
+ONES = jnp.ones((2, 1), jnp.int32)
+BAD_SHAPES = [
+    ("float token_ids", "allocate", (ids(2), TOKENS.astype(jnp.float32), 4),
+     "token_ids must be an integer array, got dtype float32"),
+    ("2-D token_ids", "allocate", (ids(2), TOKENS.reshape(4, 8), 4),
+     r"token_ids must have shape \[n\], got \[4, 8\]"),
+    ("float num_tokens", "allocate", (ids(2), TOKENS, 4.5), "num_tokens must be an integer"),
+    ("2-D seq_ids", "free", (ids(0)[None],), r"seq_ids must have shape \[n\], got \[1, 2\]"),
+    ("float seq_ids", "swap_out", (ids(0).astype(jnp.float32),), "seq_ids must be an integer"),
+    ("float new_token_ids", "append_slots", (ids(0), ONES * 1.5, jnp.ones(2, jnp.int32)),
+     "new_token_ids must be an integer"),
+    ("1-D new_token_ids", "append_slots", (ids(0), jnp.ones(2, jnp.int32), jnp.ones(2, jnp.int32)),
+     r"new_token_ids must have shape \[2, n\], got \[2\]"),
+    ("num_new of the wrong length", "append_slots", (ids(0), ONES, jnp.ones(3, jnp.int32)),
+     r"num_new must have shape \[2\], got \[3\]"),
+    ("float parent_id", "fork", (0.0, jnp.int32(2)), "parent_id must be an integer"),
+    ("num_new of the wrong length in get_slot_mapping", "get_slot_mapping",
+     (ids(0), jnp.ones(3, jnp.int32), 1), r"num_new must have shape \[2\], got \[3\]"),
+]
+
+
+@pytest.mark.parametrize("name, method, args, words", BAD_SHAPES, ids=[c[0] for c in BAD_SHAPES])
+def test_bad_dtype_or_shape_raises(base_state, name, method, args, words):
+  with pytest.raises(ValueError, match=words):
+    getattr(BM, method)(base_state, *args)
+  with pytest.raises(pj.InvalidArgumentError, match=f"{method}: {words}"):
+    getattr(CHECKED, method)(base_state, *args)
+
+
+def test_checked_refuses_a_state_of_another_config(base_state):
+  other = pj.BlockSpaceManager(dataclasses.replace(CFG, num_gpu_blocks=16, max_seqs=6))
+  state = other.init()
+  with pytest.raises(pj.InvalidArgumentError,
+                     match=r"another CacheConfig: num_gpu_blocks=16 \(state\) vs 8 \(manager\), "
+                           r"max_seqs=6 \(state\) vs 5 \(manager\)$"):
+    CHECKED.allocate(state, ids(0), TOKENS, 4)
+  with pytest.raises(pj.InvalidArgumentError, match="num_gpu_blocks=16"):
+    CHECKED.get_block_tables(state, ids(0))
+  with pytest.raises(pj.InvalidArgumentError, match="state must be a BlockManagerState, got dict"):
+    CHECKED.free({}, ids(0))
+
+
+def test_table_queries_of_an_out_of_range_id(base_state):
+  """Unchecked: -1 rows (documented); checked: InvalidArgumentError."""
+  np.testing.assert_array_equal(jax.jit(BM.get_block_tables)(base_state, jnp.array([7, 0])),
+                                [[-1] * 4, [7, 6, -1, -1]])
+  np.testing.assert_array_equal(
+      jax.jit(BM.get_slot_mapping, static_argnames="width")(
+          base_state, jnp.array([7]), jnp.array([1]), width=1), [[-1]])
+  for call in (lambda: CHECKED.get_block_tables(base_state, jnp.array([0, 7])),
+               lambda: CHECKED.get_block_table(base_state, -1),
+               lambda: CHECKED.get_num_tokens(base_state, jnp.array([5])),
+               lambda: CHECKED.get_slot_mapping(base_state, jnp.array([9]), jnp.array([1]),
+                                                width=1)):
+    with pytest.raises(pj.InvalidArgumentError, match="is outside 0..4"):
+      call()
+  np.testing.assert_array_equal(CHECKED.get_block_tables(base_state, ids(0)),
+                                [[7, 6, -1, -1], [-1] * 4])
+
+
+def test_results_show_their_status_by_name(base_state):
+  _, res = jax.jit(BM.free)(base_state, ids(7))
+  assert repr(res) == "OpResult(status=Status.INVALID_ARGUMENT)"
+  _, res = jax.jit(BM.allocate)(base_state, ids(2), TOKENS, 4)
+  assert repr(res) == ("AllocateResult(status=Status.OK, "
+                       "num_hit_blocks=Array(0, dtype=int32))")
+  _, plan = jax.jit(BM.swap_in)(base_state, ids(0))
+  assert repr(plan).startswith("SwapPlan(src=Array(") and repr(plan).endswith(
+      "status=Status.WRONG_DEVICE)")
+  _, plan = jax.jit(BM.append_slots)(base_state, ids(0), ONES, jnp.ones(2, jnp.int32))
+  assert repr(plan).endswith("count=Array(0, dtype=int32), status=Status.OK)")

@@ -81,7 +81,7 @@ def test_paged_logits_match_dense_for_prefill_and_decode(model):
   assert int(plan.status) == pj.Status.OK
   paged = PagedCache(kv=paged.kv, block_tables=bm.get_block_tables(state, ids),
                      slot_mapping=bm.get_slot_mapping(state, ids,
-                                                      jnp.ones(3), width=1))
+                                                      jnp.ones(3, jnp.int32), width=1))
   paged_logits, _ = forward(next_tokens, lengths[:, None], paged)
   dense_logits, _ = forward(next_tokens, lengths[:, None], dense)
   assert np.all(np.isfinite(paged_logits))

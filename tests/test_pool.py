@@ -3,11 +3,14 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import paged_jax as pj
 from paged_jax.block_manager.pool import (
     count_true, release, running_count, running_count_and_total)
 from paged_jax.block_manager.state import init_pool
+
+pytestmark = pytest.mark.usefixtures("quick_compiles")
 
 
 def _held_pool(caching):
@@ -15,14 +18,18 @@ def _held_pool(caching):
   cfg = pj.CacheConfig(block_size=4, num_gpu_blocks=6, num_cpu_blocks=0, max_seqs=4,
                        max_blocks_per_seq=4, enable_prefix_caching=caching)
   bm = pj.BlockSpaceManager(cfg)
-  state, res = bm.allocate(bm.init(), jnp.array([0, 1]), jnp.arange(6, dtype=jnp.int32), 6)
+  state, res = jax.jit(bm.allocate)(bm.init(), jnp.array([0, 1]),
+                                    jnp.arange(6, dtype=jnp.int32), 6)
   assert int(res.status) == pj.Status.OK
-  return state.gpu, np.asarray(bm.get_block_table(state, 0))[:2]
+  return state.gpu, np.asarray(state.tables[0])[:2]
+
+
+_release = jax.jit(release)
 
 
 def test_release_of_an_unreferenced_block_is_double_free():
   pool = init_pool(4, pj.CacheConfig(block_size=4, num_gpu_blocks=4))
-  new, status = jax.jit(release)(pool, jnp.array([2]))
+  new, status = _release(pool, jnp.array([2]))
   assert pj.Status(int(status)) == pj.Status.DOUBLE_FREE
   assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), new, pool))
 
@@ -32,7 +39,7 @@ def test_releasing_more_than_held_is_double_free_and_changes_nothing():
     pool, blocks = _held_pool(caching)
     # Each block is held twice: three releases of one block is one too many.
     events = jnp.array([blocks[0], blocks[1], blocks[0], blocks[0]], jnp.int32)
-    new, status = release(pool, events)
+    new, status = _release(pool, events)
     assert pj.Status(int(status)) == pj.Status.DOUBLE_FREE
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), new, pool))
 
@@ -40,7 +47,7 @@ def test_releasing_more_than_held_is_double_free_and_changes_nothing():
 def test_releasing_every_reference_frees_the_blocks():
   pool, blocks = _held_pool(False)
   before = int(pool.num_free())
-  new, status = release(pool, jnp.array([blocks[1], blocks[0], blocks[1], blocks[0]], jnp.int32))
+  new, status = _release(pool, jnp.array([blocks[1], blocks[0], blocks[1], blocks[0]], jnp.int32))
   assert pj.Status(int(status)) == pj.Status.OK
   assert int(new.num_free()) == before + 2
   # Pushed in the order their last reference went: blocks[1] then blocks[0] (top of the stack).
@@ -50,18 +57,19 @@ def test_releasing_every_reference_frees_the_blocks():
 
 def test_running_count_and_count_true_are_cumsum_and_sum_at_every_size():
   rng = np.random.default_rng(0)
-  fn, with_total, count = (jax.jit(running_count), jax.jit(running_count_and_total),
-                           jax.jit(count_true))
-  for n in (0, 1, 31, 32, 33, 256, 257, 1000, 1024, 1025, 8192, 8224, 70_000):
-    for density in (0.0, 0.4, 1.0):
-      mask = jnp.asarray(rng.random(n) < density)
-      got = np.asarray(fn(mask))
+  sizes = (0, 1, 31, 32, 33, 256, 257, 1000, 1024, 1025, 8192, 8224, 70_000)
+  # One compiled function for every size (a compile per size costs more than the runs).
+  counts = jax.jit(lambda masks: [(running_count(m), running_count_and_total(m), count_true(m))
+                                  for m in masks])
+  for density in (0.0, 0.4, 1.0):
+    masks = [jnp.asarray(rng.random(n) < density) for n in sizes]
+    for n, mask, (got, (running, total), count) in zip(sizes, masks, counts(masks)):
+      got = np.asarray(got)
       assert got.dtype == np.int32
       np.testing.assert_array_equal(got, np.cumsum(mask), err_msg=f"n={n} density {density}")
-      running, total = with_total(mask)
       np.testing.assert_array_equal(running, got)
       assert total.dtype == np.int32 and int(total) == int(np.sum(mask))
-      assert int(count(mask)) == int(np.sum(mask))
+      assert int(count) == int(np.sum(mask))
 
 
 def test_eviction_order_is_the_lru_order_of_a_full_sort():

@@ -3,9 +3,12 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import paged_jax as pj
 from paged_jax.block_manager import prefix_cache as pc
+
+pytestmark = pytest.mark.usefixtures("quick_compiles")
 
 
 def test_prompt_hashes_match_the_rolling_hash_at_block_ends():
@@ -40,25 +43,22 @@ def test_caching_without_swap_space():
   bm, state = _cached_manager(num_gpu_blocks=8, num_cpu_blocks=0)
   assert state.cpu.content is None and state.gpu.content is not None
   tokens = jnp.arange(1, 9, dtype=jnp.int32)
-  state, res = jax.jit(bm.allocate)(state, jnp.array([0]), tokens, 8)
-  assert res.status == pj.Status.OK
+  allocate = jax.jit(bm.allocate)
+  state, res = allocate(state, jnp.array([0]), tokens, 8)
+  assert res.status == pj.Status.OK and res.num_hit_blocks == 0
   state = jax.jit(bm.access_all_blocks_in_seq)(state, 0, 5)
   after, plan = jax.jit(bm.swap_out)(state, jnp.array([0]))
   assert plan.status == pj.Status.SWAP_SPACE_EXHAUSTED and _same_state(after, state)
   state, _ = jax.jit(bm.free)(state, jnp.array([0]))
-  state, res = jax.jit(bm.allocate)(state, jnp.array([1]), tokens, 8)
-  assert res.status == pj.Status.OK
+  state, res = allocate(state, jnp.array([1]), tokens, 8)
+  assert res.status == pj.Status.OK and res.num_hit_blocks == 2
+  _, res = allocate(state, jnp.array([1]), tokens, 8)       # a failed call counts no hit
+  assert res.status == pj.Status.ALREADY_ALLOCATED and res.num_hit_blocks == 0
   assert float(bm.prefix_cache_hit_rate(state)) == 0.5    # the second prompt hit both blocks
   pj.check_invariants(state)
 
 
-def test_caching_without_gpu_blocks():
-  bm, state = _cached_manager(num_gpu_blocks=0, num_cpu_blocks=4)
-  assert state.gpu.content is None and state.cpu.content is not None
-  assert bm.can_allocate(state, 8) == pj.AllocStatus.NEVER
-  after, res = jax.jit(bm.allocate)(state, jnp.array([0]), jnp.arange(8, dtype=jnp.int32), 8)
-  assert res.status == pj.Status.OUT_OF_BLOCKS and _same_state(after, state)
-  assert _same_state(bm.mark_blocks_as_computed(state, jnp.array([0]), 8), state)
-  ids, count = bm.get_common_computed_block_ids(state, jnp.array([0]))
-  assert int(count) == 0 and np.all(np.asarray(ids) == -1)
-  pj.check_invariants(state)
+def test_a_cache_without_gpu_blocks_is_refused():
+  with pytest.raises(ValueError, match="num_gpu_blocks must be >= 1, got 0"):
+    pj.CacheConfig(num_gpu_blocks=0)
+  assert pj.CacheConfig(num_gpu_blocks=1, num_cpu_blocks=0).num_cpu_blocks == 0

@@ -3,13 +3,15 @@
 The scenarios come from vLLM's ``tests/core/test_block_manager.py`` (v1 block
 manager) and ``tests/prefix_caching/test_prefix_caching.py``. vLLM drives a
 ``SequenceGroup``; here a sequence is a slot id and its new tokens are passed
-to ``append_slots``. Where vLLM's scenario relies on behaviour DESIGN.md
+to ``append_slots``. Where vLLM's scenario relies on behaviour docs/semantics.md
 changes on purpose, the test says how it was adapted.
 """
 
 import pytest
 
 from paged_jax.config import AllocStatus, CacheConfig, Status
+
+pytestmark = pytest.mark.usefixtures("quick_compiles")
 
 
 def small_config(**overrides) -> CacheConfig:

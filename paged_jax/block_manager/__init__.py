@@ -1,4 +1,4 @@
-"""The seed's BlockSpaceManager as pure, jittable functions on pytrees."""
+"""vLLM's v1 BlockSpaceManager as pure, jittable functions on pytrees."""
 
 from paged_jax.block_manager.checked import (
     AlreadyAllocatedError, CheckedBlockSpaceManager, DoubleFreeError, InvalidArgumentError,
@@ -7,4 +7,4 @@ from paged_jax.block_manager.checked import (
 from paged_jax.block_manager.invariants import check_invariants
 from paged_jax.block_manager.manager import BlockSpaceManager
 from paged_jax.block_manager.state import (
-    BlockManagerState, CopyPlan, OpResult, SwapPlan)
+    AllocateResult, BlockManagerState, CopyPlan, OpResult, SwapPlan)

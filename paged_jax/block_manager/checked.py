@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
-import jax
 import numpy as np
 
+from paged_jax.block_manager.manager import jit_op
 from paged_jax.block_manager.state import EMPTY, ON_CPU, ON_GPU, BlockManagerState
-from paged_jax.config import Status
+from paged_jax.config import CacheConfig, Status
 
 
 class PagedCacheError(Exception):
@@ -36,9 +37,8 @@ ERRORS = {
     Status.INVALID_ARGUMENT: InvalidArgumentError,
 }
 
-_STATIC = {"append_slots": ("num_lookahead_slots",), "can_append_slots": ("num_lookahead_slots",),
-           "can_swap_in": ("num_lookahead_slots",), "get_slot_mapping": ("width",)}
 _MUTATING = ("allocate", "append_slots", "fork", "free", "swap_out", "swap_in")
+_ID_QUERIES = ("get_block_table", "get_block_tables", "get_num_tokens", "get_slot_mapping")
 
 
 class CheckedBlockSpaceManager:
@@ -46,7 +46,9 @@ class CheckedBlockSpaceManager:
 
   A failing call raises a `PagedCacheError` subclass whose message names the
   sequence, the blocks and the numbers involved; the state you passed stays
-  valid and unchanged (states are immutable).
+  valid and unchanged (states are immutable). Arguments of the wrong dtype or
+  shape, a state built from another `CacheConfig`, and (for the table and
+  slot queries) an out-of-range id raise `InvalidArgumentError`.
   """
 
   def __init__(self, bm):
@@ -54,15 +56,23 @@ class CheckedBlockSpaceManager:
 
   def __getattr__(self, name):
     method = getattr(self.bm, name)
-    if not callable(method) or name.startswith("_"):
+    if not callable(method) or name.startswith("_") or name == "init":
       return method
-    jitted = jax.jit(method, static_argnames=_STATIC.get(name, ()))
-    if name not in _MUTATING:
-      return jitted
+    jitted = _jitted(self.bm, name)
 
     @functools.wraps(method)
     def call(state, *args, **kwargs):
-      new_state, result = jitted(state, *args, **kwargs)
+      _check_state(name, state, self.bm.cfg)
+      if name in _ID_QUERIES:
+        _check_query_ids(name, state.cfg, args[0] if args else
+                         kwargs.get("seq_ids", kwargs.get("seq_id")))
+      try:
+        out = jitted(state, *args, **kwargs)
+      except ValueError as error:    # a dtype, shape or static argument, found at trace time
+        raise InvalidArgumentError(f"{name}: {error}") from None
+      if name not in _MUTATING:
+        return out
+      new_state, result = out
       status = Status(int(result.status))
       if status != Status.OK:
         raise ERRORS[status](describe_failure(name, status, state, args, kwargs))
@@ -70,9 +80,37 @@ class CheckedBlockSpaceManager:
     return call
 
 
+@functools.cache
+def _jitted(bm, name: str):
+  return jit_op(getattr(bm, name))
+
+
 def checked(bm) -> CheckedBlockSpaceManager:
   """Wraps a BlockSpaceManager so that failures raise instead of returning a status."""
   return CheckedBlockSpaceManager(bm)
+
+
+def _check_state(op: str, state, cfg: CacheConfig) -> None:
+  """InvalidArgumentError unless `state` is a BlockManagerState built from `cfg`."""
+  if not isinstance(state, BlockManagerState):
+    raise InvalidArgumentError(
+        f"{op}: state must be a BlockManagerState, got {type(state).__name__}")
+  if state.cfg != cfg:
+    differ = ", ".join(f"{f.name}={getattr(state.cfg, f.name)!r} (state) vs "
+                       f"{getattr(cfg, f.name)!r} (manager)"
+                       for f in dataclasses.fields(cfg)
+                       if getattr(state.cfg, f.name) != getattr(cfg, f.name))
+    raise InvalidArgumentError(f"{op}: the state was built from another CacheConfig: {differ}")
+
+
+def _check_query_ids(op: str, cfg: CacheConfig, seq_ids) -> None:
+  """InvalidArgumentError for an id outside 0..max_seqs-1 (-1 is padding in an array)."""
+  ids = np.asarray(seq_ids)
+  padding = ids == -1 if ids.ndim else np.zeros((), bool)
+  bad = ids[~padding & ((ids < 0) | (ids >= cfg.max_seqs))]
+  if bad.size:
+    raise InvalidArgumentError(
+        f"{op}: seq id {int(bad.ravel()[0])} is outside 0..{cfg.max_seqs - 1}")
 
 
 def describe_failure(op: str, status: Status, state: BlockManagerState, args, kwargs) -> str:

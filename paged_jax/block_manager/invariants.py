@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from paged_jax.block_manager.prefix_cache import bucket_of
@@ -10,10 +11,11 @@ from paged_jax.block_manager.state import EMPTY, ON_CPU, ON_GPU, BlockManagerSta
 
 def check_invariants(state: BlockManagerState) -> None:
   """Raises AssertionError naming the first broken rule (host-side, not jittable)."""
+  cfg = state.cfg
+  state = jax.device_get(state)       # one transfer, then NumPy
   tables = np.asarray(state.tables)
   device = np.asarray(state.device)
   num_tokens = np.asarray(state.num_tokens)
-  cfg = state.cfg
   _require(np.all(num_tokens >= 0) and np.all(num_tokens <= cfg.max_tokens_per_seq),
            "token counts within 0 .. max_blocks_per_seq * block_size")
   empty = device == EMPTY
@@ -55,7 +57,7 @@ def _check_pool(name: str, pool: Pool, tables: np.ndarray) -> None:
 def _check_hash_table(name, c, has) -> None:
   buckets = np.asarray(c.buckets)
   nxt = np.asarray(c.next_in_bucket)
-  home = np.asarray(bucket_of(c.hash, buckets.shape[0]))
+  home = np.asarray(_bucket_of(c.hash, buckets.shape[0]))
   prev = np.asarray(c.prev_in_bucket)
   seen = np.zeros(has.shape[0], bool)
   for b, head in enumerate(buckets):
@@ -67,6 +69,9 @@ def _check_hash_table(name, c, has) -> None:
       seen[node] = True
       node, before = int(nxt[node]), node
   _require(np.array_equal(seen, has), f"{name} every cached block is in the hash table")
+
+
+_bucket_of = jax.jit(bucket_of, static_argnums=1)   # one dispatch instead of a dozen eager ops
 
 
 def _require(condition, rule: str) -> None:

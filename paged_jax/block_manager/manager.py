@@ -1,6 +1,6 @@
-"""BlockSpaceManager: the seed's block manager as pure, batched, jittable functions.
+"""BlockSpaceManager: vLLM's v1 block manager as pure, batched, jittable functions.
 
-Every mutating call works in DESIGN's phases (lookups, copy-on-write
+Every mutating call works in phases (docs/semantics.md: lookups, copy-on-write
 decisions, takes, releases, registration) over the whole batch at once:
 takes are ranked with a cumsum, releases are an ordered event list, and all
 writes are scatters masked by the call's status, so a failed call returns the
@@ -10,23 +10,69 @@ state it was given.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 from paged_jax.block_manager import prefix_cache as pc
 from paged_jax.block_manager.pool import (
-    commit_pool, masked, running_count, running_count_and_total, scatter_count, take,
-    taken_blocks)
+    Takes, commit_pool, masked, no_takes, plan_takes, running_count, scatter_count, take)
 from paged_jax.block_manager.state import (
-    EMPTY, NO_BLOCK, ON_CPU, ON_GPU, BlockManagerState, CopyPlan, OpResult,
+    EMPTY, NO_BLOCK, ON_CPU, ON_GPU, AllocateResult, BlockManagerState, CopyPlan, OpResult,
     Pool, SwapPlan, first_failure, init_state)
 from paged_jax.config import AllocStatus, CacheConfig, Status
 
 i32 = jnp.int32
 
 
-def _as_i32(x) -> jax.Array:
-  return jnp.asarray(x, dtype=i32)
+def static_args(*names: str):
+  """Declares an op's static arguments (`jax.jit`'s `static_argnames`) beside it."""
+  def mark(op):
+    op.static_argnames = names
+    return op
+  return mark
+
+
+def jit_op(op):
+  """`jax.jit` of a block-manager op, with the static arguments it declares."""
+  return jax.jit(op, static_argnames=getattr(op, "static_argnames", ()))
+
+
+def _int_array(name: str, value, shape: tuple) -> jax.Array:
+  """`value` as an int32 array, after checking its static dtype and shape.
+
+  Args:
+    name: the argument's name, for the message.
+    value: an integer array (or Python ints).
+    shape: the expected shape; None for a dimension of any size.
+
+  Raises:
+    ValueError: naming the argument, when its dtype is not an integer type
+      (a float would be truncated) or its shape is not `shape`.
+  """
+  array = jnp.asarray(value)
+  if not jnp.issubdtype(array.dtype, jnp.integer):
+    raise ValueError(f"{name} must be an integer array, got dtype {array.dtype}")
+  if array.ndim != len(shape) or any(want not in (None, got)
+                                     for want, got in zip(shape, array.shape)):
+    raise ValueError(f"{name} must have shape {_dims(shape)}, got {_dims(array.shape)}")
+  return array.astype(i32)
+
+
+def _dims(shape) -> str:
+  """A shape as text, `n` for any size: [4, n]."""
+  return "[" + ", ".join("n" if d is None else str(d) for d in shape) + "]"
+
+
+def _seq_ids(seq_ids) -> jax.Array:
+  """int32[B] sequence ids (-1 padding); ValueError unless a 1-D integer array."""
+  return _int_array("seq_ids", seq_ids, (None,))
+
+
+def _scalar(name: str, value) -> jax.Array:
+  """An int32 scalar; ValueError unless an integer scalar."""
+  return _int_array(name, value, ())
 
 
 def _div(a, b: int):
@@ -92,25 +138,32 @@ def _revived(pool: Pool, pins: jax.Array, distinct: bool = False) -> jax.Array:
                  & (take(pool.ref_count, pins) == 0)).astype(i32)
 
 
-def _commit(state, on_gpu, ok, *, num_takes, gains, releases, gain_weight=1, taken=None,
-            taken_valid=None, evicted=None, revived=i32(0), registrations=None,
-            may_release=None):
-  """Applies a call's effects on one pool (reference counts, free lists, content)."""
+def _commit(state: BlockManagerState, on_gpu: bool, ok: jax.Array, *, gains: jax.Array,
+            releases: jax.Array, takes: Takes | None = None,
+            registrations: pc.Registrations | None = None, gain_weight=1,
+            may_release: jax.Array | None = None) -> BlockManagerState:
+  """Applies a call's effects on one pool, if `ok`: takes, new references, releases, content.
+
+  Args:
+    state: the state at the start of the call.
+    on_gpu: which pool (static).
+    ok: whether the call succeeds (bool scalar).
+    gains: int32[G] blocks gaining `gain_weight` references each (-1 skipped).
+    releases: int32[E] release events in order (-1 skipped).
+    takes: the call's takes from this pool (default: none).
+    registrations: identities of blocks that became full (cached pools; default: none).
+    gain_weight: references per entry of `gains`.
+    may_release: False only if `releases` is known to be all -1 (see `commit_pool`).
+  """
   pool = _pool(state, on_gpu)
-  new_pool, pushed = commit_pool(pool, ok, num_takes=num_takes, gains=gains, releases=releases,
+  takes = no_takes() if takes is None else takes
+  new_pool, pushed = commit_pool(pool, ok, num_takes=takes.count, gains=gains, releases=releases,
                                  gain_weight=gain_weight, may_release=may_release)
   if pool.content is not None:
-    if taken is None:
-      taken = jnp.zeros(0, i32)
-      taken_valid = evicted = jnp.zeros(0, bool)
     if registrations is None:
-      bs = state.cfg.block_size
-      registrations = dict(reg_blocks=jnp.zeros(0, i32), reg_hash=jnp.zeros((0, 2), jnp.uint32),
-                           reg_parent=jnp.zeros(0, i32), reg_salt=jnp.zeros(0, i32),
-                           reg_tokens=jnp.zeros((0, bs), i32), reg_hashed=jnp.zeros(0, i32))
-    new_pool = pc.commit_content(new_pool, ok, revived=revived, taken=taken,
-                                 taken_valid=taken_valid, evicted=evicted,
-                                 releases=releases, pushed=pushed, **registrations)
+      registrations = pc.Registrations.none(state.cfg.block_size)
+    new_pool = pc.commit_content(new_pool, ok, takes=takes, releases=releases, pushed=pushed,
+                                 registrations=registrations)
   return _with_pool(state, on_gpu, new_pool)
 
 
@@ -140,12 +193,34 @@ def _set_table_entries(tables, rows, cols, keep, values) -> jax.Array:
 
 
 def allocate(state: BlockManagerState, seq_ids, token_ids, num_tokens, salt=0):
-  """Gives every sequence of a group the table of one prompt of `num_tokens` tokens."""
+  """Gives every sequence of a group the table of one prompt of `num_tokens` tokens.
+
+  With prefix caching, each full block of the prompt is looked up once for the
+  group: a hit shares the cached block, a miss takes a block and registers its
+  content. Each block gains one reference per sequence of the group.
+
+  Args:
+    state: the manager state.
+    seq_ids: int32[B] the group's slots, -1 for padding (all padding: a no-op).
+    token_ids: int32[T] the prompt, padded to any length.
+    num_tokens: int32 scalar, how many of `token_ids` are the prompt.
+    salt: int32 scalar; blocks are shared by content only within a salt.
+
+  Returns:
+    (new state, AllocateResult): `status` is OK or the first of
+    INVALID_ARGUMENT (bad or repeated id, `num_tokens` outside 0..T),
+    ALREADY_ALLOCATED, TABLE_FULL, OUT_OF_BLOCKS; `num_hit_blocks` counts the
+    prompt blocks found in the cache (0 without caching or on failure). A
+    failed call returns the state unchanged.
+
+  Raises:
+    ValueError: an argument of a non-integer dtype or the wrong rank (static).
+  """
   cfg = state.cfg
   bs, m, s = cfg.block_size, cfg.max_blocks_per_seq, cfg.max_seqs
-  seq_ids = _as_i32(seq_ids).reshape(-1)
-  token_ids = _as_i32(token_ids).reshape(-1)
-  n, salt = _as_i32(num_tokens), _as_i32(salt)
+  seq_ids = _seq_ids(seq_ids)
+  token_ids = _int_array("token_ids", token_ids, (None,))
+  n, salt = _scalar("num_tokens", num_tokens), _scalar("salt", salt)
   real, safe, bad_ids = _check_ids(seq_ids, s)
   group = jnp.sum(real).astype(i32)
   invalid = bad_ids | (n < 0) | (n > token_ids.shape[0])
@@ -168,27 +243,23 @@ def allocate(state: BlockManagerState, seq_ids, token_ids, num_tokens, salt=0):
                                       salt[None], jnp.array([NO_BLOCK], i32), full[None])
     hit, hit_block = hit[0], hit_block[0]
   need_take = live & ~hit
-  take_count, num_takes = running_count_and_total(need_take)
-  revived = _revived(gpu, hit_block, distinct=True)   # one chain: distinct blocks
-  out_of_blocks = num_takes > gpu.num_free() - revived
+  takes = plan_takes(gpu, need_take, hit_block,
+                     _revived(gpu, hit_block, distinct=True))   # one chain: distinct blocks
   status = first_failure((Status.INVALID_ARGUMENT, invalid),
                          (Status.ALREADY_ALLOCATED, already),
                          (Status.TABLE_FULL, table_full),
-                         (Status.OUT_OF_BLOCKS, out_of_blocks))
+                         (Status.OUT_OF_BLOCKS, takes.exceed(gpu)))
   ok = (status == Status.OK) & (group > 0)
-  taken, evicted = taken_blocks(gpu, num_takes, m, hit_block)
-  rank = jnp.clip(take_count - 1, 0, m - 1)
-  row = jnp.where(hit, hit_block, jnp.where(need_take, taken[rank], NO_BLOCK))
+  num_hit_blocks = jnp.where(ok, jnp.sum(hit), 0).astype(i32)
+  row = jnp.where(hit, hit_block, takes.block_of(need_take))
   registrations = None
   if cfg.enable_prefix_caching:
-    registrations = dict(
-        reg_blocks=jnp.where(need_take & full, row, NO_BLOCK), reg_hash=hashes,
-        reg_parent=jnp.concatenate([jnp.array([NO_BLOCK], i32), row[:-1]]),
-        reg_salt=jnp.broadcast_to(salt, (m,)), reg_tokens=blk_tokens, reg_hashed=ends)
-  state = _commit(state, True, ok, num_takes=num_takes, gains=row, gain_weight=group,
-                  releases=jnp.zeros(0, i32), taken=taken,
-                  taken_valid=jnp.arange(m) < num_takes, evicted=evicted,
-                  revived=revived, registrations=registrations)
+    registrations = pc.Registrations(
+        blocks=jnp.where(need_take & full, row, NO_BLOCK), hash=hashes,
+        parent=jnp.concatenate([jnp.array([NO_BLOCK], i32), row[:-1]]),
+        salt=jnp.broadcast_to(salt, (m,)), tokens=blk_tokens, num_hashed_tokens=ends)
+  state = _commit(state, True, ok, gains=row, gain_weight=group, releases=jnp.zeros(0, i32),
+                  takes=takes, registrations=registrations)
   keep = real & ok
   state = state.replace(
       tables=_set_rows(state.tables, safe, keep, row[None]),
@@ -204,14 +275,25 @@ def allocate(state: BlockManagerState, seq_ids, token_ids, num_tokens, salt=0):
         seq_hash=sh.replace(rolling=_set_rows(sh.rolling, safe, keep, rolling),
                             tail_tokens=_set_rows(sh.tail_tokens, safe, keep, tail[None])),
         num_lookups=state.num_lookups + jnp.where(ok, jnp.sum(full), 0),
-        num_hits=state.num_hits + jnp.where(ok, jnp.sum(hit), 0))
-  return state, OpResult(status=status)
+        num_hits=state.num_hits + num_hit_blocks)
+  return state, AllocateResult(status=status, num_hit_blocks=num_hit_blocks)
 
 
 def can_allocate(state: BlockManagerState, num_tokens) -> jax.Array:
-  """AllocStatus for a prompt of `num_tokens` tokens (prefix hits not counted)."""
+  """Whether a prompt of `num_tokens` tokens fits now, later or never.
+
+  Args:
+    state: the manager state.
+    num_tokens: int32 scalar.
+
+  Returns:
+    int32 scalar AllocStatus (prefix hits not counted): NEVER for a negative
+    count, a prompt longer than a table, or one that would leave less than
+    the watermark free in an empty pool; OK if the free GPU blocks leave the
+    watermark after it; else LATER.
+  """
   cfg = state.cfg
-  n = _as_i32(num_tokens)
+  n = _scalar("num_tokens", num_tokens)
   required = jnp.maximum(_cdiv(n, cfg.block_size) - _first_live(cfg, n), 0)
   never = ((n < 0) | (_cdiv(n, cfg.block_size) > cfg.max_blocks_per_seq)
            | (cfg.num_gpu_blocks - required < cfg.watermark_blocks))
@@ -224,136 +306,243 @@ def can_allocate(state: BlockManagerState, num_tokens) -> jax.Array:
 # append_slots
 
 
+@static_args("num_lookahead_slots")
 def append_slots(state: BlockManagerState, seq_ids, new_token_ids, num_new,
                  num_lookahead_slots: int = 0):
-  """Makes room for each row's `num_new` new tokens (+ lookahead); returns the CopyPlan."""
+  """Makes room for each row's `num_new` new tokens and the lookahead slots.
+
+  Works in phases over the whole batch (docs/semantics.md): lookups of the
+  blocks rows fill, copy-on-write decisions, takes, releases, registration.
+
+  Args:
+    state: the manager state.
+    seq_ids: int32[B] slots, -1 for padding.
+    new_token_ids: int32[B, K] each row's new tokens (the first `num_new[i]` count).
+    num_new: int32[B] how many new tokens each row has, 0..K.
+    num_lookahead_slots: static Python int >= 0, slots to reserve past the tokens.
+
+  Returns:
+    (new state, CopyPlan): `count` copy-on-write pairs `src -> dst` (capacity
+    `B * (ceil(K / block_size) + 1)`, -1 after), and `status`: OK or the first
+    of INVALID_ARGUMENT (bad or repeated id, `num_new` outside 0..K),
+    NOT_ALLOCATED, WRONG_DEVICE (a sequence on the CPU), TABLE_FULL,
+    OUT_OF_BLOCKS. A failed call returns the state unchanged and an empty plan.
+
+  Raises:
+    ValueError: `num_lookahead_slots` is not a static int >= 0, or an array
+      argument has a non-integer dtype or the wrong shape (static).
+  """
   cfg = state.cfg
-  bs, m, s = cfg.block_size, cfg.max_blocks_per_seq, cfg.max_seqs
   lookahead = _static_lookahead(num_lookahead_slots)
-  seq_ids = _as_i32(seq_ids).reshape(-1)
+  seq_ids = _seq_ids(seq_ids)
   b = seq_ids.shape[0]
-  new_token_ids = _as_i32(new_token_ids).reshape(b, -1)
-  k_cols = new_token_ids.shape[1]
-  k = _as_i32(num_new).reshape(b)
-  real, safe, bad_ids = _check_ids(seq_ids, s)
+  new_token_ids = _int_array("new_token_ids", new_token_ids, (b, None))
+  num_new = _int_array("num_new", num_new, (b,))
+  rows = _append_rows(state, seq_ids, num_new, new_token_ids.shape[1], lookahead)
+  gpu = state.gpu
+
+  # Phase 1: lookups; phase 2: copy-on-write decisions.
+  found = _append_lookups(state, rows, new_token_ids)
+  nonhit_writer = rows.writer & ~found.hit
+  copy = nonhit_writer & ~_writes_in_place(gpu.ref_count, rows.old, rows.refs, rows.writer,
+                                           nonhit_writer, rows.shared)
+
+  # Phase 3: takes, in array order and logical order within a row.
+  need_take = rows.within & rows.live_end & (((rows.old < 0) & ~found.hit) | copy)
+  pins = jnp.where(found.hit & (found.pool_block >= 0), found.pool_block, NO_BLOCK)
+  takes = plan_takes(gpu, need_take, pins, _revived(gpu, pins))
+  status = first_failure((Status.INVALID_ARGUMENT, rows.invalid),
+                         (Status.NOT_ALLOCATED, rows.not_allocated),
+                         (Status.WRONG_DEVICE, rows.wrong_device),
+                         (Status.TABLE_FULL, rows.table_full),
+                         (Status.OUT_OF_BLOCKS, takes.exceed(gpu)))
+  ok = status == Status.OK
+  new = jnp.where(need_take, takes.block_of(need_take),
+                  jnp.where(rows.live_end, rows.old, NO_BLOCK))
+  new = found.shared_blocks(new)
+
+  # Phase 4: releases; phase 5: registration.
+  released = _append_releases(state, rows, copy, found.hit, new_token_ids.shape[1])
+  registrations = _append_registrations(state, rows, found, new)
+  # Without caching or a window, only copy-on-write releases, and only if a block is shared.
+  plain = not cfg.enable_prefix_caching and cfg.sliding_window is None
+  state = _commit(state, True, ok, gains=jnp.where(need_take | found.hit, new, NO_BLOCK).ravel(),
+                  releases=released.events, takes=takes, registrations=registrations,
+                  may_release=rows.shared if plain else None)
+  state = _write_appended_rows(state, rows, found, ok, new, released)
+  capacity = b * (_cdiv(new_token_ids.shape[1], cfg.block_size) + 1)
+  return state, _copy_plan(copy, rows.old, new, capacity, ok, status, rows.shared)
+
+
+class _AppendRows(NamedTuple):
+  """The rows of an `append_slots` call and the window of table entries each can touch.
+
+  Row i's window is entries `[base[i], base[i] + W)`, which hold every
+  position its new tokens and lookahead slots land in.
+  """
+
+  real: jax.Array           # bool[B]: not padding, id in range
+  safe: jax.Array           # int32[B]: the id clipped into range
+  n0: jax.Array             # int32[B]: tokens before the call
+  k: jax.Array              # int32[B]: new tokens (0 for padding)
+  base: jax.Array           # int32[B]: first entry of the window
+  cols: jax.Array           # int32[B, W]: the table entry of each window column
+  in_table: jax.Array       # bool[B, W]: cols < max_blocks_per_seq
+  within: jax.Array         # bool[B, W]: inside the table after the call (tokens + lookahead)
+  old: jax.Array            # int32[B, W]: the blocks the entries hold (-1: none)
+  refs: jax.Array           # int32[B, W]: their reference counts
+  live_end: jax.Array       # bool[B, W]: inside the sliding window at the end of the call
+  writer: jax.Array         # bool[B, W]: a held, live block that receives new tokens
+  invalid: jax.Array        # bool scalars: the call's argument and slot checks
+  not_allocated: jax.Array
+  wrong_device: jax.Array
+  table_full: jax.Array
+  shared: jax.Array         # bool scalar: some writer's block has other references
+
+  @property
+  def n1(self) -> jax.Array:
+    """int32[B]: tokens after the call."""
+    return self.n0 + self.k
+
+
+def _append_rows(state: BlockManagerState, seq_ids: jax.Array, num_new: jax.Array,
+                 num_cols: int, lookahead: int) -> _AppendRows:
+  """Reads each row's window and checks the call's arguments and slots."""
+  cfg = state.cfg
+  bs, m = cfg.block_size, cfg.max_blocks_per_seq
+  real, safe, bad_ids = _check_ids(seq_ids, cfg.max_seqs)
   device = state.device[safe]
   n0 = state.num_tokens[safe]
-  bad_count = (k < 0) | (k > k_cols)
-  k = jnp.where(real, jnp.clip(k, 0, k_cols), 0)
+  bad_count = (num_new < 0) | (num_new > num_cols)
+  k = jnp.where(real, jnp.clip(num_new, 0, num_cols), 0)
   n1 = n0 + k
   target_len = _cdiv(n1 + lookahead, bs)
-
-  # The window of table entries a row can touch: [base, base + width).
-  width = _cdiv(bs - 1 + k_cols + lookahead, bs)
+  width = _cdiv(bs - 1 + num_cols + lookahead, bs)
   base = _div(n0, bs)
   cols = base[:, None] + jnp.arange(width, dtype=i32)[None, :]
   in_table = cols < m
-  tables = state.tables
-  old = jnp.where(in_table, _table_entries(tables, safe, cols), NO_BLOCK)
-  old = jnp.where(real[:, None], old, NO_BLOCK)
+  old = jnp.where(in_table & real[:, None], _table_entries(state.tables, safe, cols), NO_BLOCK)
   live_end = cols >= _first_live(cfg, n1)[:, None]
   written = ((cols * bs < n1[:, None]) & ((cols + 1) * bs > n0[:, None])
              & (k > 0)[:, None] & real[:, None])
   writer = written & live_end & (old >= 0)
-  gpu = state.gpu
-  refs = take(gpu.ref_count, old)
+  refs = take(state.gpu.ref_count, old)
   bad_count, not_allocated, wrong_device, table_full, shared = _any_each(
       (real & bad_count)[:, None], (real & (device == EMPTY))[:, None],
       (real & (device == ON_CPU))[:, None], (real & (target_len > m))[:, None],
       writer & (refs > 1))
-  invalid = bad_ids | bad_count
+  return _AppendRows(
+      real=real, safe=safe, n0=n0, k=k, base=base, cols=cols, in_table=in_table,
+      within=(cols < target_len[:, None]) & in_table & real[:, None], old=old, refs=refs,
+      live_end=live_end, writer=writer, invalid=bad_ids | bad_count,
+      not_allocated=not_allocated, wrong_device=wrong_device, table_full=table_full,
+      shared=shared)
 
-  hit = jnp.zeros((b, width), bool)
-  hit_block = jnp.full((b, width), NO_BLOCK, i32)
-  call_rep = None
-  if cfg.enable_prefix_caching:
-    ident = _append_identities(state, safe, real, base, n0, k, new_token_ids, width)
-    pool_hit, pool_block, call_rep = _resolve_identities(gpu.content, ident, state.salt[safe],
-                                                         base, width)
-    call_hit = ident["full"] & ~pool_hit & (call_rep != jnp.arange(b * width).reshape(b, width))
-    hit = pool_hit | call_hit
-    hit_block = pool_block
 
-  # Phase 2: copy-on-write decisions.
-  nonhit_writer = writer & ~hit
-  copy = nonhit_writer & ~_writes_in_place(gpu.ref_count, old, refs, writer, nonhit_writer,
-                                           shared)
+class _AppendLookups(NamedTuple):
+  """Phase 1 of `append_slots`: the window entries resolved by a prefix-cache hit."""
 
-  # Phase 3: takes, in array order and logical order within a row.
-  within = (cols < target_len[:, None]) & in_table & real[:, None]
-  need_take = within & live_end & (((old < 0) & ~hit) | copy)
-  capacity = b * width
-  take_count, num_takes = running_count_and_total(need_take.ravel())
-  pins = jnp.where(hit & (hit_block >= 0), hit_block, NO_BLOCK)
-  revived = _revived(gpu, pins)
-  out_of_blocks = num_takes > gpu.num_free() - revived
-  status = first_failure((Status.INVALID_ARGUMENT, invalid),
-                         (Status.NOT_ALLOCATED, not_allocated),
-                         (Status.WRONG_DEVICE, wrong_device),
-                         (Status.TABLE_FULL, table_full),
-                         (Status.OUT_OF_BLOCKS, out_of_blocks))
-  ok = status == Status.OK
-  taken, evicted = taken_blocks(gpu, num_takes, capacity, pins)
-  rank = jnp.clip(take_count - 1, 0, max(capacity - 1, 0)).reshape(b, width)
-  fresh = jnp.where(need_take, taken[rank], NO_BLOCK)
-  new = jnp.where(need_take, fresh, jnp.where(live_end, old, NO_BLOCK))
-  if call_rep is not None:
-    flat_new = new.ravel()
-    rep_block = flat_new[call_rep.ravel()].reshape(b, width)
-    new = jnp.where(pool_hit, pool_block, jnp.where(call_hit, rep_block, new))
+  hit: jax.Array            # bool[B, W]: a pool hit or an identity an earlier row takes
+  pool_hit: jax.Array       # bool[B, W]
+  pool_block: jax.Array     # int32[B, W]: the pool hit's block (-1: none)
+  call_hit: jax.Array       # bool[B, W]: shares the block of entry `call_rep` of this call
+  call_rep: jax.Array | None  # int32[B, W]: flat index of that entry (None without caching)
+  ident: _Identities | None
 
-  # Phase 4: releases (copy sources and replaced blocks, then dead window blocks).
-  replaced = (copy | (hit & (old >= 0))) & within
-  window_releases = jnp.where(replaced, old, NO_BLOCK)
-  releases = window_releases.ravel()
-  if cfg.sliding_window is not None:
-    dead_width = k_cols // bs + 1
-    dead_cols = _first_live(cfg, n0)[:, None] + jnp.arange(dead_width, dtype=i32)[None, :]
-    dead_old = jnp.where(dead_cols < m, _table_entries(tables, safe, dead_cols),
-                         NO_BLOCK)
-    dies = real[:, None] & (dead_cols < _first_live(cfg, n1)[:, None]) & (dead_old >= 0)
-    dead_releases = jnp.where(dies, dead_old, NO_BLOCK)
-    releases = jnp.concatenate([window_releases, dead_releases], axis=1).ravel()
-  gains = jnp.where(need_take | hit, new, NO_BLOCK).ravel()
+  def shared_blocks(self, new: jax.Array) -> jax.Array:
+    """The blocks each entry ends up with, given each entry's own block `new`."""
+    if self.call_rep is None:
+      return new
+    rep_block = new.ravel()[self.call_rep.ravel()].reshape(new.shape)
+    return jnp.where(self.pool_hit, self.pool_block, jnp.where(self.call_hit, rep_block, new))
 
-  registrations = None
-  if cfg.enable_prefix_caching:
-    first_rows = ident["full"] & ~hit
-    prev = jnp.concatenate([ident["parent0"][:, None], new[:, :-1]], axis=1)
-    registrations = dict(
-        reg_blocks=jnp.where(first_rows, new, NO_BLOCK).ravel(),
-        reg_hash=ident["hash"].reshape(-1, 2), reg_parent=prev.ravel(),
-        reg_salt=jnp.broadcast_to(state.salt[safe][:, None], (b, width)).ravel(),
-        reg_tokens=ident["tokens"].reshape(-1, bs), reg_hashed=((cols + 1) * bs).ravel())
-  # Without caching or a window, only copy-on-write releases, and only if a block is shared.
-  plain = not cfg.enable_prefix_caching and cfg.sliding_window is None
-  state = _commit(state, True, ok, num_takes=num_takes, gains=gains,
-                  releases=releases, taken=taken, taken_valid=jnp.arange(capacity) < num_takes,
-                  evicted=evicted, revived=revived, registrations=registrations,
-                  may_release=shared if plain else None)
 
-  keep = ok & real
-  changed = keep[:, None] & in_table & (new != old)
-  tables = _set_table_entries(state.tables, safe, cols, changed, new)
-  if cfg.sliding_window is not None:
-    tables = _set_table_entries(tables, safe, dead_cols, keep[:, None] & dies, NO_BLOCK)
+def _append_lookups(state: BlockManagerState, rows: _AppendRows,
+                    new_token_ids: jax.Array) -> _AppendLookups:
+  """Looks up the blocks rows fill, in the pool and among the call's earlier rows."""
+  shape = rows.cols.shape
+  if not state.cfg.enable_prefix_caching:
+    none = jnp.zeros(shape, bool)
+    return _AppendLookups(hit=none, pool_hit=none, pool_block=jnp.full(shape, NO_BLOCK, i32),
+                          call_hit=none, call_rep=None, ident=None)
+  ident = _append_identities(state, rows, new_token_ids)
+  pool_hit, pool_block, call_rep = _resolve_identities(state.gpu.content, ident,
+                                                       state.salt[rows.safe], rows.base,
+                                                       shape[1])
+  call_hit = ident.full & ~pool_hit & (call_rep != jnp.arange(call_rep.size).reshape(shape))
+  return _AppendLookups(hit=pool_hit | call_hit, pool_hit=pool_hit, pool_block=pool_block,
+                        call_hit=call_hit, call_rep=call_rep, ident=ident)
+
+
+class _AppendReleases(NamedTuple):
+  """Phase 4 of `append_slots`: the references the call drops, in order."""
+
+  events: jax.Array               # int32[E] blocks released, in order (-1 skipped)
+  dead_cols: jax.Array | None     # int32[B, D]: entries that may leave the window (None: no window)
+  dies: jax.Array | None          # bool[B, D]: those that do
+
+
+def _append_releases(state: BlockManagerState, rows: _AppendRows, copy: jax.Array,
+                     hit: jax.Array, num_cols: int) -> _AppendReleases:
+  """Copy sources and blocks replaced by a hit, then (per row) the blocks that leave the window."""
+  cfg = state.cfg
+  replaced = (copy | (hit & (rows.old >= 0))) & rows.within
+  window_releases = jnp.where(replaced, rows.old, NO_BLOCK)
+  if cfg.sliding_window is None:
+    return _AppendReleases(events=window_releases.ravel(), dead_cols=None, dies=None)
+  dead_cols = (_first_live(cfg, rows.n0)[:, None]
+               + jnp.arange(num_cols // cfg.block_size + 1, dtype=i32)[None, :])
+  dead_old = jnp.where(dead_cols < cfg.max_blocks_per_seq,
+                       _table_entries(state.tables, rows.safe, dead_cols), NO_BLOCK)
+  dies = (rows.real[:, None] & (dead_cols < _first_live(cfg, rows.n1)[:, None])
+          & (dead_old >= 0))
+  events = jnp.concatenate([window_releases, jnp.where(dies, dead_old, NO_BLOCK)], axis=1)
+  return _AppendReleases(events=events.ravel(), dead_cols=dead_cols, dies=dies)
+
+
+def _append_registrations(state: BlockManagerState, rows: _AppendRows, found: _AppendLookups,
+                          new: jax.Array) -> pc.Registrations | None:
+  """Phase 5 of `append_slots`: the identities of the blocks rows fill without a hit."""
+  ident = found.ident
+  if ident is None:
+    return None
+  b, width = new.shape
+  prev = jnp.concatenate([ident.parent0[:, None], new[:, :-1]], axis=1)
+  return pc.Registrations(
+      blocks=jnp.where(ident.full & ~found.hit, new, NO_BLOCK).ravel(),
+      hash=ident.hash.reshape(-1, 2), parent=prev.ravel(),
+      salt=jnp.broadcast_to(state.salt[rows.safe][:, None], (b, width)).ravel(),
+      tokens=ident.tokens.reshape(b * width, -1),
+      num_hashed_tokens=((rows.cols + 1) * state.cfg.block_size).ravel())
+
+
+def _write_appended_rows(state: BlockManagerState, rows: _AppendRows, found: _AppendLookups,
+                         ok: jax.Array, new: jax.Array,
+                         released: _AppendReleases) -> BlockManagerState:
+  """Writes the rows' new table entries, token counts, hash state and hit counters (if `ok`)."""
+  keep = ok & rows.real
+  changed = keep[:, None] & rows.in_table & (new != rows.old)
+  tables = _set_table_entries(state.tables, rows.safe, rows.cols, changed, new)
+  if released.dead_cols is not None:
+    tables = _set_table_entries(tables, rows.safe, released.dead_cols,
+                                keep[:, None] & released.dies, NO_BLOCK)
   state = state.replace(tables=tables,
-                        num_tokens=_set_rows(state.num_tokens, safe, keep, n1))
-  if cfg.enable_prefix_caching:
-    sh = state.seq_hash
-    state = state.replace(
-        seq_hash=sh.replace(rolling=_set_rows(sh.rolling, safe, keep, ident["rolling"]),
-                            tail_tokens=_set_rows(sh.tail_tokens, safe, keep, ident["tail"])),
-        num_lookups=state.num_lookups + jnp.where(ok, jnp.sum(ident["full"]), 0),
-        num_hits=state.num_hits + jnp.where(ok, jnp.sum(hit), 0))
-  plan = _copy_plan(copy, old, new, b * (_cdiv(k_cols, bs) + 1), ok, status, shared)
-  return state, plan
+                        num_tokens=_set_rows(state.num_tokens, rows.safe, keep, rows.n1))
+  ident = found.ident
+  if ident is None:
+    return state
+  sh = state.seq_hash
+  return state.replace(
+      seq_hash=sh.replace(rolling=_set_rows(sh.rolling, rows.safe, keep, ident.rolling),
+                          tail_tokens=_set_rows(sh.tail_tokens, rows.safe, keep, ident.tail)),
+      num_lookups=state.num_lookups + jnp.where(ok, jnp.sum(ident.full), 0),
+      num_hits=state.num_hits + jnp.where(ok, jnp.sum(found.hit), 0))
 
 
 def _writes_in_place(ref_count, old, refs, writer, nonhit_writer, shared) -> jax.Array:
   """Which non-hit writers write their block in place instead of copying it.
 
-  The seed's rule, applied in row order: a block is written in place by the
+  vLLM's v1 rule, applied in row order: a block is written in place by the
   last row that writes it, when every reference to it (`refs`, its ref count)
   comes from a row writing it in this call; the other writers copy. Unless
   some writer's block is `shared` (the common decode step), that is every
@@ -396,12 +585,27 @@ def _copy_plan(copy, old, new, capacity, ok, status, shared) -> CopyPlan:
   return CopyPlan(src=pairs[:, 0], dst=pairs[:, 1], count=count, status=status)
 
 
-def _append_identities(state, safe, real, base, n0, k, new_token_ids, width):
+class _Identities(NamedTuple):
+  """Identities of the blocks the rows of an `append_slots` call fill (window entries)."""
+
+  hash: jax.Array           # uint32[B, W, 2]
+  tokens: jax.Array         # int32[B, W, block_size]: each block's own tokens
+  full: jax.Array           # bool[B, W]: the entry's block becomes full in this call
+  parent0: jax.Array        # int32[B]: the block before the window (-1: none)
+  rolling: jax.Array        # uint32[B, 4]: each row's rolling hash state after the call
+  tail: jax.Array           # int32[B, block_size]: tokens of the partial last block after it
+  buf: jax.Array            # int32[B, W * block_size]: the window's tokens
+
+
+def _append_identities(state: BlockManagerState, rows: _AppendRows,
+                       new_token_ids: jax.Array) -> _Identities:
   """Identities of the blocks each row fills: hashes, own tokens, level-0 parent."""
   cfg = state.cfg
   bs, m = cfg.block_size, cfg.max_blocks_per_seq
   sh = state.seq_hash
+  safe, base, n0, k = rows.safe, rows.base, rows.n0, rows.k
   b, k_cols = new_token_ids.shape
+  width = rows.cols.shape[1]
   span = width * bs
   i = jnp.arange(span, dtype=i32)[None, :]
   offset = (n0 - base * bs)[:, None]
@@ -413,7 +617,7 @@ def _append_identities(state, safe, real, base, n0, k, new_token_ids, width):
   prefix, rolling = pc.rolling_hashes(sh.rolling[safe], new_token_ids, k)
   level = jnp.arange(width, dtype=i32)[None, :]
   ends = (base[:, None] + level + 1) * bs
-  full = real[:, None] & (ends <= (n0 + k)[:, None]) & (ends > n0[:, None])
+  full = rows.real[:, None] & (ends <= (n0 + k)[:, None]) & (ends > n0[:, None])
   last_new = jnp.clip(ends - n0[:, None] - 1, 0, max(k_cols - 1, 0))
   h = jnp.take_along_axis(prefix, last_new[:, :, None], axis=1) if k_cols else \
       jnp.zeros((b, width, 2), jnp.uint32)
@@ -425,8 +629,8 @@ def _append_identities(state, safe, real, base, n0, k, new_token_ids, width):
   new_tail = jnp.take_along_axis(buf, jnp.clip(tail_start[:, None] + jnp.arange(bs)[None, :],
                                                0, span - 1), axis=1)
   new_tail = jnp.where(jnp.arange(bs)[None, :] < (n1 - _div(n1, bs) * bs)[:, None], new_tail, 0)
-  return dict(hash=hashes, tokens=buf.reshape(b, width, bs), full=full, parent0=parent0,
-              rolling=rolling, tail=new_tail, buf=buf)
+  return _Identities(hash=hashes, tokens=buf.reshape(b, width, bs), full=full, parent0=parent0,
+                     rolling=rolling, tail=new_tail, buf=buf)
 
 
 def _resolve_identities(content, ident, salt, base, width):
@@ -438,21 +642,21 @@ def _resolve_identities(content, ident, salt, base, width):
   what that small batch costs.
   """
   def resolve(ident, salt, base):
-    pool_hit, pool_block = pc.lookup_chains(content, ident["hash"], ident["tokens"], salt,
-                                            ident["parent0"], ident["full"])
+    pool_hit, pool_block = pc.lookup_chains(content, ident.hash, ident.tokens, salt,
+                                            ident.parent0, ident.full)
     return pool_hit, pool_block, _dedup_rows(ident, pool_hit, pool_block, salt, base, width)
 
   b = salt.shape[0]
   capacity = max(1, b // 8) if b >= 4 else 0
   if capacity == 0:
     return resolve(ident, salt, base)
-  filling = jnp.any(ident["full"], axis=1)
+  filling = jnp.any(ident.full, axis=1)
 
   def compacted():
     slot = masked(running_count(filling) - 1, filling, capacity)
     rows = jnp.full(capacity, b, i32).at[slot].set(jnp.arange(b, dtype=i32), mode="drop")
-    sub = {key: take(value, rows) for key, value in ident.items()}
-    sub["full"] &= (rows < b)[:, None]
+    sub = jax.tree.map(lambda value: take(value, rows), ident)
+    sub = sub._replace(full=sub.full & (rows < b)[:, None])
     hit, block, rep = resolve(sub, take(salt, rows), take(base, rows))
     entry = rows[rep // width] * width + rep % width        # back to the batch's numbering
     return (jnp.zeros((b, width), bool).at[rows].set(hit, mode="drop"),
@@ -472,18 +676,18 @@ def _dedup_rows(ident, pool_hit, pool_block, salt, base, width):
   and the same tokens from the anchor through their block.
   """
   b = salt.shape[0]
-  bs = ident["tokens"].shape[-1]
+  bs = ident.tokens.shape[-1]
   level = jnp.broadcast_to(jnp.arange(width, dtype=i32)[None, :], (b, width))
   num_hits = jnp.sum(pool_hit, axis=1)
   last_hit = jnp.take_along_axis(pool_block, jnp.maximum(num_hits - 1, 0)[:, None], axis=1)[:, 0]
-  anchor = jnp.where(num_hits > 0, last_hit, ident["parent0"])
-  valid = (ident["full"] & ~pool_hit).ravel()
+  anchor = jnp.where(num_hits > 0, last_hit, ident.parent0)
+  valid = (ident.full & ~pool_hit).ravel()
   row = jnp.repeat(jnp.arange(b, dtype=i32), width)
   lvl = level.ravel()
   block_index = (base[:, None] + level).ravel()
   span_start = num_hits[row] * bs            # buffer position after the anchor
   span_end = (lvl + 1) * bs
-  buf = ident["buf"]
+  buf = ident.buf
 
   def equal(i, j):
     same = ((salt[row[i]] == salt[row[j]]) & (block_index[i] == block_index[j])
@@ -494,16 +698,41 @@ def _dedup_rows(ident, pool_hit, pool_block, salt, base, width):
     in_span = p < (span_end[i] - span_start[i])[:, None]
     return same & jnp.all((ti == tj) | ~in_span, axis=1)
 
-  rep = pc.first_equal(ident["hash"].reshape(-1, 2), equal, valid)
+  rep = pc.first_equal(ident.hash.reshape(-1, 2), equal, valid)
   return rep.reshape(b, width)
 
 
+@static_args("num_lookahead_slots")
 def can_append_slots(state: BlockManagerState, seq_ids, num_lookahead_slots: int = 0):
-  """Conservative check (as the seed): one new block (+ lookahead) per sequence."""
+  """Whether one new token per sequence (plus lookahead) surely fits, as vLLM's v1 check.
+
+  Args:
+    state: the manager state.
+    seq_ids: int32[B] slots, -1 for padding.
+    num_lookahead_slots: static Python int >= 0.
+
+  Returns:
+    bool scalar: free GPU blocks >= (1 + ceil(lookahead / block_size)) per
+    non-padding id; False if `append_slots` would refuse the group for an
+    argument or device error (bad or repeated ids, an empty slot, a sequence
+    on the CPU).
+
+  Raises:
+    ValueError: `num_lookahead_slots` is not a static int >= 0, or `seq_ids`
+      is not a 1-D integer array.
+  """
   lookahead = _static_lookahead(num_lookahead_slots)
-  seq_ids = _as_i32(seq_ids).reshape(-1)
+  seq_ids = _seq_ids(seq_ids)
   count = jnp.sum(seq_ids != NO_BLOCK)
-  return state.gpu.num_free() >= count * (1 + _cdiv(lookahead, state.cfg.block_size))
+  fits = state.gpu.num_free() >= count * (1 + _cdiv(lookahead, state.cfg.block_size))
+  return fits & ~_refuses(state, seq_ids, ON_GPU)
+
+
+def _refuses(state: BlockManagerState, seq_ids: jax.Array, device: int) -> jax.Array:
+  """Whether an op that needs `device` refuses the group: INVALID_ARGUMENT,
+  NOT_ALLOCATED or WRONG_DEVICE (bool scalar)."""
+  real, safe, invalid = _check_ids(seq_ids, state.cfg.max_seqs)
+  return invalid | jnp.any(real & (state.device[safe] != device))
 
 
 # ---------------------------------------------------------------------------
@@ -511,9 +740,26 @@ def can_append_slots(state: BlockManagerState, seq_ids, num_lookahead_slots: int
 
 
 def fork(state: BlockManagerState, parent_id, child_id):
-  """The child shares the parent's table (one more reference per block)."""
+  """Gives the child the parent's table, token count, salt and device.
+
+  Each block of the table gains one reference, in the pool where it lives (a
+  swapped-out parent can be forked). Never takes a block.
+
+  Args:
+    state: the manager state.
+    parent_id: int32 scalar slot.
+    child_id: int32 scalar slot.
+
+  Returns:
+    (new state, OpResult): status OK or the first of INVALID_ARGUMENT (an id
+    out of range, parent == child), NOT_ALLOCATED (the parent),
+    ALREADY_ALLOCATED (the child); a failed call changes nothing.
+
+  Raises:
+    ValueError: an id that is not an integer scalar (static).
+  """
   s = state.cfg.max_seqs
-  parent, child = _as_i32(parent_id), _as_i32(child_id)
+  parent, child = _scalar("parent_id", parent_id), _scalar("child_id", child_id)
   invalid = (parent < 0) | (parent >= s) | (child < 0) | (child >= s) | (parent == child)
   p, c = jnp.clip(parent, 0, s - 1), jnp.clip(child, 0, s - 1)
   status = first_failure((Status.INVALID_ARGUMENT, invalid),
@@ -538,9 +784,24 @@ def fork(state: BlockManagerState, parent_id, child_id):
 
 
 def free(state: BlockManagerState, seq_ids):
-  """Releases every block of each sequence (last entry first); the slots become empty."""
+  """Releases every block of each sequence (last entry first); the slots become empty.
+
+  Works on the GPU and on the CPU; a released block with content goes to the
+  evictor, one without to the free stack.
+
+  Args:
+    state: the manager state.
+    seq_ids: int32[B] slots, -1 for padding.
+
+  Returns:
+    (new state, OpResult): status OK or the first of INVALID_ARGUMENT (bad or
+    repeated id), NOT_ALLOCATED (an empty slot); a failed call changes nothing.
+
+  Raises:
+    ValueError: `seq_ids` is not a 1-D integer array (static).
+  """
   s = state.cfg.max_seqs
-  seq_ids = _as_i32(seq_ids).reshape(-1)
+  seq_ids = _seq_ids(seq_ids)
   real, safe, invalid = _check_ids(seq_ids, s)
   device = state.device[safe]
   status = first_failure((Status.INVALID_ARGUMENT, invalid),
@@ -549,8 +810,7 @@ def free(state: BlockManagerState, seq_ids):
   rows = state.tables[safe][:, ::-1]
   for on_gpu, dev in ((True, ON_GPU), (False, ON_CPU)):
     releases = jnp.where((real & (device == dev))[:, None], rows, NO_BLOCK).ravel()
-    state = _commit(state, on_gpu, ok, num_takes=i32(0),
-                    gains=jnp.zeros(0, i32), releases=releases)
+    state = _commit(state, on_gpu, ok, gains=jnp.zeros(0, i32), releases=releases)
   return _clear_slots(state, safe, real & ok), OpResult(status=status)
 
 
@@ -584,7 +844,7 @@ def _swap(state: BlockManagerState, seq_ids, to_gpu: bool):
   cfg = state.cfg
   s, m = cfg.max_seqs, cfg.max_blocks_per_seq
   src_pool, dst_pool = _pool(state, not to_gpu), _pool(state, to_gpu)
-  seq_ids = _as_i32(seq_ids).reshape(-1)
+  seq_ids = _seq_ids(seq_ids)
   b = seq_ids.shape[0]
   real, safe, invalid = _check_ids(seq_ids, s)
   device = state.device[safe]
@@ -610,19 +870,14 @@ def _swap(state: BlockManagerState, seq_ids, to_gpu: bool):
     hit = chain_hit.ravel() & is_first
     hit_block = jnp.where(hit, chain_block.ravel(), NO_BLOCK)
   need_take = is_first & ~hit
-  take_count, num_takes = running_count_and_total(need_take)
-  revived = _revived(dst_pool, hit_block)
-  short = num_takes > dst_pool.num_free() - revived
+  takes = plan_takes(dst_pool, need_take, hit_block, _revived(dst_pool, hit_block))
   status = first_failure(
       (Status.INVALID_ARGUMENT, invalid),
       (Status.NOT_ALLOCATED, jnp.any(real & (device == EMPTY))),
       (Status.WRONG_DEVICE, jnp.any(real & (device != EMPTY) & (device != src_dev))),
-      (Status.OUT_OF_BLOCKS if to_gpu else Status.SWAP_SPACE_EXHAUSTED, short))
+      (Status.OUT_OF_BLOCKS if to_gpu else Status.SWAP_SPACE_EXHAUSTED, takes.exceed(dst_pool)))
   ok = status == Status.OK
-  capacity = b * m
-  taken, evicted = taken_blocks(dst_pool, num_takes, capacity, hit_block)
-  rank = jnp.clip(take_count - 1, 0, max(capacity - 1, 0))
-  first_dst = jnp.where(hit, hit_block, jnp.where(need_take, taken[rank], NO_BLOCK))
+  first_dst = jnp.where(hit, hit_block, takes.block_of(need_take))
   dst_of = jnp.full(src_pool.num_blocks, NO_BLOCK, i32).at[
       masked(flat, is_first, src_pool.num_blocks)].set(first_dst, mode="drop")
   new_flat = jnp.where(flat >= 0, take(dst_of, flat, NO_BLOCK), NO_BLOCK)
@@ -630,16 +885,13 @@ def _swap(state: BlockManagerState, seq_ids, to_gpu: bool):
   if content is not None:
     new_rows = new_flat.reshape(b, m)
     prev = jnp.concatenate([jnp.full((b, 1), NO_BLOCK, i32), new_rows[:, :-1]], axis=1).ravel()
-    registrations = dict(
-        reg_blocks=jnp.where(need_take & has, new_flat, NO_BLOCK), reg_hash=hashes.reshape(-1, 2),
-        reg_parent=prev, reg_salt=take(content.salt, src), reg_tokens=tokens.reshape(b * m, -1),
-        reg_hashed=take(content.num_hashed_tokens, src))
-  state = _commit(state, to_gpu, ok, num_takes=num_takes,
-                  gains=new_flat, releases=jnp.zeros(0, i32),
-                  taken=taken, taken_valid=jnp.arange(capacity) < num_takes, evicted=evicted,
-                  revived=revived, registrations=registrations)
-  state = _commit(state, not to_gpu, ok, num_takes=i32(0),
-                  gains=jnp.zeros(0, i32), releases=flat)
+    registrations = pc.Registrations(
+        blocks=jnp.where(need_take & has, new_flat, NO_BLOCK), hash=hashes.reshape(-1, 2),
+        parent=prev, salt=take(content.salt, src), tokens=tokens.reshape(b * m, -1),
+        num_hashed_tokens=take(content.num_hashed_tokens, src))
+  state = _commit(state, to_gpu, ok, gains=new_flat, releases=jnp.zeros(0, i32), takes=takes,
+                  registrations=registrations)
+  state = _commit(state, not to_gpu, ok, gains=jnp.zeros(0, i32), releases=flat)
   keep = real & ok
   state = state.replace(tables=_set_rows(state.tables, safe, keep, new_flat.reshape(b, m)),
                         device=_set_rows(state.device, safe, keep, ON_GPU if to_gpu else ON_CPU))
@@ -647,10 +899,11 @@ def _swap(state: BlockManagerState, seq_ids, to_gpu: bool):
     looked_up = jnp.sum(is_first & has)
     state = state.replace(num_lookups=state.num_lookups + jnp.where(ok, looked_up, 0),
                           num_hits=state.num_hits + jnp.where(ok, jnp.sum(hit), 0))
-  plan_pos = masked(take_count - 1, need_take & ok, capacity)
+  capacity = b * m
+  plan_pos = masked(takes.rank, need_take & ok, capacity)
   plan = SwapPlan(src=jnp.full(capacity, NO_BLOCK, i32).at[plan_pos].set(flat, mode="drop"),
                   dst=jnp.full(capacity, NO_BLOCK, i32).at[plan_pos].set(new_flat, mode="drop"),
-                  count=jnp.where(ok, num_takes, 0), status=status)
+                  count=jnp.where(ok, takes.count, 0), status=status)
   return state, plan
 
 
@@ -662,7 +915,7 @@ def _prefix_mask(mask: jax.Array) -> jax.Array:
 def _distinct_blocks(state: BlockManagerState, seq_ids, on_gpu: bool) -> jax.Array:
   """Distinct blocks held by the sequences of the group that live on that device."""
   s = state.cfg.max_seqs
-  seq_ids = _as_i32(seq_ids).reshape(-1)
+  seq_ids = _seq_ids(seq_ids)
   safe = jnp.clip(seq_ids, 0, s - 1)
   there = (seq_ids >= 0) & (seq_ids < s) & (state.device[safe] == (ON_GPU if on_gpu else ON_CPU))
   rows = jnp.where(there[:, None], state.tables[safe], NO_BLOCK)
@@ -670,19 +923,53 @@ def _distinct_blocks(state: BlockManagerState, seq_ids, on_gpu: bool) -> jax.Arr
 
 
 def can_swap_out(state: BlockManagerState, seq_ids) -> jax.Array:
-  """Whether the CPU pool has a free block for every distinct block of the group."""
-  return _distinct_blocks(state, seq_ids, True) <= state.cpu.num_free()
+  """Whether the CPU pool has a free block for every distinct GPU block of the group.
+
+  Args:
+    state: the manager state.
+    seq_ids: int32[B] slots, -1 for padding.
+
+  Returns:
+    bool scalar; False if `swap_out` would refuse the group for an argument or
+    device error (bad or repeated ids, an empty slot, a sequence on the CPU).
+
+  Raises:
+    ValueError: `seq_ids` is not a 1-D integer array.
+  """
+  seq_ids = _seq_ids(seq_ids)
+  fits = _distinct_blocks(state, seq_ids, True) <= state.cpu.num_free()
+  return fits & ~_refuses(state, seq_ids, ON_GPU)
 
 
+@static_args("num_lookahead_slots")
 def can_swap_in(state: BlockManagerState, seq_ids, num_lookahead_slots: int = 0) -> jax.Array:
-  """AllocStatus of swapping the group back in (distinct blocks + growth per sequence)."""
+  """Whether the group can come back to the GPU now, later or never.
+
+  `required` = the group's distinct CPU blocks + (1 + ceil(lookahead /
+  block_size)) per sequence.
+
+  Args:
+    state: the manager state.
+    seq_ids: int32[B] slots, -1 for padding.
+    num_lookahead_slots: static Python int >= 0.
+
+  Returns:
+    int32 scalar AllocStatus: NEVER if `num_gpu_blocks < required` or if
+    `swap_in` would refuse the group for an argument or device error (bad or
+    repeated ids, an empty slot, a sequence on the GPU); OK if `required`
+    leaves the watermark free; else LATER.
+
+  Raises:
+    ValueError: `num_lookahead_slots` is not a static int >= 0, or `seq_ids`
+      is not a 1-D integer array.
+  """
   cfg = state.cfg
   lookahead = _static_lookahead(num_lookahead_slots)
-  seq_ids = _as_i32(seq_ids).reshape(-1)
+  seq_ids = _seq_ids(seq_ids)
   num_seqs = jnp.sum(seq_ids != NO_BLOCK)
   required = (_distinct_blocks(state, seq_ids, False)
               + num_seqs * (1 + _cdiv(lookahead, cfg.block_size)))
-  never = cfg.num_gpu_blocks < required
+  never = (cfg.num_gpu_blocks < required) | _refuses(state, seq_ids, ON_CPU)
   ok = state.gpu.num_free() - required >= cfg.watermark_blocks
   return jnp.where(never, i32(AllocStatus.NEVER),
                    jnp.where(ok, i32(AllocStatus.OK), i32(AllocStatus.LATER)))
@@ -693,28 +980,48 @@ def can_swap_in(state: BlockManagerState, seq_ids, num_lookahead_slots: int = 0)
 
 
 def get_block_tables(state: BlockManagerState, seq_ids) -> jax.Array:
+  """int32[B, max_blocks_per_seq]: each sequence's block table, -1 where no block.
+
+  Not checked: padding, an empty slot and an out-of-range id give a row of -1
+  (`pj.checked(bm)` raises InvalidArgumentError for an out-of-range id).
+  """
   s = state.cfg.max_seqs
-  seq_ids = _as_i32(seq_ids).reshape(-1)
+  seq_ids = _seq_ids(seq_ids)
   real = (seq_ids >= 0) & (seq_ids < s)
   return jnp.where(real[:, None], state.tables[jnp.clip(seq_ids, 0, s - 1)], NO_BLOCK)
 
 
 def get_num_tokens(state: BlockManagerState, seq_ids) -> jax.Array:
+  """int32[B]: each sequence's token count; 0 for padding, empty slots and out-of-range ids."""
   s = state.cfg.max_seqs
-  seq_ids = _as_i32(seq_ids).reshape(-1)
+  seq_ids = _seq_ids(seq_ids)
   real = (seq_ids >= 0) & (seq_ids < s)
   return jnp.where(real, state.num_tokens[jnp.clip(seq_ids, 0, s - 1)], 0)
 
 
+@static_args("width")
 def get_slot_mapping(state: BlockManagerState, seq_ids, num_new, width: int) -> jax.Array:
-  """int32[B, width]: cache slots of each sequence's last `num_new` tokens, -1 padding."""
+  """int32[B, width]: cache slots of each sequence's last `num_new` tokens, -1 padding.
+
+  A slot is `block * block_size + offset`. Row `i` lists the slots of the
+  last `min(num_new[i], num_tokens)` positions in order (the first `width`),
+  then -1; positions outside a sliding window, empty slots, swapped-out
+  sequences and out-of-range ids give -1 (unchecked; `pj.checked(bm)` raises
+  InvalidArgumentError for an out-of-range id).
+
+  Args:
+    state: the manager state.
+    seq_ids: int32[B] slots, -1 for padding.
+    num_new: int32[B] tokens per row.
+    width: static Python int, the columns of the result.
+  """
   cfg = state.cfg
   s, bs, m = cfg.max_seqs, cfg.block_size, cfg.max_blocks_per_seq
-  seq_ids = _as_i32(seq_ids).reshape(-1)
+  seq_ids = _seq_ids(seq_ids)
   real = (seq_ids >= 0) & (seq_ids < s)
   safe = jnp.clip(seq_ids, 0, s - 1)
   n = jnp.where(real & (state.device[safe] == ON_GPU), state.num_tokens[safe], 0)
-  count = jnp.clip(_as_i32(num_new).reshape(-1), 0, n)
+  count = jnp.clip(_int_array("num_new", num_new, seq_ids.shape), 0, n)
   col = jnp.arange(width, dtype=i32)[None, :]
   position = (n - count)[:, None] + col
   block = state.tables[safe[:, None], jnp.clip(position // bs, 0, m - 1)]
@@ -729,7 +1036,7 @@ def access_all_blocks_in_seq(state: BlockManagerState, seq_id, now) -> BlockMana
   if not state.cfg.enable_prefix_caching:
     return state
   s = state.cfg.max_seqs
-  seq, now = _as_i32(seq_id), _as_i32(now)
+  seq, now = _scalar("seq_id", seq_id), _scalar("now", now)
   safe = jnp.clip(seq, 0, s - 1)
   row = state.tables[safe]
   for on_gpu, dev in ((True, ON_GPU), (False, ON_CPU)):
@@ -750,8 +1057,10 @@ def mark_blocks_as_computed(state: BlockManagerState, seq_ids, num_computed_toke
   if state.gpu.content is None:
     return state
   s, bs, m = cfg.max_seqs, cfg.block_size, cfg.max_blocks_per_seq
-  seq_ids = _as_i32(seq_ids).reshape(-1)
-  c = jnp.broadcast_to(_as_i32(num_computed_tokens), seq_ids.shape)
+  seq_ids = _seq_ids(seq_ids)
+  c = jnp.asarray(num_computed_tokens)
+  c = jnp.broadcast_to(_int_array("num_computed_tokens", c, () if c.ndim == 0 else seq_ids.shape),
+                       seq_ids.shape)
   real = (seq_ids >= 0) & (seq_ids < s)
   safe = jnp.clip(seq_ids, 0, s - 1)
   upto = jnp.minimum(c, state.num_tokens[safe]) // bs
@@ -768,7 +1077,7 @@ def get_common_computed_block_ids(state: BlockManagerState, seq_ids):
   """(int32[max_blocks_per_seq] ids padded with -1, count) common to all sequences."""
   cfg = state.cfg
   s, bs, m = cfg.max_seqs, cfg.block_size, cfg.max_blocks_per_seq
-  seq_ids = _as_i32(seq_ids).reshape(-1)
+  seq_ids = _seq_ids(seq_ids)
   if state.gpu.content is None:
     return jnp.full(m, NO_BLOCK, i32), i32(0)
   real = (seq_ids >= 0) & (seq_ids < s)
@@ -841,17 +1150,43 @@ class BlockSpaceManager:
 
   @staticmethod
   def swap_out(state: BlockManagerState, seq_ids):
-    """Moves a group from the GPU pool to the CPU pool; the SwapPlan lists (gpu, cpu) pairs."""
+    """Moves a group from the GPU pool to the CPU pool.
+
+    Shared blocks move once; with caching, a block whose content the CPU pool
+    holds is shared there instead of copied.
+
+    Args:
+      state: the manager state.
+      seq_ids: int32[B] slots, -1 for padding.
+
+    Returns:
+      (new state, SwapPlan): `count` (gpu block, cpu block) pairs to copy
+      (capacity `B * max_blocks_per_seq`), and `status`: OK or the first of
+      INVALID_ARGUMENT, NOT_ALLOCATED, WRONG_DEVICE (a sequence on the CPU),
+      SWAP_SPACE_EXHAUSTED. A failed call changes nothing.
+
+    Raises:
+      ValueError: `seq_ids` is not a 1-D integer array (static).
+    """
     return _swap(state, seq_ids, to_gpu=False)
 
   @staticmethod
   def swap_in(state: BlockManagerState, seq_ids):
-    """Moves a group from the CPU pool to the GPU pool; the SwapPlan lists (cpu, gpu) pairs."""
+    """Moves a group from the CPU pool to the GPU pool.
+
+    Like `swap_out` the other way; with caching, the GPU lookups count for
+    the hit rate.
+
+    Returns:
+      (new state, SwapPlan) of (cpu block, gpu block) pairs; status OK or the
+      first of INVALID_ARGUMENT, NOT_ALLOCATED, WRONG_DEVICE (a sequence on
+      the GPU), OUT_OF_BLOCKS.
+    """
     return _swap(state, seq_ids, to_gpu=True)
 
   @staticmethod
   def get_block_table(state: BlockManagerState, seq_id) -> jax.Array:
-    return get_block_tables(state, _as_i32(seq_id)[None])[0]
+    return get_block_tables(state, _scalar("seq_id", seq_id)[None])[0]
 
   @staticmethod
   def num_free_gpu_blocks(state: BlockManagerState) -> jax.Array:

@@ -7,6 +7,8 @@ them. Writes are masked by ``ok`` so that a failed call changes nothing.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -47,7 +49,8 @@ def running_count_and_total(flags: jax.Array) -> tuple[jax.Array, jax.Array]:
   XLA:CPU lowers cumsum to reduce-windows that cost several ns per entry, a
   large part of a decode step at batch 1024. Instead the flags are packed 32
   to a word: an entry's count is the popcount of its word up to itself plus
-  the running total of the words before.
+  the running total of the words before (1.1 us instead of 3.5 us for
+  XLA:CPU's cumsum at 1024 entries, benchmarks/RESULTS.md).
   """
   n = flags.shape[0]
   packed = _packed(flags)
@@ -172,6 +175,53 @@ def _smallest_reaching(key: jax.Array, among: jax.Array, count: jax.Array) -> ja
 
   lo, _ = lax.while_loop(lambda bounds: bounds[0] < bounds[1], step, (lo, hi))
   return lo
+
+
+class Takes(NamedTuple):
+  """The blocks one call takes from a pool, ranked in the order the call needs them."""
+
+  rank: jax.Array       # int32[E]: take rank of each entry of the call (meaningful where it takes)
+  count: jax.Array      # int32 scalar: how many entries take
+  blocks: jax.Array     # int32[E]: the block that take rank r gets (r < count)
+  evicted: jax.Array    # bool[E]: whether that block is evicted from the cache
+  revived: jax.Array    # int32 scalar: unreferenced cached blocks that the call's hits revive
+
+  def block_of(self, need: jax.Array) -> jax.Array:
+    """The block each entry of `need` (the call's take mask) gets, -1 where it takes none."""
+    return jnp.where(need, self.blocks[self.rank].reshape(need.shape), NO_BLOCK)
+
+  def valid(self) -> jax.Array:
+    """bool[E]: the take ranks in use."""
+    return jnp.arange(self.blocks.shape[0]) < self.count
+
+  def exceed(self, pool: Pool) -> jax.Array:
+    """Whether the takes exceed the free blocks left after the revived hits (bool scalar)."""
+    return self.count > pool.num_free() - self.revived
+
+
+def plan_takes(pool: Pool, need: jax.Array, pinned: jax.Array,
+               revived: jax.Array = jnp.int32(0)) -> Takes:
+  """Ranks the takes of a call and finds the block of each rank.
+
+  Args:
+    pool: the pool at the start of the call.
+    need: bool[...] entries that take a block, ranked in row-major order.
+    pinned: int32[...] blocks the call's hits reference (never evicted; -1 skipped).
+    revived: int32 scalar, distinct unreferenced blocks with content among `pinned`.
+  """
+  flat = need.ravel()
+  capacity = flat.shape[0]
+  running, count = running_count_and_total(flat)
+  blocks, evicted = taken_blocks(pool, count, capacity, pinned)
+  return Takes(rank=jnp.clip(running - 1, 0, max(capacity - 1, 0)), count=count, blocks=blocks,
+               evicted=evicted, revived=revived)
+
+
+def no_takes() -> Takes:
+  """The Takes of a call that takes nothing (free, fork, the source pool of a swap)."""
+  none = jnp.zeros(0, jnp.int32)
+  return Takes(rank=none, count=jnp.int32(0), blocks=none, evicted=jnp.zeros(0, bool),
+               revived=jnp.int32(0))
 
 
 def release_pushes(pool: Pool, events: jax.Array, final_ref: jax.Array) -> jax.Array:

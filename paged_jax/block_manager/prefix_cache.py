@@ -11,11 +11,13 @@ so a hash collision costs time, never correctness.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from paged_jax.block_manager.pool import masked, running_count, take
+from paged_jax.block_manager.pool import Takes, masked, running_count, take
 from paged_jax.block_manager.state import NO_BLOCK, ContentIndex, Pool
 
 # Odd bases of the two polynomial hash lanes (invertible mod 2**32).
@@ -319,22 +321,37 @@ def insert(c: ContentIndex, blocks: jax.Array, hashes: jax.Array) -> ContentInde
           blocks, mode="drop"))
 
 
-def commit_content(pool: Pool, ok: jax.Array, *, revived: jax.Array,
-                   taken: jax.Array, taken_valid: jax.Array, evicted: jax.Array,
-                   releases: jax.Array, pushed: jax.Array,
-                   reg_blocks: jax.Array, reg_hash: jax.Array,
-                   reg_parent: jax.Array, reg_salt: jax.Array,
-                   reg_tokens: jax.Array, reg_hashed: jax.Array) -> Pool:
+class Registrations(NamedTuple):
+  """Content identities of the blocks a call fills, one entry per candidate block."""
+
+  blocks: jax.Array             # int32[E]: the block to register (-1: none)
+  hash: jax.Array               # uint32[E, 2]
+  parent: jax.Array             # int32[E]: the block of the previous prefix (-1: none)
+  salt: jax.Array               # int32[E]
+  tokens: jax.Array             # int32[E, block_size]: the block's own tokens
+  num_hashed_tokens: jax.Array  # int32[E]: prefix length through the block
+
+  @classmethod
+  def none(cls, block_size: int) -> Registrations:
+    empty = jnp.zeros(0, jnp.int32)
+    return cls(blocks=empty, hash=jnp.zeros((0, 2), jnp.uint32), parent=empty, salt=empty,
+               tokens=jnp.zeros((0, block_size), jnp.int32), num_hashed_tokens=empty)
+
+
+def commit_content(pool: Pool, ok: jax.Array, *, takes: Takes, releases: jax.Array,
+                   pushed: jax.Array, registrations: Registrations) -> Pool:
   """Applies one call's effects on a cached pool's content index (if `ok`).
 
   Args:
     pool: the pool after `commit_pool` (reference counts already final).
     ok: whether the call succeeds.
-    revived: int32 scalar, distinct unreferenced blocks with content that hits revive.
-    taken, taken_valid, evicted: from `taken_blocks` (per take rank).
+    takes: the call's takes from this pool (evictions, revived hits).
     releases, pushed: release events and which of them freed their block.
-    reg_*: registrations (blocks -1 skipped): identity of blocks that became full.
+    registrations: identities of the blocks that became full.
   """
+  taken, evicted, revived = takes.blocks, takes.evicted, takes.revived
+  taken_valid = takes.valid()
+  reg = registrations
   c = pool.content
   n = pool.num_blocks
   num_evicted = jnp.sum(taken_valid & evicted)
@@ -348,15 +365,16 @@ def commit_content(pool: Pool, ok: jax.Array, *, revived: jax.Array,
   rel_rank = running_count(to_evictor) - 1
   c = c.replace(release_time=c.release_time.at[masked(releases, to_evictor, n)].set(
       c.release_clock + rel_rank, mode="drop"))
-  reg_ok = (reg_blocks >= 0) & ok
-  idx = masked(reg_blocks, reg_ok, n)
+  reg_ok = (reg.blocks >= 0) & ok
+  idx = masked(reg.blocks, reg_ok, n)
   c = c.replace(has_content=c.has_content.at[idx].set(True, mode="drop"),
-                hash=c.hash.at[idx].set(reg_hash, mode="drop"),
-                parent=c.parent.at[idx].set(reg_parent, mode="drop"),
-                salt=c.salt.at[idx].set(reg_salt, mode="drop"),
-                tokens=c.tokens.at[idx].set(reg_tokens, mode="drop"),
-                num_hashed_tokens=c.num_hashed_tokens.at[idx].set(reg_hashed, mode="drop"))
-  c = insert(c, jnp.where(reg_ok, reg_blocks, NO_BLOCK), reg_hash)
+                hash=c.hash.at[idx].set(reg.hash, mode="drop"),
+                parent=c.parent.at[idx].set(reg.parent, mode="drop"),
+                salt=c.salt.at[idx].set(reg.salt, mode="drop"),
+                tokens=c.tokens.at[idx].set(reg.tokens, mode="drop"),
+                num_hashed_tokens=c.num_hashed_tokens.at[idx].set(reg.num_hashed_tokens,
+                                                                  mode="drop"))
+  c = insert(c, jnp.where(reg_ok, reg.blocks, NO_BLOCK), reg.hash)
   pushed_to_evictor = jnp.sum(to_evictor)
   c = c.replace(
       release_clock=c.release_clock + pushed_to_evictor,

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from paged_jax.config import CacheConfig, Status
 
@@ -50,7 +53,7 @@ class Pool:
   `next_fresh + 1`, ...), then the `free_stack` (last released first), then
   eviction of unreferenced blocks with content (cached pools only). The
   uncached pool starts with every block on the stack ``[0, ..., N-1]`` and no
-  never-used counter, which is the seed's UncachedBlockAllocator.
+  never-used counter, which is vLLM's v1 UncachedBlockAllocator.
   """
 
   ref_count: jax.Array        # int32[N]
@@ -99,15 +102,46 @@ class BlockManagerState:
   num_hits: jax.Array         # int32 scalar
 
 
-@flax.struct.dataclass
-class OpResult:
-  """Result of allocate, fork and free."""
+def _field_repr(name: str, value) -> str:
+  """`name=value`, with a concrete status shown by its name (`Status.OK`)."""
+  if name != "status" or isinstance(value, jax.core.Tracer):
+    return f"{name}={value!r}"
+  codes = np.asarray(value)
+  try:
+    names = [f"Status.{Status(int(code)).name}" for code in codes.ravel()]
+  except ValueError:     # not a Status code
+    return f"{name}={value!r}"
+  if codes.ndim == 0:
+    return f"{name}={names[0]}"
+  return f"{name}=[{', '.join(names)}]"
+
+
+class _ShowsStatus:
+  """A `__repr__` that names the status: ``OpResult(status=Status.OK)``."""
+
+  def __repr__(self):
+    fields = ", ".join(_field_repr(f.name, getattr(self, f.name))
+                       for f in dataclasses.fields(self))
+    return f"{type(self).__name__}({fields})"
+
+
+@flax.struct.dataclass(repr=False)
+class OpResult(_ShowsStatus):
+  """Result of fork and free."""
 
   status: jax.Array           # int32 scalar, a Status
 
 
-@flax.struct.dataclass
-class CopyPlan:
+@flax.struct.dataclass(repr=False)
+class AllocateResult(_ShowsStatus):
+  """Result of allocate: the status and the prompt blocks found in the prefix cache."""
+
+  status: jax.Array           # int32 scalar, a Status
+  num_hit_blocks: jax.Array   # int32 scalar: prefix-cache hits of the call (0 if none or failed)
+
+
+@flax.struct.dataclass(repr=False)
+class CopyPlan(_ShowsStatus):
   """Copy-on-write pairs: copy block `src[i]` to `dst[i]` for i < count (-1 after)."""
 
   src: jax.Array
@@ -116,8 +150,8 @@ class CopyPlan:
   status: jax.Array
 
 
-@flax.struct.dataclass
-class SwapPlan:
+@flax.struct.dataclass(repr=False)
+class SwapPlan(_ShowsStatus):
   """Blocks to move between devices: `src[i]` (source pool) to `dst[i]` (destination)."""
 
   src: jax.Array

@@ -1,8 +1,8 @@
 """Plain-Python block pools of the reference block manager.
 
-The objects follow the seed's reading of vLLM's ``block_manager_v1.py``
+The objects follow a reading of vLLM's ``block_manager_v1.py``
 (``PhysicalTokenBlock``, ``UncachedBlockAllocator``, ``CachedBlockAllocator``,
-``LRUEvictor``) with the exact rules of DESIGN.md section 4, "Pools". They are
+``LRUEvictor``) with the exact pool rules of docs/semantics.md. They are
 deliberately simple: lists, dicts and linear scans.
 
 A pool hands blocks out with ``take`` (ref count 0, no content) and the caller

@@ -1,16 +1,18 @@
-"""Plain-Python reference model of the block manager (DESIGN.md section 4).
+"""Plain-Python reference model of the block manager (docs/semantics.md).
 
 ``ReferenceBlockSpaceManager`` is the oracle that the jitted
 ``paged_jax.block_manager`` is checked against: same tables, ref counts,
 plans, statuses, free counts and hit rates on every operation sequence. It is
-sequential and simple on purpose. Every mutating call runs the phases of
-DESIGN section 4 ("One call, in phases") literally, on a deep copy of the
-state that is only kept when the call succeeds, so a failed call changes
-nothing, counters included.
+sequential and simple on purpose. Every mutating call runs the phases of one
+call (docs/semantics.md) literally, on a deep copy of the state that is only
+kept when the call succeeds, so a failed call changes nothing, counters
+included.
 
 Block tables hold block numbers, one entry per logical block, -1 where a
 block left the sliding window. Host-side queries raise ValueError for bad
-arguments; mutating calls report them as a ``Status``.
+arguments, except the admission queries (``can_*``), which answer no for a
+group that their operation would refuse; mutating calls report them as a
+``Status``.
 """
 
 from __future__ import annotations
@@ -94,23 +96,39 @@ class ReferenceBlockSpaceManager:
 
   def can_append_slots(self, seq_ids: Sequence[int],
                        num_lookahead_slots: int = 0) -> bool:
-    """Whether one new token per sequence (plus lookahead) surely fits."""
+    """Whether one new token per sequence (plus lookahead) surely fits.
+
+    False for a group that ``append_slots`` would refuse for an argument or
+    device error (bad or repeated ids, an empty slot, a sequence on the CPU).
+    """
     _check_lookahead(num_lookahead_slots)
-    group = self._query_group(seq_ids)
+    if self._refuses(seq_ids, device="gpu"):
+      return False
     per_seq = 1 + self.cfg.blocks_for(num_lookahead_slots)
-    return self.num_free_gpu_blocks() >= len(group) * per_seq
+    return self.num_free_gpu_blocks() >= len(_non_padding(seq_ids)) * per_seq
 
   def can_swap_out(self, seq_ids: Sequence[int]) -> bool:
-    """Whether the CPU pool has a block for every distinct GPU block."""
-    group = self._query_group(seq_ids)
-    num_blocks = len(self._distinct_blocks(group, "gpu"))
+    """Whether the CPU pool has a block for every distinct GPU block.
+
+    False for a group that ``swap_out`` would refuse for an argument or
+    device error.
+    """
+    if self._refuses(seq_ids, device="gpu"):
+      return False
+    num_blocks = len(self._distinct_blocks(_non_padding(seq_ids), "gpu"))
     return num_blocks <= self.num_free_cpu_blocks()
 
   def can_swap_in(self, seq_ids: Sequence[int],
                   num_lookahead_slots: int = 0) -> AllocStatus:
-    """Whether the group's CPU blocks (plus growth) fit on the GPU."""
+    """Whether the group's CPU blocks (plus growth) fit on the GPU.
+
+    NEVER for a group that ``swap_in`` would refuse for an argument or device
+    error.
+    """
     _check_lookahead(num_lookahead_slots)
-    group = self._query_group(seq_ids)
+    if self._refuses(seq_ids, device="cpu"):
+      return AllocStatus.NEVER
+    group = _non_padding(seq_ids)
     per_seq = 1 + self.cfg.blocks_for(num_lookahead_slots)
     required = len(self._distinct_blocks(group, "cpu")) + len(group) * per_seq
     if self.cfg.num_gpu_blocks < required:
@@ -146,6 +164,13 @@ class ReferenceBlockSpaceManager:
     status, _ = self._atomically(
         lambda: (self._allocate(group, tokens, salt), []))
     return status
+
+  def allocate_counting_hits(self, seq_ids: Sequence[int], token_ids: Sequence[int],
+                             num_tokens: int, salt: int = 0) -> tuple[Status, int]:
+    """``allocate``, and how many prompt blocks it found in the prefix cache."""
+    hits = self._state.hits
+    status = self.allocate(seq_ids, token_ids, num_tokens, salt)
+    return status, self._state.hits - hits
 
   def append_slots(
       self, seq_ids: Sequence[int], new_token_ids: Sequence[Sequence[int]],
@@ -404,6 +429,11 @@ class ReferenceBlockSpaceManager:
           f"seq_ids must be distinct ids in 0..{self.cfg.max_seqs - 1} or -1 "
           f"(padding), got {list(seq_ids)}")
     return _non_padding(seq_ids)
+
+  def _refuses(self, seq_ids: Sequence[int], device: str) -> bool:
+    """Whether an op on ``device`` refuses the group with an argument or device error."""
+    return (_ids_invalid(seq_ids, self.cfg.max_seqs) or
+            self._slot_status(_non_padding(seq_ids), device) != Status.OK)
 
   def _slot_status(self, group: list[int], device: str | None) -> Status:
     """NOT_ALLOCATED, else WRONG_DEVICE (unless ``device`` is None), else OK."""
