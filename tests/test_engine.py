@@ -73,7 +73,7 @@ def _tokens(finals):
 def reference(model):
   """One sequence at a time, whole prompts: no chunking, no preemption."""
   engine = pj.LLMEngine(model, TOKENIZER, CFG, max_num_seqs=2,
-                        max_num_batched_tokens=64)
+                        max_num_batched_tokens=64, num_decode_steps=4)
   finals, _ = _serve(engine, _requests())
   assert engine.stats.preemptions == 0
   _all_blocks_free(engine)
@@ -121,7 +121,7 @@ def test_stop_strings_spanning_tokens_abort_and_streaming(model, reference):
   text = reference["0"].outputs[0].text
   stop = text[3:6]                       # three bytes: three tokens
   start = text.index(stop)
-  engine = pj.LLMEngine(model, TOKENIZER, CFG, num_decode_steps=2)
+  engine = pj.LLMEngine(model, TOKENIZER, CFG, num_decode_steps=4)
   requests = _requests()
   requests[0] = ("0", requests[0][1], dataclasses.replace(
       GREEDY, stop=["no such text", stop], output_kind="delta"))
@@ -162,7 +162,8 @@ def test_stop_strings_spanning_tokens_abort_and_streaming(model, reference):
 
 
 def test_requests_that_cannot_fit_fail_without_blocking_the_queue(model):
-  engine = pj.LLMEngine(model, TOKENIZER, CFG, max_num_seqs=4)
+  engine = pj.LLMEngine(model, TOKENIZER, CFG, max_num_seqs=4,
+                        num_decode_steps=4)
   engine.add_request("wide", "A" * 40, pj.SamplingParams(max_tokens=8, n=4))
   engine.add_request("many", "A", pj.SamplingParams(n=5))
   engine.add_request("long", "B" * 64, GREEDY)
@@ -199,7 +200,7 @@ def test_bad_engine_arguments_and_requests_raise(model):
     pj.LLMEngine(model, TOKENIZER, CFG, preemption_mode="kill")
   with pytest.raises(ValueError, match="max_num_seqs"):
     pj.LLMEngine(model, TOKENIZER, CFG, max_num_seqs=7)
-  engine = pj.LLMEngine(model, None, CFG)
+  engine = pj.LLMEngine(model, None, CFG, num_decode_steps=4)
   with pytest.raises(ValueError, match="needs a tokenizer"):
     engine.add_request("a", "text")
   with pytest.raises(ValueError, match="outside 0..257"):
@@ -240,7 +241,7 @@ class _OwnModel(nnx.Module):
 def test_serves_a_model_of_its_own_that_follows_the_protocol():
   own = _OwnModel(nnx.Rngs(1))
   assert isinstance(own, pj.ModelProtocol)
-  llm = pj.LLM(own, TOKENIZER, CFG)
+  llm = pj.LLM(own, TOKENIZER, CFG, num_decode_steps=4)
   (out,) = llm.generate("HELLO", pj.SamplingParams(max_tokens=6,
                                                    ignore_eos=True))
   tokens = list(TOKENIZER.encode("HELLO"))

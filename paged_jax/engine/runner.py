@@ -179,7 +179,9 @@ class ModelRunner:
     dtype = jnp.dtype(mc.dtype if kv_cache_dtype is None else kv_cache_dtype)
     self.kv = KVCache.create(cfg, mc.num_layers, mc.num_kv_heads, mc.head_dim,
                              dtype=dtype)
-    self.state = self.bm.init()
+    # The state lives where the pages do, so that every jitted call sees
+    # the same input shardings before and after its first run (one compile).
+    self.state = jax.device_put(self.bm.init(), self.kv.k[0].sharding)
     self.num_logprobs, self.stop_width = num_logprobs, stop_width
     s = cfg.max_seqs
     key_words = jax.random.key_data(jax.random.key(0)).shape[-1]
@@ -299,7 +301,7 @@ class ModelRunner:
       tokens[row, :chunk.size] = chunk
       positions[row, :chunk.size] = np.arange(start, start + chunk.size)
       slots[row] = slot
-    num_draws = bucket(max(len(samples), 1))
+    num_draws = self.cfg.max_seqs   # one compile, whatever the samples
     chunk_of = np.zeros(num_draws, np.int32)
     sample_slots = np.zeros(num_draws, np.int32)
     for i, (chunk, slot) in enumerate(samples):
