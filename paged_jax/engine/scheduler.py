@@ -253,13 +253,13 @@ class Scheduler:
     Raises:
       RuntimeError: if it is the only group running (it can never fit).
     """
-    if len(self.running) < 2:
-      group = self.running[0]
+    candidates = [g for g in self.running if not g.finished]
+    if len(candidates) < 2:
       raise RuntimeError(
-          f"request {group.request_id!r} ran out of GPU blocks with nothing "
-          f"else running ({self.runner.num_free_gpu_blocks()} free of "
+          f"request {candidates[0].request_id!r} ran out of GPU blocks with "
+          f"nothing else running ({self.runner.num_free_gpu_blocks()} free of "
           f"{self.runner.cfg.num_gpu_blocks})")
-    group = max(self.running, key=lambda g: g.arrival)
+    group = max(candidates, key=lambda g: g.arrival)
     self.running.remove(group)
     self.num_preemptions += 1
     live = group.live()
