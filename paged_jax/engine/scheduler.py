@@ -89,8 +89,9 @@ class Scheduler:
     runner: the `ModelRunner` whose manager state the decisions read.
     max_num_seqs: sequences that run at once at most.
     max_num_batched_tokens: tokens one round runs through the model at most.
-    preemption_mode: "recompute" or "swap" (falls back to recompute when the
-      host pool has no room).
+    preemption_mode: "recompute" or "swap". Groups of several sequences are
+      swapped in either mode; swap falls back to recompute when the host pool
+      has no room.
   """
 
   def __init__(self, runner: ModelRunner, max_num_seqs: int,
@@ -105,6 +106,9 @@ class Scheduler:
     self.free_slots = list(range(runner.cfg.max_seqs))
     self.num_preemptions = 0
     self.prefill_tokens = 0
+    # After a preemption the running groups decode before anything is
+    # admitted or swapped in, or the victim would come straight back.
+    self._preempted = False
 
   def has_unfinished(self) -> bool:
     return bool(self.waiting or self.running or self.swapped)
@@ -144,14 +148,17 @@ class Scheduler:
       `(chunks, failed)`: `(group, seq, tokens, start)` prefill chunks, and
       groups at the head of the queue that can never be admitted (taken out).
     """
-    self._swap_in()
+    preempted, self._preempted = self._preempted, False
+    if not preempted:
+      self._swap_in()
     budget = self.max_num_batched_tokens - int(
         np.sum(self.runner.seq_ids >= 0))
     chunks = []
     for group in self.running:
       budget = self._plan_chunks(group, budget, chunks)
     failed = []
-    while self.waiting and not self.swapped and budget > 0:
+    while (self.waiting and not self.swapped and budget > 0
+           and not preempted):
       group = self.waiting[0]
       status = self._admissible(group)
       if status == AllocStatus.NEVER:
@@ -182,6 +189,9 @@ class Scheduler:
     else:
       needed = sum(cfg.blocks_for(len(group.prompt_token_ids)
                                   + len(s.token_ids) - 1) for s in live)
+      if cfg.enable_prefix_caching:   # the prompt's full blocks are shared
+        needed -= (len(live) - 1) * (len(group.prompt_token_ids)
+                                     // cfg.block_size)
       free = self.runner.num_free_gpu_blocks() - cfg.watermark_blocks
       status = AllocStatus.OK if needed <= free else AllocStatus.LATER
     if status == AllocStatus.OK and not seqs_ok:
@@ -262,11 +272,15 @@ class Scheduler:
     group = max(candidates, key=lambda g: g.arrival)
     self.running.remove(group)
     self.num_preemptions += 1
+    self._preempted = True
     live = group.live()
     slots = [s.slot for s in live]
     decoding = all(s.prefill is None for s in live)
-    if (self.preemption_mode == "swap" and decoding
-        and self.runner.can_swap_out(slots)):
+    # As in vLLM, a group of several sequences is swapped whatever the mode
+    # (prefilled again, its sequences would share no blocks), unless the
+    # host pool has no room.
+    swap = self.preemption_mode == "swap" or len(live) > 1
+    if swap and decoding and self.runner.can_swap_out(slots):
       self.runner.swap_out(slots)
       self.swapped.append(group)
       return group
