@@ -95,7 +95,8 @@ def test_outputs_do_not_depend_on_scheduling(model, reference, mode, budget,
       o.text for o in reference["2"].outputs]
   stats = engine.stats
   assert stats.preemptions > 0
-  assert (stats.swaps > 0) == (mode == "swap")
+  if mode == "swap":
+    assert stats.swaps > 0
   if budget < 20:   # the longest prompt needs several chunks
     assert stats.prefill_tokens >= stats.prompt_tokens - 4 * 3
   _all_blocks_free(engine)
