@@ -1,7 +1,7 @@
 """paged_jax: vLLM's PagedAttention KV-cache manager as pure, jittable JAX."""
 
 from paged_jax.block_manager import (
-    AlreadyAllocatedError, BlockManagerState, BlockSpaceManager, CopyPlan,
+    AllocateResult, AlreadyAllocatedError, BlockManagerState, BlockSpaceManager, CopyPlan,
     DoubleFreeError, InvalidArgumentError, NotAllocatedError, OpResult,
     OutOfBlocksError, PagedCacheError, SwapPlan, SwapSpaceExhaustedError,
     TableFullError, WrongDeviceError, check_invariants, checked)
@@ -14,7 +14,7 @@ from paged_jax.kv_cache import (
     num_cpu_blocks_for_swap_space, num_gpu_blocks_for_memory, swap_in, swap_out, write_kv)
 
 __all__ = [
-    "AllocStatus", "AlreadyAllocatedError", "BlockManagerState", "BlockSpaceManager",
+    "AllocStatus", "AllocateResult", "AlreadyAllocatedError", "BlockManagerState", "BlockSpaceManager",
     "CacheConfig", "CopyPlan", "DoubleFreeError", "InvalidArgumentError",
     "NotAllocatedError", "OpResult", "OutOfBlocksError", "PagedCacheError", "Status",
     "SwapPlan", "SwapSpaceExhaustedError", "TableFullError", "WrongDeviceError",
