@@ -75,17 +75,19 @@ def make_mesh(data: int = 1, model: int = 1, devices=None) -> jax.sharding.Mesh:
   return jax.sharding.Mesh(grid, AXES)
 
 
-def check_mesh(mesh: jax.sharding.Mesh, num_q_heads: int,
-               num_kv_heads: int) -> None:
-  """Checks that ``mesh`` can shard a model's attention heads.
-
-  Raises:
-    ValueError: if the axes are not ``("data", "model")``, or the heads do
-      not split evenly over ``"model"``.
-  """
+def check_axes(mesh: jax.sharding.Mesh) -> None:
+  """Raises ValueError unless ``mesh`` has the axes ``("data", "model")``."""
   if tuple(mesh.axis_names) != AXES:
     raise ValueError(f"mesh axes must be {AXES}, got {mesh.axis_names}")
-  tp = mesh.shape["model"]
+
+
+def check_heads(num_q_heads: int, num_kv_heads: int, tp: int) -> None:
+  """Checks that attention heads split evenly over ``tp`` model shards.
+
+  Raises:
+    ValueError: if ``tp`` does not divide ``num_q_heads``, or
+      ``num_kv_heads`` and ``tp`` do not divide one another.
+  """
   if num_q_heads % tp:
     raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of the "
                      f"model axis ({tp})")
@@ -152,21 +154,29 @@ def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh) -> nnx.Module:
     A new model whose parameters are sharded arrays.
 
   Raises:
-    ValueError: see ``check_mesh``.
+    ValueError: see ``check_axes`` and ``check_heads``.
   """
   config = model.config
-  check_mesh(mesh, config.num_q_heads, config.num_kv_heads)
+  check_axes(mesh)
+  check_heads(config.num_q_heads, config.num_kv_heads, mesh.shape["model"])
   graphdef, state = nnx.split(model)
   tp = mesh.shape["model"]
 
   def place(path, value):
-    name = "/".join(str(getattr(key, "key", getattr(key, "idx", key)))
-                    for key in path)
+    name = "/".join(_key_name(key) for key in path)
+    name = name.removesuffix("/value")  # the nnx.Variable's array
     spec = partition_spec(name, value.shape, tp,
                           num_kv_heads=config.num_kv_heads)
     return jax.device_put(value, jax.sharding.NamedSharding(mesh, spec))
 
   return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(place, state))
+
+
+def _key_name(key) -> str:
+  for attr in ("key", "idx", "name"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
 
 
 def create_kv_cache(cfg, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -192,8 +202,9 @@ def create_kv_cache(cfg, num_layers: int, num_kv_heads: int, head_dim: int,
     ValueError: if ``num_kv_heads`` and the model axis do not divide one
       another.
   """
+  check_axes(mesh)
   tp = mesh.shape["model"]
-  check_mesh(mesh, tp * num_kv_heads, num_kv_heads)
+  check_heads(tp * num_kv_heads, num_kv_heads, tp)
   heads = stored_kv_heads(num_kv_heads, tp)
   device_sharding = jax.sharding.NamedSharding(mesh, P("model"))
   host_kind = kv_ops.host_memory_kind(mesh.devices.flat[0])
@@ -476,8 +487,7 @@ def serve_on_mesh(serve, requests, mesh: jax.sharding.Mesh,
   Raises:
     ValueError: if the mesh axes are wrong or a data shard spans processes.
   """
-  if tuple(mesh.axis_names) != AXES:
-    raise ValueError(f"mesh axes must be {AXES}, got {mesh.axis_names}")
+  check_axes(mesh)
   shards = place_requests(
       [r.n * (r.prompt.size + max_new_tokens) for r in requests],
       mesh.shape["data"])

@@ -97,6 +97,17 @@ def device_bytes(kv) -> dict[str, list[int]]:
   return result
 
 
+def weight_bytes(model, mesh) -> list[int]:
+  """Parameter bytes on each device of ``mesh`` after ``shard_model``."""
+  per_device = {}
+  params = gen.nnx.state(sharding.shard_model(model, mesh), gen.nnx.Param)
+  for array in jax.tree.leaves(params):
+    for shard in array.addressable_shards:
+      per_device[shard.device.id] = (per_device.get(shard.device.id, 0)
+                                     + shard.data.nbytes)
+  return [per_device[d] for d in sorted(per_device)]
+
+
 def collectives(hlo: str) -> list[list[str]]:
   """(op, result shape) of every collective in a compiled HLO text."""
   return [[op, shape] for shape, op in COLLECTIVE.findall(hlo)]
@@ -125,6 +136,45 @@ def step_collectives(model, mesh) -> dict[str, list[list[str]]]:
                                 ("swap_out", swaps[0]), ("swap_in", swaps[1]))}
 
 
+def ops_match(mesh) -> bool:
+  """Sharded copy_blocks, swap_out, swap_in equal the one-device ops.
+
+  Random pages (NaN in the never-written host pages) and random plans, on a
+  cache with 4 KV heads, so both layouts store the same heads.
+  """
+  rng = np.random.default_rng(1)
+  heads, head_dim = 4, 32
+  one = pj.KVCache.create(CFG, 2, heads, head_dim, dtype="float32")
+  many = sharding.create_kv_cache(CFG, 2, heads, head_dim, "float32", mesh)
+  pages = [rng.standard_normal(one.k[0].shape, np.float32) for _ in range(4)]
+  nan = np.full(one.k_host[0].shape, np.float32(np.nan)).view(np.uint32)
+
+  def fill(cache):
+    put = lambda x, s: jax.device_put(x, s)
+    return cache.replace(
+        k=tuple(put(p, cache.device_sharding) for p in pages[:2]),
+        v=tuple(put(p, cache.device_sharding) for p in pages[2:]),
+        k_host=tuple(put(nan, cache.host_sharding) for _ in range(2)),
+        v_host=tuple(put(nan, cache.host_sharding) for _ in range(2)))
+
+  blocks = rng.permutation(CFG.num_gpu_blocks).astype(np.int32)
+  cow = pj.CopyPlan(src=blocks[:6], dst=blocks[6:12], count=np.int32(5),
+                    status=np.int32(0))
+  out = pj.SwapPlan(src=blocks[12:20], dst=np.arange(8, dtype=np.int32),
+                    count=np.int32(7), status=np.int32(0))
+  back = pj.SwapPlan(src=np.arange(8, dtype=np.int32), dst=blocks[20:28],
+                     count=np.int32(7), status=np.int32(0))
+  results = []
+  for cache, ops in ((fill(one), pj), (fill(many), sharding)):
+    cache = ops.copy_blocks(cache, cow)
+    cache = ops.swap_out(cache, out)
+    cache = ops.swap_in(cache, back)
+    results.append([np.asarray(a) for a in cache.k + cache.v + cache.k_host
+                    + cache.v_host])
+  return all(np.array_equal(a, b, equal_nan=True)
+             for a, b in zip(*results))
+
+
 def single_process(out: str) -> None:
   model = load_tiny()
   reqs = requests()
@@ -133,6 +183,8 @@ def single_process(out: str) -> None:
   result["reference_logits"] = logits_of(model, None)
   result["unsharded_bytes"] = device_bytes(pj.KVCache.create(
       CFG, 4, 2, 32, dtype="float32"))
+  result["unsharded_weight_bytes"] = sum(
+      a.nbytes for a in jax.tree.leaves(gen.nnx.state(model, gen.nnx.Param)))
   for shape in MESHES:
     mesh = sharding.make_mesh(*shape)
     name = f"{shape[0]}x{shape[1]}"
@@ -144,8 +196,10 @@ def single_process(out: str) -> None:
         "bytes": device_bytes(sharding.create_kv_cache(
             CFG, 4, 2, 32, "float32", last_row)),
     }
+    result[name]["weight_bytes"] = weight_bytes(model, last_row)
     if shape != (2, 2):  # its rows are (1, 2) meshes, checked already
       result[name]["logits"] = logits_of(model, last_row)
+  result["ops_match"] = ops_match(sharding.make_mesh(1, 4))
   for shape in ((1, 2), (1, 4)):
     result[f"{shape[0]}x{shape[1]}"]["collectives"] = step_collectives(
         model, sharding.make_mesh(*shape))
