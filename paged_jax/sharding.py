@@ -3,7 +3,7 @@
 A mesh has the axes ``("data", "model")`` (``make_mesh``).
 
 Over ``"model"`` (tensor parallel) the weights are split the Megatron way
-(``partition_rules``: column-split q/k/v/gate/up, row-split o/down, the
+(``partition_spec``: column-split q/k/v/gate/up, row-split o/down, the
 embedding and the head split over the vocabulary), and the KV cache is split
 over KV heads (``create_kv_cache``). With fewer KV heads than model shards,
 each head is stored ``model // num_kv_heads`` times, so every shard holds one

@@ -61,7 +61,8 @@ def test_every_mesh_gives_the_single_device_tokens(meshes):
 
 
 def test_every_tensor_parallel_layout_gives_the_single_device_logits(meshes):
-  for name in ("1x2", "1x4", "2x4", "8x1"):
+  # Rows of the other meshes are these layouts on other devices.
+  for name in ("1x2", "2x4", "8x1"):
     for got, want in zip(meshes[name]["logits"], meshes["reference_logits"]):
       np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg=name)
 
@@ -214,9 +215,10 @@ def test_batched_states_match_one_state_per_shard():
   states, results = jax.jit(sharding.batched(manager.allocate))(
       states, seq_ids, tokens, lengths)
   assert (np.asarray(results.status) == 0).all()
+  allocate = jax.jit(manager.allocate)
   for shard in range(3):
-    one, _ = manager.allocate(bm.init(), seq_ids[shard], tokens[shard],
-                              lengths[shard])
+    one, _ = allocate(bm.init(), seq_ids[shard], tokens[shard],
+                      lengths[shard])
     mine = jax.tree.map(lambda x, s=shard: x[s], states)
     for got, want in zip(jax.tree.leaves(mine), jax.tree.leaves(one)):
       np.testing.assert_array_equal(got, want)
