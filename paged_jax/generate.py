@@ -187,11 +187,10 @@ def _decode_step(graphdef, params_state, sampling: SamplingParams, key,
   def advance(_):
     kv = sharding.copy_blocks(loop.kv, plan)
     num_tokens = bm.get_num_tokens(state, loop.seq_ids)
-    cache = sharding.paged_cache(kv=kv,
-                       block_tables=bm.get_block_tables(state, loop.seq_ids),
-                       slot_mapping=bm.get_slot_mapping(
-                           state, loop.seq_ids, running.astype(jnp.int32),
-                           width=1))
+    cache = sharding.paged_cache(
+        kv=kv, block_tables=bm.get_block_tables(state, loop.seq_ids),
+        slot_mapping=bm.get_slot_mapping(
+            state, loop.seq_ids, running.astype(jnp.int32), width=1))
     positions = jnp.where(running, num_tokens - 1, -1)[:, None]
     model = nnx.merge(graphdef, params_state)
     logits, cache = model(loop.last_token[:, None], positions, cache)
@@ -511,7 +510,8 @@ def generate(model: Llama, requests: Sequence[Request], cfg: CacheConfig,
     request `i` (EOS included when drawn), and the run's `GenerationStats`.
 
   Raises:
-    ValueError: if a request does not fit the cache configuration.
+    ValueError: if a request does not fit the cache configuration, or the
+      model's heads do not split over the mesh's "model" axis.
     RuntimeError: if the cache cannot make progress (too few blocks even
       after swapping out).
   """
