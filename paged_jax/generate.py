@@ -33,8 +33,8 @@ from paged_jax.block_manager.state import BlockManagerState
 from paged_jax.config import AllocStatus, CacheConfig, Status
 from paged_jax.kv_cache import KVCache
 from paged_jax import kv_cache as kv_ops
+from paged_jax import sharding
 from paged_jax.models.llama import Llama, init_dense_cache
-from paged_jax.models.paged import PagedCache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,13 +185,12 @@ def _decode_step(graphdef, params_state, sampling: SamplingParams, key,
                                 running.astype(jnp.int32))
 
   def advance(_):
-    kv = kv_ops.copy_blocks(loop.kv, plan)
+    kv = sharding.copy_blocks(loop.kv, plan)
     num_tokens = bm.get_num_tokens(state, loop.seq_ids)
-    cache = PagedCache(kv=kv,
-                       block_tables=bm.get_block_tables(state, loop.seq_ids),
-                       slot_mapping=bm.get_slot_mapping(
-                           state, loop.seq_ids, running.astype(jnp.int32),
-                           width=1))
+    cache = sharding.paged_cache(
+        kv=kv, block_tables=bm.get_block_tables(state, loop.seq_ids),
+        slot_mapping=bm.get_slot_mapping(
+            state, loop.seq_ids, running.astype(jnp.int32), width=1))
     positions = jnp.where(running, num_tokens - 1, -1)[:, None]
     model = nnx.merge(graphdef, params_state)
     logits, cache = model(loop.last_token[:, None], positions, cache)
@@ -243,7 +242,7 @@ def _decode_loop(graphdef, params_state, sampling: SamplingParams, key,
 def _paged_forward(graphdef, params_state, kv, tokens, positions, tables,
                    slots):
   """Prefill forward: logits of every token and the cache with their K/V."""
-  cache = PagedCache(kv=kv, block_tables=tables, slot_mapping=slots)
+  cache = sharding.paged_cache(kv=kv, block_tables=tables, slot_mapping=slots)
   logits, cache = nnx.merge(graphdef, params_state)(tokens, positions, cache)
   return logits, cache.kv
 
@@ -272,14 +271,20 @@ class _Driver:
   """Host side of `generate`: admission, prefill, preemption and results."""
 
   def __init__(self, model: Llama, cfg: CacheConfig, sampling: SamplingParams,
-               key: jax.Array, kv_cache_dtype=None):
+               key: jax.Array, kv_cache_dtype=None,
+               mesh: jax.sharding.Mesh | None = None):
     self.cfg, self.sampling, self.key = cfg, sampling, key
-    self.graphdef, self.params = nnx.split(model)
     self.bm = BlockSpaceManager(cfg)
     mc = model.config
-    self.kv = KVCache.create(
-        cfg, mc.num_layers, mc.num_kv_heads, mc.head_dim,
-        dtype=mc.compute_dtype if kv_cache_dtype is None else kv_cache_dtype)
+    dtype = mc.compute_dtype if kv_cache_dtype is None else kv_cache_dtype
+    if mesh is None:
+      self.kv = KVCache.create(cfg, mc.num_layers, mc.num_kv_heads,
+                               mc.head_dim, dtype=dtype)
+    else:
+      model = sharding.shard_model(model, mesh)
+      self.kv = sharding.create_kv_cache(cfg, mc.num_layers, mc.num_kv_heads,
+                                         mc.head_dim, dtype, mesh)
+    self.graphdef, self.params = nnx.split(model)
     s = cfg.max_seqs
     self.loop = _Loop(
         state=self.bm.init(), kv=None, seq_ids=jnp.full(s, -1, jnp.int32),
@@ -403,7 +408,7 @@ class _Driver:
           f"num_gpu_blocks ({self.cfg.num_gpu_blocks}) or num_cpu_blocks "
           f"({self.cfg.num_cpu_blocks})")
     state, plan = self.bm.swap_out(state, jnp.array([victim]))
-    self.kv = kv_ops.swap_out(self.kv, plan)
+    self.kv = sharding.swap_out(self.kv, plan)
     seq_ids[victim] = -1
     self.swapped.append(victim)
     self.stats.preemptions += 1
@@ -427,7 +432,7 @@ class _Driver:
         break
       state = swapped_in
       self.swapped.popleft()
-      self.kv = kv_ops.swap_in(self.kv, plan)
+      self.kv = sharding.swap_in(self.kv, plan)
       self.stats.swaps += int(plan.count)
       seq_ids[slot] = slot
     self.loop = self.loop.replace(state=state, seq_ids=jnp.asarray(seq_ids))
@@ -487,7 +492,7 @@ class _Driver:
 
 def generate(model: Llama, requests: Sequence[Request], cfg: CacheConfig,
              sampling: SamplingParams, key: jax.Array, *, progress=None,
-             kv_cache_dtype=None
+             kv_cache_dtype=None, mesh: jax.sharding.Mesh | None = None
              ) -> tuple[list[list[np.ndarray]], GenerationStats]:
   """Serves `requests` on a paged KV cache.
 
@@ -500,14 +505,18 @@ def generate(model: Llama, requests: Sequence[Request], cfg: CacheConfig,
     progress: optional callable, given the number of sequences that
       finished since its last call.
     kv_cache_dtype: dtype of the KV pages: None for the model's compute
-      dtype, or ``jnp.int8`` / ``jnp.float8_e4m3fn`` for a quantized cache.
+      dtype, or ``jnp.int8`` / ``jnp.float8_e4m3fn`` for a quantized cache
+      (one device only, for now).
+    mesh: a ``("data", "model")`` mesh to serve on (see
+      ``paged_jax.sharding``), or None for one device.
 
   Returns:
     `(outputs, stats)`: `outputs[i][j]` is the int32 tokens of sample `j` of
     request `i` (EOS included when drawn), and the run's `GenerationStats`.
 
   Raises:
-    ValueError: if a request does not fit the cache configuration.
+    ValueError: if a request does not fit the cache configuration, or the
+      model's heads do not split over the mesh's "model" axis.
     RuntimeError: if the cache cannot make progress (too few blocks even
       after swapping out).
   """
@@ -525,6 +534,18 @@ def generate(model: Llama, requests: Sequence[Request], cfg: CacheConfig,
         request.prompt.min()) < 0:
       raise ValueError(f"request {index} has token ids outside "
                        f"0..{model.config.vocab_size - 1}")
+  if mesh is not None:
+    if kv_cache_dtype is not None and jnp.dtype(kv_cache_dtype) in (
+        jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn)):
+      raise ValueError("a quantized kv_cache_dtype cannot be served on a mesh "
+                       "yet; pass mesh=None")
+
+    def serve(row_mesh, row_requests):
+      return _Driver(model, cfg, sampling, key, kv_cache_dtype,
+                     row_mesh).run(row_requests, progress)
+
+    return sharding.serve_on_mesh(serve, requests, mesh,
+                                  sampling.max_new_tokens, GenerationStats)
   return _Driver(model, cfg, sampling, key, kv_cache_dtype).run(requests,
                                                                 progress)
 

@@ -1,0 +1,220 @@
+"""What tests/sharding_worker.py runs: the tiny model on several CPU meshes.
+
+Each function writes what it saw as JSON for tests/test_sharding.py to check.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+
+import jax
+import numpy as np
+
+import paged_jax as pj
+from paged_jax import sharding
+from paged_jax.block_manager import manager
+from paged_jax.models import load_tiny
+
+# The module, not the function `paged_jax.generate` that shadows it.
+gen = importlib.import_module("paged_jax.generate")
+
+MESHES = ((1, 2), (1, 4), (2, 2), (2, 4), (8, 1))
+NUM_GPU_BLOCKS = 48  # distinctive, to find cache-sized arrays in the HLO
+CFG = pj.CacheConfig(block_size=8, num_gpu_blocks=NUM_GPU_BLOCKS,
+                     num_cpu_blocks=16, max_seqs=4, max_blocks_per_seq=8)
+SAMPLING = pj.SamplingParams(max_new_tokens=6)
+COLLECTIVE = re.compile(
+    r"= (\S+) (all-gather|all-to-all|collective-permute|all-reduce)"
+    r"(?:-start)?\(")
+
+
+def requests() -> list[pj.Request]:
+  rng = np.random.default_rng(0)
+  return [pj.Request(rng.integers(0, 258, size=n).astype(np.int32))
+          for n in (5, 13)]
+
+
+def tokens_of(outputs) -> list[list[int]]:
+  return [samples[0].tolist() for samples in outputs]
+
+
+def logits_of(model, mesh) -> list[list[float]]:
+  """Prefill logits of the prompts, then the logits of one decode step.
+
+  Shapes are those of ``generate``'s prefill, so its compile is reused.
+  """
+  bm = pj.BlockSpaceManager(CFG)
+  prompts = [r.prompt for r in requests()]
+  seqs = np.arange(len(prompts), dtype=np.int32)
+  lengths = np.array([p.size for p in prompts], np.int32)
+  state = bm.init()
+  for seq, prompt in zip(seqs, prompts):
+    tokens = np.zeros(CFG.max_tokens_per_seq, np.int32)
+    tokens[:prompt.size] = prompt
+    state, _ = gen._allocate(state, seqs[seq:seq + 1], tokens, prompt.size)
+  config = model.config
+  if mesh is None:
+    kv = pj.KVCache.create(CFG, config.num_layers, config.num_kv_heads,
+                           config.head_dim, dtype=config.compute_dtype)
+  else:
+    model = sharding.shard_model(model, mesh)
+    kv = sharding.create_kv_cache(CFG, config.num_layers, config.num_kv_heads,
+                                  config.head_dim, config.compute_dtype, mesh)
+  graphdef, params = gen.nnx.split(model)
+  width = 16
+  ids = np.zeros((len(prompts), width), np.int32)
+  positions = np.full((len(prompts), width), -1, np.int32)
+  for row, prompt in enumerate(prompts):
+    ids[row, :prompt.size] = prompt
+    positions[row, :prompt.size] = np.arange(prompt.size)
+  slots = gen._slot_mapping(state, seqs, lengths, width=width)
+  prefill, kv = gen._paged_forward(graphdef, params, kv, ids, positions,
+                                   gen._block_tables(state, seqs), slots)
+  last = np.asarray(prefill)[seqs, lengths - 1]
+  token = np.argmax(last, axis=-1).astype(np.int32)[:, None]
+  ones = np.ones(len(prompts), np.int32)
+  state, _ = manager.append_slots(state, seqs, token, ones)
+  decode, _ = gen._paged_forward(
+      graphdef, params, kv, token, lengths[:, None],
+      gen._block_tables(state, seqs),
+      gen._slot_mapping(state, seqs, ones, width=1))
+  valid = np.asarray(prefill)[positions >= 0]
+  return [valid.ravel().tolist(), np.asarray(decode).ravel().tolist()]
+
+
+def device_bytes(kv) -> dict[str, list[int]]:
+  """Bytes of device and host pages on each device, from the shardings."""
+  result = {}
+  for name, pages in (("device", kv.k + kv.v), ("host", kv.k_host + kv.v_host)):
+    per_device = {}
+    for array in pages:
+      for shard in array.addressable_shards:
+        per_device[shard.device.id] = (per_device.get(shard.device.id, 0)
+                                       + shard.data.nbytes)
+    result[name] = [per_device[d] for d in sorted(per_device)]
+  return result
+
+
+def weight_bytes(model, mesh) -> list[int]:
+  """Parameter bytes on each device of ``mesh`` after ``shard_model``."""
+  per_device = {}
+  params = gen.nnx.state(sharding.shard_model(model, mesh), gen.nnx.Param)
+  for array in jax.tree.leaves(params):
+    for shard in array.addressable_shards:
+      per_device[shard.device.id] = (per_device.get(shard.device.id, 0)
+                                     + shard.data.nbytes)
+  return [per_device[d] for d in sorted(per_device)]
+
+
+def collectives(hlo: str) -> list[list[str]]:
+  """(op, result shape) of every collective in a compiled HLO text."""
+  return [[op, shape] for shape, op in COLLECTIVE.findall(hlo)]
+
+
+def step_collectives(model, mesh) -> dict[str, list[list[str]]]:
+  """Collectives of the compiled decode loop, prefill and swaps on ``mesh``."""
+  driver = gen._Driver(model, CFG, SAMPLING, jax.random.key(0), mesh)
+  loop = driver.loop.replace(kv=driver.kv)
+  decode = gen._decode_loop.lower(driver.graphdef, driver.params, SAMPLING,
+                                  jax.random.key(0), loop, np.array(True))
+  rows, width = 2, 16
+  prefill = gen._paged_forward.lower(
+      driver.graphdef, driver.params, driver.kv,
+      np.zeros((rows, width), np.int32), np.zeros((rows, width), np.int32),
+      np.zeros((rows, CFG.max_blocks_per_seq), np.int32),
+      np.zeros((rows, width), np.int32))
+  plan = np.zeros(8, np.int32)
+  swaps = [
+      sharding._jit_swap(fn, driver.kv.num_layers, driver.kv.device_sharding,
+                         driver.kv.host_sharding).lower(
+                             driver.kv, plan, plan, np.int32(0))
+      for fn in (sharding._swap_out, sharding._swap_in)]
+  return {name: collectives(lowered.compile().as_text())
+          for name, lowered in (("decode", decode), ("prefill", prefill),
+                                ("swap_out", swaps[0]), ("swap_in", swaps[1]))}
+
+
+def ops_match(mesh) -> bool:
+  """Sharded copy_blocks, swap_out, swap_in equal the one-device ops.
+
+  Random pages (NaN in the never-written host pages) and random plans, on a
+  cache with 4 KV heads, so both layouts store the same heads.
+  """
+  rng = np.random.default_rng(1)
+  heads, head_dim = 4, 32
+  one = pj.KVCache.create(CFG, 2, heads, head_dim, dtype="float32")
+  many = sharding.create_kv_cache(CFG, 2, heads, head_dim, "float32", mesh)
+  pages = [rng.standard_normal(one.k[0].shape, np.float32) for _ in range(4)]
+  nan = np.full(one.k_host[0].shape, np.float32(np.nan)).view(np.uint32)
+
+  def fill(cache):
+    put = lambda x, s: jax.device_put(x, s)
+    return cache.replace(
+        k=tuple(put(p, cache.device_sharding) for p in pages[:2]),
+        v=tuple(put(p, cache.device_sharding) for p in pages[2:]),
+        k_host=tuple(put(nan, cache.host_sharding) for _ in range(2)),
+        v_host=tuple(put(nan, cache.host_sharding) for _ in range(2)))
+
+  blocks = rng.permutation(CFG.num_gpu_blocks).astype(np.int32)
+  cow = pj.CopyPlan(src=blocks[:6], dst=blocks[6:12], count=np.int32(5),
+                    status=np.int32(0))
+  out = pj.SwapPlan(src=blocks[12:20], dst=np.arange(8, dtype=np.int32),
+                    count=np.int32(7), status=np.int32(0))
+  back = pj.SwapPlan(src=np.arange(8, dtype=np.int32), dst=blocks[20:28],
+                     count=np.int32(7), status=np.int32(0))
+  results = []
+  for cache, ops in ((fill(one), pj), (fill(many), sharding)):
+    cache = ops.copy_blocks(cache, cow)
+    cache = ops.swap_out(cache, out)
+    cache = ops.swap_in(cache, back)
+    results.append([np.asarray(a) for a in cache.k + cache.v + cache.k_host
+                    + cache.v_host])
+  return all(np.array_equal(a, b, equal_nan=True)
+             for a, b in zip(*results))
+
+
+def single_process(out: str) -> None:
+  model = load_tiny()
+  reqs = requests()
+  result = {"reference": tokens_of(pj.generate(
+      model, reqs, CFG, SAMPLING, jax.random.key(0))[0])}
+  result["reference_logits"] = logits_of(model, None)
+  result["unsharded_bytes"] = device_bytes(pj.KVCache.create(
+      CFG, 4, 2, 32, dtype="float32"))
+  result["unsharded_weight_bytes"] = sum(
+      a.nbytes for a in jax.tree.leaves(gen.nnx.state(model, gen.nnx.Param)))
+  for shape in MESHES:
+    mesh = sharding.make_mesh(*shape)
+    name = f"{shape[0]}x{shape[1]}"
+    outputs, _ = pj.generate(model, reqs, CFG, SAMPLING, jax.random.key(0),
+                             mesh=mesh)
+    last_row = sharding.row_mesh(mesh, shape[0] - 1)
+    result[name] = {
+        "tokens": tokens_of(outputs),
+        "bytes": device_bytes(sharding.create_kv_cache(
+            CFG, 4, 2, 32, "float32", last_row)),
+    }
+    result[name]["weight_bytes"] = weight_bytes(model, last_row)
+    if shape in ((1, 2), (2, 4), (8, 1)):  # each tp once, off device 0 too
+      result[name]["logits"] = logits_of(model, last_row)
+  result["ops_match"] = ops_match(sharding.make_mesh(1, 4))
+  for shape in ((1, 2), (1, 4)):
+    result[f"{shape[0]}x{shape[1]}"]["collectives"] = step_collectives(
+        model, sharding.make_mesh(*shape))
+  with open(out, "w") as f:
+    json.dump(result, f)
+
+
+def multi_process(out: str) -> None:
+  """One process of a two-process run: serves one (2, 4) mesh over both."""
+  mesh = sharding.make_mesh(2, 4)
+  outputs, stats = pj.generate(load_tiny(), requests(), CFG, SAMPLING,
+                               jax.random.key(0), mesh=mesh)
+  with open(out, "w") as f:
+    json.dump({"tokens": tokens_of(outputs),
+               "devices": jax.device_count(),
+               "local_devices": jax.local_device_count(),
+               "process_index": jax.process_index(),
+               "generated_tokens": stats.generated_tokens}, f)

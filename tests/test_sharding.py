@@ -1,0 +1,254 @@
+"""Tensor and data parallel serving on CPU meshes, and over two processes.
+
+The mesh checks run in subprocesses (tests/sharding_worker.py) with forced
+host devices, so the rest of the suite keeps one device: one process with 8
+devices for the meshes (1, 2), (1, 4), (2, 2), (2, 4), (8, 1), and two
+processes of 4 devices on localhost for one (2, 4) mesh over both.
+"""
+
+import json
+import os
+import pathlib
+import re
+import socket
+import subprocess
+import sys
+
+from flax import nnx
+import jax
+import numpy as np
+import pytest
+
+import paged_jax as pj
+from paged_jax import sharding
+from paged_jax.block_manager import manager
+from paged_jax.models import LlamaConfig
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+MESHES = ("1x2", "1x4", "2x2", "2x4", "8x1")
+TIMEOUT_S = 600
+# -O0 halves XLA:CPU compile time; every result is compared within one run.
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+
+
+def _env(num_devices: int) -> dict:
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={num_devices} "
+                      f"{FAST_COMPILE}")
+  env["PYTHONPATH"] = os.pathsep.join(
+      [str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+  env["JAX_PLATFORMS"] = "cpu"
+  return env
+
+
+def _worker(out, *extra):
+  return [sys.executable, "-m", "tests.sharding_worker", str(out), *extra]
+
+
+@pytest.fixture(scope="module")
+def meshes(tmp_path_factory):
+  """What the 8-device run saw on every mesh."""
+  out = tmp_path_factory.mktemp("sharding") / "meshes.json"
+  result = subprocess.run(_worker(out), cwd=ROOT, env=_env(8),
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+  assert result.returncode == 0, result.stderr[-4000:]
+  return json.loads(out.read_text())
+
+
+def test_every_mesh_gives_the_single_device_tokens(meshes):
+  for name in MESHES:
+    assert meshes[name]["tokens"] == meshes["reference"], name
+
+
+def test_every_tensor_parallel_layout_gives_the_single_device_logits(meshes):
+  # Rows of the other meshes are these layouts on other devices.
+  for name in ("1x2", "2x4", "8x1"):
+    for got, want in zip(meshes[name]["logits"], meshes["reference_logits"]):
+      np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg=name)
+
+
+def test_each_device_holds_its_share_of_the_cache(meshes):
+  full = meshes["unsharded_bytes"]
+  # The tiny model has 2 KV heads: 2 shards split them, 4 shards store each
+  # head twice and hold one head each, so a device holds half either way.
+  for name, tp in (("1x2", 2), ("1x4", 4), ("2x2", 2), ("2x4", 4),
+                   ("8x1", 1)):
+    share = max(1, 2 // tp) / 2 if tp > 1 else 1
+    for kind in ("device", "host"):
+      per_device = meshes[name]["bytes"][kind]
+      assert len(per_device) == tp, (name, kind)
+      assert per_device == [full[kind][0] * share] * tp, (name, kind)
+
+
+def test_weights_are_split_over_the_model_axis(meshes):
+  full = meshes["unsharded_weight_bytes"]
+  # Only the norms stay whole at tp=2; at tp=4 k/v (2 KV heads) and the
+  # 258-token embedding are replicated too.
+  for name, bound in (("1x2", 0.51), ("2x2", 0.51), ("1x4", 0.32),
+                      ("2x4", 0.32), ("8x1", 1.0)):
+    assert max(meshes[name]["weight_bytes"]) <= bound * full, name
+
+
+def test_no_step_moves_a_cache_between_devices(meshes):
+  # Pages are [heads, 48 blocks, 8, 32]; no collective may carry one.
+  page = re.compile(r"\[\d+,48,8,32\]")
+  for name in ("1x2", "1x4"):
+    steps = meshes[name]["collectives"]
+    for step, ops in steps.items():
+      assert not [op for op in ops if page.search(op[1])], (name, step, ops)
+    # Tensor parallel for real: the row-split projections all-reduce.
+    assert any(op == "all-reduce" for op, _ in steps["decode"]), name
+
+
+def test_sharded_copy_and_swaps_match_one_device(meshes):
+  assert meshes["ops_match"] is True
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_give_the_one_process_tokens(meshes, tmp_path):
+  port = _free_port()
+  procs = [subprocess.Popen(
+      _worker(tmp_path / f"{i}.json", "--port", str(port), "--process_id",
+              str(i)),
+      cwd=ROOT, env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+      text=True) for i in range(2)]
+  try:
+    logs = [proc.communicate(timeout=TIMEOUT_S)[0] for proc in procs]
+  finally:
+    for proc in procs:
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+  for proc, log in zip(procs, logs):
+    assert proc.returncode == 0, log[-4000:]
+  for i in range(2):
+    seen = json.loads((tmp_path / f"{i}.json").read_text())
+    assert seen["process_index"] == i
+    assert (seen["devices"], seen["local_devices"]) == (8, 4)
+    assert seen["tokens"] == meshes["reference"]
+
+
+# In-process checks on the one device of the suite.
+
+def test_make_mesh_rejects_bad_sizes():
+  with pytest.raises(ValueError, match="model must be an int >= 1"):
+    sharding.make_mesh(1, 0)
+  with pytest.raises(ValueError, match="needs 2 devices, 1 available"):
+    sharding.make_mesh(2, 1, devices=jax.devices()[:1])
+  mesh = sharding.make_mesh(1, 1)
+  assert mesh.axis_names == ("data", "model")
+
+
+def test_heads_must_split_over_the_model_axis():
+  sharding.check_heads(8, 2, 4)
+  sharding.check_heads(8, 4, 2)
+  with pytest.raises(ValueError, match=r"num_q_heads \(6\) must be a multiple"):
+    sharding.check_heads(6, 2, 4)
+  with pytest.raises(ValueError, match=r"num_kv_heads \(3\) and the model"):
+    sharding.check_heads(12, 3, 2)
+  wrong = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1),
+                            ("model", "data"))
+  with pytest.raises(ValueError, match="mesh axes must be"):
+    sharding.check_axes(wrong)
+  cfg = pj.CacheConfig(block_size=4, num_gpu_blocks=4, num_cpu_blocks=0,
+                       max_seqs=1, max_blocks_per_seq=2)
+  with pytest.raises(ValueError, match="mesh axes must be"):
+    sharding.create_kv_cache(cfg, 1, 2, 8, "float32", wrong)
+
+
+@pytest.mark.parametrize("path, shape, tp, kv_heads, spec", [
+    ("blocks/0/attention/q_proj/kernel", (256, 256), 4, 2,
+     sharding.P(None, "model")),
+    ("blocks/0/attention/k_proj/kernel", (256, 64), 2, 2,
+     sharding.P(None, "model")),
+    ("blocks/0/attention/k_proj/kernel", (256, 64), 4, 2, sharding.P()),
+    ("blocks/1/attention/q_proj/bias", (256,), 4, 4, sharding.P("model")),
+    ("blocks/0/attention/o_proj/kernel", (256, 256), 4, 2,
+     sharding.P("model", None)),
+    ("blocks/0/mlp/down_proj/kernel", (512, 256), 2, 2,
+     sharding.P("model", None)),
+    ("embed/embedding", (258, 256), 2, 2, sharding.P("model", None)),
+    ("embed/embedding", (258, 256), 4, 2, sharding.P(None, None)),
+    ("lm_head/kernel", (256, 260), 4, 2, sharding.P(None, "model")),
+    ("blocks/0/attention/q_norm/scale", (32,), 4, 2, sharding.P()),
+    ("final_norm/scale", (256,), 4, 2, sharding.P()),
+])
+def test_partition_rules(path, shape, tp, kv_heads, spec):
+  assert sharding.partition_spec(path, shape, tp,
+                                 num_kv_heads=kv_heads) == spec
+
+
+def test_shard_model_places_every_parameter_by_its_rule():
+  model = pj.models.Llama(LlamaConfig(
+      vocab_size=16, num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=4,
+      hidden=8, mlp_hidden=16), rngs=nnx.Rngs(0))
+  sharded = sharding.shard_model(model, sharding.make_mesh(1, 1))
+  kernel = sharded.blocks[0].attention.q_proj.kernel[...]
+  assert kernel.sharding.spec == sharding.P(None, "model")
+  down = sharded.blocks[0].mlp.down_proj.kernel[...]
+  assert down.sharding.spec == sharding.P("model", None)
+  assert sharded.final_norm.scale[...].sharding.spec == sharding.P()
+  np.testing.assert_array_equal(
+      kernel, model.blocks[0].attention.q_proj.kernel[...])
+
+
+def test_requests_go_to_the_least_loaded_shard():
+  np.testing.assert_array_equal(
+      sharding.place_requests([5, 3, 4, 1, 2], 2), [0, 1, 1, 0, 0])
+  np.testing.assert_array_equal(sharding.place_requests([1, 1], 4), [0, 1])
+  assert sharding.place_requests([], 3).shape == (0,)
+
+
+def test_batched_states_match_one_state_per_shard():
+  cfg = pj.CacheConfig(block_size=4, num_gpu_blocks=16, num_cpu_blocks=4,
+                       max_seqs=4, max_blocks_per_seq=4)
+  bm = pj.BlockSpaceManager(cfg)
+  states = sharding.init_states(bm, 3, sharding.make_mesh(1, 1))
+  lengths = np.array([5, 13, 1], np.int32)
+  tokens = np.arange(3 * 16, dtype=np.int32).reshape(3, 16)
+  seq_ids = np.array([[0], [2], [1]], np.int32)
+  states, results = jax.jit(sharding.batched(manager.allocate))(
+      states, seq_ids, tokens, lengths)
+  assert (np.asarray(results.status) == 0).all()
+  allocate = jax.jit(manager.allocate)
+  for shard in range(3):
+    one, _ = allocate(bm.init(), seq_ids[shard], tokens[shard],
+                      lengths[shard])
+    mine = jax.tree.map(lambda x, s=shard: x[s], states)
+    for got, want in zip(jax.tree.leaves(mine), jax.tree.leaves(one)):
+      np.testing.assert_array_equal(got, want)
+  # Shard 2 holds one block, shard 0 two, shard 1 four.
+  assert int(sharding.least_loaded_shard(states)) == 2
+  free = sharding.batched(manager.BlockSpaceManager.num_free_gpu_blocks)(
+      states)
+  np.testing.assert_array_equal(free, [14, 12, 15])
+
+
+def test_sharded_copy_checks_a_concrete_plan():
+  cfg = pj.CacheConfig(block_size=4, num_gpu_blocks=4, num_cpu_blocks=2,
+                       max_seqs=1, max_blocks_per_seq=2)
+  cache = sharding.create_kv_cache(cfg, 1, 2, 8, "float32",
+                                   sharding.make_mesh(1, 1))
+  bad = pj.CopyPlan(src=np.array([0], np.int32), dst=np.array([4], np.int32),
+                    count=np.int32(1), status=np.int32(0))
+  with pytest.raises(ValueError, match="dst block 4 is out of range 0..3"):
+    sharding.copy_blocks(cache, bad)
+  with pytest.raises(ValueError, match="swap_out plan entry 0: dst block 4"):
+    sharding.swap_out(cache, bad)
+  with pytest.raises(ValueError, match="swap_in plan entry 0: src block 2 is out of range 0..1"):
+    sharding.swap_in(cache, pj.SwapPlan(
+        src=np.array([2], np.int32), dst=np.array([0], np.int32),
+        count=np.int32(1), status=np.int32(0)))
+
+
+def test_serve_on_mesh_rejects_a_mesh_without_the_axes():
+  wrong = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("device",))
+  model_requests = [pj.Request(np.array([1, 2], np.int32))]
+  with pytest.raises(ValueError, match="mesh axes must be"):
+    sharding.serve_on_mesh(None, model_requests, wrong, 4,
+                           pj.GenerationStats)
