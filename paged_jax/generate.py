@@ -542,7 +542,7 @@ def generate(model: Llama, requests: Sequence[Request], cfg: CacheConfig,
 
     def serve(row_mesh, row_requests):
       return _Driver(model, cfg, sampling, key, kv_cache_dtype,
-                     row_mesh).run(row_requests, progress)
+                     mesh=row_mesh).run(row_requests, progress)
 
     return sharding.serve_on_mesh(serve, requests, mesh,
                                   sampling.max_new_tokens, GenerationStats)

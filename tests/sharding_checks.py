@@ -115,7 +115,7 @@ def collectives(hlo: str) -> list[list[str]]:
 
 def step_collectives(model, mesh) -> dict[str, list[list[str]]]:
   """Collectives of the compiled decode loop, prefill and swaps on ``mesh``."""
-  driver = gen._Driver(model, CFG, SAMPLING, jax.random.key(0), mesh)
+  driver = gen._Driver(model, CFG, SAMPLING, jax.random.key(0), mesh=mesh)
   loop = driver.loop.replace(kv=driver.kv)
   decode = gen._decode_loop.lower(driver.graphdef, driver.params, SAMPLING,
                                   jax.random.key(0), loop, np.array(True))
