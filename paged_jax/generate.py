@@ -316,7 +316,6 @@ class _Driver:
         break
       waiting.popleft()
       parent = slots[0]
-      hits_before = int(state.num_hits)
       tokens = np.zeros(self.cfg.max_tokens_per_seq, np.int32)
       tokens[:length] = request.prompt
       state, result = _allocate(state, jnp.array([parent], jnp.int32),
@@ -326,7 +325,7 @@ class _Driver:
                            f"{Status(int(result.status)).name}")
       # A hit is a block of the prompt's prefix that is in the cache or that
       # an earlier row of this prefill batch writes before any row attends.
-      hits = int(state.num_hits) - hits_before
+      hits = int(result.num_hit_blocks)
       cached = min(hits * self.cfg.block_size, length - 1)
       for sample, slot in enumerate(slots[:request.n]):
         self.owner[slot] = (index, sample)
