@@ -289,12 +289,8 @@ def swap_out(cache: KVCache, plan) -> KVCache:
   """
   if cache_mesh(cache) is None:
     return kv_ops.swap_out(cache, plan)
-  src, dst, count = kv_ops._plan_arrays(plan)
-  if attention.is_concrete(src, dst, count):
-    kv_ops.check_plan(src, dst, count, num_src_blocks=cache.num_gpu_blocks,
-                      num_dst_blocks=cache.num_cpu_blocks, name="swap_out plan")
-  return _jit_swap(_swap_out, cache.num_layers, cache.device_sharding,
-                   cache.host_sharding)(cache, src, dst, count)
+  return _run_swap(cache, plan, _swap_out, cache.num_gpu_blocks,
+                   cache.num_cpu_blocks, "swap_out plan")
 
 
 def swap_in(cache: KVCache, plan) -> KVCache:
@@ -309,11 +305,18 @@ def swap_in(cache: KVCache, plan) -> KVCache:
   """
   if cache_mesh(cache) is None:
     return kv_ops.swap_in(cache, plan)
+  return _run_swap(cache, plan, _swap_in, cache.num_cpu_blocks,
+                   cache.num_gpu_blocks, "swap_in plan")
+
+
+def _run_swap(cache: KVCache, plan, swap, num_src_blocks: int,
+              num_dst_blocks: int, name: str) -> KVCache:
+  """Checks a concrete plan on the host, then runs the jitted sharded swap."""
   src, dst, count = kv_ops._plan_arrays(plan)
   if attention.is_concrete(src, dst, count):
-    kv_ops.check_plan(src, dst, count, num_src_blocks=cache.num_cpu_blocks,
-                      num_dst_blocks=cache.num_gpu_blocks, name="swap_in plan")
-  return _jit_swap(_swap_in, cache.num_layers, cache.device_sharding,
+    kv_ops.check_plan(src, dst, count, num_src_blocks=num_src_blocks,
+                      num_dst_blocks=num_dst_blocks, name=name)
+  return _jit_swap(swap, cache.num_layers, cache.device_sharding,
                    cache.host_sharding)(cache, src, dst, count)
 
 

@@ -37,9 +37,8 @@ class KVCacheBackend(Protocol):
   ) -> tuple[jax.Array, KVCacheBackend]:
     """Stores `layer`'s new keys and values, then attends over the context.
 
-    A backend that supports sliding-window attention (`DenseCache`,
-    `PagedCache`) also takes `sliding_window`, the keys each query sees; the
-    model passes it only when its config has one.
+    A backend also takes `sliding_window`, the keys each query sees, when the
+    model's config has one; `DenseCache` serves it, `PagedCache` refuses it.
 
     Args:
       layer: static index of the decoder layer.

@@ -44,16 +44,22 @@ class PagedCache:
       sm_scale: float,
       sliding_window: int | None = None,
   ) -> tuple[jax.Array, PagedCache]:
-    """See `KVCacheBackend.attend`; `sliding_window` as in `paged_attention`.
+    """See `KVCacheBackend.attend`.
 
     A row's new tokens come first, padding (position -1) after them. One
     token per row runs the decode kernel, more run prefill attention over the
-    cached pages and the new tokens. With a sliding window, the block tables
-    may hold -1 for blocks that left it (the manager's `sliding_window`).
+    cached pages and the new tokens.
 
     Raises:
-      ValueError: if `slot_mapping` does not match the tokens of `k`.
+      ValueError: if `slot_mapping` does not match the tokens of `k`, or for
+        a sliding-window model: prefill here reads the prompt's keys from the
+        pages, and the manager drops the blocks that left the window.
     """
+    if sliding_window is not None:
+      raise ValueError(
+          f"PagedCache does not serve sliding-window models yet (window "
+          f"{sliding_window}): their prefill would read blocks the manager "
+          f"dropped; use DenseCache")
     if self.slot_mapping.shape != k.shape[:2]:
       raise ValueError(
           f"slot_mapping shape {self.slot_mapping.shape} must be "
@@ -64,11 +70,10 @@ class PagedCache:
     scales = kv.scales(layer)
     if positions.shape[1] == 1:
       out = paged_attention(q[:, 0], k_pages, v_pages, self.block_tables,
-                            lengths, sm_scale=sm_scale,
-                            sliding_window=sliding_window, **scales)[:, None]
+                            lengths, sm_scale=sm_scale, **scales)[:, None]
     else:
       query_lens = jnp.sum(positions >= 0, axis=1).astype(jnp.int32)
       out = paged_prefill_attention(q, k_pages, v_pages, self.block_tables,
                                     lengths, query_lens, sm_scale=sm_scale,
-                                    sliding_window=sliding_window, **scales)
+                                    **scales)
     return out, self.replace(kv=kv)
