@@ -7,8 +7,10 @@ from paged_jax.block_manager import (
     TableFullError, WrongDeviceError, check_invariants, checked)
 from paged_jax.attention import paged_attention, paged_prefill_attention
 from paged_jax.config import AllocStatus, CacheConfig, Status
-from paged_jax.generate import (
-    GenerationStats, Request, SamplingParams, generate, generate_dense, sample_tokens)
+from paged_jax.engine import (
+    LLM, CompletionOutput, GenerationStats, LLMEngine, ModelProtocol, RequestOutput,
+    SamplingParams)
+from paged_jax.generate import Request, generate, generate_dense, sample_tokens
 from paged_jax.kv_cache import (
     KVCache, bytes_per_block, copy_blocks, device_memory_bytes,
     num_cpu_blocks_for_swap_space, num_gpu_blocks_for_memory, swap_in, swap_out, write_kv)
@@ -22,4 +24,5 @@ __all__ = [
     "device_memory_bytes", "num_cpu_blocks_for_swap_space", "num_gpu_blocks_for_memory",
     "paged_attention", "paged_prefill_attention", "swap_in", "swap_out", "write_kv",
     "GenerationStats", "Request", "SamplingParams", "generate", "generate_dense", "sample_tokens",
+    "LLM", "LLMEngine", "CompletionOutput", "RequestOutput", "ModelProtocol",
 ]

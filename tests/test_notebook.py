@@ -1,4 +1,4 @@
-"""Executes colab/quickstart.ipynb top to bottom on CPU, skipping the install cell."""
+"""Executes the notebooks in colab/ top to bottom on CPU, skipping the install cell."""
 
 import pathlib
 
@@ -7,28 +7,41 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
-NOTEBOOK = pathlib.Path(__file__).parent.parent / "colab" / "quickstart.ipynb"
+COLAB = pathlib.Path(__file__).parent.parent / "colab"
 
 
-def test_quickstart_notebook_runs(monkeypatch):
-  notebook = nbformat.read(NOTEBOOK, as_version=4)
+def _run(name: str, monkeypatch):
+  """Executes `name`; returns (printed text, number of images)."""
+  notebook = nbformat.read(COLAB / name, as_version=4)
   install = [cell for cell in notebook.cells
              if "install" in cell.metadata.get("tags", [])]
   assert len(install) == 1 and "pip install" in install[0].source
   notebook.cells = [cell for cell in notebook.cells if cell not in install]
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
   monkeypatch.delenv("MPLBACKEND", raising=False)
-  monkeypatch.setenv("PYTHONPATH", str(NOTEBOOK.parent.parent))
+  monkeypatch.setenv("PYTHONPATH", str(COLAB.parent))
   client = nbclient.NotebookClient(notebook, timeout=180, kernel_name="python3",
-                                   resources={"metadata": {"path": str(NOTEBOOK.parent)}})
+                                   resources={"metadata": {"path": str(COLAB)}})
   client.execute()
-  outputs = "".join(output.get("text", "") for cell in notebook.cells
-                    if cell.cell_type == "code" for output in cell.outputs)
-  assert "copy-on-write plan: [(" in outputs
+  outputs = [output for cell in notebook.cells if cell.cell_type == "code"
+             for output in cell.outputs]
+  text = "".join(output.get("text", "") for output in outputs)
+  images = sum("image/png" in output.get("data", {}) for output in outputs)
+  return text, images
+
+
+def test_quickstart_notebook_runs(monkeypatch):
+  text, images = _run("quickstart.ipynb", monkeypatch)
+  assert "copy-on-write plan: [(" in text
   # Full blocks of 4: 3 + 3 + 4 lookups; the second and third prompt hit
   # the 3 system-prefix blocks: 6 hits of 10.
-  assert "prefix-cache hit rate 60%" in outputs
-  assert "GenerationStats(" in outputs
-  images = sum("image/png" in output.get("data", {}) for cell in notebook.cells
-               if cell.cell_type == "code" for output in cell.outputs)
+  assert "prefix-cache hit rate 60%" in text
+  assert "'LOVE, n. " in text and "GenerationStats(" in text
   assert images == 4   # one per show() call
+
+
+def test_engine_notebook_runs(monkeypatch):
+  text, images = _run("engine.ipynb", monkeypatch)
+  assert "finish: " in text
+  assert "blocks free at the end 24 of 24" in text
+  assert images == 1

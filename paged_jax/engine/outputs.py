@@ -1,0 +1,97 @@
+"""What the engine returns: one `RequestOutput` per request, as in vLLM."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+  """One sequence generated for a request.
+
+  Attributes:
+    index: the sequence's index among the request's `n`.
+    text: the generated text (empty without a tokenizer). A stop string and
+      what follows it are left out; stop tokens are not decoded.
+    token_ids: the generated token ids, a stop token included.
+    cumulative_logprob: sum of the log-probabilities of `token_ids` under the
+      model (before temperature, top-k and top-p).
+    logprobs: with `SamplingParams.logprobs=k`, one dict per token mapping the
+      `k` most likely token ids, and the drawn one, to log-probabilities.
+    finish_reason: None while running, then "stop" (a stop token or string),
+      "length" (`max_tokens`, or the model's or block table's positions),
+      "abort" or "error".
+    stop_reason: the stop token id or string that ended the sequence.
+  """
+
+  index: int
+  text: str
+  token_ids: list[int]
+  cumulative_logprob: float
+  logprobs: list[dict[int, float]] | None
+  finish_reason: str | None = None
+  stop_reason: int | str | None = None
+
+  def finished(self) -> bool:
+    return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+  """A request's state as one `LLMEngine.step` or `LLM.generate` reports it.
+
+  Attributes:
+    request_id: the id given to `add_request`.
+    prompt: the prompt text, or None when token ids were given.
+    prompt_token_ids: the prompt's token ids.
+    outputs: the request's sequences (all of them, or only what is new with
+      `output_kind="delta"`).
+    finished: whether every sequence has finished.
+    error: why the request could not be served (finish reason "error").
+  """
+
+  request_id: str
+  prompt: str | None
+  prompt_token_ids: np.ndarray
+  outputs: list[CompletionOutput]
+  finished: bool
+  error: str | None = None
+
+
+@dataclasses.dataclass
+class GenerationStats:
+  """What an engine (or a `generate` call) did.
+
+  Attributes:
+    generated_tokens: tokens sampled over all sequences (as returned).
+    prompt_tokens: prompt tokens over all requests.
+    prefill_tokens: tokens that ran through prefill (prefix-cache hits skip
+      some; recomputed preempted sequences run theirs again).
+    decode_steps: iterations of the decode loop.
+    loop_launches: times the host entered the compiled loop.
+    peak_blocks: most GPU blocks in use at once.
+    kv_slot_utilization: mean over decode steps of tokens held by running
+      sequences per allocated KV slot. Above 1 when sequences share blocks
+      (forked samples, prefix-cache hits): each holder counts the tokens.
+    prefix_cache_hit_rate: the block manager's hits / lookups; the sentinel
+      -1.0 means prefix caching is off (0.0: on, nothing hit).
+    cow_copies: blocks copied on write.
+    preemptions: groups preempted for lack of blocks (recompute or swap).
+    swaps: blocks moved between device and host (out and in).
+  """
+
+  generated_tokens: int = 0
+  prompt_tokens: int = 0
+  prefill_tokens: int = 0
+  decode_steps: int = 0
+  loop_launches: int = 0
+  peak_blocks: int = 0
+  kv_slot_utilization: float = 0.0
+  prefix_cache_hit_rate: float = -1.0
+  cow_copies: int = 0
+  preemptions: int = 0
+  swaps: int = 0

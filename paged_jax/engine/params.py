@@ -1,0 +1,114 @@
+"""`SamplingParams`: how a request's tokens are drawn and when they stop.
+
+Field names follow vLLM's `SamplingParams`, so its users feel at home.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+OUTPUT_KINDS = ("cumulative", "delta", "final")
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """How tokens are drawn and when a sequence stops; frozen and hashable.
+
+  Attributes:
+    n: sequences returned per prompt (samples, or beams with beam search).
+    temperature: softmax temperature; 0 means greedy (argmax).
+    top_p: keep the smallest set of tokens whose probability reaches `top_p`.
+    top_k: keep the `top_k` most likely tokens; 0 keeps all.
+    max_tokens: tokens generated per sequence at most. A sequence also stops,
+      with finish reason "length", where the model's `max_seq_len` positions
+      or the block table end.
+    stop: strings that end a sequence when they appear in its text (checked
+      on the host, so they may span tokens); the text stops before them.
+    stop_token_ids: token ids that end a sequence (kept in `token_ids`).
+    ignore_eos: keep going past the tokenizer's EOS token.
+    seed: per-request seed; the same seed gives the same tokens whatever the
+      batch, budgets or preemptions. None draws from the engine's seed.
+    logprobs: how many of each token's most likely alternatives to return
+      (with their log-probabilities); None returns none.
+    use_beam_search: beam search with `n` beams (not implemented yet).
+    length_penalty: beam scores are `sum_logprobs / length**length_penalty`.
+    output_kind: what a streamed `RequestOutput` carries: "cumulative" (all
+      text so far), "delta" (only what is new) or "final" (nothing until the
+      request finishes).
+    max_new_tokens: alias of `max_tokens` (the name `pj.generate` used).
+    eos_id: a stop token added to `stop_token_ids` (the name `pj.generate`
+      used).
+
+  Raises:
+    ValueError: naming the field when a value is out of range.
+  """
+
+  n: int = 1
+  temperature: float = 0.0
+  top_p: float = 1.0
+  top_k: int = 0
+  max_tokens: int = 64
+  stop: str | Sequence[str] | None = None
+  stop_token_ids: Sequence[int] | None = None
+  ignore_eos: bool = False
+  seed: int | None = None
+  logprobs: int | None = None
+  use_beam_search: bool = False
+  length_penalty: float = 1.0
+  output_kind: str = "cumulative"
+  max_new_tokens: int | None = None
+  eos_id: int | None = None
+
+  def __post_init__(self):
+    set_ = lambda name, value: object.__setattr__(self, name, value)
+    if self.max_new_tokens is not None:
+      set_("max_tokens", self.max_new_tokens)
+    self._require_int("n", 1)
+    self._require_int("max_tokens", 1, hint=" (max_new_tokens)"
+                      if self.max_new_tokens is not None else "")
+    self._require_int("top_k", 0)
+    if self.seed is not None:
+      self._require_int("seed", 0)
+    if self.logprobs is not None:
+      self._require_int("logprobs", 0)
+    if not (isinstance(self.temperature, (int, float))
+            and self.temperature >= 0.0):
+      raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+    if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+    if not isinstance(self.length_penalty, (int, float)):
+      raise ValueError(
+          f"length_penalty must be a number, got {self.length_penalty!r}")
+    if self.output_kind not in OUTPUT_KINDS:
+      raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got "
+                       f"{self.output_kind!r}")
+    stop = self.stop
+    stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) and s for s in stop):
+      raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+    set_("stop", tuple(stop))
+    ids = tuple(self.stop_token_ids or ())
+    if self.eos_id is not None:
+      ids += (self.eos_id,)
+    if not all(_is_int(i) and i >= 0 for i in ids):
+      raise ValueError(
+          f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
+    set_("stop_token_ids", ids)
+    if self.use_beam_search and self.temperature != 0.0:
+      raise ValueError("temperature must be 0 with use_beam_search, got "
+                       f"{self.temperature}")
+
+  def _require_int(self, name: str, minimum: int, hint: str = "") -> None:
+    value = getattr(self, name)
+    if not _is_int(value) or value < minimum:
+      raise ValueError(
+          f"{name}{hint} must be an int >= {minimum}, got {value!r}")
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0.0

@@ -1,0 +1,95 @@
+"""Per-row sampling: each row has its own temperature, top-k, top-p and key."""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+
+@flax.struct.dataclass
+class RowParams:
+  """Sampling parameters of every row (sequence slot) of a batch.
+
+  Attributes:
+    temperature: float32 `[rows]`; 0 is greedy.
+    top_k: int32 `[rows]`; 0 keeps every token.
+    top_p: float32 `[rows]`; 1 keeps every token.
+    key_data: uint32 `[rows, key words]`, the raw PRNG key of each row; the
+      token at index `t` of a row is drawn with `fold_in(key, t)`.
+    stop_ids: int32 `[rows, width]` token ids that end the row, -1 padding.
+  """
+
+  temperature: jax.Array
+  top_k: jax.Array
+  top_p: jax.Array
+  key_data: jax.Array
+  stop_ids: jax.Array
+
+
+@flax.struct.dataclass
+class Draw:
+  """What `sample_rows` draws for each row.
+
+  Attributes:
+    tokens: int32 `[rows]`.
+    logprob: float32 `[rows]`, the token's log-probability under the model.
+    top_ids: int32 `[rows, k]`, the `k` most likely tokens.
+    top_logprobs: float32 `[rows, k]`, their log-probabilities.
+  """
+
+  tokens: jax.Array
+  logprob: jax.Array
+  top_ids: jax.Array
+  top_logprobs: jax.Array
+
+
+def _filtered(logits: jax.Array, top_k: jax.Array, top_p: jax.Array):
+  """Sets the tokens outside each row's top-k and top-p nucleus to -inf."""
+  ordered = -jnp.sort(-logits, axis=-1)
+  vocab = logits.shape[-1]
+  kth = jnp.take_along_axis(
+      ordered, jnp.clip(top_k - 1, 0, vocab - 1)[:, None], axis=-1)
+  kth = jnp.where(top_k[:, None] > 0, kth, -jnp.inf)
+  ordered = jnp.where(ordered < kth, -jnp.inf, ordered)
+  probs = jax.nn.softmax(ordered, axis=-1)
+  before = jnp.cumsum(probs, axis=-1) - probs
+  cutoff = jnp.min(jnp.where(before < top_p[:, None], ordered, jnp.inf),
+                   axis=-1, keepdims=True)
+  return jnp.where(logits < jnp.maximum(kth, cutoff), -jnp.inf, logits)
+
+
+def sample_rows(logits: jax.Array, params: RowParams, index: jax.Array,
+                num_logprobs: int) -> Draw:
+  """Draws one token per row.
+
+  Args:
+    logits: float `[rows, vocab]`.
+    params: each row's sampling parameters and key.
+    index: int32 `[rows]`, the index of the drawn token in its sequence's
+      output (the key of the draw), so a row draws the same token whatever
+      the batch around it.
+    num_logprobs: static; how many of the most likely tokens to return.
+
+  Returns:
+    The tokens with their log-probabilities and the top `num_logprobs`.
+  """
+  logits = logits.astype(jnp.float32)
+  logprobs = jax.nn.log_softmax(logits, axis=-1)
+  greedy = params.temperature <= 0.0
+  scaled = logits / jnp.where(greedy, 1.0, params.temperature)[:, None]
+  filtered = _filtered(scaled, params.top_k, params.top_p)
+  keys = jax.vmap(lambda data, i: jax.random.fold_in(
+      jax.random.wrap_key_data(data), i))(params.key_data, index)
+  drawn = jax.vmap(jax.random.categorical)(keys, filtered)
+  tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn)
+  tokens = tokens.astype(jnp.int32)
+  logprob = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+  top_logprobs, top_ids = jax.lax.top_k(logprobs, num_logprobs)
+  return Draw(tokens=tokens, logprob=logprob, top_ids=top_ids.astype(jnp.int32),
+              top_logprobs=top_logprobs)
+
+
+def is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
+  """bool `[rows]`: whether each row's token is one of its stop ids."""
+  return jnp.any(tokens[:, None] == stop_ids, axis=-1)

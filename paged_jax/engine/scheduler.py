@@ -1,0 +1,292 @@
+"""The scheduler: host-side policy of vLLM 0.6's scheduler, no arrays of its own.
+
+Groups (a request's `n` sequences) wait, run or sit swapped out, each queue in
+arrival order. Every round, swapped groups come back first (while any stay
+out, nothing new is admitted); then prompts are prefilled in chunks within
+the token budget (`max_num_batched_tokens`, after one token per decoding
+sequence), and waiting groups are admitted while the sequence budget
+(`max_num_seqs`), the token budget and the free blocks allow. When the
+decode loop runs out of blocks, the latest-arrived running group is
+preempted: by recompute (its blocks are freed, its tokens kept, and it is
+prefilled again when re-admitted, prefix caching then finding its blocks) or
+by swap (its blocks move to host memory).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+
+from paged_jax.config import AllocStatus
+from paged_jax.engine.params import SamplingParams
+from paged_jax.engine.runner import ModelRunner
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclasses.dataclass
+class Sequence:
+  """One sequence of a group, as the host tracks it."""
+
+  index: int
+  key_data: np.ndarray    # the sequence's PRNG key (raw words)
+  slot: int = -1
+  token_ids: list[int] = dataclasses.field(default_factory=list)
+  token_logprobs: list[float] = dataclasses.field(default_factory=list)
+  logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+  finish_reason: str | None = None
+  stop_reason: int | str | None = None
+  text: str = ""
+  sent_text: int = 0      # characters already streamed (delta outputs)
+  sent_tokens: int = 0    # tokens already streamed (delta outputs)
+  prefill: np.ndarray | None = None  # tokens to put in the cache on admission
+  num_computed: int = 0   # tokens of `prefill` in the cache
+
+  @property
+  def finished(self) -> bool:
+    return self.finish_reason is not None
+
+  @property
+  def allocated(self) -> bool:
+    """Whether the sequence holds a table in its slot."""
+    return self.slot >= 0 and (self.prefill is not None
+                               or bool(self.token_ids))
+
+
+@dataclasses.dataclass
+class SequenceGroup:
+  """A request: its prompt, parameters and sequences."""
+
+  request_id: str
+  prompt: str | None
+  prompt_token_ids: np.ndarray
+  params: SamplingParams
+  arrival: int
+  limit: int              # tokens each sequence draws at most
+  stop_ids: tuple[int, ...]
+  seqs: list[Sequence]
+  error: str | None = None
+
+  def live(self) -> list[Sequence]:
+    return [s for s in self.seqs if not s.finished]
+
+  @property
+  def finished(self) -> bool:
+    return all(s.finished for s in self.seqs)
+
+  @property
+  def fresh(self) -> bool:
+    """No token drawn yet: prefill the prompt once, then fork `n` samples."""
+    return not any(s.token_ids for s in self.seqs)
+
+
+class Scheduler:
+  """Decides what runs; the runner executes it.
+
+  Args:
+    runner: the `ModelRunner` whose manager state the decisions read.
+    max_num_seqs: sequences that run at once at most.
+    max_num_batched_tokens: tokens one round runs through the model at most.
+    preemption_mode: "recompute" or "swap". Groups of several sequences are
+      swapped in either mode; swap falls back to recompute when the host pool
+      has no room.
+  """
+
+  def __init__(self, runner: ModelRunner, max_num_seqs: int,
+               max_num_batched_tokens: int, preemption_mode: str):
+    self.runner = runner
+    self.max_num_seqs = max_num_seqs
+    self.max_num_batched_tokens = max_num_batched_tokens
+    self.preemption_mode = preemption_mode
+    self.waiting: collections.deque[SequenceGroup] = collections.deque()
+    self.running: list[SequenceGroup] = []
+    self.swapped: collections.deque[SequenceGroup] = collections.deque()
+    self.free_slots = list(range(runner.cfg.max_seqs))
+    self.num_preemptions = 0
+    self.prefill_tokens = 0
+    # After a preemption the running groups decode before anything is
+    # admitted or swapped in, or the victim would come straight back.
+    self._preempted = False
+
+  def has_unfinished(self) -> bool:
+    return bool(self.waiting or self.running or self.swapped)
+
+  def num_running_seqs(self) -> int:
+    return sum(len(g.live()) for g in self.running)
+
+  def _take_slots(self, count: int) -> list[int]:
+    self.free_slots.sort()
+    slots, self.free_slots = self.free_slots[:count], self.free_slots[count:]
+    return slots
+
+  def release(self, seq: Sequence) -> None:
+    """Returns a finished sequence's slot (its blocks are already freed)."""
+    if seq.slot >= 0:
+      self.free_slots.append(seq.slot)
+      seq.slot = -1
+
+  def remove(self, group: SequenceGroup) -> None:
+    """Takes a group out of its queue and frees what it holds."""
+    for queue in (self.waiting, self.swapped):
+      if group in queue:
+        queue.remove(group)
+    if group in self.running:
+      self.running.remove(group)
+    held = [s.slot for s in group.seqs if s.allocated]
+    if held:
+      self.runner.free(held)
+    for seq in group.seqs:
+      self.release(seq)
+
+  # One round.
+  def schedule(self) -> tuple[list, list[SequenceGroup]]:
+    """Swaps in, admits and plans this round's prefill chunks.
+
+    Returns:
+      `(chunks, failed)`: `(group, seq, tokens, start)` prefill chunks, and
+      groups at the head of the queue that can never be admitted (taken out).
+    """
+    preempted, self._preempted = self._preempted, False
+    if not preempted:
+      self._swap_in()
+    budget = self.max_num_batched_tokens - int(
+        np.sum(self.runner.seq_ids >= 0))
+    chunks = []
+    for group in self.running:
+      budget = self._plan_chunks(group, budget, chunks)
+    failed = []
+    while (self.waiting and not self.swapped and budget > 0
+           and not preempted):
+      group = self.waiting[0]
+      status = self._admissible(group)
+      if status == AllocStatus.NEVER:
+        self.waiting.popleft()
+        group.error = group.error or (
+            f"request {group.request_id!r} cannot be admitted: it needs more "
+            f"blocks or sequence slots than the cache has with nothing else "
+            f"running ({self.runner.cfg})")
+        failed.append(group)
+        continue
+      if status == AllocStatus.LATER:
+        break
+      self.waiting.popleft()
+      self._admit(group)
+      budget = self._plan_chunks(group, budget, chunks)
+    return chunks, failed
+
+  def _idle(self) -> bool:
+    return not self.running and not self.swapped
+
+  def _admissible(self, group: SequenceGroup) -> AllocStatus:
+    live = group.live()
+    cfg = self.runner.cfg
+    seqs_ok = (self.num_running_seqs() + len(live) <= self.max_num_seqs
+               and len(live) <= len(self.free_slots))
+    if group.fresh:
+      status = self.runner.can_allocate(group.prompt_token_ids.size)
+    else:
+      needed = sum(cfg.blocks_for(len(group.prompt_token_ids)
+                                  + len(s.token_ids) - 1) for s in live)
+      if cfg.enable_prefix_caching:   # the prompt's full blocks are shared
+        needed -= (len(live) - 1) * (len(group.prompt_token_ids)
+                                     // cfg.block_size)
+      free = self.runner.num_free_gpu_blocks() - cfg.watermark_blocks
+      status = AllocStatus.OK if needed <= free else AllocStatus.LATER
+    if status == AllocStatus.OK and not seqs_ok:
+      status = AllocStatus.LATER
+    if status == AllocStatus.LATER and self._idle():
+      return AllocStatus.NEVER
+    return status
+
+  def _admit(self, group: SequenceGroup) -> None:
+    """Allocates a group's blocks; its prompt (or tokens) await prefill."""
+    live = group.live()
+    params = group.params
+    for seq, slot in zip(live, self._take_slots(len(live))):
+      seq.slot = slot
+      self.runner.set_row(slot, temperature=params.temperature,
+                          top_k=params.top_k, top_p=params.top_p,
+                          key_data=seq.key_data, stop_ids=group.stop_ids,
+                          limit=group.limit)
+    if group.fresh:
+      leader = live[0]
+      leader.prefill = group.prompt_token_ids
+      leader.num_computed = self.runner.allocate(leader.slot, leader.prefill)
+    else:
+      for seq in live:
+        seq.prefill = np.concatenate(
+            [group.prompt_token_ids, np.asarray(seq.token_ids[:-1],
+                                                np.int32)])
+        seq.num_computed = self.runner.allocate(seq.slot, seq.prefill)
+    self.running.append(group)
+
+  def _plan_chunks(self, group: SequenceGroup, budget: int, chunks) -> int:
+    for seq in group.live():
+      if seq.prefill is None or budget <= 0:
+        continue
+      count = min(seq.prefill.size - seq.num_computed, budget)
+      start = seq.num_computed
+      chunks.append((group, seq, seq.prefill[start:start + count], start))
+      self.prefill_tokens += count
+      budget -= count
+    return budget
+
+  def _swap_in(self) -> None:
+    while self.swapped:
+      group = self.swapped[0]
+      slots = [s.slot for s in group.live()]
+      # Leave a block for every running sequence's next token, or the loop
+      # would run out at once and swap this group straight back out.
+      spare = self.num_running_seqs() + len(slots)
+      if (self.num_running_seqs() + len(slots) > self.max_num_seqs
+          or self.runner.can_swap_in(slots) != AllocStatus.OK
+          or self.runner.num_free_gpu_blocks() - self._swapped_blocks(group)
+          < spare):
+        return
+      self.swapped.popleft()
+      self.runner.swap_in(slots)
+      for seq in group.live():
+        self.runner.start(seq.slot, seq.token_ids[-1], len(seq.token_ids))
+      self.running.append(group)
+      self.running.sort(key=lambda g: g.arrival)
+
+  def _swapped_blocks(self, group: SequenceGroup) -> int:
+    cfg = self.runner.cfg
+    return sum(cfg.blocks_for(len(group.prompt_token_ids) + len(s.token_ids)
+                              - 1) for s in group.live())
+
+  def preempt(self) -> SequenceGroup:
+    """Preempts the latest-arrived running group.
+
+    Raises:
+      RuntimeError: if it is the only group running (it can never fit).
+    """
+    candidates = [g for g in self.running if not g.finished]
+    if len(candidates) < 2:
+      raise RuntimeError(
+          f"request {candidates[0].request_id!r} ran out of GPU blocks with "
+          f"nothing else running ({self.runner.num_free_gpu_blocks()} free of "
+          f"{self.runner.cfg.num_gpu_blocks})")
+    group = max(candidates, key=lambda g: g.arrival)
+    self.running.remove(group)
+    self.num_preemptions += 1
+    self._preempted = True
+    live = group.live()
+    slots = [s.slot for s in live]
+    decoding = all(s.prefill is None for s in live)
+    # As in vLLM, a group of several sequences is swapped whatever the mode
+    # (prefilled again, its sequences would share no blocks), unless the
+    # host pool has no room.
+    swap = self.preemption_mode == "swap" or len(live) > 1
+    if swap and decoding and self.runner.can_swap_out(slots):
+      self.runner.swap_out(slots)
+      self.swapped.append(group)
+      return group
+    self.runner.free([s.slot for s in live if s.allocated])
+    for seq in live:
+      self.release(seq)
+      seq.prefill, seq.num_computed = None, 0
+    self.waiting.appendleft(group)
+    return group

@@ -1,0 +1,261 @@
+"""The engine: scheduling never changes results, memory comes back, requests
+stop, stream, abort and fail the way users rely on."""
+
+import dataclasses
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import paged_jax as pj
+from paged_jax import models
+
+MODEL_CONFIG = models.LlamaConfig(
+    vocab_size=258, num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8,
+    hidden=16, mlp_hidden=32, max_seq_len=64)
+# 14 blocks of 4 do not hold all sequences at once: the runs must preempt.
+CFG = pj.CacheConfig(block_size=4, num_gpu_blocks=14, num_cpu_blocks=32,
+                     max_seqs=6, max_blocks_per_seq=20, watermark=0.0,
+                     enable_prefix_caching=True)
+TOKENIZER = models.ByteTokenizer()
+GREEDY = pj.SamplingParams(max_tokens=12, ignore_eos=True)
+SAMPLED = pj.SamplingParams(max_tokens=12, temperature=0.9, top_k=50,
+                            top_p=0.95, seed=7, n=2, ignore_eos=True,
+                            logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return models.Llama(MODEL_CONFIG, rngs=nnx.Rngs(0))
+
+
+def _requests():
+  """(id, prompt, params): ragged prompts, two sharing a prefix, one n=2."""
+  system = "THE DEVIL'S "
+  prompts = ["CAT, n. ", system + "DOG", system + "LOVE, n. A temporary",
+             "WAR", "BORE, n. A person who talks"]
+  params = [GREEDY, GREEDY, SAMPLED, GREEDY, GREEDY]
+  return [(str(i), p, s) for i, (p, s) in enumerate(zip(prompts, params))]
+
+
+def _serve(engine, requests):
+  """Runs `requests` to the end; checks the invariants after every step.
+
+  Returns:
+    `({id: final RequestOutput}, {id: [streamed RequestOutput]})`.
+  """
+  for request_id, prompt, params in requests:
+    engine.add_request(request_id, prompt, params)
+  finals, streamed = {}, {}
+  while engine.has_unfinished_requests():
+    for out in engine.step():
+      streamed.setdefault(out.request_id, []).append(out)
+      if out.finished:
+        finals[out.request_id] = out
+    pj.check_invariants(engine.state)
+  return finals, streamed
+
+
+def _all_blocks_free(engine):
+  state = engine.state
+  assert engine.num_free_gpu_blocks() == CFG.num_gpu_blocks
+  assert int(engine.runner.bm.num_free_cpu_blocks(state)) == CFG.num_cpu_blocks
+  assert np.all(np.asarray(state.tables) == -1)
+
+
+def _tokens(finals):
+  return {i: [o.token_ids for o in out.outputs] for i, out in finals.items()}
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+  """One sequence at a time, whole prompts: no chunking, no preemption."""
+  engine = pj.LLMEngine(model, TOKENIZER, CFG, max_num_seqs=2,
+                        max_num_batched_tokens=64, num_decode_steps=4)
+  finals, _ = _serve(engine, _requests())
+  assert engine.stats.preemptions == 0
+  _all_blocks_free(engine)
+  return finals
+
+
+@pytest.mark.parametrize("mode, budget, reverse", [
+    ("recompute", 64, False),
+    ("swap", 8, True),
+])
+def test_outputs_do_not_depend_on_scheduling(model, reference, mode, budget,
+                                             reverse):
+  engine = pj.LLMEngine(model, TOKENIZER, CFG, preemption_mode=mode,
+                        max_num_batched_tokens=budget, num_decode_steps=4)
+  requests = _requests()
+  finals, _ = _serve(engine, requests[::-1] if reverse else requests)
+  assert _tokens(finals) == _tokens(reference)
+  assert [o.text for o in finals["2"].outputs] == [
+      o.text for o in reference["2"].outputs]
+  stats = engine.stats
+  assert stats.preemptions > 0
+  if mode == "swap":
+    assert stats.swaps > 0
+  if budget < 20:   # the longest prompt needs several chunks
+    assert stats.prefill_tokens >= stats.prompt_tokens - 4 * 3
+  _all_blocks_free(engine)
+
+
+def test_outputs_finish_with_a_reason_and_logprobs(reference):
+  for request_id in ("0", "1", "3", "4"):
+    (out,) = reference[request_id].outputs
+    assert out.finish_reason == "length" and len(out.token_ids) == 12
+    assert out.text == TOKENIZER.decode(out.token_ids)
+  samples = reference["2"].outputs
+  assert [s.index for s in samples] == [0, 1]
+  assert samples[0].token_ids != samples[1].token_ids
+  for sample in samples:
+    assert len(sample.logprobs) == 12
+    chosen = [lp[t] for lp, t in zip(sample.logprobs, sample.token_ids)]
+    assert all(2 <= len(lp) <= 3 for lp in sample.logprobs)
+    assert sample.cumulative_logprob == pytest.approx(sum(chosen), rel=1e-5)
+    assert all(v <= 0.0 for lp in sample.logprobs for v in lp.values())
+
+
+def test_stop_strings_spanning_tokens_abort_and_streaming(model, reference):
+  text = reference["0"].outputs[0].text
+  stop = text[3:6]                       # three bytes: three tokens
+  start = text.index(stop)
+  engine = pj.LLMEngine(model, TOKENIZER, CFG, num_decode_steps=4)
+  requests = _requests()
+  requests[0] = ("0", requests[0][1], dataclasses.replace(
+      GREEDY, stop=["no such text", stop], output_kind="delta"))
+  requests[2] = ("2", requests[2][1], dataclasses.replace(
+      SAMPLED, output_kind="delta"))
+  for request_id, prompt, params in requests:
+    engine.add_request(request_id, prompt, params)
+  finals, streamed = {}, {}
+  steps = 0
+  while engine.has_unfinished_requests():
+    for out in engine.step():
+      streamed.setdefault(out.request_id, []).append(out)
+      finals[out.request_id] = out
+    steps += 1
+    if steps == 2:
+      engine.abort_request("4")
+      assert engine.num_free_gpu_blocks() > 0
+    pj.check_invariants(engine.state)
+  _all_blocks_free(engine)
+
+  stopped = finals["0"].outputs[0]
+  assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
+  joined = "".join(o.outputs[0].text for o in streamed["0"])
+  assert joined == text[:start]
+  tokens = sum((o.outputs[0].token_ids for o in streamed["0"]), [])
+  assert tokens == reference["0"].outputs[0].token_ids[:start + len(stop)]
+  for index in (0, 1):   # the deltas of each sample add up to its output
+    expected = reference["2"].outputs[index]
+    assert "".join(o.outputs[index].text for o in streamed["2"]) == (
+        expected.text)
+    assert sum((o.outputs[index].token_ids for o in streamed["2"]), []) == (
+        expected.token_ids)
+  assert len(streamed["2"]) > 2
+  aborted = finals["4"].outputs[0]
+  assert finals["4"].finished and aborted.finish_reason == "abort"
+  assert len(aborted.token_ids) < 12
+  assert finals["1"].outputs[0].token_ids == reference["1"].outputs[0].token_ids
+
+
+def test_requests_that_cannot_fit_fail_without_blocking_the_queue(model):
+  engine = pj.LLMEngine(model, TOKENIZER, CFG, max_num_seqs=4,
+                        num_decode_steps=4)
+  engine.add_request("wide", "A" * 40, pj.SamplingParams(max_tokens=8, n=4))
+  engine.add_request("many", "A", pj.SamplingParams(n=5))
+  engine.add_request("long", "B" * 64, GREEDY)
+  engine.add_request("capped", "C" * 60, GREEDY)
+  finals, _ = _serve(engine, [("ok", "D", dataclasses.replace(
+      GREEDY, max_tokens=3))])
+  assert finals["wide"].outputs[0].finish_reason == "error"
+  assert "needs 31 GPU blocks" in finals["wide"].error
+  assert "the cache has 14" in finals["wide"].error
+  assert "n=5 sequences exceed max_num_seqs=4" in finals["many"].error
+  assert "no room" in finals["long"].error
+  # 60 prompt tokens leave 4 of the model's 64 positions.
+  capped = finals["capped"].outputs[0]
+  assert capped.finish_reason == "length" and len(capped.token_ids) == 4
+  assert len(finals["ok"].outputs[0].token_ids) == 3
+  _all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(n=0), "n"), (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),
+    (dict(max_tokens=0), "max_tokens"), (dict(stop=[""]), "stop"),
+    (dict(stop_token_ids=[-3]), "stop_token_ids"), (dict(seed=-1), "seed"),
+    (dict(logprobs=-1), "logprobs"), (dict(output_kind="all"), "output_kind"),
+    (dict(use_beam_search=True, temperature=0.5), "temperature"),
+])
+def test_bad_sampling_params_name_the_field(kwargs, field):
+  with pytest.raises(ValueError, match=f"^{field}"):
+    pj.SamplingParams(**kwargs)
+
+
+def test_bad_engine_arguments_and_requests_raise(model):
+  with pytest.raises(ValueError, match="preemption_mode"):
+    pj.LLMEngine(model, TOKENIZER, CFG, preemption_mode="kill")
+  with pytest.raises(ValueError, match="max_num_seqs"):
+    pj.LLMEngine(model, TOKENIZER, CFG, max_num_seqs=7)
+  engine = pj.LLMEngine(model, None, CFG, num_decode_steps=4)
+  with pytest.raises(ValueError, match="needs a tokenizer"):
+    engine.add_request("a", "text")
+  with pytest.raises(ValueError, match="outside 0..257"):
+    engine.add_request("a", [1, 300])
+  with pytest.raises(ValueError, match="logprobs=9 exceeds max_logprobs=5"):
+    engine.add_request("a", [1], pj.SamplingParams(logprobs=9))
+  engine.add_request("a", [1])
+  with pytest.raises(ValueError, match="already in use"):
+    engine.add_request("a", [2])
+
+
+class _Config:
+  num_layers, num_kv_heads, head_dim = 1, 1, 8
+  vocab_size, max_seq_len, dtype = 258, 64, "float32"
+
+
+class _OwnModel(nnx.Module):
+  """A model that is not the library's Llama: one attention layer, no MLP."""
+
+  def __init__(self, rngs):
+    self.config = _Config()
+    self.embed = nnx.Embed(258, 8, rngs=rngs)
+    self.qkv = nnx.Linear(8, 24, use_bias=False, rngs=rngs)
+
+  def __call__(self, tokens, positions, cache):
+    x = self.embed(tokens)
+    q, k, v = jnp.split(self.qkv(x)[:, :, None, :], 3, axis=-1)
+    if cache is None:   # causal attention over `tokens` alone
+      scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 8 ** -0.5
+      mask = positions[:, None, :, None] >= positions[:, None, None, :]
+      out = jnp.einsum("bhqk,bkhd->bqhd",
+                       jax.nn.softmax(jnp.where(mask, scores, -1e30)), v)
+    else:
+      out, cache = cache.attend(0, q, k, v, positions, sm_scale=8 ** -0.5)
+    return self.embed.attend(x + out[:, :, 0]), cache
+
+
+def test_serves_a_model_of_its_own_that_follows_the_protocol():
+  own = _OwnModel(nnx.Rngs(1))
+  assert isinstance(own, pj.ModelProtocol)
+  llm = pj.LLM(own, TOKENIZER, CFG, num_decode_steps=4)
+  (out,) = llm.generate("HELLO", pj.SamplingParams(max_tokens=6,
+                                                   ignore_eos=True))
+  tokens = list(TOKENIZER.encode("HELLO"))
+  for _ in range(6):   # greedy without a cache, the whole sequence each time
+    logits, _ = own(jnp.asarray([tokens]), jnp.arange(len(tokens))[None], None)
+    tokens.append(int(jnp.argmax(logits[0, -1])))
+  assert out.outputs[0].token_ids == tokens[5:]
+
+
+def test_a_model_off_the_protocol_is_refused():
+  with pytest.raises(TypeError, match="nnx.Module"):
+    pj.LLM(object(), TOKENIZER, CFG)
+  own = _OwnModel(nnx.Rngs(1))
+  own.config = dataclasses.make_dataclass("C", ["num_layers"])(2)
+  with pytest.raises(ValueError, match="lacks num_kv_heads, head_dim"):
+    pj.LLM(own, TOKENIZER, CFG)
