@@ -5,20 +5,19 @@ Each function writes what it saw as JSON for tests/test_sharding.py to check.
 
 from __future__ import annotations
 
-import importlib
+import functools
 import json
 import re
 
+from flax import nnx
 import jax
 import numpy as np
 
 import paged_jax as pj
 from paged_jax import sharding
 from paged_jax.block_manager import manager
+from paged_jax.engine import runner as runner_lib
 from paged_jax.models import load_tiny
-
-# The module, not the function `paged_jax.generate` that shadows it.
-gen = importlib.import_module("paged_jax.generate")
 
 MESHES = ((1, 2), (1, 4), (2, 2), (2, 4), (8, 1))
 NUM_GPU_BLOCKS = 48  # distinctive, to find cache-sized arrays in the HLO
@@ -40,11 +39,15 @@ def tokens_of(outputs) -> list[list[int]]:
   return [samples[0].tolist() for samples in outputs]
 
 
-def logits_of(model, mesh) -> list[list[float]]:
-  """Prefill logits of the prompts, then the logits of one decode step.
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef, params, kv, tokens, positions, tables, slots):
+  cache = sharding.paged_cache(kv=kv, block_tables=tables, slot_mapping=slots)
+  logits, cache = nnx.merge(graphdef, params)(tokens, positions, cache)
+  return logits, cache.kv
 
-  Shapes are those of ``generate``'s prefill, so its compile is reused.
-  """
+
+def logits_of(model, mesh) -> list[list[float]]:
+  """Prefill logits of the prompts, then the logits of one decode step."""
   bm = pj.BlockSpaceManager(CFG)
   prompts = [r.prompt for r in requests()]
   seqs = np.arange(len(prompts), dtype=np.int32)
@@ -53,7 +56,7 @@ def logits_of(model, mesh) -> list[list[float]]:
   for seq, prompt in zip(seqs, prompts):
     tokens = np.zeros(CFG.max_tokens_per_seq, np.int32)
     tokens[:prompt.size] = prompt
-    state, _ = gen._allocate(state, seqs[seq:seq + 1], tokens, prompt.size)
+    state, _ = manager.allocate(state, seqs[seq:seq + 1], tokens, prompt.size)
   config = model.config
   if mesh is None:
     kv = pj.KVCache.create(CFG, config.num_layers, config.num_kv_heads,
@@ -62,24 +65,24 @@ def logits_of(model, mesh) -> list[list[float]]:
     model = sharding.shard_model(model, mesh)
     kv = sharding.create_kv_cache(CFG, config.num_layers, config.num_kv_heads,
                                   config.head_dim, config.compute_dtype, mesh)
-  graphdef, params = gen.nnx.split(model)
+  graphdef, params = nnx.split(model)
   width = 16
   ids = np.zeros((len(prompts), width), np.int32)
   positions = np.full((len(prompts), width), -1, np.int32)
   for row, prompt in enumerate(prompts):
     ids[row, :prompt.size] = prompt
     positions[row, :prompt.size] = np.arange(prompt.size)
-  slots = gen._slot_mapping(state, seqs, lengths, width=width)
-  prefill, kv = gen._paged_forward(graphdef, params, kv, ids, positions,
-                                   gen._block_tables(state, seqs), slots)
+  slots = manager.get_slot_mapping(state, seqs, lengths, width=width)
+  prefill, kv = _forward(graphdef, params, kv, ids, positions,
+                         manager.get_block_tables(state, seqs), slots)
   last = np.asarray(prefill)[seqs, lengths - 1]
   token = np.argmax(last, axis=-1).astype(np.int32)[:, None]
   ones = np.ones(len(prompts), np.int32)
   state, _ = manager.append_slots(state, seqs, token, ones)
-  decode, _ = gen._paged_forward(
+  decode, _ = _forward(
       graphdef, params, kv, token, lengths[:, None],
-      gen._block_tables(state, seqs),
-      gen._slot_mapping(state, seqs, ones, width=1))
+      manager.get_block_tables(state, seqs),
+      manager.get_slot_mapping(state, seqs, ones, width=1))
   valid = np.asarray(prefill)[positions >= 0]
   return [valid.ravel().tolist(), np.asarray(decode).ravel().tolist()]
 
@@ -100,7 +103,7 @@ def device_bytes(kv) -> dict[str, list[int]]:
 def weight_bytes(model, mesh) -> list[int]:
   """Parameter bytes on each device of ``mesh`` after ``shard_model``."""
   per_device = {}
-  params = gen.nnx.state(sharding.shard_model(model, mesh), gen.nnx.Param)
+  params = nnx.state(sharding.shard_model(model, mesh), nnx.Param)
   for array in jax.tree.leaves(params):
     for shard in array.addressable_shards:
       per_device[shard.device.id] = (per_device.get(shard.device.id, 0)
@@ -115,21 +118,22 @@ def collectives(hlo: str) -> list[list[str]]:
 
 def step_collectives(model, mesh) -> dict[str, list[list[str]]]:
   """Collectives of the compiled decode loop, prefill and swaps on ``mesh``."""
-  driver = gen._Driver(model, CFG, SAMPLING, jax.random.key(0), mesh=mesh)
-  loop = driver.loop.replace(kv=driver.kv)
-  decode = gen._decode_loop.lower(driver.graphdef, driver.params, SAMPLING,
-                                  jax.random.key(0), loop, np.array(True))
+  runner = runner_lib.ModelRunner(model, CFG, mesh=mesh)
+  decode = runner_lib._decode_loop.lower(
+      runner.graphdef, runner.params, runner.rows, runner.decode_carry(4),
+      np.array(True))
   rows, width = 2, 16
-  prefill = gen._paged_forward.lower(
-      driver.graphdef, driver.params, driver.kv,
+  tables = np.zeros((rows, CFG.max_blocks_per_seq), np.int32)
+  draw_rows = jax.tree.map(lambda a: a[:CFG.max_seqs], runner.rows)
+  prefill = runner_lib._prefill.lower(
+      runner.graphdef, runner.params, runner.kv,
       np.zeros((rows, width), np.int32), np.zeros((rows, width), np.int32),
-      np.zeros((rows, CFG.max_blocks_per_seq), np.int32),
-      np.zeros((rows, width), np.int32))
+      tables, np.zeros(CFG.max_seqs, np.int32), draw_rows, 0, CFG.block_size)
   plan = np.zeros(8, np.int32)
   swaps = [
-      sharding._jit_swap(fn, driver.kv.num_layers, driver.kv.device_sharding,
-                         driver.kv.host_sharding).lower(
-                             driver.kv, plan, plan, np.int32(0))
+      sharding._jit_swap(fn, runner.kv.num_layers, runner.kv.device_sharding,
+                         runner.kv.host_sharding).lower(
+                             runner.kv, plan, plan, np.int32(0))
       for fn in (sharding._swap_out, sharding._swap_in)]
   return {name: collectives(lowered.compile().as_text())
           for name, lowered in (("decode", decode), ("prefill", prefill),
@@ -184,7 +188,7 @@ def single_process(out: str) -> None:
   result["unsharded_bytes"] = device_bytes(pj.KVCache.create(
       CFG, 4, 2, 32, dtype="float32"))
   result["unsharded_weight_bytes"] = sum(
-      a.nbytes for a in jax.tree.leaves(gen.nnx.state(model, gen.nnx.Param)))
+      a.nbytes for a in jax.tree.leaves(nnx.state(model, nnx.Param)))
   for shape in MESHES:
     mesh = sharding.make_mesh(*shape)
     name = f"{shape[0]}x{shape[1]}"

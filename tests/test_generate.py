@@ -95,7 +95,7 @@ def test_greedy_paged_tokens_equal_dense(model, requests, dense_outputs,
   # Without caching the GPU pool is tight, so the loop runs out of blocks
   # and the engine swaps sequences out and back in.
   block_size, tokens_per_seq = 16, 48
-  pool_tokens = 160 if prefix_caching else 96
+  pool_tokens = 160 if prefix_caching else 112
   cfg = pj.CacheConfig(
       block_size=block_size, num_gpu_blocks=pool_tokens // block_size + 2,
       num_cpu_blocks=256 // block_size, max_seqs=16,
@@ -195,9 +195,9 @@ def test_generate_rejects_requests_that_do_not_fit(model, request_, message):
 
 
 @pytest.mark.parametrize("num_gpu_blocks, prompt, n, message", [
-    # 20 prompt + 7 new tokens in blocks of 4, for each of 4 samples that
-    # share the 5 full prompt blocks.
-    (2, 20, 4, r"needs 11 GPU blocks .* the cache has 2"),
+    # Each of 4 samples holds 20 prompt + 7 new tokens (7 blocks of 4); they
+    # share the 5 full prompt blocks: 5 + 4 x 2.
+    (2, 20, 4, r"needs 13 GPU blocks .* the cache has 2"),
     # 10 prompt tokens and 7 more need 5 blocks of 4.
     (3, 10, 1, r"needs 5 GPU blocks .* the cache has 3"),
 ])
@@ -217,11 +217,12 @@ def test_generation_stops_at_the_models_positions(model, requests,
   prompt = np.concatenate([requests[0].prompt, np.ones(60, np.int32)])[-60:]
   cfg = pj.CacheConfig(block_size=4, num_gpu_blocks=64, num_cpu_blocks=0,
                        max_seqs=4, max_blocks_per_seq=20)
-  outputs, stats = generate(model, [Request(prompt)], cfg, GREEDY,
-                            jax.random.key(0))
+  llm = pj.LLM(model, None, cfg)
+  (out,) = llm.generate([prompt], pj.SamplingParams(max_tokens=40))
   expected = generate_dense(model, [prompt], GREEDY, jax.random.key(0))[0]
-  np.testing.assert_array_equal(outputs[0][0], expected[:4])
-  assert stats.generated_tokens == 4
+  assert out.outputs[0].finish_reason == "length"
+  np.testing.assert_array_equal(out.outputs[0].token_ids, expected[:4])
+  assert llm.engine.stats.generated_tokens == 4
 
 
 def test_paged_cache_rejects_a_slot_mapping_of_the_wrong_shape():

@@ -328,6 +328,21 @@ class ModelRunner:
                              self.num_logprobs, self.cfg.block_size)
     return jax.tree.map(lambda a: np.asarray(a)[:len(samples)], draw)
 
+  def decode_carry(self, num_steps: int) -> _Loop:
+    """The decode loop's carry for a launch of up to `num_steps` steps."""
+    s, k = self.cfg.max_seqs, self.num_logprobs
+    draws = Draw(tokens=jnp.zeros((s, num_steps), jnp.int32),
+                 logprob=jnp.zeros((s, num_steps), jnp.float32),
+                 top_ids=jnp.zeros((s, num_steps, k), jnp.int32),
+                 top_logprobs=jnp.zeros((s, num_steps, k), jnp.float32))
+    return _Loop(
+        state=self.state, kv=self.kv, seq_ids=self.seq_ids,
+        last_token=self.last_token, num_generated=self.num_generated,
+        limit=self.limit, draws=draws, step=jnp.int32(0),
+        out_of_blocks=jnp.array(False), finished_any=jnp.array(False),
+        cow_copies=jnp.int32(0), peak_blocks=jnp.int32(0),
+        utilization_sum=jnp.float32(0.0))
+
   def decode(self, num_steps: int, stop_on_finish: bool):
     """Runs up to `num_steps` decode steps of the running rows.
 
@@ -336,20 +351,9 @@ class ModelRunner:
       num_steps]`, the tokens each row drew, the rows that finished on the
       device, and whether the loop stopped for lack of blocks.
     """
-    s, k = self.cfg.max_seqs, self.num_logprobs
-    draws = Draw(tokens=jnp.zeros((s, num_steps), jnp.int32),
-                 logprob=jnp.zeros((s, num_steps), jnp.float32),
-                 top_ids=jnp.zeros((s, num_steps, k), jnp.int32),
-                 top_logprobs=jnp.zeros((s, num_steps, k), jnp.float32))
     before = self.num_generated.copy()
     running = self.seq_ids >= 0
-    loop = _Loop(
-        state=self.state, kv=self.kv, seq_ids=self.seq_ids,
-        last_token=self.last_token, num_generated=self.num_generated,
-        limit=self.limit, draws=draws, step=jnp.int32(0),
-        out_of_blocks=jnp.array(False), finished_any=jnp.array(False),
-        cow_copies=jnp.int32(0), peak_blocks=jnp.int32(0),
-        utilization_sum=jnp.float32(0.0))
+    loop = self.decode_carry(num_steps)
     loop = _decode_loop(self.graphdef, self.params, self.rows, loop,
                         jnp.array(stop_on_finish))
     self.state, self.kv = loop.state, loop.kv

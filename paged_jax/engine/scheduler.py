@@ -82,6 +82,14 @@ class SequenceGroup:
     return not any(s.token_ids for s in self.seqs)
 
 
+def _enqueue(queue: collections.deque, group: SequenceGroup) -> None:
+  """Puts a preempted group back into `queue`, keeping arrival order."""
+  queue.append(group)
+  ordered = sorted(queue, key=lambda g: g.arrival)
+  queue.clear()
+  queue.extend(ordered)
+
+
 class Scheduler:
   """Decides what runs; the runner executes it.
 
@@ -234,16 +242,14 @@ class Scheduler:
     return budget
 
   def _swap_in(self) -> None:
+    """Brings swapped groups back in arrival order while they fit: the
+    manager's `can_swap_in` counts their blocks plus one new block per
+    sequence, above the watermark."""
     while self.swapped:
       group = self.swapped[0]
       slots = [s.slot for s in group.live()]
-      # Leave a block for every running sequence's next token, or the loop
-      # would run out at once and swap this group straight back out.
-      spare = self.num_running_seqs() + len(slots)
       if (self.num_running_seqs() + len(slots) > self.max_num_seqs
-          or self.runner.can_swap_in(slots) != AllocStatus.OK
-          or self.runner.num_free_gpu_blocks() - self._swapped_blocks(group)
-          < spare):
+          or self.runner.can_swap_in(slots) != AllocStatus.OK):
         return
       self.swapped.popleft()
       self.runner.swap_in(slots)
@@ -251,11 +257,6 @@ class Scheduler:
         self.runner.start(seq.slot, seq.token_ids[-1], len(seq.token_ids))
       self.running.append(group)
       self.running.sort(key=lambda g: g.arrival)
-
-  def _swapped_blocks(self, group: SequenceGroup) -> int:
-    cfg = self.runner.cfg
-    return sum(cfg.blocks_for(len(group.prompt_token_ids) + len(s.token_ids)
-                              - 1) for s in group.live())
 
   def preempt(self) -> SequenceGroup:
     """Preempts the latest-arrived running group.
@@ -282,11 +283,11 @@ class Scheduler:
     swap = self.preemption_mode == "swap" or len(live) > 1
     if swap and decoding and self.runner.can_swap_out(slots):
       self.runner.swap_out(slots)
-      self.swapped.append(group)
+      _enqueue(self.swapped, group)
       return group
     self.runner.free([s.slot for s in live if s.allocated])
     for seq in live:
       self.release(seq)
       seq.prefill, seq.num_computed = None, 0
-    self.waiting.appendleft(group)
+    _enqueue(self.waiting, group)
     return group
