@@ -759,27 +759,62 @@ def fork(state: BlockManagerState, parent_id, child_id):
     ValueError: an id that is not an integer scalar (static).
   """
   s = state.cfg.max_seqs
-  parent, child = _scalar("parent_id", parent_id), _scalar("child_id", child_id)
-  invalid = (parent < 0) | (parent >= s) | (child < 0) | (child >= s) | (parent == child)
-  p, c = jnp.clip(parent, 0, s - 1), jnp.clip(child, 0, s - 1)
-  status = first_failure((Status.INVALID_ARGUMENT, invalid),
-                         (Status.NOT_ALLOCATED, state.device[p] == EMPTY),
-                         (Status.ALREADY_ALLOCATED, state.device[c] != EMPTY))
-  ok = status == Status.OK
-  row = state.tables[p]
+  parent, child = (jnp.where(x < 0, s, x)[None]   # -1 is an id here, not padding
+                   for x in (_scalar("parent_id", parent_id), _scalar("child_id", child_id)))
+  return fork_each(state, parent, child)
+
+
+def fork_each(state: BlockManagerState, parent_ids, child_ids):
+  """`fork` of every pair at once: child `i` gets parent `i`'s table.
+
+  Parents are read before any child is written. A parent may have several
+  children (beams forking); a child may not be a parent of the same call.
+
+  Args:
+    state: the manager state.
+    parent_ids: int32[K] slots, -1 where the pair is padding.
+    child_ids: int32[K] slots, -1 exactly where `parent_ids` is.
+
+  Returns:
+    (new state, OpResult): status OK or the first of INVALID_ARGUMENT (an id
+    out of range, padding in one id of a pair only, a repeated child, a child
+    that is also a parent), NOT_ALLOCATED (a parent), ALREADY_ALLOCATED (a
+    child); a failed call changes nothing.
+
+  Raises:
+    ValueError: ids that are not 1-D integer arrays of one length (static).
+  """
+  s = state.cfg.max_seqs
+  parents = _int_array("parent_ids", parent_ids, (None,))
+  children = _int_array("child_ids", child_ids, parents.shape)
+  pad = parents == NO_BLOCK
+  out_of_range = lambda ids: ~pad & ((ids < 0) | (ids >= s))
+  p, c = jnp.clip(parents, 0, s - 1), jnp.clip(children, 0, s - 1)
+  child_count = scatter_count(jnp.where(pad, NO_BLOCK, children), s)
+  parent_count = scatter_count(jnp.where(pad, NO_BLOCK, parents), s)
+  invalid = jnp.any(out_of_range(parents) | out_of_range(children)
+                    | (pad != (children == NO_BLOCK))
+                    | (~pad & (parent_count[c] > 0))) | jnp.any(child_count > 1)
+  status = first_failure(
+      (Status.INVALID_ARGUMENT, invalid),
+      (Status.NOT_ALLOCATED, jnp.any(~pad & (state.device[p] == EMPTY))),
+      (Status.ALREADY_ALLOCATED, jnp.any(~pad & (state.device[c] != EMPTY))))
+  keep = ~pad & (status == Status.OK)
+  rows = state.tables[p]
   for on_gpu, dev in ((True, ON_GPU), (False, ON_CPU)):
     pool = _pool(state, on_gpu)
-    gains = masked(row, ok & (state.device[p] == dev) & (row >= 0), pool.num_blocks)
-    pool = pool.replace(ref_count=pool.ref_count.at[gains].add(1, mode="drop"))
+    here = keep & (state.device[p] == dev)
+    gains = masked(rows, here[:, None] & (rows >= 0), pool.num_blocks)
+    pool = pool.replace(ref_count=pool.ref_count.at[gains.reshape(-1)].add(
+        1, mode="drop"))
     state = _with_pool(state, on_gpu, pool)
-  cs, keep = c[None], ok[None]
-  copy_row = lambda a: _set_rows(a, cs, keep, a[p][None])
-  state = state.replace(tables=copy_row(state.tables), num_tokens=copy_row(state.num_tokens),
-                        device=copy_row(state.device), salt=copy_row(state.salt))
+  copy_rows = lambda a: _set_rows(a, c, keep, a[p])
+  state = state.replace(tables=copy_rows(state.tables), num_tokens=copy_rows(state.num_tokens),
+                        device=copy_rows(state.device), salt=copy_rows(state.salt))
   if state.seq_hash is not None:
     sh = state.seq_hash
-    state = state.replace(seq_hash=sh.replace(rolling=copy_row(sh.rolling),
-                                              tail_tokens=copy_row(sh.tail_tokens)))
+    state = state.replace(seq_hash=sh.replace(rolling=copy_rows(sh.rolling),
+                                              tail_tokens=copy_rows(sh.tail_tokens)))
   return state, OpResult(status=status)
 
 
@@ -1136,6 +1171,7 @@ class BlockSpaceManager:
   can_append_slots = staticmethod(can_append_slots)
   append_slots = staticmethod(append_slots)
   fork = staticmethod(fork)
+  fork_each = staticmethod(fork_each)
   free = staticmethod(free)
   reset = staticmethod(reset)
   can_swap_out = staticmethod(can_swap_out)

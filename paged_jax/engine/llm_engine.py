@@ -61,6 +61,8 @@ class LLMEngine:
       `paged_jax.sharding`); None for one device.
     num_decode_steps: decode steps per launch of the compiled loop.
     max_logprobs: the largest `SamplingParams.logprobs` accepted.
+    max_beam_width: the most beams (`n` with `use_beam_search`) a request
+      may ask for; it sizes the decode loop's beam state.
     seed: seed of the requests that give none.
     key: a PRNG key used instead of `seed`.
 
@@ -74,6 +76,7 @@ class LLMEngine:
                max_num_batched_tokens: int = 512,
                preemption_mode: str = "recompute", kv_cache_dtype=None,
                mesh=None, num_decode_steps: int = 8, max_logprobs: int = 5,
+               max_beam_width: int = 4,
                seed: int = 0, key: jax.Array | None = None):
     check_model(model)
     if not isinstance(cache_config, CacheConfig):
@@ -85,7 +88,8 @@ class LLMEngine:
         ("max_num_seqs", max_num_seqs, 1, cache_config.max_seqs),
         ("max_num_batched_tokens", max_num_batched_tokens, 1, None),
         ("num_decode_steps", num_decode_steps, 1, None),
-        ("max_logprobs", max_logprobs, 0, None)):
+        ("max_logprobs", max_logprobs, 0, None),
+        ("max_beam_width", max_beam_width, 1, None)):
       if (isinstance(value, bool) or not isinstance(value, int) or value < low
           or (high is not None and value > high)):
         bound = f"in {low}..{high}" if high is not None else f">= {low}"
@@ -105,7 +109,8 @@ class LLMEngine:
     self.runner = ModelRunner(model, cache_config, mesh=mesh,
                               kv_cache_dtype=kv_cache_dtype,
                               num_logprobs=max_logprobs,
-                              stop_width=MAX_STOP_TOKENS)
+                              stop_width=MAX_STOP_TOKENS,
+                              max_beam_width=max_beam_width)
     self.scheduler = Scheduler(self.runner, max_num_seqs,
                                max_num_batched_tokens, preemption_mode)
     self._key = jax.random.key(seed) if key is None else key
@@ -131,6 +136,12 @@ class LLMEngine:
     if n > self.scheduler.max_num_seqs:
       return (f"n={n} sequences exceed max_num_seqs="
               f"{self.scheduler.max_num_seqs}")
+    if params.use_beam_search:
+      if 2 * n - 1 > cfg.max_seqs:
+        return (f"{n} beams need {2 * n - 1} sequence slots, the cache has "
+                f"max_seqs={cfg.max_seqs}")
+      if num_prompt_tokens < 2:
+        return "beam search needs a prompt of at least 2 tokens"
     if num_prompt_tokens >= max_len:
       return (f"a prompt of {num_prompt_tokens} tokens leaves no room for new "
               f"tokens in {max_len} positions (model max_seq_len="
@@ -186,13 +197,13 @@ class LLMEngine:
       ValueError: for a duplicate id, a bad prompt, `logprobs` above
         `max_logprobs`, too many stop tokens or stop strings without a
         tokenizer.
-      NotImplementedError: for `use_beam_search`.
     """
     params = SamplingParams() if params is None else params
     if request_id in self._groups:
       raise ValueError(f"request_id {request_id!r} is already in use")
-    if params.use_beam_search:
-      raise NotImplementedError("use_beam_search is not implemented yet")
+    if params.use_beam_search and params.n > self.runner.max_beam_width:
+      raise ValueError(f"n={params.n} beams exceed max_beam_width="
+                       f"{self.runner.max_beam_width}")
     if params.logprobs is not None and params.logprobs > self.max_logprobs:
       raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs="
                        f"{self.max_logprobs}")
@@ -265,7 +276,8 @@ class LLMEngine:
       if group.finished:
         self.scheduler.running.remove(group)
         del self._groups[group.request_id]
-      if group.finished or group.params.output_kind != "final":
+      if group.finished or (group.params.output_kind != "final"
+                            and not group.beam):
         outputs.append(self._output(group))
     self.timing["rounds"] += 1
     self.timing["wall_s"] += time.perf_counter() - start
@@ -284,7 +296,7 @@ class LLMEngine:
       seq.num_computed = start + tokens.size
       if seq.num_computed == seq.prefill.size:
         completed.append((row, group, seq, group.fresh))
-        if group.fresh:
+        if group.fresh and not group.beam:
           samples += [(row, s.slot) for s in group.live()]
     draws = self._timed(runner.prefill,
                         [(s.slot, t, start) for _, s, t, start in chunks],
@@ -294,6 +306,9 @@ class LLMEngine:
     cursor = 0
     for row, group, seq, fresh in completed:
       seq.prefill = None
+      if group.beam:   # the prompt's last token starts the first beam step
+        runner.start(seq.slot, int(group.prompt_token_ids[-1]), 0)
+        continue
       if not fresh:
         runner.start(seq.slot, seq.token_ids[-1], len(seq.token_ids))
         continue
@@ -314,7 +329,7 @@ class LLMEngine:
     runner, scheduler = self.runner, self.scheduler
     stop_on_finish = bool(scheduler.waiting or scheduler.swapped)
     slots_before = {s.slot: (g, s) for g in scheduler.running
-                    for s in g.live() if s.slot >= 0
+                    if not g.beam for s in g.live() if s.slot >= 0
                     and runner.seq_ids[s.slot] >= 0}
     draws, counts, finished, out_of_blocks = self._timed(
         runner.decode, self.num_decode_steps, stop_on_finish)
@@ -329,8 +344,26 @@ class LLMEngine:
       if finished[slot] and not seq.finished:
         raise RuntimeError(f"seq {slot} of request {group.request_id!r} "
                            "stopped on the device but not on the host")
+    done = runner.beams_done()
+    for group in scheduler.running:
+      if group.beam and group.beam_slots and done[group.beam_slots[0]]:
+        self._finish_beams(group)
+        touched[group.request_id] = group
     if out_of_blocks:
       scheduler.preempt()
+
+  def _finish_beams(self, group: SequenceGroup) -> None:
+    """Reads a finished beam group's best `n` hypotheses into its sequences
+    (best first) and returns its slots (the device freed its blocks)."""
+    hypotheses = self.runner.hypotheses(group.beam_slots[0], group.params.n)
+    for seq, (tokens, logprob, stopped) in zip(group.seqs, hypotheses):
+      seq.token_ids, seq.cumulative_logprob = tokens, logprob
+      seq.finish_reason = "stop" if stopped else "length"
+      seq.stop_reason = tokens[-1] if stopped else None
+      if self.tokenizer is not None:
+        seq.text = self._decode_text(seq)
+      self._generated_tokens += len(tokens)
+    self.scheduler.release_group(group)
 
   def _append(self, group: SequenceGroup, seq: Sequence, tokens, logprob,
               top_ids, top_logprobs, *, device_freed: bool) -> None:
@@ -410,7 +443,8 @@ class LLMEngine:
         seq.sent_tokens += len(ids)
       completions.append(CompletionOutput(
           index=seq.index, text=text, token_ids=list(ids),
-          cumulative_logprob=float(sum(seq.token_logprobs)),
+          cumulative_logprob=float(sum(seq.token_logprobs))
+          if seq.cumulative_logprob is None else seq.cumulative_logprob,
           logprobs=list(logprobs) if group.params.logprobs is not None
           else None, finish_reason=seq.finish_reason,
           stop_reason=seq.stop_reason))

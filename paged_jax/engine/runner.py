@@ -26,8 +26,9 @@ import numpy as np
 
 from paged_jax.block_manager import manager
 from paged_jax.block_manager.manager import BlockSpaceManager
-from paged_jax.block_manager.state import BlockManagerState
+from paged_jax.block_manager.state import EMPTY, BlockManagerState
 from paged_jax.config import AllocStatus, CacheConfig, Status
+from paged_jax.engine import beam
 from paged_jax.engine.sampling import Draw, RowParams, is_stop, sample_rows
 from paged_jax.kv_cache import KVCache
 from paged_jax import kv_cache as kv_ops
@@ -44,6 +45,7 @@ class _Loop:
   last_token: jax.Array     # int32[S], sampled, not yet in the cache
   num_generated: jax.Array  # int32[S], tokens sampled so far
   limit: jax.Array          # int32[S], tokens to sample at most
+  beams: beam.Beams         # beam-search state of the rows in beam groups
   draws: Draw               # [S, num_steps] tokens of this launch
   step: jax.Array           # steps of this launch
   out_of_blocks: jax.Array
@@ -79,17 +81,42 @@ def _decode_step(graphdef, params_state, rows: RowParams, loop: _Loop) -> _Loop:
     draws = jax.tree.map(
         lambda out, new: out.at[jnp.arange(out.shape[0]), column].set(
             new, mode="drop"), loop.draws, draw)
-    num_generated = loop.num_generated + running
-    done = running & ((num_generated >= loop.limit)
+    sampled = running & (loop.beams.leader < 0)
+    num_generated = loop.num_generated + sampled
+    done = sampled & ((num_generated >= loop.limit)
                       | is_stop(draw.tokens, rows.stop_ids))
     used = cfg.num_gpu_blocks - bm.num_free_gpu_blocks(state)
     held = jnp.sum(num_tokens)
-    freed, _ = bm.free(state, jnp.where(done, loop.seq_ids, -1))
+    seq_ids = jnp.where(done, -1, loop.seq_ids)
+    last_token = jnp.where(sampled, draw.tokens, loop.last_token)
+
+    def beam_step(_):
+      beams, moves = beam.step(
+          loop.beams, jax.nn.log_softmax(logits[:, 0].astype(jnp.float32)),
+          running, rows.stop_ids, loop.limit, seq_ids, last_token,
+          num_generated)
+      forked, _ = bm.fork_each(state, moves.fork_parents, moves.fork_children)
+      return forked, beams, moves
+
+    def no_beams(_):
+      return state, loop.beams, beam.BeamMoves(
+          fork_parents=jnp.full(s * 2 * loop.beams.hyp_len.shape[1], -1),
+          fork_children=jnp.full(s * 2 * loop.beams.hyp_len.shape[1], -1),
+          dropped=jnp.zeros(s, bool), seq_ids=seq_ids, last_token=last_token,
+          num_generated=num_generated, finished=jnp.zeros(s, bool))
+
+    s = running.shape[0]
+    forked, beams, moves = jax.lax.cond(
+        jnp.any(running & (loop.beams.leader >= 0)), beam_step, no_beams,
+        None)
+    freed, _ = bm.free(forked, jnp.where(done | moves.dropped, loop.seq_ids,
+                                         -1))
     return loop.replace(
-        state=freed, kv=cache.kv, seq_ids=jnp.where(done, -1, loop.seq_ids),
-        last_token=jnp.where(running, draw.tokens, loop.last_token),
-        num_generated=num_generated, draws=draws, step=loop.step + 1,
-        finished_any=loop.finished_any | jnp.any(done),
+        state=freed, kv=cache.kv, seq_ids=moves.seq_ids,
+        last_token=moves.last_token, num_generated=moves.num_generated,
+        beams=beams, draws=draws, step=loop.step + 1,
+        finished_any=loop.finished_any | jnp.any(done)
+        | jnp.any(moves.finished),
         cow_copies=loop.cow_copies + plan.count,
         peak_blocks=jnp.maximum(loop.peak_blocks, used),
         utilization_sum=loop.utilization_sum
@@ -150,6 +177,8 @@ _can_swap_in = jax.jit(manager.can_swap_in)
 _block_tables = jax.jit(manager.get_block_tables)
 _mark_computed = jax.jit(manager.mark_blocks_as_computed)
 _common_computed = jax.jit(manager.get_common_computed_block_ids)
+_start_beams = jax.jit(beam.Beams.start)
+_clear_beams = jax.jit(beam.Beams.clear)
 _kv_swap_out = jax.jit(kv_ops.swap_out, donate_argnums=0)
 _kv_swap_in = jax.jit(kv_ops.swap_in, donate_argnums=0)
 
@@ -176,10 +205,13 @@ class ModelRunner:
     mesh: a ``("data", "model")`` mesh with one data row: the model and the
       cache are split over "model" (see `paged_jax.sharding`); None for one
       device.
+    max_beam_width: the most beams a beam-search request may ask for
+      (static: it sizes the beam state).
   """
 
   def __init__(self, model, cfg: CacheConfig, *, kv_cache_dtype=None,
-               num_logprobs: int = 0, stop_width: int = 4, mesh=None):
+               num_logprobs: int = 0, stop_width: int = 4, mesh=None,
+               max_beam_width: int = 4):
     self.cfg = cfg
     self.bm = BlockSpaceManager(cfg)
     mc = model.config
@@ -194,9 +226,14 @@ class ModelRunner:
     self.graphdef, self.params = nnx.split(model)
     # The state lives where the pages do, so that every jitted call sees
     # the same input shardings before and after its first run (one compile).
-    self.state = jax.device_put(
-        self.bm.init(), self.kv.k[0].sharding if mesh is None
-        else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    replicated = self.kv.k[0].sharding if mesh is None else (
+        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    # The state lives where the pages do, so that every jitted call sees
+    # the same input shardings before and after its first run (one compile).
+    self.state = jax.device_put(self.bm.init(), replicated)
+    self.beams = jax.device_put(beam.Beams.create(
+        cfg.max_seqs, max_beam_width, cfg.max_tokens_per_seq), replicated)
+    self.max_beam_width = max_beam_width
     self.num_logprobs, self.stop_width = num_logprobs, stop_width
     s = cfg.max_seqs
     key_words = jax.random.key_data(jax.random.key(0)).shape[-1]
@@ -242,8 +279,38 @@ class ModelRunner:
     self.seq_ids[slot] = slot
     self.last_token[slot], self.num_generated[slot] = last_token, num_generated
 
+  def resume(self, slots) -> None:
+    """Lets swapped-in beam rows decode on from where they were."""
+    self.seq_ids[np.asarray(slots, np.int64)] = slots
+
   def stop(self, slots) -> None:
     self.seq_ids[np.asarray(slots, np.int64)] = -1
+
+  # Beam groups.
+  def start_beams(self, slots, width: int, length_penalty: float) -> None:
+    """Makes `slots` (leader first) a beam group of `width` beams."""
+    self.beams = _start_beams(self.beams, np.asarray(slots, np.int32), width,
+                              length_penalty)
+
+  def clear_beams(self, slots) -> None:
+    self.beams = _clear_beams(self.beams, np.asarray(slots, np.int32))
+
+  def beams_done(self) -> np.ndarray:
+    """bool `[S]`: leaders whose beam group has finished."""
+    return np.asarray(self.beams.done)
+
+  def hypotheses(self, leader: int, count: int):
+    """The best `count` finished hypotheses of a group, best first:
+    `(tokens, cumulative logprob, stopped)` triples."""
+    b = jax.device_get(jax.tree.map(lambda a: a[leader], self.beams))
+    return [(b.hyp_tokens[i, :b.hyp_len[i]].tolist(), float(b.hyp_logprob[i]),
+             bool(b.hyp_stopped[i])) for i in range(count)
+            if b.hyp_score[i] > -np.inf]
+
+  def held(self, slots) -> list[int]:
+    """The slots among `slots` that hold a block table (on either device)."""
+    device = np.asarray(self.state.device)
+    return [s for s in slots if device[s] != EMPTY]
 
   # Manager operations.
   def _check(self, result, what: str):
@@ -338,7 +405,7 @@ class ModelRunner:
     return _Loop(
         state=self.state, kv=self.kv, seq_ids=self.seq_ids,
         last_token=self.last_token, num_generated=self.num_generated,
-        limit=self.limit, draws=draws, step=jnp.int32(0),
+        limit=self.limit, beams=self.beams, draws=draws, step=jnp.int32(0),
         out_of_blocks=jnp.array(False), finished_any=jnp.array(False),
         cow_copies=jnp.int32(0), peak_blocks=jnp.int32(0),
         utilization_sum=jnp.float32(0.0))
@@ -356,7 +423,7 @@ class ModelRunner:
     loop = self.decode_carry(num_steps)
     loop = _decode_loop(self.graphdef, self.params, self.rows, loop,
                         jnp.array(stop_on_finish))
-    self.state, self.kv = loop.state, loop.kv
+    self.state, self.kv, self.beams = loop.state, loop.kv, loop.beams
     self.seq_ids = np.array(loop.seq_ids)
     self.last_token = np.array(loop.last_token)
     self.num_generated = np.array(loop.num_generated)

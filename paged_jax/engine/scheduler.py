@@ -35,6 +35,7 @@ class Sequence:
   slot: int = -1
   token_ids: list[int] = dataclasses.field(default_factory=list)
   token_logprobs: list[float] = dataclasses.field(default_factory=list)
+  cumulative_logprob: float | None = None   # a beam's, read from the device
   logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
   finish_reason: str | None = None
   stop_reason: int | str | None = None
@@ -68,6 +69,16 @@ class SequenceGroup:
   stop_ids: tuple[int, ...]
   seqs: list[Sequence]
   error: str | None = None
+  beam_slots: list[int] = dataclasses.field(default_factory=list)
+
+  @property
+  def beam(self) -> bool:
+    return self.params.use_beam_search
+
+  def num_slots(self) -> int:
+    """Sequence slots the group needs: `2n - 1` for `n` beams (spare slots
+    for the beams that fork), else one per unfinished sequence."""
+    return 2 * self.params.n - 1 if self.beam else len(self.live())
 
   def live(self) -> list[Sequence]:
     return [s for s in self.seqs if not s.finished]
@@ -142,11 +153,25 @@ class Scheduler:
         queue.remove(group)
     if group in self.running:
       self.running.remove(group)
-    held = [s.slot for s in group.seqs if s.allocated]
+    if group.beam:
+      held = self.runner.held(group.beam_slots)
+    else:
+      held = [s.slot for s in group.seqs if s.allocated]
     if held:
       self.runner.free(held)
+    self.release_group(group)
+
+  def release_group(self, group: SequenceGroup) -> None:
+    """Returns the slots of a group whose blocks are freed."""
+    if group.beam_slots:
+      self.runner.clear_beams(group.beam_slots)
+      self.free_slots += group.beam_slots
+      group.beam_slots = []
     for seq in group.seqs:
-      self.release(seq)
+      if group.beam:
+        seq.slot = -1
+      else:
+        self.release(seq)
 
   # One round.
   def schedule(self) -> tuple[list, list[SequenceGroup]]:
@@ -191,7 +216,7 @@ class Scheduler:
     live = group.live()
     cfg = self.runner.cfg
     seqs_ok = (self.num_running_seqs() + len(live) <= self.max_num_seqs
-               and len(live) <= len(self.free_slots))
+               and group.num_slots() <= len(self.free_slots))
     if group.fresh:
       status = self.runner.can_allocate(group.prompt_token_ids.size)
     else:
@@ -212,6 +237,9 @@ class Scheduler:
     """Allocates a group's blocks; its prompt (or tokens) await prefill."""
     live = group.live()
     params = group.params
+    if group.beam:
+      self._admit_beams(group)
+      return
     for seq, slot in zip(live, self._take_slots(len(live))):
       seq.slot = slot
       self.runner.set_row(slot, temperature=params.temperature,
@@ -228,6 +256,24 @@ class Scheduler:
             [group.prompt_token_ids, np.asarray(seq.token_ids[:-1],
                                                 np.int32)])
         seq.num_computed = self.runner.allocate(seq.slot, seq.prefill)
+    self.running.append(group)
+
+  def _admit_beams(self, group: SequenceGroup) -> None:
+    """Reserves a beam group's slots; its leader prefills all of the prompt
+    but the last token, which the first decode step runs (its logits give
+    the first beams)."""
+    slots = self._take_slots(group.num_slots())
+    for slot in slots:
+      self.runner.set_row(slot, temperature=0.0, top_k=0, top_p=1.0,
+                          key_data=group.seqs[0].key_data,
+                          stop_ids=group.stop_ids, limit=group.limit)
+    self.runner.start_beams(slots, group.params.n,
+                            group.params.length_penalty)
+    group.beam_slots = slots
+    leader = group.seqs[0]
+    leader.slot = slots[0]
+    leader.prefill = group.prompt_token_ids[:-1]
+    leader.num_computed = self.runner.allocate(leader.slot, leader.prefill)
     self.running.append(group)
 
   def _plan_chunks(self, group: SequenceGroup, budget: int, chunks) -> int:
@@ -247,16 +293,24 @@ class Scheduler:
     sequence, above the watermark."""
     while self.swapped:
       group = self.swapped[0]
-      slots = [s.slot for s in group.live()]
-      if (self.num_running_seqs() + len(slots) > self.max_num_seqs
+      slots = self._held(group)
+      if (self.num_running_seqs() + len(group.live()) > self.max_num_seqs
           or self.runner.can_swap_in(slots) != AllocStatus.OK):
         return
       self.swapped.popleft()
       self.runner.swap_in(slots)
-      for seq in group.live():
+      if group.beam:
+        self.runner.resume(slots)
+      for seq in [] if group.beam else group.live():
         self.runner.start(seq.slot, seq.token_ids[-1], len(seq.token_ids))
       self.running.append(group)
       self.running.sort(key=lambda g: g.arrival)
+
+  def _held(self, group: SequenceGroup) -> list[int]:
+    """The slots whose block tables the group holds."""
+    if group.beam:
+      return self.runner.held(group.beam_slots)
+    return [s.slot for s in group.live() if s.allocated]
 
   def preempt(self) -> SequenceGroup:
     """Preempts the latest-arrived running group.
@@ -275,19 +329,25 @@ class Scheduler:
     self.num_preemptions += 1
     self._preempted = True
     live = group.live()
-    slots = [s.slot for s in live]
+    slots = self._held(group)
     decoding = all(s.prefill is None for s in live)
     # As in vLLM, a group of several sequences is swapped whatever the mode
     # (prefilled again, its sequences would share no blocks), unless the
-    # host pool has no room.
-    swap = self.preemption_mode == "swap" or len(live) > 1
+    # host pool has no room; beams always are (their state is on the device).
+    swap = self.preemption_mode == "swap" or len(live) > 1 or group.beam
     if swap and decoding and self.runner.can_swap_out(slots):
       self.runner.swap_out(slots)
       _enqueue(self.swapped, group)
       return group
-    self.runner.free([s.slot for s in live if s.allocated])
+    if group.beam and decoding:
+      raise RuntimeError(
+          f"beam-search request {group.request_id!r} must be preempted but "
+          f"the host pool ({self.runner.cfg.num_cpu_blocks} CPU blocks) cannot "
+          "hold its beams; give the cache more num_cpu_blocks")
+    if slots:
+      self.runner.free(slots)
+    self.release_group(group)
     for seq in live:
-      self.release(seq)
       seq.prefill, seq.num_computed = None, 0
     _enqueue(self.waiting, group)
     return group

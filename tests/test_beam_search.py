@@ -1,0 +1,166 @@
+"""Beam search on the device against a plain beam search written here on a
+dense cache, following Hugging Face transformers' rules (`num_beams=W`,
+`length_penalty`, `early_stopping=False`)."""
+
+import functools
+import math
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import paged_jax as pj
+from paged_jax import models
+
+MODEL_CONFIG = models.LlamaConfig(
+    vocab_size=40, num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8,
+    hidden=16, mlp_hidden=32, max_seq_len=64)
+CFG = pj.CacheConfig(block_size=4, num_gpu_blocks=48, num_cpu_blocks=32,
+                     max_seqs=8, max_blocks_per_seq=8, watermark=0.0,
+                     enable_prefix_caching=True)
+MAX_TOKENS = 8
+WIDTH = 24   # prompt + generated tokens, padded
+
+
+@pytest.fixture(scope="module")
+def model():
+  return models.Llama(MODEL_CONFIG, rngs=nnx.Rngs(3))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _last_logprobs(graphdef, params, tokens, lengths):
+  """Log-probabilities after each row's tokens, through a fresh dense cache."""
+  columns = jnp.arange(tokens.shape[1])[None, :]
+  positions = jnp.where(columns < lengths[:, None], columns, -1)
+  cache = models.init_dense_cache(MODEL_CONFIG, tokens.shape[0], WIDTH)
+  logits, _ = nnx.merge(graphdef, params)(tokens, positions, cache)
+  last = logits[jnp.arange(tokens.shape[0]), lengths - 1]
+  return jax.nn.log_softmax(last.astype(jnp.float32), axis=-1)
+
+
+def reference_beam_search(model, prompt, width, eos, length_penalty,
+                          max_tokens=MAX_TOKENS):
+  """Hugging Face's beam search, one step at a time on the host.
+
+  Returns:
+    The best `width` hypotheses as `(tokens, sum_logprobs, stopped)`, best
+    first; a stopped hypothesis ends with its EOS token.
+  """
+  graphdef, params = nnx.split(model)
+  beams = [([], 0.0)]                # generated tokens, sum of logprobs
+  hypotheses = []                    # (score, tokens, sum_logprobs, stopped)
+
+  def add(tokens, total, stopped):
+    score = total / len(tokens) ** length_penalty
+    worst = min(h[0] for h in hypotheses) if hypotheses else None
+    if len(hypotheses) < width or score > worst:
+      hypotheses.append((score, tokens, total, stopped))
+      if len(hypotheses) > width:
+        hypotheses.remove(min(hypotheses, key=lambda h: h[0]))
+
+  for step in range(max_tokens):
+    rows = np.zeros((width, WIDTH), np.int32)
+    for i, (tokens, _) in enumerate(beams):
+      seq = list(prompt) + tokens
+      rows[i, :len(seq)] = seq
+    lengths = np.full(width, len(prompt) + step, np.int32)
+    logprobs = np.asarray(_last_logprobs(graphdef, params, rows, lengths))
+    scores = np.full((width, logprobs.shape[1]), -np.inf, np.float32)
+    for i, (_, total) in enumerate(beams):
+      scores[i] = np.float32(total) + logprobs[i]
+    top, order = jax.lax.top_k(jnp.asarray(scores.reshape(-1)), 2 * width)
+    top, order = np.asarray(top), np.asarray(order)
+    new_beams = []
+    for rank, (score, index) in enumerate(zip(top, order)):
+      beam, token = divmod(int(index), logprobs.shape[1])
+      tokens = beams[beam][0] + [token]
+      if token == eos:
+        if rank < width:
+          add(tokens, float(score), True)
+      else:
+        new_beams.append((tokens, float(score)))
+      if len(new_beams) == width:
+        break
+    beams = new_beams
+    length = step + 1
+    if len(hypotheses) >= width and min(h[0] for h in hypotheses) >= (
+        float(top[0]) / length ** length_penalty):
+      break
+  else:
+    for tokens, total in beams:
+      add(tokens, total, False)
+  ordered = sorted(hypotheses, key=lambda h: -h[0])
+  return [(tokens, total, stopped) for _, tokens, total, stopped in ordered]
+
+
+def _eos_within_reach(model, prompt):
+  """A token the greedy path draws within a few steps, so beams stop on it."""
+  graphdef, params = nnx.split(model)
+  rows = np.zeros((1, WIDTH), np.int32)
+  rows[0, :len(prompt)] = prompt
+  logprobs = _last_logprobs(graphdef, params, rows,
+                            np.array([len(prompt)], np.int32))
+  return int(np.argsort(np.asarray(logprobs[0]))[-3])
+
+
+PROMPTS = [[5, 9, 2, 7, 11], [3, 1, 4, 1, 5, 9, 2, 6, 5], [8, 8]]
+
+
+@pytest.fixture(scope="module")
+def engine_results(model):
+  """Every case through one engine (one compile), all requests at once."""
+  cases = []
+  for width in (1, 2, 4):
+    for prompt in PROMPTS:
+      cases.append((width, prompt, None, 1.0))
+  eos = _eos_within_reach(model, PROMPTS[0])
+  for width in (2, 4):
+    for penalty in (1.0, 0.5, 2.0):
+      cases.append((width, PROMPTS[0], eos, penalty))
+  engine = pj.LLMEngine(model, None, CFG, num_decode_steps=4)
+  for i, (width, prompt, stop, penalty) in enumerate(cases):
+    engine.add_request(str(i), prompt, pj.SamplingParams(
+        n=width, use_beam_search=True, max_tokens=MAX_TOKENS,
+        length_penalty=penalty, stop_token_ids=[] if stop is None else [stop]))
+  finals = {}
+  while engine.has_unfinished_requests():
+    for out in engine.step():
+      assert out.finished   # beams report once, at the end
+      finals[out.request_id] = out
+    pj.check_invariants(engine.state)
+  assert engine.num_free_gpu_blocks() == CFG.num_gpu_blocks
+  return cases, finals, engine.stats
+
+
+def test_beams_equal_the_plain_beam_search(model, engine_results):
+  cases, finals, _ = engine_results
+  for i, (width, prompt, eos, penalty) in enumerate(cases):
+    expected = reference_beam_search(model, prompt, width,
+                                     -1 if eos is None else eos, penalty)
+    got = finals[str(i)].outputs
+    assert len(got) == width
+    for out, (tokens, total, stopped) in zip(got, expected):
+      assert out.token_ids == tokens, (i, width, eos, penalty)
+      assert out.cumulative_logprob == pytest.approx(total, abs=1e-4)
+      assert out.finish_reason == ("stop" if stopped else "length")
+
+
+def test_beams_stop_on_eos_and_share_blocks(engine_results):
+  cases, finals, stats = engine_results
+  stopped = [o for i, c in enumerate(cases) if c[2] is not None
+             for o in finals[str(i)].outputs if o.finish_reason == "stop"]
+  assert stopped, "no hypothesis ended with EOS: pick another EOS token"
+  assert stats.cow_copies > 0   # beams forked and wrote shared partial blocks
+
+
+def test_beam_search_refuses_what_it_cannot_serve(model):
+  engine = pj.LLMEngine(model, None, CFG, max_beam_width=2)
+  with pytest.raises(ValueError, match="n=3 beams exceed max_beam_width=2"):
+    engine.add_request("a", [1, 2], pj.SamplingParams(n=3,
+                                                      use_beam_search=True))
+  engine.add_request("b", [1], pj.SamplingParams(n=2, use_beam_search=True))
+  (out,) = engine.step()
+  assert out.outputs[0].finish_reason == "error"
+  assert "at least 2 tokens" in out.error
