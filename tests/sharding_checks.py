@@ -121,7 +121,7 @@ def step_collectives(model, mesh) -> dict[str, list[list[str]]]:
   runner = runner_lib.ModelRunner(model, CFG, mesh=mesh)
   decode = runner_lib._decode_loop.lower(
       runner.graphdef, runner.params, runner.rows, runner.decode_carry(4),
-      np.array(True))
+      np.array(True), False)
   rows, width = 2, 16
   tables = np.zeros((rows, CFG.max_blocks_per_seq), np.int32)
   draw_rows = jax.tree.map(lambda a: a[:CFG.max_seqs], runner.rows)

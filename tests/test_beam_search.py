@@ -14,6 +14,8 @@ import pytest
 import paged_jax as pj
 from paged_jax import models
 
+pytestmark = pytest.mark.usefixtures("quick_compiles")
+
 MODEL_CONFIG = models.LlamaConfig(
     vocab_size=40, num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8,
     hidden=16, mlp_hidden=32, max_seq_len=64)

@@ -55,8 +55,13 @@ class _Loop:
   utilization_sum: jax.Array
 
 
-def _decode_step(graphdef, params_state, rows: RowParams, loop: _Loop) -> _Loop:
-  """One decode step of every running row, or an out-of-blocks flag."""
+def _decode_step(graphdef, params_state, rows: RowParams, with_beams: bool,
+                 loop: _Loop) -> _Loop:
+  """One decode step of every running row, or an out-of-blocks flag.
+
+  `with_beams` (static) compiles the beam-search step in; without it, no
+  row may be in a beam group.
+  """
   cfg = loop.state.cfg
   bm = BlockSpaceManager(cfg)
   running = loop.seq_ids >= 0
@@ -108,7 +113,7 @@ def _decode_step(graphdef, params_state, rows: RowParams, loop: _Loop) -> _Loop:
     s = running.shape[0]
     forked, beams, moves = jax.lax.cond(
         jnp.any(running & (loop.beams.leader >= 0)), beam_step, no_beams,
-        None)
+        None) if with_beams else no_beams(None)
     freed, _ = bm.free(forked, jnp.where(done | moves.dropped, loop.seq_ids,
                                          -1))
     return loop.replace(
@@ -127,9 +132,9 @@ def _decode_step(graphdef, params_state, rows: RowParams, loop: _Loop) -> _Loop:
                       None)
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
+@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=(3,))
 def _decode_loop(graphdef, params_state, rows: RowParams, loop: _Loop,
-                 stop_on_finish) -> _Loop:
+                 stop_on_finish, with_beams: bool) -> _Loop:
   """Decodes until no row runs, blocks run out, the launch's steps are done,
   or (if asked) a row finishes."""
   num_steps = loop.draws.tokens.shape[1]
@@ -139,8 +144,9 @@ def _decode_loop(graphdef, params_state, rows: RowParams, loop: _Loop,
             & (loop.step < num_steps) & ~(stop_on_finish & loop.finished_any))
 
   return jax.lax.while_loop(
-      keep_going, functools.partial(_decode_step, graphdef, params_state, rows),
-      loop)
+      keep_going,
+      functools.partial(_decode_step, graphdef, params_state, rows,
+                        with_beams), loop)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 8, 9), donate_argnums=(2,))
@@ -234,6 +240,7 @@ class ModelRunner:
     self.beams = jax.device_put(beam.Beams.create(
         cfg.max_seqs, max_beam_width, cfg.max_tokens_per_seq), replicated)
     self.max_beam_width = max_beam_width
+    self.in_beam_group = np.zeros(cfg.max_seqs, bool)
     self.num_logprobs, self.stop_width = num_logprobs, stop_width
     s = cfg.max_seqs
     key_words = jax.random.key_data(jax.random.key(0)).shape[-1]
@@ -291,9 +298,11 @@ class ModelRunner:
     """Makes `slots` (leader first) a beam group of `width` beams."""
     self.beams = _start_beams(self.beams, np.asarray(slots, np.int32), width,
                               length_penalty)
+    self.in_beam_group[np.asarray(slots)] = True
 
   def clear_beams(self, slots) -> None:
     self.beams = _clear_beams(self.beams, np.asarray(slots, np.int32))
+    self.in_beam_group[np.asarray(slots)] = False
 
   def beams_done(self) -> np.ndarray:
     """bool `[S]`: leaders whose beam group has finished."""
@@ -421,8 +430,10 @@ class ModelRunner:
     before = self.num_generated.copy()
     running = self.seq_ids >= 0
     loop = self.decode_carry(num_steps)
+    # The beam step compiles only once a beam group runs.
+    with_beams = bool(np.any(self.in_beam_group & running))
     loop = _decode_loop(self.graphdef, self.params, self.rows, loop,
-                        jnp.array(stop_on_finish))
+                        jnp.array(stop_on_finish), with_beams)
     self.state, self.kv, self.beams = loop.state, loop.kv, loop.beams
     self.seq_ids = np.array(loop.seq_ids)
     self.last_token = np.array(loop.last_token)
