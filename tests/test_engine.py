@@ -248,9 +248,11 @@ def test_serves_a_model_of_its_own_that_follows_the_protocol():
   (out,) = llm.generate("HELLO", pj.SamplingParams(max_tokens=6,
                                                    ignore_eos=True))
   tokens = list(TOKENIZER.encode("HELLO"))
-  for _ in range(6):   # greedy without a cache, the whole sequence each time
-    logits, _ = own(jnp.asarray([tokens]), jnp.arange(len(tokens))[None], None)
-    tokens.append(int(jnp.argmax(logits[0, -1])))
+  # Greedy without a cache, the whole (causal, end-padded) sequence each time.
+  forward = jax.jit(lambda ids: own(ids, jnp.arange(11)[None], None)[0])
+  for _ in range(6):
+    padded = jnp.asarray([tokens + [0] * (11 - len(tokens))])
+    tokens.append(int(jnp.argmax(forward(padded)[0, len(tokens) - 1])))
   assert out.outputs[0].token_ids == tokens[5:]
 
 
