@@ -13,6 +13,8 @@ from paged_jax.generate import (Request, SamplingParams, generate,
                                 generate_dense, sample_tokens)
 from paged_jax.models.paged import PagedCache
 
+pytestmark = pytest.mark.usefixtures("quick_compiles")
+
 CONFIG = models.LlamaConfig(
     vocab_size=61, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=8,
     hidden=32, mlp_hidden=48, max_seq_len=64, tie_embeddings=False)

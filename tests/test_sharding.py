@@ -38,6 +38,7 @@ def _env(num_devices: int) -> dict:
   env["PYTHONPATH"] = os.pathsep.join(
       [str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
   env["JAX_PLATFORMS"] = "cpu"
+  env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
   return env
 
 
