@@ -10,7 +10,7 @@
    the base commit (`--base`, loaded from git), side by side in one run.
 
 Usage: python benchmarks/bench_engine.py [--requests 64] [--rate 8] [--batch 32]
-       [--model tiny|smollm2] [--base 320cee0]
+       [--model tiny|smollm2] [--base 19340af]
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ def base_generate(commit: str):
   path.write_text(source)
   spec = importlib.util.spec_from_file_location("base_generate", path)
   module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module   # dataclasses look their module up
   spec.loader.exec_module(module)
   return module
 
@@ -127,7 +128,7 @@ def main():
   parser.add_argument("--decode-steps", type=int, default=16)
   parser.add_argument("--offline-tokens", type=int, default=48)
   parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
-  parser.add_argument("--base", default="320cee0", help="commit of the old generate")
+  parser.add_argument("--base", default="19340af", help="commit of the old generate")
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args()
 

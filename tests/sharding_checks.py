@@ -204,6 +204,10 @@ def single_process(out: str) -> None:
     if shape in ((1, 2), (2, 4), (8, 1)):  # each tp once, off device 0 too
       result[name]["logits"] = logits_of(model, last_row)
   result["ops_match"] = ops_match(sharding.make_mesh(1, 4))
+  try:
+    pj.LLMEngine(model, None, CFG, mesh=sharding.make_mesh(2, 4))
+  except ValueError as err:
+    result["engine_on_two_rows"] = str(err)
   for shape in ((1, 2), (1, 4)):
     result[f"{shape[0]}x{shape[1]}"]["collectives"] = step_collectives(
         model, sharding.make_mesh(*shape))

@@ -16,13 +16,14 @@ import sys
 
 from flax import nnx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import paged_jax as pj
 from paged_jax import sharding
 from paged_jax.block_manager import manager
-from paged_jax.models import LlamaConfig
+from paged_jax.models import LlamaConfig, load_tiny
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MESHES = ("1x2", "1x4", "2x2", "2x4", "8x1")
@@ -101,6 +102,11 @@ def test_no_step_moves_a_cache_between_devices(meshes):
     assert any(op == "all-reduce" for op, _ in steps["decode"]), name
 
 
+def test_an_engine_refuses_a_mesh_of_several_data_rows(meshes):
+  assert "an engine serves one data row of a mesh, got data=2" in meshes[
+      "engine_on_two_rows"]
+
+
 def test_sharded_copy_and_swaps_match_one_device(meshes):
   assert meshes["ops_match"] is True
 
@@ -160,6 +166,15 @@ def test_heads_must_split_over_the_model_axis():
                        max_seqs=1, max_blocks_per_seq=2)
   with pytest.raises(ValueError, match="mesh axes must be"):
     sharding.create_kv_cache(cfg, 1, 2, 8, "float32", wrong)
+
+
+def test_an_engine_on_a_mesh_refuses_a_quantized_cache():
+  cfg = pj.CacheConfig(block_size=4, num_gpu_blocks=4, num_cpu_blocks=0,
+                       max_seqs=1, max_blocks_per_seq=2)
+  with pytest.raises(ValueError, match="quantized kv_cache_dtype cannot be "
+                     "served on a mesh"):
+    pj.LLMEngine(load_tiny(), None, cfg, mesh=sharding.make_mesh(1, 1),
+                 kv_cache_dtype=jnp.int8)
 
 
 @pytest.mark.parametrize("path, shape, tp, kv_heads, spec", [

@@ -35,7 +35,8 @@ class SamplingParams:
       batch, budgets or preemptions. None draws from the engine's seed.
     logprobs: how many of each token's most likely alternatives to return
       (with their log-probabilities); None returns none.
-    use_beam_search: beam search with `n` beams (not implemented yet).
+    use_beam_search: beam search with `n` beams, on the device (temperature
+      must be 0; see `paged_jax.engine.beam`).
     length_penalty: beam scores are `sum_logprobs / length**length_penalty`.
     output_kind: what a streamed `RequestOutput` carries: "cumulative" (all
       text so far), "delta" (only what is new) or "final" (nothing until the
