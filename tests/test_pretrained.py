@@ -25,6 +25,7 @@ import tokenizers
 
 from paged_jax import models
 from paged_jax.models import checkpoints
+from paged_jax.models import kv_accuracy
 from paged_jax.models import layers
 
 T = gguf.GGMLQuantizationType
@@ -725,3 +726,24 @@ def test_unreadable_gguf_and_bad_dtype_are_named(tmp_path, bpe, llama_weights):
   folder = write_hf(tmp_path / "model", _config(), llama_weights, bpe)
   with pytest.raises(ValueError, match="dtype must be one of"):
     models.load_pretrained(folder, dtype="int8")
+
+
+KV_PROMPTS = ["The capital of France is", "Water boils at",
+              "The first man on the moon was", "A good breakfast includes",
+              "The sun rises in the", "Python is a programming language that",
+              "In the winter, the weather", "My favourite book is"]
+
+
+def test_smollm2_keeps_its_log_probability_with_a_quantized_cache(smollm2):
+  model, tokenizer = smollm2
+  results = {r["dtype"]: r for r in kv_accuracy.kv_cache_accuracy(
+      model, tokenizer, PARAGRAPH, KV_PROMPTS,
+      dtypes=(jnp.int8, jnp.float8_e4m3fn), num_rows=2, row_len=28)}
+  for name, r in results.items():
+    print(f"SmolLM2 {name} cache: mean log-prob {r['mean_log_prob']:.4f}, "
+          f"change {r['relative_change']:.3%}, greedy 16 tokens agree "
+          f"{r['greedy_agree']}/{r['num_prompts']}")
+  assert results["bfloat16"]["mean_log_prob"] > MIN_MEAN_LOG_PROB
+  assert results["int8"]["relative_change"] <= 0.005
+  assert results["float8_e4m3fn"]["relative_change"] <= 0.015
+  assert results["int8"]["greedy_agree"] > len(KV_PROMPTS) / 2
