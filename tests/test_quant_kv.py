@@ -278,3 +278,14 @@ def test_generate_passes_kv_cache_dtype_to_the_cache():
     pj.generate(load_tiny(), [np.arange(4, dtype=np.int32)], CFG,
                 pj.SamplingParams(max_new_tokens=2), jax.random.key(0),
                 kv_cache_dtype=jnp.int16)
+
+
+def test_the_engine_serves_from_an_int8_cache():
+  cfg = CacheConfig(block_size=8, num_gpu_blocks=16, num_cpu_blocks=0,
+                    max_seqs=2, max_blocks_per_seq=8)
+  llm = pj.LLM(load_tiny(), ByteTokenizer(), cfg, kv_cache_dtype=jnp.int8)
+  kv = llm.engine.runner.kv
+  assert kv.k[0].dtype == jnp.int8 and kv.k_scale[0].dtype == jnp.float32
+  (out,) = llm.generate("LOVE, n. ", pj.SamplingParams(max_tokens=12))
+  assert len(out.outputs[0].token_ids) == 12
+  assert out.outputs[0].text == ByteTokenizer().decode(out.outputs[0].token_ids)
