@@ -194,6 +194,35 @@ def select_attention_kernel(impl: str, *, dtype, block_size: int,
   return "triton", False
 
 
+def kernel_block_sizes(platform: str) -> dict[str, str]:
+  """The block sizes each compiled attention kernel of `platform` serves."""
+  if platform in _GPU_PLATFORMS:
+    return {"triton": "powers of two",
+            "mosaic_gpu": ", ".join(map(str, mosaic_gpu.BLOCK_SIZES))}
+  if platform == "tpu":
+    return {"tpu": "any"}
+  return {"reference (XLA)": "any"}
+
+
+def check_block_size(block_size: int, platform: str | None = None) -> None:
+  """Refuses a block size that no attention kernel of `platform` serves.
+
+  Args:
+    block_size: tokens per page.
+    platform: a JAX backend name; None for the default backend.
+
+  Raises:
+    ValueError: naming the block size and the sizes each kernel serves (on a
+      GPU, Triton needs a power of two and Mosaic GPU one of its sizes).
+  """
+  platform = platform or jax.default_backend()
+  if platform in _GPU_PLATFORMS and not _is_power_of_two(block_size):
+    sizes = "; ".join(f"{kernel}: {served}" for kernel, served in
+                      kernel_block_sizes(platform).items())
+    raise ValueError(f"block_size {block_size} is served by no paged-attention "
+                     f"kernel on {platform} ({sizes})")
+
+
 def gpu_compute_capability() -> float:
   """Compute capability of the first device (9.0 for Hopper), 0 if none."""
   capability = getattr(jax.devices()[0], "compute_capability", None)

@@ -56,7 +56,7 @@ from jax.experimental.compute_on import compute_on
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax.attention import is_concrete
+from paged_jax.attention import check_block_size, is_concrete
 from paged_jax.attention import select_kernel
 from pallas_kernels import copy_blocks as copy_blocks_kernels
 from pallas_kernels import quantization
@@ -123,7 +123,8 @@ class KVCache:
       The new cache.
 
     Raises:
-      ValueError: for a size below 1 or an unsupported dtype.
+      ValueError: for a size below 1, an unsupported dtype, or a block size
+        that no attention kernel of the device serves (`check_block_size`).
     """
     for name, value in (("num_layers", num_layers),
                         ("num_kv_heads", num_kv_heads),
@@ -132,6 +133,7 @@ class KVCache:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     dtype = check_cache_dtype(dtype)
     device = jax.devices()[0] if device is None else device
+    check_block_size(cfg.block_size, device.platform)
     # NamedSharding (not SingleDeviceSharding) carries the memory kind into
     # traced types, which host-side gathers and scatters need under jit.
     mesh = jax.sharding.Mesh(np.asarray([device]), ("device",))

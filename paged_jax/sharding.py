@@ -203,6 +203,7 @@ def create_kv_cache(cfg, num_layers: int, num_kv_heads: int, head_dim: int,
       another.
   """
   check_axes(mesh)
+  attention.check_block_size(cfg.block_size, mesh.devices.flat[0].platform)
   tp = mesh.shape["model"]
   check_heads(tp * num_kv_heads, num_kv_heads, tp)
   heads = stored_kv_heads(num_kv_heads, tp)

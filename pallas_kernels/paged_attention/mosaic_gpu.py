@@ -45,7 +45,7 @@ _STEP_TOKENS = 64
 _TARGET_PROGRAMS = 512  # a few waves of one-program-per-SM on an H100/H200
 _SMEM_BUDGET = 200 * 1024  # of the 227 KiB an sm90 block may use
 _MAX_BUFFERS = 4
-_BLOCK_SIZES = (16, 32, 64, 128)
+BLOCK_SIZES = (16, 32, 64, 128)
 # QK needs K transposed, which wgmma does for 16-bit operands only.
 _DTYPES = (jnp.bfloat16, jnp.float16)
 
@@ -389,8 +389,8 @@ def _check_shapes(dtype, block_size: int, head_dim: int, group: int) -> None:
   if jnp.dtype(dtype) not in map(jnp.dtype, _DTYPES):
     raise ValueError(f"the Mosaic GPU kernel takes bfloat16 or float16 "
                      f"pages, got {jnp.dtype(dtype).name}; use impl='triton'")
-  if block_size not in _BLOCK_SIZES:
-    raise ValueError(f"block_size must be one of {_BLOCK_SIZES} for the "
+  if block_size not in BLOCK_SIZES:
+    raise ValueError(f"block_size must be one of {BLOCK_SIZES} for the "
                      f"Mosaic GPU kernel, got {block_size}")
   if head_dim % 64 or not 64 <= head_dim <= 256:
     raise ValueError(f"head_dim must be a multiple of 64 in 64..256 for the "
