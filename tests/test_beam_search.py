@@ -166,3 +166,27 @@ def test_beam_search_refuses_what_it_cannot_serve(model):
   (out,) = engine.step()
   assert out.outputs[0].finish_reason == "error"
   assert "at least 2 tokens" in out.error
+
+
+def test_beams_survive_preemption_by_swap(model):
+  # 9 blocks of 4 (what the 4 beams need alone) cannot hold them and the
+  # sampled requests at once: the beams, latest to arrive, are swapped out and back.
+  tight = pj.CacheConfig(block_size=4, num_gpu_blocks=9, num_cpu_blocks=32,
+                         max_seqs=12, max_blocks_per_seq=8, watermark=0.0)
+  engine = pj.LLMEngine(model, None, tight, num_decode_steps=4)
+  engine.add_request("first", PROMPTS[1], pj.SamplingParams(
+      max_tokens=MAX_TOKENS, n=2, temperature=0.8, seed=1))
+  engine.add_request("second", PROMPTS[2], pj.SamplingParams(
+      max_tokens=MAX_TOKENS, n=2, temperature=0.8, seed=2))
+  engine.add_request("beams", PROMPTS[0], pj.SamplingParams(
+      n=4, use_beam_search=True, max_tokens=MAX_TOKENS))
+  finals = {}
+  while engine.has_unfinished_requests():
+    for out in engine.step():
+      finals[out.request_id] = out
+    pj.check_invariants(engine.state)
+  assert engine.stats.preemptions > 0 and engine.stats.swaps > 0
+  expected = reference_beam_search(model, PROMPTS[0], 4, -1, 1.0)
+  assert [o.token_ids for o in finals["beams"].outputs] == [
+      tokens for tokens, _, _ in expected]
+  assert engine.num_free_gpu_blocks() == tight.num_gpu_blocks
