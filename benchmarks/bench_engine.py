@@ -38,7 +38,9 @@ def load_model(name: str):
     return load_tiny()
   from paged_jax import models
   try:
-    return models.load_pretrained("smollm2-135m-instruct")
+    # 256 positions keep the trace's lengths CPU-sized (max_len / 8 prompts).
+    return models.load_pretrained("smollm2-135m-instruct", dtype="float32",
+                                  max_seq_len=256)[0]
   except (AttributeError, FileNotFoundError, ImportError) as err:
     sys.exit(f"--model smollm2 is not available here: {err}")
 

@@ -170,7 +170,8 @@ def test_beam_search_refuses_what_it_cannot_serve(model):
 
 def test_beams_survive_preemption_by_swap(model):
   # 9 blocks of 4 (what the 4 beams need alone) cannot hold them and the
-  # sampled requests at once: the beams, latest to arrive, are swapped out and back.
+  # sampled requests at once: the beams, latest to arrive, are swapped out
+  # and back.
   tight = pj.CacheConfig(block_size=4, num_gpu_blocks=9, num_cpu_blocks=32,
                          max_seqs=12, max_blocks_per_seq=8, watermark=0.0)
   engine = pj.LLMEngine(model, None, tight, num_decode_steps=4)

@@ -77,13 +77,22 @@ def sample_rows(logits: jax.Array, params: RowParams, index: jax.Array,
   logits = logits.astype(jnp.float32)
   logprobs = jax.nn.log_softmax(logits, axis=-1)
   greedy = params.temperature <= 0.0
-  scaled = logits / jnp.where(greedy, 1.0, params.temperature)[:, None]
-  filtered = _filtered(scaled, params.top_k, params.top_p)
-  keys = jax.vmap(lambda data, i: jax.random.fold_in(
-      jax.random.wrap_key_data(data), i))(params.key_data, index)
-  drawn = jax.vmap(jax.random.categorical)(keys, filtered)
-  tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn)
-  tokens = tokens.astype(jnp.int32)
+
+  def draw(_):
+    scaled = logits / jnp.where(greedy, 1.0, params.temperature)[:, None]
+    truncating = ~greedy & ((params.top_k > 0) | (params.top_p < 1.0))
+    filtered = jax.lax.cond(   # the vocabulary sort only when a row needs it
+        jnp.any(truncating),
+        lambda x: jnp.where(truncating[:, None],
+                            _filtered(x, params.top_k, params.top_p), x),
+        lambda x: x, scaled)
+    keys = jax.vmap(lambda data, i: jax.random.fold_in(
+        jax.random.wrap_key_data(data), i))(params.key_data, index)
+    return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+
+  argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  drawn = jax.lax.cond(jnp.all(greedy), lambda _: argmax, draw, None)
+  tokens = jnp.where(greedy, argmax, drawn)
   logprob = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
   top_logprobs, top_ids = jax.lax.top_k(logprobs, num_logprobs)
   return Draw(tokens=tokens, logprob=logprob, top_ids=top_ids.astype(jnp.int32),
