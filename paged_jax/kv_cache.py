@@ -142,6 +142,18 @@ class KVCache:
     host_kind = host_memory_kind(device)
     host_sharding = (device_sharding.with_memory_kind(host_kind)
                      if host_kind else device_sharding)
+    return cls.zeros(cfg, num_layers, num_kv_heads, head_dim, dtype,
+                     device_sharding, host_sharding)
+
+  @classmethod
+  def zeros(cls, cfg, num_layers: int, num_kv_heads: int, head_dim: int, dtype,
+            device_sharding: jax.sharding.NamedSharding,
+            host_sharding: jax.sharding.NamedSharding) -> KVCache:
+    """A zeroed cache placed by the given shardings (heads on axis 0).
+
+    ``create`` places it on one device; ``paged_jax.sharding`` splits the
+    heads over a mesh. ``dtype`` is checked by ``create``.
+    """
     page = (cfg.block_size, head_dim)
     device_shape = (num_kv_heads, cfg.num_gpu_blocks, *page)
     host_shape = (num_kv_heads, cfg.num_cpu_blocks, *page)
@@ -400,7 +412,7 @@ def _jit_swap(swap, num_layers, device_sharding, host_sharding, quantized):
   cache_shardings = KVCache(on_device, on_device, on_host, on_host,
                             device_sharding=device_sharding,
                             host_sharding=host_sharding, **scales)
-  plan_shardings = (device_sharding,) * 3
+  plan_shardings = (_replicated(device_sharding),) * 3
   return jax.jit(swap, donate_argnums=0,
                  in_shardings=(cache_shardings, *plan_shardings),
                  out_shardings=cache_shardings)
@@ -410,7 +422,7 @@ def _swap_out(cache: KVCache, src, dst, count) -> KVCache:
   live = _live_pairs(src, dst, count)
   sources = jnp.where(live, src, 0)
   targets = jax.device_put(jnp.where(live, dst, cache.num_cpu_blocks),
-                           cache.host_sharding)
+                           _replicated(cache.host_sharding))
 
   def move(device_arrays, host_arrays, to_bits):
     staged = _gather_blocks(device_arrays, sources)
@@ -430,7 +442,8 @@ def _swap_out(cache: KVCache, src, dst, count) -> KVCache:
 
 def _swap_in(cache: KVCache, src, dst, count) -> KVCache:
   live = _live_pairs(src, dst, count)
-  sources = jax.device_put(jnp.where(live, src, 0), cache.host_sharding)
+  sources = jax.device_put(jnp.where(live, src, 0),
+                           _replicated(cache.host_sharding))
   targets = jnp.where(live, dst, cache.num_gpu_blocks)
 
   def move(host_arrays, device_arrays, from_bits):
@@ -450,14 +463,20 @@ def _swap_in(cache: KVCache, src, dst, count) -> KVCache:
 
 
 def _gather_blocks(pages, blocks):
-  """``[len(pages), num_kv_heads, len(blocks), *page]`` (block axis 1)."""
-  return jnp.stack([page[:, blocks] for page in pages])
+  """``[num_kv_heads, len(pages), len(blocks), *page]``: heads stay first, so
+  a cache split over heads stages, moves and scatters only its own."""
+  return jnp.stack([page[:, blocks] for page in pages], axis=1)
 
 
 def _set_blocks(pages, blocks, staged):
-  """Writes ``staged[i]`` into ``pages[i]`` at ``blocks``; past-end dropped."""
-  return tuple(page.at[:, blocks].set(rows, mode="drop")
-               for page, rows in zip(pages, staged))
+  """Writes ``staged[:, i]`` into ``pages[i]`` at ``blocks``; past-end dropped."""
+  return tuple(page.at[:, blocks].set(staged[:, i], mode="drop")
+               for i, page in enumerate(pages))
+
+
+def _replicated(sharding: jax.sharding.NamedSharding):
+  """``sharding`` with nothing split (for plans and block indices)."""
+  return sharding.update(spec=jax.sharding.PartitionSpec())
 
 
 def _on_host(cache: KVCache, fn):

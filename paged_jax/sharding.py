@@ -5,13 +5,14 @@ A mesh has the axes ``("data", "model")`` (``make_mesh``).
 Over ``"model"`` (tensor parallel) the weights are split the Megatron way
 (``partition_spec``: column-split q/k/v/gate/up, row-split o/down, the
 embedding and the head split over the vocabulary), and the KV cache is split
-over KV heads (``create_kv_cache``). With fewer KV heads than model shards,
-each head is stored ``model // num_kv_heads`` times, so every shard holds one
-head. ``write_kv``, paged attention and ``copy_blocks`` run per shard under
-``jax.shard_map`` (``paged_cache``, ``copy_blocks``); swaps gather and scatter
-along the block axis only, so each shard moves its own heads (``swap_out``,
-``swap_in``). The block manager's state is small and replicated: every shard
-sees the same block tables.
+over KV heads (``create_kv_cache``; a quantized cache's scales likewise). With
+fewer KV heads than model shards, each head is stored ``model //
+num_kv_heads`` times, so every shard holds one head. ``write_kv``, paged
+attention and ``copy_blocks`` run per shard under ``jax.shard_map``
+(``paged_cache``, ``copy_blocks``); ``pj.swap_out`` and ``pj.swap_in`` serve
+a sharded cache as they are: they gather and scatter along the block axis
+only, heads first, so each shard moves its own heads. The block manager's
+state is small and replicated: every shard sees the same block tables.
 
 Over ``"data"`` every shard has its own manager state, cache and sequences:
 ``place_requests`` puts each request on the least loaded shard, and each data
@@ -27,7 +28,6 @@ are exchanged with ``process_allgather``.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 import types
 from collections.abc import Sequence
@@ -211,20 +211,9 @@ def create_kv_cache(cfg, num_layers: int, num_kv_heads: int, head_dim: int,
   host_kind = kv_ops.host_memory_kind(mesh.devices.flat[0])
   host_sharding = (device_sharding.with_memory_kind(host_kind)
                    if host_kind else device_sharding)
-  device_shape = (heads, cfg.num_gpu_blocks, cfg.block_size, head_dim)
-  host_shape = (heads, cfg.num_cpu_blocks, cfg.block_size, head_dim)
-  bits = jnp.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}")
-  arrays = jax.jit(
-      lambda: (tuple(jnp.zeros(device_shape, dtype)
-                     for _ in range(2 * num_layers))
-               + tuple(jnp.zeros(host_shape, bits)
-                       for _ in range(2 * num_layers))),
-      out_shardings=((device_sharding,) * (2 * num_layers)
-                     + (host_sharding,) * (2 * num_layers)))()
-  layers = [tuple(arrays[i * num_layers:(i + 1) * num_layers])
-            for i in range(4)]
-  return KVCache(*layers, device_sharding=device_sharding,
-                 host_sharding=host_sharding)
+  return KVCache.zeros(cfg, num_layers, heads, head_dim,
+                       kv_ops.check_cache_dtype(dtype), device_sharding,
+                       host_sharding)
 
 
 def cache_mesh(cache: KVCache) -> jax.sharding.Mesh | None:
@@ -236,7 +225,14 @@ def cache_mesh(cache: KVCache) -> jax.sharding.Mesh | None:
 
 
 def _device_part(cache: KVCache) -> KVCache:
-  return cache.replace(k_host=(), v_host=())
+  """The device pages (and scales) only: what runs per shard."""
+  return cache.replace(k_host=(), v_host=(), k_scale_host=None,
+                       v_scale_host=None)
+
+
+def _with_device_part(cache: KVCache, part: KVCache) -> KVCache:
+  return cache.replace(k=part.k, v=part.v, k_scale=part.k_scale,
+                       v_scale=part.v_scale)
 
 
 def _per_shard(fn, mesh, in_specs, out_specs):
@@ -271,104 +267,7 @@ def copy_blocks(cache: KVCache, plan) -> KVCache:
   pages_spec = jax.tree.map(lambda _: P("model"), device)
   copied = _per_shard(local, mesh, (pages_spec, P(), P(), P()),
                       pages_spec)(device, src, dst, count)
-  return cache.replace(k=copied.k, v=copied.v)
-
-
-def swap_out(cache: KVCache, plan) -> KVCache:
-  """``kv_cache.swap_out`` on a sharded cache: each shard moves its heads.
-
-  The planned blocks are gathered along the block axis, so every device
-  stages only its own heads, moves them to its host memory in one transfer
-  and scatters them there; nothing crosses devices.
-
-  Args:
-    cache: the cache; donated, do not use it afterwards.
-    plan: a SwapPlan from ``BlockSpaceManager.swap_out``.
-
-  Returns:
-    The cache with the blocks in host memory.
-  """
-  if cache_mesh(cache) is None:
-    return kv_ops.swap_out(cache, plan)
-  return _run_swap(cache, plan, _swap_out, cache.num_gpu_blocks,
-                   cache.num_cpu_blocks, "swap_out plan")
-
-
-def swap_in(cache: KVCache, plan) -> KVCache:
-  """``kv_cache.swap_in`` on a sharded cache: each shard moves its heads.
-
-  Args:
-    cache: the cache; donated, do not use it afterwards.
-    plan: a SwapPlan from ``BlockSpaceManager.swap_in``.
-
-  Returns:
-    The cache with the blocks back on the device.
-  """
-  if cache_mesh(cache) is None:
-    return kv_ops.swap_in(cache, plan)
-  return _run_swap(cache, plan, _swap_in, cache.num_cpu_blocks,
-                   cache.num_gpu_blocks, "swap_in plan")
-
-
-def _run_swap(cache: KVCache, plan, swap, num_src_blocks: int,
-              num_dst_blocks: int, name: str) -> KVCache:
-  """Checks a concrete plan on the host, then runs the jitted sharded swap."""
-  src, dst, count = kv_ops._plan_arrays(plan)
-  if attention.is_concrete(src, dst, count):
-    kv_ops.check_plan(src, dst, count, num_src_blocks=num_src_blocks,
-                      num_dst_blocks=num_dst_blocks, name=name)
-  return _jit_swap(swap, cache.num_layers, cache.device_sharding,
-                   cache.host_sharding)(cache, src, dst, count)
-
-
-@functools.cache
-def _jit_swap(swap, num_layers, device_sharding, host_sharding):
-  """``swap`` jitted with the cache donated and its shardings kept."""
-  on_device = (device_sharding,) * num_layers
-  on_host = (host_sharding,) * num_layers
-  cache_shardings = KVCache(on_device, on_device, on_host, on_host,
-                            device_sharding=device_sharding,
-                            host_sharding=host_sharding)
-  replicated = device_sharding.update(spec=P())
-  return jax.jit(swap, donate_argnums=0,
-                 in_shardings=(cache_shardings, *(replicated,) * 3),
-                 out_shardings=cache_shardings)
-
-
-def _gather_heads_first(pages, blocks):
-  """``[heads, len(pages), len(blocks), block_size, head_dim]``."""
-  return jnp.stack([page[:, blocks] for page in pages], axis=1)
-
-
-def _set_heads_first(pages, blocks, staged):
-  return tuple(page.at[:, blocks].set(staged[:, i], mode="drop")
-               for i, page in enumerate(pages))
-
-
-def _swap_out(cache: KVCache, src, dst, count) -> KVCache:
-  live = kv_ops._live_pairs(src, dst, count)
-  staged = _gather_heads_first(cache.k + cache.v, jnp.where(live, src, 0))
-  staged = jax.device_put(kv_ops._bits(staged), cache.host_sharding)
-  targets = jax.device_put(jnp.where(live, dst, cache.num_cpu_blocks),
-                           cache.host_sharding.update(spec=P()))
-  pages = kv_ops._on_host(cache, _set_heads_first)(
-      cache.k_host + cache.v_host, targets, staged)
-  layers = cache.num_layers
-  return cache.replace(k_host=pages[:layers], v_host=pages[layers:])
-
-
-def _swap_in(cache: KVCache, src, dst, count) -> KVCache:
-  live = kv_ops._live_pairs(src, dst, count)
-  sources = jax.device_put(jnp.where(live, src, 0),
-                           cache.host_sharding.update(spec=P()))
-  staged = kv_ops._on_host(cache, _gather_heads_first)(
-      cache.k_host + cache.v_host, sources)
-  staged = jax.lax.bitcast_convert_type(
-      jax.device_put(staged, cache.device_sharding), cache.dtype)
-  pages = _set_heads_first(cache.k + cache.v,
-                           jnp.where(live, dst, cache.num_gpu_blocks), staged)
-  layers = cache.num_layers
-  return cache.replace(k=pages[:layers], v=pages[layers:])
+  return _with_device_part(cache, copied)
 
 
 @flax.struct.dataclass
@@ -394,7 +293,7 @@ class ShardedPagedCache(PagedCache):
         local, mesh, (pages_spec, P(), P(), heads, heads, heads, P()),
         (heads, pages_spec))(device, self.block_tables, self.slot_mapping, q,
                              k, v, positions)
-    return out, self.replace(kv=self.kv.replace(k=written.k, v=written.v))
+    return out, self.replace(kv=_with_device_part(self.kv, written))
 
 
 def paged_cache(kv: KVCache, block_tables, slot_mapping) -> PagedCache:

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 import paged_jax as pj
+from paged_jax import kv_cache as kv_ops
 from paged_jax import sharding
 from paged_jax.block_manager import manager
 from paged_jax.engine import runner as runner_lib
@@ -88,9 +89,13 @@ def logits_of(model, mesh) -> list[list[float]]:
 
 
 def device_bytes(kv) -> dict[str, list[int]]:
-  """Bytes of device and host pages on each device, from the shardings."""
+  """Bytes of device and host pages (and scales) on each device, from the
+  shardings."""
   result = {}
-  for name, pages in (("device", kv.k + kv.v), ("host", kv.k_host + kv.v_host)):
+  scales = ((kv.k_scale + kv.v_scale, kv.k_scale_host + kv.v_scale_host)
+            if kv.quantized else ((), ()))
+  for name, pages in (("device", kv.k + kv.v + scales[0]),
+                      ("host", kv.k_host + kv.v_host + scales[1])):
     per_device = {}
     for array in pages:
       for shard in array.addressable_shards:
@@ -130,36 +135,47 @@ def step_collectives(model, mesh) -> dict[str, list[list[str]]]:
       np.zeros((rows, width), np.int32), np.zeros((rows, width), np.int32),
       tables, np.zeros(CFG.max_seqs, np.int32), draw_rows, 0, CFG.block_size)
   plan = np.zeros(8, np.int32)
-  swaps = [
-      sharding._jit_swap(fn, runner.kv.num_layers, runner.kv.device_sharding,
-                         runner.kv.host_sharding).lower(
-                             runner.kv, plan, plan, np.int32(0))
-      for fn in (sharding._swap_out, sharding._swap_in)]
+  kv = runner.kv
+  swaps = [kv_ops._jitted_for(kv, fn).lower(kv, plan, plan, np.int32(0))
+           for fn in (kv_ops._swap_out, kv_ops._swap_in)]
   return {name: collectives(lowered.compile().as_text())
           for name, lowered in (("decode", decode), ("prefill", prefill),
                                 ("swap_out", swaps[0]), ("swap_in", swaps[1]))}
 
 
-def ops_match(mesh) -> bool:
+def ops_match(mesh, dtype="float32") -> bool:
   """Sharded copy_blocks, swap_out, swap_in equal the one-device ops.
 
-  Random pages (NaN in the never-written host pages) and random plans, on a
-  cache with 4 KV heads, so both layouts store the same heads.
+  Random pages and scales (NaN in the never-written host ones) and random
+  plans, on a cache with 4 KV heads, so both layouts store the same heads.
   """
   rng = np.random.default_rng(1)
   heads, head_dim = 4, 32
-  one = pj.KVCache.create(CFG, 2, heads, head_dim, dtype="float32")
-  many = sharding.create_kv_cache(CFG, 2, heads, head_dim, "float32", mesh)
-  pages = [rng.standard_normal(one.k[0].shape, np.float32) for _ in range(4)]
-  nan = np.full(one.k_host[0].shape, np.float32(np.nan)).view(np.uint32)
+  one = pj.KVCache.create(CFG, 2, heads, head_dim, dtype=dtype)
+  many = sharding.create_kv_cache(CFG, 2, heads, head_dim, dtype, mesh)
+  shape, host_shape = one.k[0].shape, one.k_host[0].shape
+  if one.quantized:
+    pages = [rng.integers(-127, 128, shape).astype(np.int8) for _ in range(4)]
+  else:
+    pages = [rng.standard_normal(shape, np.float32) for _ in range(4)]
+  host = np.frombuffer(rng.bytes(pages[0].nbytes * host_shape[1] // shape[1]),
+                       one.k_host[0].dtype).reshape(host_shape)
+  scales = [rng.random(shape[:3], np.float32) for _ in range(4)]
+  nan = np.full(host_shape[:3], np.nan, np.float32)
 
   def fill(cache):
-    put = lambda x, s: jax.device_put(x, s)
-    return cache.replace(
-        k=tuple(put(p, cache.device_sharding) for p in pages[:2]),
-        v=tuple(put(p, cache.device_sharding) for p in pages[2:]),
-        k_host=tuple(put(nan, cache.host_sharding) for _ in range(2)),
-        v_host=tuple(put(nan, cache.host_sharding) for _ in range(2)))
+    put = lambda arrays, sharding_: tuple(jax.device_put(a, sharding_)
+                                          for a in arrays)
+    cache = cache.replace(k=put(pages[:2], cache.device_sharding),
+                          v=put(pages[2:], cache.device_sharding),
+                          k_host=put([host] * 2, cache.host_sharding),
+                          v_host=put([host] * 2, cache.host_sharding))
+    if not cache.quantized:
+      return cache
+    return cache.replace(k_scale=put(scales[:2], cache.device_sharding),
+                         v_scale=put(scales[2:], cache.device_sharding),
+                         k_scale_host=put([nan] * 2, cache.host_sharding),
+                         v_scale_host=put([nan] * 2, cache.host_sharding))
 
   blocks = rng.permutation(CFG.num_gpu_blocks).astype(np.int32)
   cow = pj.CopyPlan(src=blocks[:6], dst=blocks[6:12], count=np.int32(5),
@@ -169,12 +185,10 @@ def ops_match(mesh) -> bool:
   back = pj.SwapPlan(src=np.arange(8, dtype=np.int32), dst=blocks[20:28],
                      count=np.int32(7), status=np.int32(0))
   results = []
-  for cache, ops in ((fill(one), pj), (fill(many), sharding)):
-    cache = ops.copy_blocks(cache, cow)
-    cache = ops.swap_out(cache, out)
-    cache = ops.swap_in(cache, back)
-    results.append([np.asarray(a) for a in cache.k + cache.v + cache.k_host
-                    + cache.v_host])
+  for cache, copy in ((fill(one), pj.copy_blocks),
+                      (fill(many), sharding.copy_blocks)):
+    cache = pj.swap_in(pj.swap_out(copy(cache, cow), out), back)
+    results.append([np.asarray(a) for a in jax.tree.leaves(cache)])
   return all(np.array_equal(a, b, equal_nan=True)
              for a, b in zip(*results))
 
@@ -204,6 +218,17 @@ def single_process(out: str) -> None:
     if shape in ((1, 2), (2, 4), (8, 1)):  # each tp once, off device 0 too
       result[name]["logits"] = logits_of(model, last_row)
   result["ops_match"] = ops_match(sharding.make_mesh(1, 4))
+  result["int8_ops_match"] = ops_match(sharding.make_mesh(1, 4), "int8")
+  result["int8_reference"] = tokens_of(pj.generate(
+      model, reqs, CFG, SAMPLING, jax.random.key(0), kv_cache_dtype="int8")[0])
+  int8_mesh = sharding.make_mesh(1, 2)
+  result["int8_1x2"] = tokens_of(pj.generate(
+      model, reqs, CFG, SAMPLING, jax.random.key(0), kv_cache_dtype="int8",
+      mesh=int8_mesh)[0])
+  result["int8_1x2_bytes"] = device_bytes(sharding.create_kv_cache(
+      CFG, 4, 2, 32, "int8", int8_mesh))
+  result["int8_unsharded_bytes"] = device_bytes(pj.KVCache.create(
+      CFG, 4, 2, 32, dtype="int8"))
   try:
     pj.LLMEngine(model, None, CFG, mesh=sharding.make_mesh(2, 4))
   except ValueError as err:

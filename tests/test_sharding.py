@@ -16,14 +16,13 @@ import sys
 
 from flax import nnx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import paged_jax as pj
 from paged_jax import sharding
 from paged_jax.block_manager import manager
-from paged_jax.models import LlamaConfig, load_tiny
+from paged_jax.models import LlamaConfig
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MESHES = ("1x2", "1x4", "2x2", "2x4", "8x1")
@@ -109,6 +108,14 @@ def test_an_engine_refuses_a_mesh_of_several_data_rows(meshes):
 
 def test_sharded_copy_and_swaps_match_one_device(meshes):
   assert meshes["ops_match"] is True
+  assert meshes["int8_ops_match"] is True   # pages and scales, bit for bit
+
+
+def test_a_quantized_cache_serves_sharded(meshes):
+  assert meshes["int8_1x2"] == meshes["int8_reference"]
+  full = meshes["int8_unsharded_bytes"]
+  for kind in ("device", "host"):   # pages and scales split over 2 heads
+    assert meshes["int8_1x2_bytes"][kind] == [full[kind][0] // 2] * 2
 
 
 def _free_port() -> int:
@@ -166,15 +173,6 @@ def test_heads_must_split_over_the_model_axis():
                        max_seqs=1, max_blocks_per_seq=2)
   with pytest.raises(ValueError, match="mesh axes must be"):
     sharding.create_kv_cache(cfg, 1, 2, 8, "float32", wrong)
-
-
-def test_an_engine_on_a_mesh_refuses_a_quantized_cache():
-  cfg = pj.CacheConfig(block_size=4, num_gpu_blocks=4, num_cpu_blocks=0,
-                       max_seqs=1, max_blocks_per_seq=2)
-  with pytest.raises(ValueError, match="quantized kv_cache_dtype cannot be "
-                     "served on a mesh"):
-    pj.LLMEngine(load_tiny(), None, cfg, mesh=sharding.make_mesh(1, 1),
-                 kv_cache_dtype=jnp.int8)
 
 
 @pytest.mark.parametrize("path, shape, tp, kv_heads, spec", [
@@ -255,9 +253,9 @@ def test_sharded_copy_checks_a_concrete_plan():
   with pytest.raises(ValueError, match="dst block 4 is out of range 0..3"):
     sharding.copy_blocks(cache, bad)
   with pytest.raises(ValueError, match="swap_out plan entry 0: dst block 4"):
-    sharding.swap_out(cache, bad)
+    pj.swap_out(cache, bad)
   with pytest.raises(ValueError, match="swap_in plan entry 0: src block 2 is out of range 0..1"):
-    sharding.swap_in(cache, pj.SwapPlan(
+    pj.swap_in(cache, pj.SwapPlan(
         src=np.array([2], np.int32), dst=np.array([0], np.int32),
         count=np.int32(1), status=np.int32(0)))
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import sharding
@@ -22,17 +21,13 @@ from paged_jax.engine.scheduler import (PREEMPTION_MODES, Scheduler, Sequence,
 MAX_STOP_TOKENS = 8
 
 
-def _check_mesh(mesh, kv_cache_dtype) -> None:
+def _check_mesh(mesh) -> None:
   """Raises ValueError for a mesh one engine cannot serve on."""
   sharding.check_axes(mesh)
   if mesh.shape["data"] != 1:
     raise ValueError(f"an engine serves one data row of a mesh, got data="
                      f"{mesh.shape['data']}; use pj.generate(mesh=) or one "
                      "engine per row (sharding.row_mesh)")
-  if kv_cache_dtype is not None and jnp.dtype(kv_cache_dtype) in (
-      jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn)):
-    raise ValueError("a quantized kv_cache_dtype cannot be served on a mesh "
-                     "yet; pass mesh=None")
 
 
 class LLMEngine:
@@ -98,7 +93,7 @@ class LLMEngine:
       raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
                        f"got {preemption_mode!r}")
     if mesh is not None:
-      _check_mesh(mesh, kv_cache_dtype)
+      _check_mesh(mesh)
     self.model_config = model.config
     self.tokenizer = tokenizer
     self.cfg = cache_config

@@ -185,13 +185,6 @@ _mark_computed = jax.jit(manager.mark_blocks_as_computed)
 _common_computed = jax.jit(manager.get_common_computed_block_ids)
 _start_beams = jax.jit(beam.Beams.start)
 _clear_beams = jax.jit(beam.Beams.clear)
-_kv_swap_out = jax.jit(kv_ops.swap_out, donate_argnums=0)
-_kv_swap_in = jax.jit(kv_ops.swap_in, donate_argnums=0)
-
-
-def _swap_pages(unsharded, sharded, kv: KVCache, plan) -> KVCache:
-  """Runs a swap of pages, per shard when the cache is sharded."""
-  return (unsharded if sharding.cache_mesh(kv) is None else sharded)(kv, plan)
 
 
 def bucket(size: int, minimum: int = 1) -> int:
@@ -360,14 +353,14 @@ class ModelRunner:
     self.stop(slots)
     self.state, plan = _swap_out(self.state, slots)
     self._check(plan, f"swap out of seqs {slots.tolist()}")
-    self.kv = _swap_pages(_kv_swap_out, sharding.swap_out, self.kv, plan)
+    self.kv = kv_ops.swap_out(self.kv, plan)
     self.counters["swaps"] += int(plan.count)
 
   def swap_in(self, slots) -> None:
     slots = np.asarray(slots, np.int32)
     self.state, plan = _swap_in(self.state, slots)
     self._check(plan, f"swap in of seqs {slots.tolist()}")
-    self.kv = _swap_pages(_kv_swap_in, sharding.swap_in, self.kv, plan)
+    self.kv = kv_ops.swap_in(self.kv, plan)
     self.counters["swaps"] += int(plan.count)
 
   # Model calls.
