@@ -9,7 +9,9 @@ sequence), and waiting groups are admitted while the sequence budget
 decode loop runs out of blocks, the latest-arrived running group is
 preempted: by recompute (its blocks are freed, its tokens kept, and it is
 prefilled again when re-admitted, prefix caching then finding its blocks) or
-by swap (its blocks move to host memory).
+by swap (its blocks move to host memory). A beam-search group reserves `2n -
+1` slots (its beams fork into the spare ones on the device) and is always
+preempted by swap, its beams' state staying with the runner.
 """
 
 from __future__ import annotations
@@ -235,11 +237,11 @@ class Scheduler:
 
   def _admit(self, group: SequenceGroup) -> None:
     """Allocates a group's blocks; its prompt (or tokens) await prefill."""
-    live = group.live()
-    params = group.params
     if group.beam:
       self._admit_beams(group)
       return
+    live = group.live()
+    params = group.params
     for seq, slot in zip(live, self._take_slots(len(live))):
       seq.slot = slot
       self.runner.set_row(slot, temperature=params.temperature,
@@ -301,8 +303,9 @@ class Scheduler:
       self.runner.swap_in(slots)
       if group.beam:
         self.runner.resume(slots)
-      for seq in [] if group.beam else group.live():
-        self.runner.start(seq.slot, seq.token_ids[-1], len(seq.token_ids))
+      else:
+        for seq in group.live():
+          self.runner.start(seq.slot, seq.token_ids[-1], len(seq.token_ids))
       self.running.append(group)
       self.running.sort(key=lambda g: g.arrival)
 
