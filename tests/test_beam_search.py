@@ -3,7 +3,6 @@ dense cache, following Hugging Face transformers' rules (`num_beams=W`,
 `length_penalty`, `early_stopping=False`)."""
 
 import functools
-import math
 
 from flax import nnx
 import jax
