@@ -190,3 +190,19 @@ def test_beams_survive_preemption_by_swap(model):
   assert [o.token_ids for o in finals["beams"].outputs] == [
       tokens for tokens, _, _ in expected]
   assert engine.num_free_gpu_blocks() == tight.num_gpu_blocks
+
+
+def test_aborting_beams_frees_their_blocks_and_slots(model):
+  engine = pj.LLMEngine(model, None, CFG, num_decode_steps=2)
+  engine.add_request("beams", PROMPTS[1], pj.SamplingParams(
+      n=4, use_beam_search=True, max_tokens=MAX_TOKENS))
+  engine.step()
+  engine.step()            # the beams have forked and hold blocks
+  assert engine.num_free_gpu_blocks() < CFG.num_gpu_blocks
+  engine.abort_request("beams")
+  pj.check_invariants(engine.state)
+  assert engine.num_free_gpu_blocks() == CFG.num_gpu_blocks
+  assert sorted(engine.scheduler.free_slots) == list(range(CFG.max_seqs))
+  (out,) = engine.step()
+  assert out.finished and out.outputs[0].finish_reason == "abort"
+  assert not engine.has_unfinished_requests()
