@@ -165,6 +165,25 @@ def test_beam_search_refuses_what_it_cannot_serve(model):
   (out,) = engine.step()
   assert out.outputs[0].finish_reason == "error"
   assert "at least 2 tokens" in out.error
+  wide = pj.LLMEngine(model, None, CFG, max_beam_width=5)
+  wide.add_request("c", [1, 2], pj.SamplingParams(n=5, use_beam_search=True))
+  (out,) = wide.step()
+  assert "5 beams need 9 sequence slots, the cache has max_seqs=8" in out.error
+
+
+def test_beams_that_must_be_swapped_without_a_host_pool_raise(model):
+  no_host = pj.CacheConfig(block_size=4, num_gpu_blocks=9, num_cpu_blocks=0,
+                           max_seqs=12, max_blocks_per_seq=8, watermark=0.0)
+  engine = pj.LLMEngine(model, None, no_host, num_decode_steps=4)
+  for i, prompt in enumerate(PROMPTS[1:]):
+    engine.add_request(str(i), prompt, pj.SamplingParams(
+        max_tokens=MAX_TOKENS, n=2, temperature=0.8, seed=i))
+  engine.add_request("beams", PROMPTS[0], pj.SamplingParams(
+      n=4, use_beam_search=True, max_tokens=MAX_TOKENS))
+  with pytest.raises(RuntimeError, match="beam-search request 'beams' must be "
+                     "preempted but the host pool"):
+    while engine.has_unfinished_requests():
+      engine.step()
 
 
 def test_beams_survive_preemption_by_swap(model):
