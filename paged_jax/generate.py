@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax import sharding
 from paged_jax.config import CacheConfig
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.outputs import GenerationStats
@@ -104,15 +103,15 @@ def generate(model, requests: Sequence[Request | np.ndarray], cfg: CacheConfig,
     requests: prompts and their sample counts (`n` overrides `sampling.n`).
     cfg: the paged cache's shape and policy (prefix caching, swap space).
     sampling: how tokens are drawn and when sequences stop.
-    key: PRNG key of the sampling; request `i` draws from `fold_in(key, i)`
-      (on a mesh with several data rows, `i` counts the requests of a row).
+    key: PRNG key of the sampling; request `i` draws from `fold_in(key, i)`.
     progress: optional callable, given the number of sequences that
       finished since its last call.
     kv_cache_dtype: dtype of the KV pages (``jnp.int8`` or
       ``jnp.float8_e4m3fn`` for a quantized cache); None for the model's.
     mesh: a ``("data", "model")`` mesh to serve on (see
-      ``paged_jax.sharding``): each data row serves its share of the
-      requests, tensor parallel over "model"; None for one device.
+      ``paged_jax.sharding``): each data shard has a cache of `cfg`'s size
+      and serves its share of the requests, tensor parallel over "model";
+      None for one device.
 
   Returns:
     `(outputs, stats)`: `outputs[i][j]` is the int32 tokens of sample `j` of
@@ -125,20 +124,6 @@ def generate(model, requests: Sequence[Request | np.ndarray], cfg: CacheConfig,
       model's heads do not split over the mesh's "model" axis.
   """
   requests = [r if isinstance(r, Request) else Request(r) for r in requests]
-
-  def serve(row_mesh, row_requests):
-    return _serve(model, row_requests, cfg, sampling, key, progress,
-                  kv_cache_dtype, row_mesh)
-
-  if mesh is None:
-    return serve(None, requests)
-  return sharding.serve_on_mesh(serve, requests, mesh, sampling.max_tokens,
-                                GenerationStats)
-
-
-def _serve(model, requests, cfg, sampling, key, progress, kv_cache_dtype,
-           mesh):
-  """`generate` on one device or one data row of a mesh."""
   engine = LLMEngine(model, None, cfg, preemption_mode="swap",
                      kv_cache_dtype=kv_cache_dtype, mesh=mesh,
                      max_num_batched_tokens=cfg.max_seqs

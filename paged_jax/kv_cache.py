@@ -426,7 +426,7 @@ def _swap_out(cache: KVCache, src, dst, count) -> KVCache:
 
   def move(device_arrays, host_arrays, to_bits):
     staged = _gather_blocks(device_arrays, sources)
-    staged = jax.device_put(to_bits(staged), cache.host_sharding)
+    staged = jax.device_put(to_bits(staged), _staging(cache.host_sharding))
     return _on_host(cache, _set_blocks)(host_arrays, targets, staged)
 
   layers = cache.num_layers
@@ -448,7 +448,8 @@ def _swap_in(cache: KVCache, src, dst, count) -> KVCache:
 
   def move(host_arrays, device_arrays, from_bits):
     staged = _on_host(cache, _gather_blocks)(host_arrays, sources)
-    staged = from_bits(jax.device_put(staged, cache.device_sharding))
+    staged = jax.device_put(staged, _staging(cache.device_sharding))
+    staged = from_bits(staged)
     return _set_blocks(device_arrays, targets, staged)
 
   layers = cache.num_layers
@@ -472,6 +473,12 @@ def _set_blocks(pages, blocks, staged):
   """Writes ``staged[:, i]`` into ``pages[i]`` at ``blocks``; past-end dropped."""
   return tuple(page.at[:, blocks].set(staged[:, i], mode="drop")
                for i, page in enumerate(pages))
+
+
+def _staging(sharding: jax.sharding.NamedSharding):
+  """Where staged blocks ``[heads, pages, blocks, ...]`` live: split over
+  heads like the pages, whole along the other axes."""
+  return sharding.update(spec=jax.sharding.PartitionSpec(*sharding.spec[:1]))
 
 
 def _replicated(sharding: jax.sharding.NamedSharding):

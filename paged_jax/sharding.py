@@ -7,22 +7,24 @@ Over ``"model"`` (tensor parallel) the weights are split the Megatron way
 embedding and the head split over the vocabulary), and the KV cache is split
 over KV heads (``create_kv_cache``; a quantized cache's scales likewise). With
 fewer KV heads than model shards, each head is stored ``model //
-num_kv_heads`` times, so every shard holds one head. ``write_kv``, paged
-attention and ``copy_blocks`` run per shard under ``jax.shard_map``
-(``paged_cache``, ``copy_blocks``); ``pj.swap_out`` and ``pj.swap_in`` serve
-a sharded cache as they are: they gather and scatter along the block axis
-only, heads first, so each shard moves its own heads. The block manager's
-state is small and replicated: every shard sees the same block tables.
+num_kv_heads`` times, so every shard holds one head.
 
-Over ``"data"`` every shard has its own manager state, cache and sequences:
-``place_requests`` puts each request on the least loaded shard, and each data
-shard serves its requests on its row of the mesh. ``init_states`` and
-``batched`` give one manager state per shard as a stacked pytree and run the
-manager's operations on all of them at once.
+Over ``"data"`` every shard has its own blocks, sequences and manager state:
+the cache holds ``data`` shards' blocks side by side, its block axis split
+over ``"data"``, and the manager states are one batched state
+(``init_states``) whose operations run on all shards at once under
+``jax.vmap``; the engine puts each request on its least loaded shard. Block
+tables hold a shard's own block ids and the rows of a batch are grouped by
+shard, so ``write_kv``, paged attention and ``copy_blocks`` run on each
+device's own heads and blocks under ``jax.shard_map`` (``paged_cache``,
+``copy_blocks``), and ``pj.swap_out`` and ``pj.swap_in`` serve a sharded
+cache as they are, given a shard's plan in the cache's block ids
+(``shard_plan``).
 
-Several hosts run the same program after ``jax.distributed.initialize()``;
-each process serves the data shards whose devices it holds and the results
-are exchanged with ``process_allgather``.
+Several hosts run the same program after ``jax.distributed.initialize()``:
+every process runs the same scheduler on the same requests, and the small
+arrays the host reads (tokens, tables, flags) are replicated, so every
+process sees every output.
 """
 
 from __future__ import annotations
@@ -35,13 +37,11 @@ from collections.abc import Sequence
 from flax import nnx
 import flax.struct
 import jax
-from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import attention
 from paged_jax import kv_cache as kv_ops
-from paged_jax.block_manager import manager
 from paged_jax.kv_cache import KVCache
 from paged_jax.models.paged import PagedCache
 
@@ -181,14 +181,16 @@ def _key_name(key) -> str:
 
 def create_kv_cache(cfg, num_layers: int, num_kv_heads: int, head_dim: int,
                     dtype, mesh: jax.sharding.Mesh) -> KVCache:
-  """A zeroed cache whose device and host pages are split over KV heads.
+  """A zeroed cache for every data shard, split over KV heads and shards.
 
-  Pages are ``[stored_kv_heads, blocks, block_size, head_dim]`` with the head
-  axis over ``"model"`` and replicated over ``"data"``: each device holds
-  ``1 / model`` of the stored heads.
+  Pages are ``[stored_kv_heads, data * blocks, block_size, head_dim]``: the
+  head axis over ``"model"`` and the block axis over ``"data"`` (data shard
+  ``d`` owns blocks ``d * blocks ..``), so each device holds ``1 / model`` of
+  the stored heads of its shard's ``cfg.num_gpu_blocks`` blocks. Host pages
+  likewise.
 
   Args:
-    cfg: the ``CacheConfig``.
+    cfg: the ``CacheConfig`` of one data shard.
     num_layers: attention layers.
     num_kv_heads: the model's KV heads.
     head_dim: size of one head.
@@ -204,14 +206,17 @@ def create_kv_cache(cfg, num_layers: int, num_kv_heads: int, head_dim: int,
   """
   check_axes(mesh)
   attention.check_block_size(cfg.block_size, mesh.devices.flat[0].platform)
-  tp = mesh.shape["model"]
+  tp, data = mesh.shape["model"], mesh.shape["data"]
   check_heads(tp * num_kv_heads, num_kv_heads, tp)
   heads = stored_kv_heads(num_kv_heads, tp)
-  device_sharding = jax.sharding.NamedSharding(mesh, P("model"))
+  device_sharding = jax.sharding.NamedSharding(mesh, P("model", "data"))
   host_kind = kv_ops.host_memory_kind(mesh.devices.flat[0])
   host_sharding = (device_sharding.with_memory_kind(host_kind)
                    if host_kind else device_sharding)
-  return KVCache.zeros(cfg, num_layers, heads, head_dim,
+  all_shards = dataclasses.replace(cfg, num_gpu_blocks=data
+                                   * cfg.num_gpu_blocks,
+                                   num_cpu_blocks=data * cfg.num_cpu_blocks)
+  return KVCache.zeros(all_shards, num_layers, heads, head_dim,
                        kv_ops.check_cache_dtype(dtype), device_sharding,
                        host_sharding)
 
@@ -222,6 +227,48 @@ def cache_mesh(cache: KVCache) -> jax.sharding.Mesh | None:
   if mesh is not None and tuple(mesh.axis_names) == AXES:
     return mesh
   return None
+
+
+def num_data_shards(cache: KVCache) -> int:
+  """The data shards whose blocks ``cache`` holds (1 off a mesh)."""
+  mesh = cache_mesh(cache)
+  return 1 if mesh is None else mesh.shape["data"]
+
+
+def shard_plan(plan, shard: int, num_src_blocks: int, num_dst_blocks: int):
+  """A data shard's swap plan in the ids of the whole cache's blocks.
+
+  Args:
+    plan: a ``SwapPlan`` of shard ``shard``'s manager.
+    shard: the data shard.
+    num_src_blocks, num_dst_blocks: blocks per shard of the pool the plan
+      reads and of the one it writes.
+
+  Returns:
+    The plan with shard ``shard``'s blocks offset to its part of the cache.
+  """
+  offset = lambda ids, size: jnp.where(ids >= 0, ids + shard * size, ids)
+  return plan.replace(src=offset(plan.src, num_src_blocks),
+                      dst=offset(plan.dst, num_dst_blocks))
+
+
+def split_rows(x: jax.Array, kv: KVCache) -> jax.Array:
+  """``x`` with its rows (axis 0) split over ``"data"`` on a sharded cache."""
+  mesh = cache_mesh(kv)
+  if mesh is None:
+    return x
+  return jax.lax.with_sharding_constraint(
+      x, jax.sharding.NamedSharding(mesh, P("data")))
+
+
+def replicate(tree, kv: KVCache):
+  """``tree`` replicated on every device of a sharded cache's mesh, so that
+  every process can read it."""
+  mesh = cache_mesh(kv)
+  if mesh is None:
+    return tree
+  return jax.lax.with_sharding_constraint(
+      tree, jax.sharding.NamedSharding(mesh, P()))
 
 
 def _device_part(cache: KVCache) -> KVCache:
@@ -240,49 +287,73 @@ def _per_shard(fn, mesh, in_specs, out_specs):
                        check_vma=False)
 
 
+_PAGES = P("model", "data")
+
+
 def copy_blocks(cache: KVCache, plan) -> KVCache:
-  """``kv_cache.copy_blocks``, per model shard on a sharded cache.
+  """``kv_cache.copy_blocks`` on a sharded cache: each device copies its heads
+  of its data shard's blocks.
 
   Args:
     cache: the cache (donate it under jit).
-    plan: a CopyPlan; it is replicated, every shard copies its heads.
+    plan: a CopyPlan in a shard's block ids; with several data shards, one
+      per shard: ``src``, ``dst`` ``[data, K]`` and ``count`` ``[data]`` (as
+      ``jax.vmap`` of the manager's ``append_slots`` gives).
 
   Returns:
     The cache with the blocks copied.
+
+  Raises:
+    ValueError: for a plan out of range, or one plan for several shards.
   """
   mesh = cache_mesh(cache)
   if mesh is None:
     return kv_ops.copy_blocks(cache, plan)
-  src, dst, count = kv_ops._plan_arrays(plan)
+  data = mesh.shape["data"]
+  if jnp.ndim(plan.src) == 1:
+    src, dst, count = kv_ops._plan_arrays(plan)
+    if data > 1:
+      raise ValueError(f"a cache of {data} data shards needs one copy plan "
+                       f"per shard ([{data}, K] src and dst), got {src.shape}")
+    src, dst, count = src[None], dst[None], jnp.reshape(count, (1,))
+  else:
+    src, dst, count = (jnp.asarray(a) for a in (plan.src, plan.dst,
+                                                 plan.count))
   if attention.is_concrete(src, dst, count):
-    kv_ops.check_plan(src, dst, count, num_src_blocks=cache.num_gpu_blocks,
-                      num_dst_blocks=cache.num_gpu_blocks, name="copy plan",
-                      disjoint=True)
+    for shard in range(data):
+      kv_ops.check_plan(src[shard], dst[shard], count[shard],
+                        num_src_blocks=cache.num_gpu_blocks // data,
+                        num_dst_blocks=cache.num_gpu_blocks // data,
+                        name="copy plan", disjoint=True)
   device = _device_part(cache)
 
   def local(pages, src, dst, count):
     return kv_ops.copy_blocks(pages, types.SimpleNamespace(
-        src=src, dst=dst, count=count))
+        src=src[0], dst=dst[0], count=count[0]))
 
-  pages_spec = jax.tree.map(lambda _: P("model"), device)
-  copied = _per_shard(local, mesh, (pages_spec, P(), P(), P()),
+  pages_spec = jax.tree.map(lambda _: _PAGES, device)
+  shards = P("data")
+  copied = _per_shard(local, mesh, (pages_spec, shards, shards, shards),
                       pages_spec)(device, src, dst, count)
   return _with_device_part(cache, copied)
 
 
 @flax.struct.dataclass
 class ShardedPagedCache(PagedCache):
-  """``PagedCache`` whose writes and attention run per model shard."""
+  """``PagedCache`` whose writes and attention run per device: rows and
+  blocks of a data shard, heads of a model shard."""
 
   def attend(self, layer, q, k, v, positions, *, sm_scale):
-    """See ``PagedCache.attend``; q/k/v heads split over ``"model"``."""
+    """See ``PagedCache.attend``; rows split over ``"data"`` (grouped by
+    shard, tables in the shard's block ids), heads over ``"model"``."""
     mesh = cache_mesh(self.kv)
     repeat = self.kv.num_kv_heads // k.shape[2]
     if repeat > 1:
       k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
-    heads = P(None, None, "model", None)
+    heads = P("data", None, "model", None)
+    rows = P("data")
     device = _device_part(self.kv)
-    pages_spec = jax.tree.map(lambda _: P("model"), device)
+    pages_spec = jax.tree.map(lambda _: _PAGES, device)
 
     def local(kv, tables, slots, q, k, v, positions):
       cache = PagedCache(kv=kv, block_tables=tables, slot_mapping=slots)
@@ -290,169 +361,30 @@ class ShardedPagedCache(PagedCache):
       return out, cache.kv
 
     out, written = _per_shard(
-        local, mesh, (pages_spec, P(), P(), heads, heads, heads, P()),
+        local, mesh, (pages_spec, rows, rows, heads, heads, heads, rows),
         (heads, pages_spec))(device, self.block_tables, self.slot_mapping, q,
                              k, v, positions)
     return out, self.replace(kv=_with_device_part(self.kv, written))
 
 
 def paged_cache(kv: KVCache, block_tables, slot_mapping) -> PagedCache:
-  """The paged backend of one model call: per shard when ``kv`` is sharded."""
+  """The paged backend of one model call: per device when ``kv`` is sharded
+  (rows grouped by data shard, ``rows / data`` each)."""
   cls = PagedCache if cache_mesh(kv) is None else ShardedPagedCache
   return cls(kv=kv, block_tables=block_tables, slot_mapping=slot_mapping)
 
 
-def place_requests(loads: Sequence[int], num_shards: int) -> np.ndarray:
-  """Puts each request, in arrival order, on the least loaded data shard.
-
-  Args:
-    loads: each request's load (e.g. the tokens it will hold).
-    num_shards: data shards.
-
-  Returns:
-    int32 ``[len(loads)]``: the shard of each request (ties: the lowest).
-  """
-  totals = np.zeros(num_shards, np.int64)
-  shards = np.zeros(len(loads), np.int32)
-  for index, load in enumerate(loads):
-    shard = int(np.argmin(totals))
-    shards[index] = shard
-    totals[shard] += load
-  return shards
-
-
-def init_states(bm, num_shards: int, mesh: jax.sharding.Mesh | None = None):
+def init_states(bm, num_shards: int):
   """One empty manager state per data shard, stacked on a leading axis.
+
+  ``jax.vmap`` of a manager operation then runs it on every shard at once.
 
   Args:
     bm: a ``BlockSpaceManager``.
     num_shards: data shards.
-    mesh: if given, the stack is split over its ``"data"`` axis.
 
   Returns:
     A ``BlockManagerState`` whose arrays have a leading ``num_shards`` axis.
   """
-  state = bm.init()
-  states = jax.tree.map(
-      lambda x: jnp.broadcast_to(x, (num_shards, *x.shape)), state)
-  if mesh is not None:
-    states = jax.device_put(states, jax.sharding.NamedSharding(mesh, P("data")))
-  return states
-
-
-def batched(op):
-  """``op`` of the block manager applied to every shard's state at once.
-
-  Args:
-    op: a function of ``paged_jax.block_manager.manager`` (``allocate``,
-      ``append_slots``, ``free``, ``num_free_gpu_blocks``, ...).
-
-  Returns:
-    ``op`` vmapped over the leading shard axis of the state and of every
-    other array argument (static ints such as ``width`` stay keywords).
-  """
-  return jax.vmap(op)
-
-
-def least_loaded_shard(states) -> jax.Array:
-  """The shard with the most free GPU blocks (ties: the lowest)."""
-  return jnp.argmax(batched(manager.BlockSpaceManager.num_free_gpu_blocks)(
-      states)).astype(jnp.int32)
-
-
-def row_mesh(mesh: jax.sharding.Mesh, row: int) -> jax.sharding.Mesh:
-  """Data shard ``row`` of ``mesh`` as a ``(1, model)`` mesh."""
-  return jax.sharding.Mesh(mesh.devices[row:row + 1], AXES)
-
-
-def serve_on_mesh(serve, requests, mesh: jax.sharding.Mesh,
-                  max_new_tokens: int, stats_type):
-  """Serves requests data-parallel: each data shard runs its own share.
-
-  Requests go to the least loaded shard (``place_requests``, by prompt and
-  generated tokens); each shard has its own manager state and cache on its
-  row of the mesh, tensor-parallel over ``"model"``. A process serves the
-  rows whose devices it holds, one after the other; with several processes
-  the outputs are then exchanged, so every process returns all of them.
-
-  Args:
-    serve: ``serve(row_mesh, requests) -> (outputs, stats)``, one shard.
-    requests: the ``Request`` list.
-    mesh: a ``("data", "model")`` mesh.
-    max_new_tokens: tokens generated per sequence at most.
-    stats_type: the stats dataclass (numeric fields).
-
-  Returns:
-    ``(outputs, stats)`` like ``generate``: outputs in request order, stats
-    summed over shards (``peak_blocks``: the largest shard's; rates and
-    utilization: the mean over shards).
-
-  Raises:
-    ValueError: if the mesh axes are wrong or a data shard spans processes.
-  """
-  check_axes(mesh)
-  shards = place_requests(
-      [r.n * (r.prompt.size + max_new_tokens) for r in requests],
-      mesh.shape["data"])
-  outputs = [None] * len(requests)
-  fields = [f.name for f in dataclasses.fields(stats_type)]
-  rows = []
-  for row in range(mesh.shape["data"]):
-    owners = {d.process_index for d in mesh.devices[row]}
-    if len(owners) > 1:
-      raise ValueError(f"data shard {row} spans processes {sorted(owners)}: "
-                       "keep each row of the mesh on one host")
-    indices = np.flatnonzero(shards == row)
-    if owners != {jax.process_index()} or not indices.size:
-      continue
-    row_outputs, stats = serve(row_mesh(mesh, row),
-                               [requests[i] for i in indices])
-    for i, out in zip(indices, row_outputs):
-      outputs[i] = out
-    rows.append([float(getattr(stats, f)) for f in fields])
-  rows = np.asarray(rows, np.float64).reshape(-1, len(fields))
-  if jax.process_count() > 1:
-    outputs, rows = _exchange(outputs, rows, requests, max_new_tokens,
-                              mesh.shape["data"])
-  return outputs, _merge_stats(stats_type, fields, rows)
-
-
-def _exchange(outputs, rows, requests, max_new_tokens, num_shards):
-  """All processes' outputs and stats rows, gathered across processes."""
-  max_n = max(r.n for r in requests)
-  tokens = np.zeros((len(requests), max_n, max_new_tokens), np.int32)
-  lengths = np.full((len(requests), max_n), -1, np.int32)
-  for i, samples in enumerate(outputs):
-    for j, sample in enumerate(samples or ()):
-      tokens[i, j, :sample.size], lengths[i, j] = sample, sample.size
-  padded = np.full((num_shards, rows.shape[1]), np.nan)
-  padded[:len(rows)] = rows
-  tokens, lengths, padded = (np.asarray(x) for x in
-                             multihost_utils.process_allgather(
-                                 (tokens, lengths, padded)))
-  merged = []
-  for i, request in enumerate(requests):
-    source = int(np.argmax(lengths[:, i, 0] >= 0))
-    merged.append([tokens[source, i, j, :lengths[source, i, j]].copy()
-                   for j in range(request.n)])
-  rows = padded.reshape(-1, rows.shape[1])
-  return merged, rows[~np.isnan(rows[:, 0])]
-
-
-_MAX_FIELDS = ("peak_blocks",)
-_MEAN_FIELDS = ("kv_slot_utilization", "prefix_cache_hit_rate")
-
-
-def _merge_stats(stats_type, fields, rows):
-  merged = {}
-  for column, name in enumerate(fields):
-    values = rows[:, column]
-    if name in _MAX_FIELDS:
-      value = values.max(initial=0)
-    elif name in _MEAN_FIELDS:
-      value = values.mean() if values.size else 0.0
-    else:
-      value = values.sum()
-    kind = type(getattr(stats_type(), name))
-    merged[name] = kind(value)
-  return stats_type(**merged)
+  return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_shards, *x.shape)),
+                      bm.init())

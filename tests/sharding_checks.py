@@ -5,6 +5,7 @@ Each function writes what it saw as JSON for tests/test_sharding.py to check.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -25,9 +26,10 @@ NUM_GPU_BLOCKS = 48  # distinctive, to find cache-sized arrays in the HLO
 CFG = pj.CacheConfig(block_size=8, num_gpu_blocks=NUM_GPU_BLOCKS,
                      num_cpu_blocks=16, max_seqs=4, max_blocks_per_seq=8)
 SAMPLING = pj.SamplingParams(max_new_tokens=6)
+# A collective's result: one shape, or a tuple of them (combined ops).
 COLLECTIVE = re.compile(
-    r"= (\S+) (all-gather|all-to-all|collective-permute|all-reduce)"
-    r"(?:-start)?\(")
+    r"= (\([^)]*\)|\S+) (all-gather|all-to-all|collective-permute|all-reduce"
+    r"|reduce-scatter)(?:-start)?\(")
 
 
 def requests() -> list[pj.Request]:
@@ -127,13 +129,14 @@ def step_collectives(model, mesh) -> dict[str, list[list[str]]]:
   decode = runner_lib._decode_loop.lower(
       runner.graphdef, runner.params, runner.rows, runner.decode_carry(4),
       np.array(True), False)
-  rows, width = 2, 16
-  tables = np.zeros((rows, CFG.max_blocks_per_seq), np.int32)
-  draw_rows = jax.tree.map(lambda a: a[:CFG.max_seqs], runner.rows)
+  data, rows, width = runner.num_shards, 2, 16
+  draw_rows = jax.tree.map(lambda a: a[:data * CFG.max_seqs], runner.rows)
   prefill = runner_lib._prefill.lower(
-      runner.graphdef, runner.params, runner.kv,
-      np.zeros((rows, width), np.int32), np.zeros((rows, width), np.int32),
-      tables, np.zeros(CFG.max_seqs, np.int32), draw_rows, 0, CFG.block_size)
+      runner.graphdef, runner.params, runner.kv, runner.state,
+      np.zeros((data * rows, width), np.int32),
+      np.zeros((data * rows, width), np.int32),
+      np.zeros((data, rows), np.int32),
+      np.zeros(data * CFG.max_seqs, np.int32), draw_rows, 0, CFG.block_size)
   plan = np.zeros(8, np.int32)
   kv = runner.kv
   swaps = [kv_ops._jitted_for(kv, fn).lower(kv, plan, plan, np.int32(0))
@@ -147,11 +150,15 @@ def ops_match(mesh, dtype="float32") -> bool:
   """Sharded copy_blocks, swap_out, swap_in equal the one-device ops.
 
   Random pages and scales (NaN in the never-written host ones) and random
-  plans, on a cache with 4 KV heads, so both layouts store the same heads.
+  plans, on a cache with 4 KV heads, so both layouts store the same heads;
+  the one-device cache has every data shard's blocks side by side. Each
+  shard copies its own blocks; the last shard swaps out, the first in.
   """
   rng = np.random.default_rng(1)
-  heads, head_dim = 4, 32
-  one = pj.KVCache.create(CFG, 2, heads, head_dim, dtype=dtype)
+  heads, head_dim, data = 4, 32, mesh.shape["data"]
+  all_blocks = dataclasses.replace(CFG, num_gpu_blocks=data * NUM_GPU_BLOCKS,
+                                   num_cpu_blocks=data * CFG.num_cpu_blocks)
+  one = pj.KVCache.create(all_blocks, 2, heads, head_dim, dtype=dtype)
   many = sharding.create_kv_cache(CFG, 2, heads, head_dim, dtype, mesh)
   shape, host_shape = one.k[0].shape, one.k_host[0].shape
   if one.quantized:
@@ -177,20 +184,104 @@ def ops_match(mesh, dtype="float32") -> bool:
                          k_scale_host=put([nan] * 2, cache.host_sharding),
                          v_scale_host=put([nan] * 2, cache.host_sharding))
 
-  blocks = rng.permutation(CFG.num_gpu_blocks).astype(np.int32)
-  cow = pj.CopyPlan(src=blocks[:6], dst=blocks[6:12], count=np.int32(5),
-                    status=np.int32(0))
-  out = pj.SwapPlan(src=blocks[12:20], dst=np.arange(8, dtype=np.int32),
-                    count=np.int32(7), status=np.int32(0))
-  back = pj.SwapPlan(src=np.arange(8, dtype=np.int32), dst=blocks[20:28],
+  blocks = np.stack([rng.permutation(NUM_GPU_BLOCKS)
+                     for _ in range(data)]).astype(np.int32)
+  counts = (5 + np.arange(data) % 2).astype(np.int32)
+  cow = pj.CopyPlan(src=blocks[:, :6], dst=blocks[:, 6:12], count=counts,
+                    status=np.zeros(data, np.int32))
+  live = np.arange(6) < counts[:, None]
+  offsets = NUM_GPU_BLOCKS * np.arange(data, dtype=np.int32)[:, None]
+  global_ids = lambda ids: (ids + offsets)[live].astype(np.int32)
+  one_cow = pj.CopyPlan(src=global_ids(blocks[:, :6]),
+                        dst=global_ids(blocks[:, 6:12]),
+                        count=np.int32(live.sum()), status=np.int32(0))
+  out = sharding.shard_plan(pj.SwapPlan(
+      src=blocks[-1, 12:20], dst=np.arange(8, dtype=np.int32),
+      count=np.int32(7), status=np.int32(0)), data - 1, NUM_GPU_BLOCKS,
+                            CFG.num_cpu_blocks)
+  back = pj.SwapPlan(src=np.arange(8, dtype=np.int32), dst=blocks[0, 20:28],
                      count=np.int32(7), status=np.int32(0))
   results = []
-  for cache, copy in ((fill(one), pj.copy_blocks),
-                      (fill(many), sharding.copy_blocks)):
-    cache = pj.swap_in(pj.swap_out(copy(cache, cow), out), back)
+  for cache, copy, plan in ((fill(one), pj.copy_blocks, one_cow),
+                            (fill(many), sharding.copy_blocks, cow)):
+    cache = pj.swap_in(pj.swap_out(copy(cache, plan), out), back)
     results.append([np.asarray(a) for a in jax.tree.leaves(cache)])
   return all(np.array_equal(a, b, equal_nan=True)
              for a, b in zip(*results))
+
+
+def row_mesh(mesh, row: int) -> jax.sharding.Mesh:
+  """Data shard ``row`` of ``mesh`` as a ``(1, model)`` mesh."""
+  return jax.sharding.Mesh(mesh.devices[row:row + 1], sharding.AXES)
+
+
+# Every feature at once on a data-parallel mesh: prefix caching (two prompts
+# share 16 tokens), seeded sampling with n=2, beam search, and preemption by
+# swap (12 blocks per shard cannot hold its 3 requests at once).
+FEATURES_CFG = pj.CacheConfig(block_size=8, num_gpu_blocks=12,
+                              num_cpu_blocks=32, max_seqs=6,
+                              max_blocks_per_seq=8, watermark=0.0,
+                              enable_prefix_caching=True)
+
+
+def feature_requests():
+  rng = np.random.default_rng(2)
+  shared = rng.integers(0, 258, 16)
+  prompts = [np.concatenate([shared, rng.integers(0, 258, n)])
+             for n in (3, 9)] + [rng.integers(0, 258, n) for n in (7, 11, 5,
+                                                                   20)]
+  greedy = pj.SamplingParams(max_tokens=12)
+  params = [greedy, greedy,
+            pj.SamplingParams(max_tokens=12, n=2, temperature=0.8, seed=3),
+            pj.SamplingParams(max_tokens=8, n=2, use_beam_search=True),
+            greedy, pj.SamplingParams(max_tokens=16, temperature=1.0, top_k=20,
+                                      seed=5)]
+  return [(p.astype(np.int32), q) for p, q in zip(prompts, params)]
+
+
+def serve_features(model, mesh, kv_cache_dtype=None) -> dict:
+  """Tokens and log-probs of `feature_requests` on an engine on ``mesh``,
+  where each request went, and what the shards hold at the end."""
+  engine = pj.LLMEngine(model, None, FEATURES_CFG, mesh=mesh,
+                        preemption_mode="swap", num_decode_steps=4,
+                        kv_cache_dtype=kv_cache_dtype,
+                        max_num_batched_tokens=32)
+  requests = feature_requests()
+  for i, (prompt, params) in enumerate(requests):
+    engine.add_request(str(i), prompt, params)
+  shards = [engine._groups[str(i)].shard for i in range(len(requests))]
+  finals = {}
+  while engine.has_unfinished_requests():
+    for out in engine.step():
+      if out.finished:
+        finals[out.request_id] = out
+    for shard in range(engine.runner.num_shards):
+      pj.check_invariants(engine.shard_state(shard))
+  stats = engine.stats
+  errors = {}
+  if mesh is not None:
+    try:
+      engine.state   # pylint: disable=pointless-statement
+    except ValueError as err:
+      errors["state"] = str(err)
+    plan = pj.CopyPlan(src=np.zeros(2, np.int32), dst=np.ones(2, np.int32),
+                       count=np.int32(1), status=np.int32(0))
+    try:
+      sharding.copy_blocks(engine.runner.kv, plan)
+    except ValueError as err:
+      errors["copy_plan"] = str(err)
+  return {
+      "errors": errors,
+      "tokens": [[o.token_ids for o in finals[str(i)].outputs]
+                 for i in range(len(requests))],
+      "logprobs": [[o.cumulative_logprob for o in finals[str(i)].outputs]
+                   for i in range(len(requests))],
+      "shards": shards,
+      "all_free": engine.num_free_gpu_blocks()
+                  == engine.runner.num_shards * FEATURES_CFG.num_gpu_blocks,
+      "swaps": stats.swaps, "preemptions": stats.preemptions,
+      "hit_rate": stats.prefix_cache_hit_rate,
+  }
 
 
 def single_process(out: str) -> None:
@@ -208,32 +299,33 @@ def single_process(out: str) -> None:
     name = f"{shape[0]}x{shape[1]}"
     outputs, _ = pj.generate(model, reqs, CFG, SAMPLING, jax.random.key(0),
                              mesh=mesh)
-    last_row = sharding.row_mesh(mesh, shape[0] - 1)
     result[name] = {
         "tokens": tokens_of(outputs),
         "bytes": device_bytes(sharding.create_kv_cache(
-            CFG, 4, 2, 32, "float32", last_row)),
+            CFG, 4, 2, 32, "float32", mesh)),
+        "weight_bytes": weight_bytes(model, mesh),
     }
-    result[name]["weight_bytes"] = weight_bytes(model, last_row)
-    if shape in ((1, 2), (2, 4), (8, 1)):  # each tp once, off device 0 too
-      result[name]["logits"] = logits_of(model, last_row)
+    if shape in ((1, 2), (2, 2), (2, 4)):   # 2 rows: one per data shard
+      result[name]["logits"] = logits_of(model, mesh)
+    if shape == (8, 1):   # a tensor-parallel-free row, off device 0
+      result[name]["logits"] = logits_of(model, row_mesh(mesh, 7))
+  result["features_reference"] = serve_features(model, None)
+  result["features_2x2"] = serve_features(model, sharding.make_mesh(2, 2))
   result["ops_match"] = ops_match(sharding.make_mesh(1, 4))
   result["int8_ops_match"] = ops_match(sharding.make_mesh(1, 4), "int8")
+  result["ops_match_2x2"] = ops_match(sharding.make_mesh(2, 2))
+  result["int8_ops_match_2x2"] = ops_match(sharding.make_mesh(2, 2), "int8")
   result["int8_reference"] = tokens_of(pj.generate(
       model, reqs, CFG, SAMPLING, jax.random.key(0), kv_cache_dtype="int8")[0])
-  int8_mesh = sharding.make_mesh(1, 2)
-  result["int8_1x2"] = tokens_of(pj.generate(
+  int8_mesh = sharding.make_mesh(2, 2)
+  result["int8_2x2"] = tokens_of(pj.generate(
       model, reqs, CFG, SAMPLING, jax.random.key(0), kv_cache_dtype="int8",
       mesh=int8_mesh)[0])
-  result["int8_1x2_bytes"] = device_bytes(sharding.create_kv_cache(
+  result["int8_2x2_bytes"] = device_bytes(sharding.create_kv_cache(
       CFG, 4, 2, 32, "int8", int8_mesh))
   result["int8_unsharded_bytes"] = device_bytes(pj.KVCache.create(
       CFG, 4, 2, 32, dtype="int8"))
-  try:
-    pj.LLMEngine(model, None, CFG, mesh=sharding.make_mesh(2, 4))
-  except ValueError as err:
-    result["engine_on_two_rows"] = str(err)
-  for shape in ((1, 2), (1, 4)):
+  for shape in ((1, 2), (1, 4), (2, 2)):
     result[f"{shape[0]}x{shape[1]}"]["collectives"] = step_collectives(
         model, sharding.make_mesh(*shape))
   with open(out, "w") as f:

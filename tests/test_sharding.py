@@ -3,7 +3,8 @@
 The mesh checks run in subprocesses (tests/sharding_worker.py) with forced
 host devices, so the rest of the suite keeps one device: one process with 8
 devices for the meshes (1, 2), (1, 4), (2, 2), (2, 4), (8, 1), and two
-processes of 4 devices on localhost for one (2, 4) mesh over both.
+processes of 4 devices on localhost for one (2, 4) mesh over both (its data
+shards one per process, in one program).
 """
 
 import json
@@ -61,24 +62,26 @@ def test_every_mesh_gives_the_single_device_tokens(meshes):
     assert meshes[name]["tokens"] == meshes["reference"], name
 
 
-def test_every_tensor_parallel_layout_gives_the_single_device_logits(meshes):
-  # Rows of the other meshes are these layouts on other devices.
-  for name in ("1x2", "2x4", "8x1"):
+def test_every_layout_gives_the_single_device_logits(meshes):
+  # 1x2, 2x2 and 2x4 run on the whole mesh (one prompt per data shard); 8x1
+  # on its last row (a one-device row off device 0).
+  for name in ("1x2", "2x2", "2x4", "8x1"):
     for got, want in zip(meshes[name]["logits"], meshes["reference_logits"]):
       np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg=name)
 
 
 def test_each_device_holds_its_share_of_the_cache(meshes):
   full = meshes["unsharded_bytes"]
-  # The tiny model has 2 KV heads: 2 shards split them, 4 shards store each
-  # head twice and hold one head each, so a device holds half either way.
-  for name, tp in (("1x2", 2), ("1x4", 4), ("2x2", 2), ("2x4", 4),
-                   ("8x1", 1)):
+  # Each data shard has a one-device cache's blocks. The tiny model has 2 KV
+  # heads: 2 model shards split them, 4 store each head twice and hold one
+  # head each, so a device holds half either way.
+  for name, data, tp in (("1x2", 1, 2), ("1x4", 1, 4), ("2x2", 2, 2),
+                         ("2x4", 2, 4), ("8x1", 8, 1)):
     share = max(1, 2 // tp) / 2 if tp > 1 else 1
     for kind in ("device", "host"):
       per_device = meshes[name]["bytes"][kind]
-      assert len(per_device) == tp, (name, kind)
-      assert per_device == [full[kind][0] * share] * tp, (name, kind)
+      assert per_device == [full[kind][0] * share] * (data * tp), (name,
+                                                                   kind)
 
 
 def test_weights_are_split_over_the_model_axis(meshes):
@@ -91,9 +94,10 @@ def test_weights_are_split_over_the_model_axis(meshes):
 
 
 def test_no_step_moves_a_cache_between_devices(meshes):
-  # Pages are [heads, 48 blocks, 8, 32]; no collective may carry one.
-  page = re.compile(r"\[\d+,48,8,32\]")
-  for name in ("1x2", "1x4"):
+  # Pages are [heads, 48 blocks (96 on 2 data shards), 8, 32], and a shard's
+  # part of them [heads, 48, 8, 32]; no collective may carry one.
+  page = re.compile(r"\[\d+,(48|96),8,32\]")
+  for name in ("1x2", "1x4", "2x2"):
     steps = meshes[name]["collectives"]
     for step, ops in steps.items():
       assert not [op for op in ops if page.search(op[1])], (name, step, ops)
@@ -101,9 +105,21 @@ def test_no_step_moves_a_cache_between_devices(meshes):
     assert any(op == "all-reduce" for op, _ in steps["decode"]), name
 
 
-def test_an_engine_refuses_a_mesh_of_several_data_rows(meshes):
-  assert "an engine serves one data row of a mesh, got data=2" in meshes[
-      "engine_on_two_rows"]
+def test_data_shards_serve_every_feature_as_one_device_does(meshes):
+  want, got = meshes["features_reference"], meshes["features_2x2"]
+  assert got["tokens"] == want["tokens"]
+  np.testing.assert_allclose(
+      [x for row in got["logprobs"] for x in row],
+      [x for row in want["logprobs"] for x in row], atol=1e-4)
+  # Each request went to the shard with the fewest tokens outstanding.
+  assert got["shards"] == [0, 1, 0, 1, 0, 1]
+  assert got["all_free"] and want["all_free"]
+  assert got["swaps"] > 0 and got["preemptions"] > 0
+  assert got["hit_rate"] > 0
+  assert "the engine has 2 data shards: use engine.shard_state" in got[
+      "errors"]["state"]
+  assert "a cache of 2 data shards needs one copy plan per shard" in got[
+      "errors"]["copy_plan"]
 
 
 def test_sharded_copy_and_swaps_match_one_device(meshes):
@@ -112,10 +128,10 @@ def test_sharded_copy_and_swaps_match_one_device(meshes):
 
 
 def test_a_quantized_cache_serves_sharded(meshes):
-  assert meshes["int8_1x2"] == meshes["int8_reference"]
+  assert meshes["int8_2x2"] == meshes["int8_reference"]
   full = meshes["int8_unsharded_bytes"]
   for kind in ("device", "host"):   # pages and scales split over 2 heads
-    assert meshes["int8_1x2_bytes"][kind] == [full[kind][0] // 2] * 2
+    assert meshes["int8_2x2_bytes"][kind] == [full[kind][0] // 2] * 4
 
 
 def _free_port() -> int:
@@ -211,22 +227,15 @@ def test_shard_model_places_every_parameter_by_its_rule():
       kernel, model.blocks[0].attention.q_proj.kernel[...])
 
 
-def test_requests_go_to_the_least_loaded_shard():
-  np.testing.assert_array_equal(
-      sharding.place_requests([5, 3, 4, 1, 2], 2), [0, 1, 1, 0, 0])
-  np.testing.assert_array_equal(sharding.place_requests([1, 1], 4), [0, 1])
-  assert sharding.place_requests([], 3).shape == (0,)
-
-
 def test_batched_states_match_one_state_per_shard():
   cfg = pj.CacheConfig(block_size=4, num_gpu_blocks=16, num_cpu_blocks=4,
                        max_seqs=4, max_blocks_per_seq=4)
   bm = pj.BlockSpaceManager(cfg)
-  states = sharding.init_states(bm, 3, sharding.make_mesh(1, 1))
+  states = sharding.init_states(bm, 3)
   lengths = np.array([5, 13, 1], np.int32)
   tokens = np.arange(3 * 16, dtype=np.int32).reshape(3, 16)
   seq_ids = np.array([[0], [2], [1]], np.int32)
-  states, results = jax.jit(sharding.batched(manager.allocate))(
+  states, results = jax.jit(jax.vmap(manager.allocate))(
       states, seq_ids, tokens, lengths)
   assert (np.asarray(results.status) == 0).all()
   allocate = jax.jit(manager.allocate)
@@ -236,11 +245,18 @@ def test_batched_states_match_one_state_per_shard():
     mine = jax.tree.map(lambda x, s=shard: x[s], states)
     for got, want in zip(jax.tree.leaves(mine), jax.tree.leaves(one)):
       np.testing.assert_array_equal(got, want)
-  # Shard 2 holds one block, shard 0 two, shard 1 four.
-  assert int(sharding.least_loaded_shard(states)) == 2
-  free = sharding.batched(manager.BlockSpaceManager.num_free_gpu_blocks)(
-      states)
+  free = jax.vmap(manager.BlockSpaceManager.num_free_gpu_blocks)(states)
   np.testing.assert_array_equal(free, [14, 12, 15])
+
+
+def test_a_shards_swap_plan_moves_its_own_blocks():
+  plan = pj.SwapPlan(src=np.array([3, 0, -1], np.int32),
+                     dst=np.array([1, 2, -1], np.int32), count=np.int32(2),
+                     status=np.int32(0))
+  moved = sharding.shard_plan(plan, 2, num_src_blocks=10, num_dst_blocks=4)
+  np.testing.assert_array_equal(moved.src, [23, 20, -1])
+  np.testing.assert_array_equal(moved.dst, [9, 10, -1])
+  assert int(moved.count) == 2
 
 
 def test_sharded_copy_checks_a_concrete_plan():
@@ -260,9 +276,9 @@ def test_sharded_copy_checks_a_concrete_plan():
         count=np.int32(1), status=np.int32(0)))
 
 
-def test_serve_on_mesh_rejects_a_mesh_without_the_axes():
+def test_an_engine_rejects_a_mesh_without_the_axes():
   wrong = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("device",))
-  model_requests = [pj.Request(np.array([1, 2], np.int32))]
+  cfg = pj.CacheConfig(block_size=4, num_gpu_blocks=4, num_cpu_blocks=0,
+                       max_seqs=1, max_blocks_per_seq=2)
   with pytest.raises(ValueError, match="mesh axes must be"):
-    sharding.serve_on_mesh(None, model_requests, wrong, 4,
-                           pj.GenerationStats)
+    pj.LLMEngine(pj.models.load_tiny(), None, cfg, mesh=wrong)

@@ -21,15 +21,6 @@ from paged_jax.engine.scheduler import (PREEMPTION_MODES, Scheduler, Sequence,
 MAX_STOP_TOKENS = 8
 
 
-def _check_mesh(mesh) -> None:
-  """Raises ValueError for a mesh one engine cannot serve on."""
-  sharding.check_axes(mesh)
-  if mesh.shape["data"] != 1:
-    raise ValueError(f"an engine serves one data row of a mesh, got data="
-                     f"{mesh.shape['data']}; use pj.generate(mesh=) or one "
-                     "engine per row (sharding.row_mesh)")
-
-
 class LLMEngine:
   """Serves requests as they come, on the paged KV cache (vLLM's online form).
 
@@ -51,9 +42,14 @@ class LLMEngine:
     preemption_mode: "recompute" or "swap", how a group is preempted when
       blocks run out.
     kv_cache_dtype: dtype of the KV pages; None for the model's.
-    mesh: a ``("data", "model")`` mesh with one data row: the model's
-      weights and the KV pages are split over "model" (tensor parallel, see
-      `paged_jax.sharding`); None for one device.
+    mesh: a ``("data", "model")`` mesh: the model's weights and the KV
+      pages are split over "model" (tensor parallel), and every data shard
+      has a cache of `cache_config`'s size, its own manager state,
+      sequences and budgets (`max_num_seqs`, `max_num_batched_tokens`);
+      a request goes to the shard with the fewest tokens outstanding. All
+      shards run as one program (see `paged_jax.sharding`); with several
+      processes, every process adds the same requests and sees every
+      output. None for one device.
     num_decode_steps: decode steps per launch of the compiled loop.
     max_logprobs: the largest `SamplingParams.logprobs` accepted.
     max_beam_width: the most beams (`n` with `use_beam_search`) a request
@@ -93,7 +89,7 @@ class LLMEngine:
       raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
                        f"got {preemption_mode!r}")
     if mesh is not None:
-      _check_mesh(mesh)
+      sharding.check_axes(mesh)
     self.model_config = model.config
     self.tokenizer = tokenizer
     self.cfg = cache_config
@@ -106,8 +102,11 @@ class LLMEngine:
                               num_logprobs=max_logprobs,
                               stop_width=MAX_STOP_TOKENS,
                               max_beam_width=max_beam_width)
-    self.scheduler = Scheduler(self.runner, max_num_seqs,
-                               max_num_batched_tokens, preemption_mode)
+    self.schedulers = [
+        Scheduler(self.runner, max_num_seqs, max_num_batched_tokens,
+                  preemption_mode, shard)
+        for shard in range(self.runner.num_shards)]
+    self._loads = np.zeros(self.runner.num_shards, np.int64)
     self._key = jax.random.key(seed) if key is None else key
     self._groups: dict[str, SequenceGroup] = {}
     self._pending: list[RequestOutput] = []
@@ -128,9 +127,9 @@ class LLMEngine:
     """
     cfg, max_len = self.cfg, self._max_len()
     n = params.n
-    if n > self.scheduler.max_num_seqs:
-      return (f"n={n} sequences exceed max_num_seqs="
-              f"{self.scheduler.max_num_seqs}")
+    max_num_seqs = self.schedulers[0].max_num_seqs
+    if n > max_num_seqs:
+      return f"n={n} sequences exceed max_num_seqs={max_num_seqs}"
     if params.use_beam_search:
       if 2 * n - 1 > cfg.max_seqs:
         return (f"{n} beams need {2 * n - 1} sequence slots, the cache has "
@@ -228,7 +227,10 @@ class LLMEngine:
       self._pending.append(self._output(group))
       return
     self._prompt_tokens += ids.size
-    self.scheduler.waiting.append(group)
+    group.shard = int(np.argmin(self._loads))
+    group.load = params.n * (ids.size + group.limit)
+    self._loads[group.shard] += group.load
+    self.schedulers[group.shard].waiting.append(group)
 
   def abort_request(self, request_id: str) -> None:
     """Stops a request at once and frees its blocks; the next `step` reports
@@ -236,17 +238,30 @@ class LLMEngine:
     group = self._groups.get(request_id)
     if group is None or group.finished:
       return
-    self.scheduler.remove(group)
+    self.schedulers[group.shard].remove(group)
     self._finish(group, "abort")
     self._pending.append(self._output(group))
 
   def has_unfinished_requests(self) -> bool:
-    return bool(self._pending) or self.scheduler.has_unfinished()
+    return bool(self._pending) or any(s.has_unfinished()
+                                      for s in self.schedulers)
+
+  @property
+  def scheduler(self) -> Scheduler:
+    """The scheduler of an engine with one data shard."""
+    if len(self.schedulers) > 1:
+      raise ValueError(f"the engine has {len(self.schedulers)} data shards: "
+                       "use engine.schedulers[shard]")
+    return self.schedulers[0]
 
   def _finish(self, group: SequenceGroup, reason: str) -> None:
     for seq in group.live():
       seq.finish_reason = reason
+    self._retire(group)
+
+  def _retire(self, group: SequenceGroup) -> None:
     del self._groups[group.request_id]
+    self._loads[group.shard] -= group.load
 
   # Steps.
   def step(self) -> list[RequestOutput]:
@@ -259,18 +274,21 @@ class LLMEngine:
     start = time.perf_counter()
     outputs, self._pending = self._pending, []
     touched: dict[str, SequenceGroup] = {}
-    chunks, failed = self.scheduler.schedule()
-    for group in failed:
-      self._finish(group, "error")
-      outputs.append(self._output(group))
+    chunks = []
+    for scheduler in self.schedulers:
+      shard_chunks, failed = scheduler.schedule()
+      chunks += shard_chunks
+      for group in failed:
+        self._finish(group, "error")
+        outputs.append(self._output(group))
     if chunks:
       self._prefill(chunks, touched)
     if np.any(self.runner.seq_ids >= 0):
       self._decode(touched)
     for group in touched.values():
       if group.finished:
-        self.scheduler.running.remove(group)
-        del self._groups[group.request_id]
+        self.schedulers[group.shard].running.remove(group)
+        self._retire(group)
       if group.finished or (group.params.output_kind != "final"
                             and not group.beam):
         outputs.append(self._output(group))
@@ -321,9 +339,10 @@ class LLMEngine:
       touched[group.request_id] = group
 
   def _decode(self, touched) -> None:
-    runner, scheduler = self.runner, self.scheduler
-    stop_on_finish = bool(scheduler.waiting or scheduler.swapped)
-    slots_before = {s.slot: (g, s) for g in scheduler.running
+    runner = self.runner
+    stop_on_finish = any(s.waiting or s.swapped for s in self.schedulers)
+    running = [g for s in self.schedulers for g in s.running]
+    slots_before = {s.slot: (g, s) for g in running
                     if not g.beam for s in g.live() if s.slot >= 0
                     and runner.seq_ids[s.slot] >= 0}
     draws, counts, finished, out_of_blocks = self._timed(
@@ -340,12 +359,12 @@ class LLMEngine:
         raise RuntimeError(f"seq {slot} of request {group.request_id!r} "
                            "stopped on the device but not on the host")
     done = runner.beams_done()
-    for group in scheduler.running:
+    for group in running:
       if group.beam and group.beam_slots and done[group.beam_slots[0]]:
         self._finish_beams(group)
         touched[group.request_id] = group
-    if out_of_blocks:
-      scheduler.preempt()
+    for shard in np.flatnonzero(out_of_blocks):
+      self.schedulers[shard].preempt()
 
   def _finish_beams(self, group: SequenceGroup) -> None:
     """Reads a finished beam group's best `n` hypotheses into its sequences
@@ -358,7 +377,7 @@ class LLMEngine:
       if self.tokenizer is not None:
         seq.text = self._decode_text(seq)
       self._generated_tokens += len(tokens)
-    self.scheduler.release_group(group)
+    self.schedulers[group.shard].release_group(group)
 
   def _append(self, group: SequenceGroup, seq: Sequence, tokens, logprob,
               top_ids, top_logprobs, *, device_freed: bool) -> None:
@@ -387,7 +406,7 @@ class LLMEngine:
     if seq.finished:
       if not device_freed:
         self.runner.free([seq.slot])
-      self.scheduler.release(seq)
+      self.schedulers[group.shard].release(seq)
 
   def _decode_text(self, seq: Sequence, upto: int | None = None) -> str:
     ids = seq.token_ids[:upto]
@@ -451,11 +470,21 @@ class LLMEngine:
   # Introspection.
   @property
   def state(self):
-    """The block manager's state (for `pj.check_invariants` and queries)."""
-    return self.runner.state
+    """The block manager's state (for `pj.check_invariants` and queries) of
+    an engine with one data shard; see `shard_state`."""
+    if self.runner.num_shards > 1:
+      raise ValueError(f"the engine has {self.runner.num_shards} data shards:"
+                       " use engine.shard_state(shard)")
+    return self.runner.shard_state(0)
+
+  def shard_state(self, shard: int):
+    """The block manager's state of data shard `shard`."""
+    return self.runner.shard_state(shard)
 
   def num_free_gpu_blocks(self) -> int:
-    return self.runner.num_free_gpu_blocks()
+    """Free GPU blocks of all data shards."""
+    return sum(self.runner.num_free_gpu_blocks(shard)
+               for shard in range(self.runner.num_shards))
 
   @property
   def stats(self) -> GenerationStats:
@@ -464,14 +493,13 @@ class LLMEngine:
     return GenerationStats(
         generated_tokens=self._generated_tokens,
         prompt_tokens=self._prompt_tokens,
-        prefill_tokens=self.scheduler.prefill_tokens,
+        prefill_tokens=sum(s.prefill_tokens for s in self.schedulers),
         decode_steps=counters["decode_steps"],
         loop_launches=counters["loop_launches"],
         peak_blocks=counters["peak_blocks"],
         kv_slot_utilization=counters["utilization_sum"]
         / max(counters["decode_steps"], 1),
-        prefix_cache_hit_rate=float(self.runner.bm.prefix_cache_hit_rate(
-            self.runner.state)),
+        prefix_cache_hit_rate=self.runner.prefix_cache_hit_rate(),
         cow_copies=counters["cow_copies"],
-        preemptions=self.scheduler.num_preemptions,
+        preemptions=sum(s.num_preemptions for s in self.schedulers),
         swaps=counters["swaps"])

@@ -72,6 +72,8 @@ class SequenceGroup:
   seqs: list[Sequence]
   error: str | None = None
   beam_slots: list[int] = dataclasses.field(default_factory=list)
+  shard: int = 0          # the data shard that serves it
+  load: int = 0           # tokens it adds to its shard's load
 
   @property
   def beam(self) -> bool:
@@ -108,6 +110,8 @@ class Scheduler:
 
   Args:
     runner: the `ModelRunner` whose manager state the decisions read.
+    shard: the data shard whose slots, blocks and queues this scheduler
+      owns (one scheduler per shard).
     max_num_seqs: sequences that run at once at most.
     max_num_batched_tokens: tokens one round runs through the model at most.
     preemption_mode: "recompute" or "swap". Groups of several sequences are
@@ -116,15 +120,17 @@ class Scheduler:
   """
 
   def __init__(self, runner: ModelRunner, max_num_seqs: int,
-               max_num_batched_tokens: int, preemption_mode: str):
+               max_num_batched_tokens: int, preemption_mode: str,
+               shard: int = 0):
     self.runner = runner
+    self.shard = shard
     self.max_num_seqs = max_num_seqs
     self.max_num_batched_tokens = max_num_batched_tokens
     self.preemption_mode = preemption_mode
     self.waiting: collections.deque[SequenceGroup] = collections.deque()
     self.running: list[SequenceGroup] = []
     self.swapped: collections.deque[SequenceGroup] = collections.deque()
-    self.free_slots = list(range(runner.cfg.max_seqs))
+    self.free_slots = list(runner.shard_slots(shard))
     self.num_preemptions = 0
     self.prefill_tokens = 0
     # After a preemption the running groups decode before anything is
@@ -186,8 +192,7 @@ class Scheduler:
     preempted, self._preempted = self._preempted, False
     if not preempted:
       self._swap_in()
-    budget = self.max_num_batched_tokens - int(
-        np.sum(self.runner.seq_ids >= 0))
+    budget = self.max_num_batched_tokens - self.runner.num_running(self.shard)
     chunks = []
     for group in self.running:
       budget = self._plan_chunks(group, budget, chunks)
@@ -220,14 +225,16 @@ class Scheduler:
     seqs_ok = (self.num_running_seqs() + len(live) <= self.max_num_seqs
                and group.num_slots() <= len(self.free_slots))
     if group.fresh:
-      status = self.runner.can_allocate(group.prompt_token_ids.size)
+      status = self.runner.can_allocate(group.prompt_token_ids.size,
+                                        self.shard)
     else:
       needed = sum(cfg.blocks_for(len(group.prompt_token_ids)
                                   + len(s.token_ids) - 1) for s in live)
       if cfg.enable_prefix_caching:   # the prompt's full blocks are shared
         needed -= (len(live) - 1) * (len(group.prompt_token_ids)
                                      // cfg.block_size)
-      free = self.runner.num_free_gpu_blocks() - cfg.watermark_blocks
+      free = (self.runner.num_free_gpu_blocks(self.shard)
+              - cfg.watermark_blocks)
       status = AllocStatus.OK if needed <= free else AllocStatus.LATER
     if status == AllocStatus.OK and not seqs_ok:
       status = AllocStatus.LATER
@@ -325,7 +332,8 @@ class Scheduler:
     if len(candidates) < 2:
       raise RuntimeError(
           f"request {candidates[0].request_id!r} ran out of GPU blocks with "
-          f"nothing else running ({self.runner.num_free_gpu_blocks()} free of "
+          f"nothing else running ({self.runner.num_free_gpu_blocks(self.shard)}"
+          " free of "
           f"{self.runner.cfg.num_gpu_blocks})")
     group = max(candidates, key=lambda g: g.arrival)
     self.running.remove(group)
