@@ -2,9 +2,10 @@
 
 Serves the same greedy requests with ``generate(..., mesh=...)`` on every
 mesh that fits the devices and the model's heads, and once on one device
-without a mesh. Bytes come from the arrays' shardings (``addressable_shards``)
-of the device pages; tokens/s is the second of two identical runs (the first
-compiles). On CPU the devices are forced host devices (``--cpu-devices``,
+without a mesh; every data shard has a cache of the same configuration (a
+replica), so the requests spread over the shards. Bytes come from the
+arrays' shardings (``addressable_shards``) of the device pages; tokens/s is
+the second of two identical runs (the first compiles). On CPU the devices are forced host devices (``--cpu-devices``,
 default 8) that share the same cores, so the CPU numbers are information only:
 they show the layout and the overhead, not a speed-up. On GPUs or TPUs the
 script uses the real devices.
@@ -118,12 +119,11 @@ def main() -> None:
     if not usable(shape, config, len(devices)):
       continue
     mesh = sharding.make_mesh(*shape)
-    row = sharding.row_mesh(mesh, 0)
     kv = sharding.create_kv_cache(cfg, config.num_layers, config.num_kv_heads,
-                                  config.head_dim, config.compute_dtype, row)
+                                  config.head_dim, config.compute_dtype, mesh)
     cache_bytes = per_device_bytes(kv.k + kv.v)
     weight_bytes = per_device_bytes(jax.tree.leaves(nnx.state(
-        sharding.shard_model(model, row), nnx.Param)))
+        sharding.shard_model(model, mesh), nnx.Param)))
     speed, outputs = tokens_per_second(model, requests, cfg, sampling, mesh)
     same = all(np.array_equal(a[0], b[0]) for a, b in zip(outputs, reference))
     rows.append((shape, cache_bytes / single.nbytes, speed / baseline, same))

@@ -217,9 +217,9 @@ def row_mesh(mesh, row: int) -> jax.sharding.Mesh:
 
 # Every feature at once on a data-parallel mesh: prefix caching (two prompts
 # share 16 tokens), seeded sampling with n=2, beam search, and preemption by
-# swap (12 blocks per shard cannot hold its 3 requests at once).
-FEATURES_CFG = pj.CacheConfig(block_size=8, num_gpu_blocks=12,
-                              num_cpu_blocks=32, max_seqs=6,
+# swap (8 blocks per shard cannot hold its 2 requests at once).
+FEATURES_CFG = pj.CacheConfig(block_size=8, num_gpu_blocks=8,
+                              num_cpu_blocks=32, max_seqs=4,
                               max_blocks_per_seq=8, watermark=0.0,
                               enable_prefix_caching=True)
 
@@ -228,14 +228,11 @@ def feature_requests():
   rng = np.random.default_rng(2)
   shared = rng.integers(0, 258, 16)
   prompts = [np.concatenate([shared, rng.integers(0, 258, n)])
-             for n in (3, 9)] + [rng.integers(0, 258, n) for n in (7, 11, 5,
-                                                                   20)]
+             for n in (3, 9)] + [rng.integers(0, 258, n) for n in (7, 11)]
   greedy = pj.SamplingParams(max_tokens=12)
   params = [greedy, greedy,
             pj.SamplingParams(max_tokens=12, n=2, temperature=0.8, seed=3),
-            pj.SamplingParams(max_tokens=8, n=2, use_beam_search=True),
-            greedy, pj.SamplingParams(max_tokens=16, temperature=1.0, top_k=20,
-                                      seed=5)]
+            pj.SamplingParams(max_tokens=8, n=2, use_beam_search=True)]
   return [(p.astype(np.int32), q) for p, q in zip(prompts, params)]
 
 
@@ -311,10 +308,8 @@ def single_process(out: str) -> None:
       result[name]["logits"] = logits_of(model, row_mesh(mesh, 7))
   result["features_reference"] = serve_features(model, None)
   result["features_2x2"] = serve_features(model, sharding.make_mesh(2, 2))
-  result["ops_match"] = ops_match(sharding.make_mesh(1, 4))
-  result["int8_ops_match"] = ops_match(sharding.make_mesh(1, 4), "int8")
-  result["ops_match_2x2"] = ops_match(sharding.make_mesh(2, 2))
-  result["int8_ops_match_2x2"] = ops_match(sharding.make_mesh(2, 2), "int8")
+  result["ops_match"] = ops_match(sharding.make_mesh(2, 2))
+  result["int8_ops_match"] = ops_match(sharding.make_mesh(2, 2), "int8")
   result["int8_reference"] = tokens_of(pj.generate(
       model, reqs, CFG, SAMPLING, jax.random.key(0), kv_cache_dtype="int8")[0])
   int8_mesh = sharding.make_mesh(2, 2)
@@ -333,12 +328,17 @@ def single_process(out: str) -> None:
 
 
 def multi_process(out: str) -> None:
-  """One process of a two-process run: serves one (2, 4) mesh over both."""
-  mesh = sharding.make_mesh(2, 4)
-  outputs, stats = pj.generate(load_tiny(), requests(), CFG, SAMPLING,
-                               jax.random.key(0), mesh=mesh)
+  """One process of a two-process run: serves one (2, 4) mesh over both, then
+  the same requests on one of its own devices."""
+  model, reqs = load_tiny(), requests()
+  outputs, stats = pj.generate(model, reqs, CFG, SAMPLING, jax.random.key(0),
+                               mesh=sharding.make_mesh(2, 4))
+  own = sharding.make_mesh(1, 1, devices=jax.local_devices())
+  reference, _ = pj.generate(model, reqs, CFG, SAMPLING, jax.random.key(0),
+                             mesh=own)
   with open(out, "w") as f:
     json.dump({"tokens": tokens_of(outputs),
+               "reference": tokens_of(reference),
                "devices": jax.device_count(),
                "local_devices": jax.local_device_count(),
                "process_index": jax.process_index(),
