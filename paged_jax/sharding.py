@@ -22,9 +22,9 @@ cache as they are, given a shard's plan in the cache's block ids
 (``shard_plan``).
 
 Several hosts run the same program after ``jax.distributed.initialize()``:
-every process runs the same scheduler on the same requests, and the small
-arrays the host reads (tokens, tables, flags) are replicated, so every
-process sees every output.
+every process runs the same scheduler on the same requests, and what the
+host reads back (drawn tokens, flags, the manager's answers) is replicated,
+so every process sees every output.
 """
 
 from __future__ import annotations
@@ -227,12 +227,6 @@ def cache_mesh(cache: KVCache) -> jax.sharding.Mesh | None:
   if mesh is not None and tuple(mesh.axis_names) == AXES:
     return mesh
   return None
-
-
-def num_data_shards(cache: KVCache) -> int:
-  """The data shards whose blocks ``cache`` holds (1 off a mesh)."""
-  mesh = cache_mesh(cache)
-  return 1 if mesh is None else mesh.shape["data"]
 
 
 def shard_plan(plan, shard: int, num_src_blocks: int, num_dst_blocks: int):

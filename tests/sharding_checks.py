@@ -267,6 +267,10 @@ def serve_features(model, mesh, kv_cache_dtype=None) -> dict:
       sharding.copy_blocks(engine.runner.kv, plan)
     except ValueError as err:
       errors["copy_plan"] = str(err)
+    try:
+      engine.runner.free([0, FEATURES_CFG.max_seqs])   # slot 0 of shards 0, 1
+    except ValueError as err:
+      errors["slots"] = str(err)
   return {
       "errors": errors,
       "tokens": [[o.token_ids for o in finals[str(i)].outputs]

@@ -221,7 +221,7 @@ def test_aborting_beams_frees_their_blocks_and_slots(model):
   engine.abort_request("beams")
   pj.check_invariants(engine.state)
   assert engine.num_free_gpu_blocks() == CFG.num_gpu_blocks
-  assert sorted(engine.scheduler.free_slots) == list(range(CFG.max_seqs))
+  assert sorted(engine.schedulers[0].free_slots) == list(range(CFG.max_seqs))
   (out,) = engine.step()
   assert out.finished and out.outputs[0].finish_reason == "abort"
   assert not engine.has_unfinished_requests()

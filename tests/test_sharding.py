@@ -129,6 +129,7 @@ def test_data_shards_serve_every_feature_as_one_device_does(meshes):
       "errors"]["state"]
   assert "a cache of 2 data shards needs one copy plan per shard" in got[
       "errors"]["copy_plan"]
+  assert "slots [0, 4] span several data shards" in got["errors"]["slots"]
 
 
 def test_sharded_copy_and_swaps_match_one_device(meshes):

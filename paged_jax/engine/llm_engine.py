@@ -246,14 +246,6 @@ class LLMEngine:
     return bool(self._pending) or any(s.has_unfinished()
                                       for s in self.schedulers)
 
-  @property
-  def scheduler(self) -> Scheduler:
-    """The scheduler of an engine with one data shard."""
-    if len(self.schedulers) > 1:
-      raise ValueError(f"the engine has {len(self.schedulers)} data shards: "
-                       "use engine.schedulers[shard]")
-    return self.schedulers[0]
-
   def _finish(self, group: SequenceGroup, reason: str) -> None:
     for seq in group.live():
       seq.finish_reason = reason

@@ -213,6 +213,8 @@ def _prefill(graphdef, params_state, kv, states, tokens, positions, local,
   return sharding.replicate(draw, kv), cache.kv
 
 
+# The manager's operations take the config from the state, so one jitted
+# function serves every config (one compile per operation, config and shape).
 @functools.partial(jax.jit, static_argnums=0)
 def _on_shard(op, states, shard, *args):
   """`op(state, *args) -> (state, result)` on shard `shard` of `states`."""
@@ -231,8 +233,6 @@ def _mark_computed(state, seq_ids, num_computed_tokens):
                                          num_computed_tokens), None
 
 
-# The manager's operations take the config from the state, so one jitted
-# function serves every config (one compile per config and shape).
 _start_beams = jax.jit(beam.Beams.start)
 _clear_beams = jax.jit(beam.Beams.clear)
 _hit_counts = jax.jit(lambda states: (jnp.sum(states.num_hits),
@@ -278,7 +278,8 @@ class ModelRunner:
       model = sharding.shard_model(model, mesh)
       self.kv = sharding.create_kv_cache(cfg, mc.num_layers, mc.num_kv_heads,
                                          mc.head_dim, dtype, mesh)
-      replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+      replicated = jax.sharding.NamedSharding(mesh,
+                                              jax.sharding.PartitionSpec())
     self.graphdef, self.params = nnx.split(model)
     # The states live where the pages do, so that every jitted call sees
     # the same input shardings before and after its first run (one compile).
@@ -322,12 +323,12 @@ class ModelRunner:
 
   # Queries the scheduler asks.
   def can_allocate(self, num_tokens: int, shard: int = 0) -> AllocStatus:
-    return AllocStatus(int(_read_shard(manager.can_allocate, self.state, shard,
-                                  num_tokens)))
+    return AllocStatus(int(_read_shard(manager.can_allocate, self.state,
+                                       shard, num_tokens)))
 
   def num_free_gpu_blocks(self, shard: int = 0) -> int:
     return int(_read_shard(BlockSpaceManager.num_free_gpu_blocks, self.state,
-                      shard))
+                           shard))
 
   def num_running(self, shard: int = 0) -> int:
     """Rows of `shard` that decode."""
@@ -339,8 +340,8 @@ class ModelRunner:
 
   def can_swap_in(self, slots) -> AllocStatus:
     shard, local = self._local(slots)
-    return AllocStatus(int(_read_shard(manager.can_swap_in, self.state, shard,
-                                  local)))
+    return AllocStatus(int(_read_shard(manager.can_swap_in, self.state,
+                                       shard, local)))
 
   # Rows.
   def set_row(self, slot: int, *, temperature: float, top_k: int,
@@ -414,7 +415,7 @@ class ModelRunner:
                                  tokens.size)
     self._check(result, f"allocate of {tokens.size} tokens into seq {slot}")
     _, computed_blocks = _read_shard(manager.get_common_computed_block_ids,
-                                self.state, shard, self._local([slot])[1])
+                                     self.state, shard, self._local([slot])[1])
     return int(computed_blocks) * self.cfg.block_size
 
   def mark_computed(self, slots, num_computed) -> None:
@@ -423,25 +424,24 @@ class ModelRunner:
     slots, num_computed = np.asarray(slots), np.asarray(num_computed, np.int32)
     for shard in np.unique(slots // self.cfg.max_seqs):
       mine = slots // self.cfg.max_seqs == shard
-      self._update(_mark_computed, slots[mine],
-                   num_computed[mine])
+      self._update(_mark_computed, slots[mine], num_computed[mine])
 
   def fork(self, parent: int, child: int) -> None:
     shard, (local_parent, local_child) = self._local([parent, child])
     self.state, result = _on_shard(manager.fork, self.state, shard,
-                                 local_parent, local_child)
+                                   local_parent, local_child)
     self._check(result, f"fork of seq {parent} into seq {child}")
 
   def free(self, slots) -> None:
     """Frees the sequences in `slots` of one shard (on the device or
     swapped out)."""
-    self.stop(slots)
     _, result = self._update(manager.free, slots)
+    self.stop(slots)
     self._check(result, f"free of seqs {list(slots)}")
 
   def swap_out(self, slots) -> None:
-    self.stop(slots)
     shard, plan = self._update(BlockSpaceManager.swap_out, slots)
+    self.stop(slots)
     self._check(plan, f"swap out of seqs {list(slots)}")
     self.kv = kv_ops.swap_out(self.kv, sharding.shard_plan(
         plan, shard, self.cfg.num_gpu_blocks, self.cfg.num_cpu_blocks))

@@ -110,13 +110,13 @@ class Scheduler:
 
   Args:
     runner: the `ModelRunner` whose manager state the decisions read.
-    shard: the data shard whose slots, blocks and queues this scheduler
-      owns (one scheduler per shard).
     max_num_seqs: sequences that run at once at most.
     max_num_batched_tokens: tokens one round runs through the model at most.
     preemption_mode: "recompute" or "swap". Groups of several sequences are
       swapped in either mode; swap falls back to recompute when the host pool
       has no room.
+    shard: the data shard whose slots and blocks this scheduler decides on
+      (one scheduler per shard).
   """
 
   def __init__(self, runner: ModelRunner, max_num_seqs: int,
