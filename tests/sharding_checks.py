@@ -217,7 +217,7 @@ def row_mesh(mesh, row: int) -> jax.sharding.Mesh:
 
 # Every feature at once on a data-parallel mesh: prefix caching (two prompts
 # share 16 tokens), seeded sampling with n=2, beam search, and preemption by
-# swap (8 blocks per shard cannot hold its 2 requests at once).
+# swap (8 blocks per shard cannot hold the two greedy requests at once).
 FEATURES_CFG = pj.CacheConfig(block_size=8, num_gpu_blocks=8,
                               num_cpu_blocks=32, max_seqs=4,
                               max_blocks_per_seq=8, watermark=0.0,
@@ -225,20 +225,24 @@ FEATURES_CFG = pj.CacheConfig(block_size=8, num_gpu_blocks=8,
 
 
 def feature_requests():
+  """Loads n * (prompt + max_tokens) of 46, 43, 49, 38 tokens: the least
+  loaded shard of each is 0, 1, 1, 0 (round robin would give 0, 1, 0, 1)."""
   rng = np.random.default_rng(2)
   shared = rng.integers(0, 258, 16)
-  prompts = [np.concatenate([shared, rng.integers(0, 258, n)])
-             for n in (3, 9)] + [rng.integers(0, 258, n) for n in (7, 11)]
-  greedy = pj.SamplingParams(max_tokens=12)
-  params = [greedy, greedy,
-            pj.SamplingParams(max_tokens=12, n=2, temperature=0.8, seed=3),
+  prompts = [rng.integers(0, 258, 7)] + [
+      np.concatenate([shared, rng.integers(0, 258, n)]) for n in (3, 9)] + [
+          rng.integers(0, 258, 11)]
+  greedy = pj.SamplingParams(max_tokens=24)
+  params = [pj.SamplingParams(max_tokens=16, n=2, temperature=0.8, seed=3),
+            greedy, greedy,
             pj.SamplingParams(max_tokens=8, n=2, use_beam_search=True)]
   return [(p.astype(np.int32), q) for p, q in zip(prompts, params)]
 
 
 def serve_features(model, mesh, kv_cache_dtype=None) -> dict:
   """Tokens and log-probs of `feature_requests` on an engine on ``mesh``,
-  where each request went, and what the shards hold at the end."""
+  where each request went, and what the shards hold at the end; then where
+  one more request goes once all have finished (their loads are gone)."""
   engine = pj.LLMEngine(model, None, FEATURES_CFG, mesh=mesh,
                         preemption_mode="swap", num_decode_steps=4,
                         kv_cache_dtype=kv_cache_dtype,
@@ -255,6 +259,10 @@ def serve_features(model, mesh, kv_cache_dtype=None) -> dict:
     for shard in range(engine.runner.num_shards):
       pj.check_invariants(engine.shard_state(shard))
   stats = engine.stats
+  engine.add_request("late", requests[0][0], requests[0][1])
+  late_shard = engine._groups["late"].shard
+  engine.abort_request("late")
+  engine.step()
   errors = {}
   if mesh is not None:
     try:
@@ -277,7 +285,7 @@ def serve_features(model, mesh, kv_cache_dtype=None) -> dict:
                  for i in range(len(requests))],
       "logprobs": [[o.cumulative_logprob for o in finals[str(i)].outputs]
                    for i in range(len(requests))],
-      "shards": shards,
+      "shards": shards, "late_shard": late_shard,
       "all_free": engine.num_free_gpu_blocks()
                   == engine.runner.num_shards * FEATURES_CFG.num_gpu_blocks,
       "swaps": stats.swaps, "preemptions": stats.preemptions,
