@@ -25,13 +25,20 @@ import paged_jax as pj  # noqa: E402
 from tests.reference.block_manager import ReferenceBlockSpaceManager  # noqa: E402
 
 STEPS = 100
-REFERENCE_STEPS = 5      # the reference copies its whole state per call: slow
+REFERENCE_STEPS = 5  # the reference copies its whole state per call: slow
 REFERENCE_MAX_BATCH = 256
 
 
 def config(caching: bool) -> pj.CacheConfig:
-  return pj.CacheConfig(block_size=16, num_gpu_blocks=16384, num_cpu_blocks=0, max_seqs=1024,
-                        max_blocks_per_seq=32, watermark=0.0, enable_prefix_caching=caching)
+  return pj.CacheConfig(
+    block_size=16,
+    num_gpu_blocks=16384,
+    num_cpu_blocks=0,
+    max_seqs=1024,
+    max_blocks_per_seq=32,
+    watermark=0.0,
+    enable_prefix_caching=caching,
+  )
 
 
 def setup(cfg: pj.CacheConfig, batch: int, with_reference: bool):
@@ -84,8 +91,10 @@ def bench(batch: int, caching: bool) -> dict:
   calls = {}
   for donate in (False, True):
     donated = (0,) if donate else ()
-    calls[donate] = (per_call_time(jax.jit(step, donate_argnums=donated), state),
-                     per_call_time(jax.jit(lambda st: st, donate_argnums=donated), state))
+    calls[donate] = (
+      per_call_time(jax.jit(step, donate_argnums=donated), state),
+      per_call_time(jax.jit(lambda st: st, donate_argnums=donated), state),
+    )
   t_ref = float("nan")
   if ref:
     id_list, rows, counts = list(range(batch)), [[1]] * batch, [1] * batch
@@ -93,8 +102,15 @@ def bench(batch: int, caching: bool) -> dict:
     for _ in range(REFERENCE_STEPS):
       ref.append_slots(id_list, rows, counts)
     t_ref = (time.perf_counter() - start) / REFERENCE_STEPS
-  return dict(batch=batch, loop=t_loop, call=calls[False][0], floor=calls[False][1],
-              call_donated=calls[True][0], floor_donated=calls[True][1], ref=t_ref)
+  return dict(
+    batch=batch,
+    loop=t_loop,
+    call=calls[False][0],
+    floor=calls[False][1],
+    call_donated=calls[True][0],
+    floor_donated=calls[True][1],
+    ref=t_ref,
+  )
 
 
 def per_call_time(fn, state, repeat=5) -> float:
@@ -129,22 +145,28 @@ def main():
   parser.add_argument("--caching", action="store_true", help="enable prefix caching")
   args = parser.parse_args()
   print(f"backend {jax.default_backend()}, prefix caching {args.caching}, {STEPS} steps")
-  print(f"{'B':>6} {'loop us':>9} {'call us':>9} {'floor us':>9} {'call/floor':>10} "
-        f"{'donated':>8} {'floor':>6} {'ratio':>6} {'python us':>10} {'py/loop':>8}")
+  print(
+    f"{'B':>6} {'loop us':>9} {'call us':>9} {'floor us':>9} {'call/floor':>10} "
+    f"{'donated':>8} {'floor':>6} {'ratio':>6} {'python us':>10} {'py/loop':>8}"
+  )
   rows = [bench(b, args.caching) for b in (32, 256, 1024)]
   for r in rows:
-    print(f"{r['batch']:>6} {r['loop'] * 1e6:9.1f} {r['call'] * 1e6:9.1f} {r['floor'] * 1e6:9.1f} "
-          f"{r['call'] / r['floor']:10.2f} {r['call_donated'] * 1e6:8.1f} "
-          f"{r['floor_donated'] * 1e6:6.1f} {r['call_donated'] / r['floor_donated']:6.2f} "
-          f"{r['ref'] * 1e6:10.1f} {r['ref'] / r['loop']:8.1f}")
+    print(
+      f"{r['batch']:>6} {r['loop'] * 1e6:9.1f} {r['call'] * 1e6:9.1f} {r['floor'] * 1e6:9.1f} "
+      f"{r['call'] / r['floor']:10.2f} {r['call_donated'] * 1e6:8.1f} "
+      f"{r['floor_donated'] * 1e6:6.1f} {r['call_donated'] / r['floor_donated']:6.2f} "
+      f"{r['ref'] * 1e6:10.1f} {r['ref'] / r['loop']:8.1f}"
+    )
   af = bench_allocate_free(args.caching)
   print(f"allocate + free of a 2048-token prompt: {af * 1e6:.1f} us")
   by_b = {r["batch"]: r for r in rows}
-  print(f"summary: B=256 loop {by_b[256]['ref'] / by_b[256]['loop']:.1f}x faster than Python "
-        f"(target >= 30x); loop B=1024/B=32 {by_b[1024]['loop'] / by_b[32]['loop']:.2f}x "
-        f"(target <= 4x); per-call/dispatch floor "
-        f"{max(r['call'] / r['floor'] for r in rows):.2f}x at worst (target <= 2x; donated "
-        f"{max(r['call_donated'] / r['floor_donated'] for r in rows):.2f}x)")
+  print(
+    f"summary: B=256 loop {by_b[256]['ref'] / by_b[256]['loop']:.1f}x faster than Python "
+    f"(target >= 30x); loop B=1024/B=32 {by_b[1024]['loop'] / by_b[32]['loop']:.2f}x "
+    f"(target <= 4x); per-call/dispatch floor "
+    f"{max(r['call'] / r['floor'] for r in rows):.2f}x at worst (target <= 2x; donated "
+    f"{max(r['call_donated'] / r['floor_donated'] for r in rows):.2f}x)"
+  )
 
 
 if __name__ == "__main__":

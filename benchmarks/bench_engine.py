@@ -37,24 +37,28 @@ def load_model(name: str):
   if name == "tiny":
     return load_tiny()
   from paged_jax import models
+
   try:
     # 256 positions keep the trace's lengths CPU-sized (max_len / 8 prompts).
-    return models.load_pretrained("smollm2-135m-instruct", dtype="float32",
-                                  max_seq_len=256)[0]
+    return models.load_pretrained("smollm2-135m-instruct", dtype="float32", max_seq_len=256)[0]
   except (AttributeError, FileNotFoundError, ImportError) as err:
     sys.exit(f"--model smollm2 is not available here: {err}")
 
 
 def base_generate(commit: str):
   """`generate` and `Request` of paged_jax/generate.py at `commit`."""
-  source = subprocess.run(["git", "show", f"{commit}:paged_jax/generate.py"],
-                          cwd=ROOT, check=True, capture_output=True,
-                          text=True).stdout
+  source = subprocess.run(
+    ["git", "show", f"{commit}:paged_jax/generate.py"],
+    cwd=ROOT,
+    check=True,
+    capture_output=True,
+    text=True,
+  ).stdout
   path = pathlib.Path(tempfile.mkdtemp()) / "base_generate.py"
   path.write_text(source)
   spec = importlib.util.spec_from_file_location("base_generate", path)
   module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module   # dataclasses look their module up
+  sys.modules[spec.name] = module  # dataclasses look their module up
   spec.loader.exec_module(module)
   return module
 
@@ -65,9 +69,14 @@ def percentiles(values) -> str:
 
 
 def online(model, cfg, prompts, max_tokens, arrivals, args):
-  engine = pj.LLMEngine(model, None, cfg, max_num_seqs=args.batch,
-                        max_num_batched_tokens=args.budget,
-                        num_decode_steps=args.decode_steps)
+  engine = pj.LLMEngine(
+    model,
+    None,
+    cfg,
+    max_num_seqs=args.batch,
+    max_num_batched_tokens=args.budget,
+    num_decode_steps=args.decode_steps,
+  )
   # Compile the shapes first: one short request.
   engine.add_request("warmup", prompts[0][:8], pj.SamplingParams(max_tokens=4))
   while engine.has_unfinished_requests():
@@ -79,9 +88,11 @@ def online(model, cfg, prompts, max_tokens, arrivals, args):
   while next_request < len(prompts) or engine.has_unfinished_requests():
     now = time.perf_counter() - start
     while next_request < len(prompts) and arrivals[next_request] <= now:
-      engine.add_request(str(next_request), prompts[next_request],
-                         pj.SamplingParams(max_tokens=int(max_tokens[next_request]),
-                                           ignore_eos=True))
+      engine.add_request(
+        str(next_request),
+        prompts[next_request],
+        pj.SamplingParams(max_tokens=int(max_tokens[next_request]), ignore_eos=True),
+      )
       next_request += 1
     if not engine.has_unfinished_requests():
       time.sleep(max(0.0, arrivals[next_request] - now))
@@ -97,24 +108,38 @@ def online(model, cfg, prompts, max_tokens, arrivals, args):
   itl = [(last[i] - first[i]) / (counts[i] - 1) for i in ids if counts[i] > 1]
   timing = engine.timing
   host = timing["wall_s"] - timing["device_s"]
-  return dict(tokens=sum(counts.values()), wall=wall, ttft=ttft, itl=itl,
-              rounds=timing["rounds"], host_per_round=host / timing["rounds"],
-              host_share=host / timing["wall_s"], stats=engine.stats)
+  return dict(
+    tokens=sum(counts.values()),
+    wall=wall,
+    ttft=ttft,
+    itl=itl,
+    rounds=timing["rounds"],
+    host_per_round=host / timing["rounds"],
+    host_share=host / timing["wall_s"],
+    stats=engine.stats,
+  )
 
 
 def offline(model, cfg, prompts, max_tokens, args, base):
-  llm = pj.LLM(model, None, cfg, max_num_seqs=args.batch,
-               max_num_batched_tokens=args.budget,
-               num_decode_steps=args.decode_steps)
+  llm = pj.LLM(
+    model,
+    None,
+    cfg,
+    max_num_seqs=args.batch,
+    max_num_batched_tokens=args.budget,
+    num_decode_steps=args.decode_steps,
+  )
   params = pj.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
   old_sampling = base.SamplingParams(max_new_tokens=max_tokens)
   requests = [base.Request(p) for p in prompts]
   key = jax.random.key(0)
-  runs = dict(engine=lambda: llm.generate(prompts, params),
-              base=lambda: base.generate(model, requests, cfg, old_sampling, key))
+  runs = dict(
+    engine=lambda: llm.generate(prompts, params),
+    base=lambda: base.generate(model, requests, cfg, old_sampling, key),
+  )
   seconds = {}
   for name, run in runs.items():
-    run()   # compile
+    run()  # compile
     start = time.perf_counter()
     run()
     seconds[name] = time.perf_counter() - start
@@ -136,33 +161,49 @@ def main():
 
   model = load_model(args.model)
   max_len = model.config.max_seq_len
-  trace = simulate.TraceConfig(num_requests=args.requests, mean_prompt=max_len / 8,
-                               mean_output=max_len / 4, max_len=max_len, seed=args.seed)
+  trace = simulate.TraceConfig(
+    num_requests=args.requests,
+    mean_prompt=max_len / 8,
+    mean_output=max_len / 4,
+    max_len=max_len,
+    seed=args.seed,
+  )
   prompt_lens, output_lens = simulate.sample_lengths(trace)
   rng = np.random.default_rng(args.seed)
   vocab = model.config.vocab_size
   prompts = [rng.integers(0, min(vocab, 256), n).astype(np.int32) for n in prompt_lens]
   arrivals = np.cumsum(rng.exponential(1.0 / args.rate, args.requests))
   block_size = 16
-  cfg = pj.CacheConfig(block_size=block_size, num_gpu_blocks=args.batch * max_len // block_size,
-                       num_cpu_blocks=0, max_seqs=args.batch,
-                       max_blocks_per_seq=-(-max_len // block_size))
+  cfg = pj.CacheConfig(
+    block_size=block_size,
+    num_gpu_blocks=args.batch * max_len // block_size,
+    num_cpu_blocks=0,
+    max_seqs=args.batch,
+    max_blocks_per_seq=-(-max_len // block_size),
+  )
 
   result = online(model, cfg, prompts, output_lens, arrivals, args)
-  print(f"online: {args.requests} requests at {args.rate}/s, mean prompt "
-        f"{prompt_lens.mean():.0f}, mean output {output_lens.mean():.0f} tokens, "
-        f"max_num_seqs {args.batch}")
-  print(f"{'tokens':>8}{'seconds':>9}{'tok/s':>8}  {'TTFT ms p50/p90/p99':>27}  "
-        f"{'ITL ms p50/p90/p99':>27}{'rounds':>8}{'host ms/round':>15}{'host share':>12}")
-  print(f"{result['tokens']:>8}{result['wall']:>9.2f}{result['tokens'] / result['wall']:>8.0f}  "
-        f"{percentiles(result['ttft']):>27}  {percentiles(result['itl']):>27}"
-        f"{result['rounds']:>8}{result['host_per_round'] * 1e3:>15.2f}"
-        f"{result['host_share']:>12.1%}")
+  print(
+    f"online: {args.requests} requests at {args.rate}/s, mean prompt "
+    f"{prompt_lens.mean():.0f}, mean output {output_lens.mean():.0f} tokens, "
+    f"max_num_seqs {args.batch}"
+  )
+  print(
+    f"{'tokens':>8}{'seconds':>9}{'tok/s':>8}  {'TTFT ms p50/p90/p99':>27}  "
+    f"{'ITL ms p50/p90/p99':>27}{'rounds':>8}{'host ms/round':>15}{'host share':>12}"
+  )
+  print(
+    f"{result['tokens']:>8}{result['wall']:>9.2f}{result['tokens'] / result['wall']:>8.0f}  "
+    f"{percentiles(result['ttft']):>27}  {percentiles(result['itl']):>27}"
+    f"{result['rounds']:>8}{result['host_per_round'] * 1e3:>15.2f}"
+    f"{result['host_share']:>12.1%}"
+  )
   print(result["stats"])
 
-  offline_prompts = [p[:max_len - args.offline_tokens] for p in prompts[:args.batch]]
-  seconds = offline(model, cfg, offline_prompts, args.offline_tokens, args,
-                    base_generate(args.base))
+  offline_prompts = [p[: max_len - args.offline_tokens] for p in prompts[: args.batch]]
+  seconds = offline(
+    model, cfg, offline_prompts, args.offline_tokens, args, base_generate(args.base)
+  )
   tokens = len(offline_prompts) * args.offline_tokens
   print()
   print(f"offline: {len(offline_prompts)} prompts x {args.offline_tokens} new tokens")
@@ -170,9 +211,11 @@ def main():
   for name, label in (("engine", "pj.LLM"), ("base", f"pj.generate @ {args.base}")):
     print(f"{label:<22}{seconds[name]:>9.3f}{tokens / seconds[name]:>8.0f}")
   print()
-  print(f"summary: engine/base offline throughput {seconds['base'] / seconds['engine']:.2f}x "
-        f"(target >= 1x); online host share {result['host_share']:.1%} at batch "
-        f"{args.batch} (target < 10%), {result['host_per_round'] * 1e3:.2f} ms per round")
+  print(
+    f"summary: engine/base offline throughput {seconds['base'] / seconds['engine']:.2f}x "
+    f"(target >= 1x); online host share {result['host_share']:.1%} at batch "
+    f"{args.batch} (target < 10%), {result['host_per_round'] * 1e3:.2f} ms per round"
+  )
 
 
 if __name__ == "__main__":

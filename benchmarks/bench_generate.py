@@ -27,8 +27,7 @@ from paged_jax.models import load_tiny
 
 def ragged_prompts(batch: int, seed: int) -> list[np.ndarray]:
   rng = np.random.default_rng(seed)
-  return [rng.integers(0, 256, rng.integers(8, 48)).astype(np.int32)
-          for _ in range(batch)]
+  return [rng.integers(0, 256, rng.integers(8, 48)).astype(np.int32) for _ in range(batch)]
 
 
 def time_best(run, repeats: int) -> float:
@@ -41,14 +40,16 @@ def time_best(run, repeats: int) -> float:
   return min(times)
 
 
-def paged_capacity(lengths: np.ndarray, memory_tokens: int, block_size: int,
-                   max_len: int) -> int:
+def paged_capacity(lengths: np.ndarray, memory_tokens: int, block_size: int, max_len: int) -> int:
   """Sequences of `lengths`, in order, that the block manager admits."""
-  cfg = pj.CacheConfig(block_size=block_size,
-                       num_gpu_blocks=memory_tokens // block_size,
-                       num_cpu_blocks=0, max_seqs=len(lengths),
-                       max_blocks_per_seq=-(-max_len // block_size),
-                       watermark=0.0)
+  cfg = pj.CacheConfig(
+    block_size=block_size,
+    num_gpu_blocks=memory_tokens // block_size,
+    num_cpu_blocks=0,
+    max_seqs=len(lengths),
+    max_blocks_per_seq=-(-max_len // block_size),
+    watermark=0.0,
+  )
   bm = pj.BlockSpaceManager(cfg)
   allocate = jax.jit(bm.allocate)
   state = bm.init()
@@ -74,20 +75,21 @@ def main():
   prompts = ragged_prompts(args.batch, args.seed)
   sampling = SamplingParams(max_new_tokens=args.new_tokens)
   key = jax.random.key(args.seed)
-  cfg = pj.CacheConfig(block_size=args.block_size,
-                       num_gpu_blocks=args.batch * max_len // args.block_size,
-                       num_cpu_blocks=0, max_seqs=args.batch,
-                       max_blocks_per_seq=max_len // args.block_size)
+  cfg = pj.CacheConfig(
+    block_size=args.block_size,
+    num_gpu_blocks=args.batch * max_len // args.block_size,
+    num_cpu_blocks=0,
+    max_seqs=args.batch,
+    max_blocks_per_seq=max_len // args.block_size,
+  )
   tokens = args.batch * args.new_tokens
-  dense_s = time_best(lambda: generate_dense(model, prompts, sampling, key),
-                      args.repeats)
+  dense_s = time_best(lambda: generate_dense(model, prompts, sampling, key), args.repeats)
   paged_s = time_best(
-      lambda: generate(model, [Request(p) for p in prompts], cfg, sampling, key),
-      args.repeats)
+    lambda: generate(model, [Request(p) for p in prompts], cfg, sampling, key), args.repeats
+  )
   print(f"{'path':<8}{'batch':>7}{'new tokens':>12}{'seconds':>10}{'tokens/s':>11}")
   for name, seconds in (("dense", dense_s), ("paged", paged_s)):
-    print(f"{name:<8}{args.batch:>7}{tokens:>12}{seconds:>10.3f}"
-          f"{tokens / seconds:>11.0f}")
+    print(f"{name:<8}{args.batch:>7}{tokens:>12}{seconds:>10.3f}{tokens / seconds:>11.0f}")
 
   rng = np.random.default_rng(args.seed)
   skewed = np.clip(rng.lognormal(np.log(24), 0.8, 256).astype(int), 1, max_len)
@@ -98,10 +100,12 @@ def main():
   print(f"{'KV memory (tokens)':<20}{'mean len':>9}{'dense fits':>11}{'paged fits':>11}")
   print(f"{memory_tokens:<20}{skewed.mean():>9.1f}{dense_fit:>11}{paged_fit:>11}")
   print()
-  print(f"summary: paged/dense throughput {dense_s / paged_s:.2f}x "
-        f"({tokens / paged_s:.0f} vs {tokens / dense_s:.0f} tokens/s, target >= 0.8x); "
-        f"sequences in the same KV memory {paged_fit / dense_fit:.1f}x "
-        f"({paged_fit} vs {dense_fit}, target >= 2x)")
+  print(
+    f"summary: paged/dense throughput {dense_s / paged_s:.2f}x "
+    f"({tokens / paged_s:.0f} vs {tokens / dense_s:.0f} tokens/s, target >= 0.8x); "
+    f"sequences in the same KV memory {paged_fit / dense_fit:.1f}x "
+    f"({paged_fit} vs {dense_fit}, target >= 2x)"
+  )
 
 
 if __name__ == "__main__":

@@ -54,9 +54,21 @@ print(json.dumps(dict(tokens_per_s=requests * max_tokens / seconds,
 def run(tree: pathlib.Path, args) -> dict:
   env = dict(os.environ, PYTHONPATH=str(tree), JAX_PLATFORMS="cpu")
   out = subprocess.run(
-      [sys.executable, "-c", RUN, str(args.requests), str(args.prompt_len),
-       str(args.max_tokens), str(args.batch)],
-      cwd=tree, env=env, check=True, capture_output=True, text=True).stdout
+    [
+      sys.executable,
+      "-c",
+      RUN,
+      str(args.requests),
+      str(args.prompt_len),
+      str(args.max_tokens),
+      str(args.batch),
+    ],
+    cwd=tree,
+    env=env,
+    check=True,
+    capture_output=True,
+    text=True,
+  ).stdout
   return json.loads(out.strip().splitlines()[-1])
 
 
@@ -71,8 +83,12 @@ def main() -> None:
   args = parser.parse_args()
   with tempfile.TemporaryDirectory() as tmp:
     base_tree = pathlib.Path(tmp) / "base"
-    subprocess.run(["git", "worktree", "add", "--detach", str(base_tree),
-                    args.base], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(
+      ["git", "worktree", "add", "--detach", str(base_tree), args.base],
+      cwd=ROOT,
+      check=True,
+      capture_output=True,
+    )
     try:
       speeds = {"base": [], "tree": []}
       first = {"base": [], "tree": []}
@@ -84,17 +100,29 @@ def main() -> None:
           first[name].append(result["first_run_s"])
           tokens[name] = result["tokens"]
     finally:
-      subprocess.run(["git", "worktree", "remove", "--force", str(base_tree)],
-                     cwd=ROOT, check=True, capture_output=True)
+      subprocess.run(
+        ["git", "worktree", "remove", "--force", str(base_tree)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+      )
   best = {name: max(values) for name, values in speeds.items()}
-  print(f"{args.requests} requests x ({args.prompt_len} prompt + "
-        f"{args.max_tokens} tokens), max_num_seqs {args.batch}, tiny model")
+  print(
+    f"{args.requests} requests x ({args.prompt_len} prompt + "
+    f"{args.max_tokens} tokens), max_num_seqs {args.batch}, tiny model"
+  )
   for name, values in speeds.items():
-    print(f"{name:>5}: " + ", ".join(f"{v:.0f}" for v in values)
-          + f" tok/s (best {best[name]:.0f}); first run with compiles "
-          + ", ".join(f"{v:.1f}" for v in first[name]) + " s")
-  print(f"tree / base: {best['tree'] / best['base']:.2f}x; same tokens: "
-        f"{tokens['tree'] == tokens['base']}")
+    print(
+      f"{name:>5}: "
+      + ", ".join(f"{v:.0f}" for v in values)
+      + f" tok/s (best {best[name]:.0f}); first run with compiles "
+      + ", ".join(f"{v:.1f}" for v in first[name])
+      + " s"
+    )
+  print(
+    f"tree / base: {best['tree'] / best['base']:.2f}x; same tokens: "
+    f"{tokens['tree'] == tokens['base']}"
+  )
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ import argparse
 import jax
 
 
-def parse_size_args(description: str, full_help: str, small_help: str,
-                    accelerator_iters: int) -> tuple[bool, int, str]:
+def parse_size_args(
+  description: str, full_help: str, small_help: str, accelerator_iters: int
+) -> tuple[bool, int, str]:
   """Parses --full / --small / --iters.
 
   Returns:
@@ -19,8 +20,7 @@ def parse_size_args(description: str, full_help: str, small_help: str,
   return resolve_sizes(args, accelerator_iters)
 
 
-def size_parser(description: str, full_help: str,
-                small_help: str) -> argparse.ArgumentParser:
+def size_parser(description: str, full_help: str, small_help: str) -> argparse.ArgumentParser:
   """A parser with --full / --small / --iters, for a script to extend."""
   parser = argparse.ArgumentParser(description=description)
   size_flag = parser.add_mutually_exclusive_group()
@@ -30,8 +30,7 @@ def size_parser(description: str, full_help: str,
   return parser
 
 
-def resolve_sizes(args: argparse.Namespace,
-                  accelerator_iters: int) -> tuple[bool, int, str]:
+def resolve_sizes(args: argparse.Namespace, accelerator_iters: int) -> tuple[bool, int, str]:
   """(use the full sizes, iterations, JAX platform) from size_parser's args."""
   platform = jax.default_backend()
   accelerator = platform in ("gpu", "tpu")

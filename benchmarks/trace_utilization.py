@@ -30,18 +30,27 @@ def main():
   print(f"{'block':>6} {'paged':>8} {'contig':>8} {'steps':>7} {'preempt':>8} {'seconds':>8}")
   results = {}
   for block_size in (8, 16, 32):
-    cfg = CacheConfig(block_size=block_size, num_gpu_blocks=args.num_gpu_blocks * 16 // block_size,
-                      num_cpu_blocks=0, max_seqs=args.max_seqs,
-                      max_blocks_per_seq=trace.max_len // block_size, watermark=0.01)
+    cfg = CacheConfig(
+      block_size=block_size,
+      num_gpu_blocks=args.num_gpu_blocks * 16 // block_size,
+      num_cpu_blocks=0,
+      max_seqs=args.max_seqs,
+      max_blocks_per_seq=trace.max_len // block_size,
+      watermark=0.01,
+    )
     start = time.perf_counter()
     r = replay(cfg, trace)
     results[block_size] = r
-    print(f"{block_size:>6} {r['paged_utilization']:8.1%} {r['contiguous_utilization']:8.1%} "
-          f"{r['decode_steps']:>7} {r['preemptions']:>8} {time.perf_counter() - start:8.1f}")
+    print(
+      f"{block_size:>6} {r['paged_utilization']:8.1%} {r['contiguous_utilization']:8.1%} "
+      f"{r['decode_steps']:>7} {r['preemptions']:>8} {time.perf_counter() - start:8.1f}"
+    )
   r = results[16]
-  print(f"summary: {r['finished']} requests (mean prompt {r['mean_prompt']:.0f}, output "
-        f"{r['mean_output']:.0f}); block 16: {r['paged_utilization']:.1%} of allocated KV slots "
-        f"hold tokens (target >= 96%), max-length reservation {r['contiguous_utilization']:.1%}")
+  print(
+    f"summary: {r['finished']} requests (mean prompt {r['mean_prompt']:.0f}, output "
+    f"{r['mean_output']:.0f}); block 16: {r['paged_utilization']:.1%} of allocated KV slots "
+    f"hold tokens (target >= 96%), max-length reservation {r['contiguous_utilization']:.1%}"
+  )
 
 
 if __name__ == "__main__":

@@ -19,22 +19,44 @@ import time
 
 from paged_jax.config import CacheConfig
 
-SYSTEM_PREFIX = ("The following are definitions from The Devil's Dictionary "
-                 "by Ambrose Bierce.\n\n")
-HEADWORDS = ("LOVE", "WAR", "PEACE", "LAWYER", "MONEY", "FRIEND", "POLITICS",
-             "HAPPINESS", "DEBT", "GENIUS", "HOPE", "PATIENCE", "CYNIC",
-             "DIPLOMACY", "EDUCATION", "FAME")
+SYSTEM_PREFIX = "The following are definitions from The Devil's Dictionary by Ambrose Bierce.\n\n"
+HEADWORDS = (
+  "LOVE",
+  "WAR",
+  "PEACE",
+  "LAWYER",
+  "MONEY",
+  "FRIEND",
+  "POLITICS",
+  "HAPPINESS",
+  "DEBT",
+  "GENIUS",
+  "HOPE",
+  "PATIENCE",
+  "CYNIC",
+  "DIPLOMACY",
+  "EDUCATION",
+  "FAME",
+)
 DEFAULT_MODEL = "smollm2-135m-instruct"
-SYSTEM_PROMPT = ("You are a helpful AI assistant named SmolLM, trained by "
-                 "Hugging Face. Answer in one or two short sentences.")
-QUESTIONS = ("What is the capital of France?", "Why is the sky blue?",
-             "Name three primary colours.", "What is a prime number?",
-             "How many legs does a spider have?",
-             "What does a bee make?", "Give me a synonym for happy.",
-             "What is the boiling point of water in Celsius?",
-             "Who wrote Romeo and Juliet?", "What is photosynthesis?",
-             "Suggest a name for a pet goldfish.",
-             "What is the largest planet in the solar system?")
+SYSTEM_PROMPT = (
+  "You are a helpful AI assistant named SmolLM, trained by "
+  "Hugging Face. Answer in one or two short sentences."
+)
+QUESTIONS = (
+  "What is the capital of France?",
+  "Why is the sky blue?",
+  "Name three primary colours.",
+  "What is a prime number?",
+  "How many legs does a spider have?",
+  "What does a bee make?",
+  "Give me a synonym for happy.",
+  "What is the boiling point of water in Celsius?",
+  "Who wrote Romeo and Juliet?",
+  "What is photosynthesis?",
+  "Suggest a name for a pet goldfish.",
+  "What is the largest planet in the solar system?",
+)
 
 
 def _positive(text: str) -> int:
@@ -48,23 +70,34 @@ def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m paged_jax")
   sub = parser.add_subparsers(dest="command", required=True)
   demo = sub.add_parser(
-      "demo", help="serve a batch of requests with the tiny model on the paged cache")
-  demo.add_argument("--num-requests", type=_positive, default=None,
-                    help="default: 8 for a pretrained model, 32 for tiny")
+    "demo", help="serve a batch of requests with the tiny model on the paged cache"
+  )
+  demo.add_argument(
+    "--num-requests",
+    type=_positive,
+    default=None,
+    help="default: 8 for a pretrained model, 32 for tiny",
+  )
   demo.add_argument("--block-size", type=_positive, default=16)
   demo.add_argument("--num-gpu-blocks", type=_positive, default=96)
   demo.add_argument("--num-cpu-blocks", type=int, default=64)
   demo.add_argument("--max-seqs", type=_positive, default=32)
   demo.add_argument("--max-new-tokens", type=_positive, default=40)
   demo.add_argument("--seed", type=int, default=0)
-  demo.add_argument("--model", default=DEFAULT_MODEL,
-                    help="a Hugging Face folder, a .gguf file, a model name "
-                         f"or 'tiny' (default: {DEFAULT_MODEL})")
-  demo.add_argument("--dtype", default="float32",
-                    choices=("float32", "bfloat16", "float16"),
-                    help="parameter and compute dtype of a pretrained model")
-  demo.add_argument("--max-seq-len", type=_positive, default=256,
-                    help="context of a pretrained model in the demo")
+  demo.add_argument(
+    "--model",
+    default=DEFAULT_MODEL,
+    help=f"a Hugging Face folder, a .gguf file, a model name or 'tiny' (default: {DEFAULT_MODEL})",
+  )
+  demo.add_argument(
+    "--dtype",
+    default="float32",
+    choices=("float32", "bfloat16", "float16"),
+    help="parameter and compute dtype of a pretrained model",
+  )
+  demo.add_argument(
+    "--max-seq-len", type=_positive, default=256, help="context of a pretrained model in the demo"
+  )
   demo.add_argument("--json", action="store_true", help="print machine-readable JSON")
   trace = sub.add_parser("trace", help="replay a ShareGPT-like trace through the block manager")
   trace.add_argument("--num-requests", type=_positive, default=200)
@@ -84,8 +117,10 @@ def demo_requests(num_requests: int, seed: int, tokenizer=None):
   same system prompt. Every fourth request asks for 4 samples.
   """
   import numpy as np
+
   from paged_jax.generate import Request
   from paged_jax.models.tokenizer import ByteTokenizer
+
   rng = np.random.default_rng(seed)
   requests, shown = [], []
   for index in range(num_requests):
@@ -96,8 +131,9 @@ def demo_requests(num_requests: int, seed: int, tokenizer=None):
     else:
       shown_text = QUESTIONS[(index + seed) % len(QUESTIONS)]
       text = tokenizer.apply_chat_template(
-          [dict(role="system", content=SYSTEM_PROMPT),
-           dict(role="user", content=shown_text)], add_generation_prompt=True)
+        [dict(role="system", content=SYSTEM_PROMPT), dict(role="user", content=shown_text)],
+        add_generation_prompt=True,
+      )
       ids = tokenizer.encode(text)
     requests.append(Request(np.asarray(ids, np.int32), n=4 if index % 4 == 1 else 1))
     shown.append(shown_text)
@@ -108,6 +144,7 @@ def load_demo_model(name: str, dtype: str, max_seq_len: int):
   """`(model, tokenizer)`; tokenizer None for the tiny model or a folder saved
   by `save_model`."""
   from paged_jax.models import load_pretrained, pretrained
+
   if name == "tiny":
     return pretrained.load_tiny(), None
   if (pathlib.Path(name) / pretrained.WEIGHTS_FILE).is_file():
@@ -119,54 +156,74 @@ def run_demo(args, parser) -> dict:
   """Serves the demo batch; returns the report."""
   import jax
   from tqdm import tqdm
+
   from paged_jax.generate import SamplingParams, generate
   from paged_jax.models.tokenizer import ByteTokenizer
+
   try:
     model, tokenizer = load_demo_model(args.model, args.dtype, args.max_seq_len)
   except (FileNotFoundError, ValueError) as err:
     parser.error(f"--model: {err}")
   max_len = model.config.max_seq_len
   try:
-    cfg = CacheConfig(block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
-                      num_cpu_blocks=args.num_cpu_blocks, max_seqs=args.max_seqs,
-                      max_blocks_per_seq=-(-max_len // args.block_size),
-                      enable_prefix_caching=True, watermark=0.0)
+    cfg = CacheConfig(
+      block_size=args.block_size,
+      num_gpu_blocks=args.num_gpu_blocks,
+      num_cpu_blocks=args.num_cpu_blocks,
+      max_seqs=args.max_seqs,
+      max_blocks_per_seq=-(-max_len // args.block_size),
+      enable_prefix_caching=True,
+      watermark=0.0,
+    )
   except ValueError as err:
     parser.error(str(err))
   if args.num_gpu_blocks * args.block_size < max_len:
-    parser.error(f"--num-gpu-blocks {args.num_gpu_blocks} x --block-size "
-                 f"{args.block_size} cannot hold one {max_len}-token sequence")
+    parser.error(
+      f"--num-gpu-blocks {args.num_gpu_blocks} x --block-size "
+      f"{args.block_size} cannot hold one {max_len}-token sequence"
+    )
   num_requests = args.num_requests or (32 if tokenizer is None else 8)
   requests, shown = demo_requests(num_requests, args.seed, tokenizer)
   if max(r.n for r in requests) > args.max_seqs:
     parser.error(f"--max-seqs {args.max_seqs} is below the 4 samples some requests ask for")
   longest = max(r.prompt.size for r in requests)
   sampling = SamplingParams(
-      max_new_tokens=min(args.max_new_tokens, max_len - longest),
-      temperature=0.8 if tokenizer is None else 0.6, top_k=40,
-      top_p=1.0 if tokenizer is None else 0.9,
-      eos_id=(tokenizer or ByteTokenizer()).eos_token_id)
+    max_new_tokens=min(args.max_new_tokens, max_len - longest),
+    temperature=0.8 if tokenizer is None else 0.6,
+    top_k=40,
+    top_p=1.0 if tokenizer is None else 0.9,
+    eos_id=(tokenizer or ByteTokenizer()).eos_token_id,
+  )
   total = sum(r.n for r in requests)
   start = time.perf_counter()
   with tqdm(total=total, unit="seq", disable=args.json, file=sys.stderr) as bar:
-    outputs, stats = generate(model, requests, cfg, sampling,
-                              jax.random.key(args.seed), progress=bar.update)
+    outputs, stats = generate(
+      model, requests, cfg, sampling, jax.random.key(args.seed), progress=bar.update
+    )
   seconds = time.perf_counter() - start
   tokenizer = tokenizer or ByteTokenizer()
-  samples = [dict(prompt=shown[i],
-                  outputs=[tokenizer.decode(o).strip() for o in outputs[i]])
-             for i in range(min(3, len(requests)))]
+  samples = [
+    dict(prompt=shown[i], outputs=[tokenizer.decode(o).strip() for o in outputs[i]])
+    for i in range(min(3, len(requests)))
+  ]
   return dict(
-      requests=len(requests), sequences=total,
-      generated_tokens=stats.generated_tokens, seconds=round(seconds, 3),
-      tokens_per_s=round(stats.generated_tokens / seconds, 1),
-      peak_blocks=stats.peak_blocks, num_gpu_blocks=cfg.num_gpu_blocks,
-      kv_slot_utilization=round(stats.kv_slot_utilization, 4),
-      prefix_cache_hit_rate=round(stats.prefix_cache_hit_rate, 4),
-      prompt_tokens=stats.prompt_tokens, prefill_tokens=stats.prefill_tokens,
-      cow_copies=stats.cow_copies, preemptions=stats.preemptions,
-      swapped_blocks=stats.swaps, decode_steps=stats.decode_steps,
-      samples=samples)
+    requests=len(requests),
+    sequences=total,
+    generated_tokens=stats.generated_tokens,
+    seconds=round(seconds, 3),
+    tokens_per_s=round(stats.generated_tokens / seconds, 1),
+    peak_blocks=stats.peak_blocks,
+    num_gpu_blocks=cfg.num_gpu_blocks,
+    kv_slot_utilization=round(stats.kv_slot_utilization, 4),
+    prefix_cache_hit_rate=round(stats.prefix_cache_hit_rate, 4),
+    prompt_tokens=stats.prompt_tokens,
+    prefill_tokens=stats.prefill_tokens,
+    cow_copies=stats.cow_copies,
+    preemptions=stats.preemptions,
+    swapped_blocks=stats.swaps,
+    decode_steps=stats.decode_steps,
+    samples=samples,
+  )
 
 
 def print_demo(report: dict) -> None:
@@ -174,40 +231,56 @@ def print_demo(report: dict) -> None:
     print(f"--- prompt: {sample['prompt']!r}")
     for text in sample["outputs"]:
       print(f"    -> {text!r}")
-  print(f"served {report['requests']} requests ({report['sequences']} sequences), "
-        f"{report['generated_tokens']} tokens in {report['seconds']:.1f} s "
-        f"(compile included): {report['tokens_per_s']:.0f} tokens/s")
-  print(f"peak blocks {report['peak_blocks']}/{report['num_gpu_blocks']}, "
-        f"KV slot utilization {report['kv_slot_utilization']:.1%} (tokens of every "
-        f"sequence per allocated slot: shared blocks lift it above 100%), "
-        f"prefix-cache hit rate {report['prefix_cache_hit_rate']:.1%} "
-        f"({report['prefill_tokens']}/{report['prompt_tokens']} prompt tokens computed)")
-  print(f"copy-on-write copies {report['cow_copies']}, preemptions "
-        f"{report['preemptions']}, swapped blocks {report['swapped_blocks']}")
+  print(
+    f"served {report['requests']} requests ({report['sequences']} sequences), "
+    f"{report['generated_tokens']} tokens in {report['seconds']:.1f} s "
+    f"(compile included): {report['tokens_per_s']:.0f} tokens/s"
+  )
+  print(
+    f"peak blocks {report['peak_blocks']}/{report['num_gpu_blocks']}, "
+    f"KV slot utilization {report['kv_slot_utilization']:.1%} (tokens of every "
+    f"sequence per allocated slot: shared blocks lift it above 100%), "
+    f"prefix-cache hit rate {report['prefix_cache_hit_rate']:.1%} "
+    f"({report['prefill_tokens']}/{report['prompt_tokens']} prompt tokens computed)"
+  )
+  print(
+    f"copy-on-write copies {report['cow_copies']}, preemptions "
+    f"{report['preemptions']}, swapped blocks {report['swapped_blocks']}"
+  )
 
 
 def run_trace(args, parser) -> None:
   from paged_jax.simulate import TraceConfig, replay
+
   max_len = 2048
   try:
-    cfg = CacheConfig(block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
-                      num_cpu_blocks=0, max_seqs=args.max_seqs,
-                      max_blocks_per_seq=-(-max_len // args.block_size))
+    cfg = CacheConfig(
+      block_size=args.block_size,
+      num_gpu_blocks=args.num_gpu_blocks,
+      num_cpu_blocks=0,
+      max_seqs=args.max_seqs,
+      max_blocks_per_seq=-(-max_len // args.block_size),
+    )
   except ValueError as err:
     parser.error(str(err))
   if args.num_gpu_blocks * args.block_size < max_len:
-    parser.error(f"--num-gpu-blocks {args.num_gpu_blocks} x --block-size {args.block_size} "
-                 f"cannot hold one {max_len}-token request")
-  report = replay(cfg, TraceConfig(num_requests=args.num_requests, max_len=max_len,
-                                   seed=args.seed))
+    parser.error(
+      f"--num-gpu-blocks {args.num_gpu_blocks} x --block-size {args.block_size} "
+      f"cannot hold one {max_len}-token request"
+    )
+  report = replay(cfg, TraceConfig(num_requests=args.num_requests, max_len=max_len, seed=args.seed))
   if args.json:
     print(json.dumps(report))
     return
-  print(f"served {report['finished']}/{report['requests']} requests in "
-        f"{report['decode_steps']} decode steps ({report['preemptions']} preemptions)")
+  print(
+    f"served {report['finished']}/{report['requests']} requests in "
+    f"{report['decode_steps']} decode steps ({report['preemptions']} preemptions)"
+  )
   print(f"mean prompt {report['mean_prompt']:.0f} tokens, mean output {report['mean_output']:.0f}")
-  print(f"KV slots holding tokens: paged {report['paged_utilization']:.1%}, "
-        f"contiguous max-length reservation {report['contiguous_utilization']:.1%}")
+  print(
+    f"KV slots holding tokens: paged {report['paged_utilization']:.1%}, "
+    f"contiguous max-length reservation {report['contiguous_utilization']:.1%}"
+  )
 
 
 def main(argv=None) -> int:

@@ -21,11 +21,7 @@ from __future__ import annotations
 
 import jax
 
-from pallas_kernels.paged_attention import common
-from pallas_kernels.paged_attention import gpu
-from pallas_kernels.paged_attention import mosaic_gpu
-from pallas_kernels.paged_attention import reference
-from pallas_kernels.paged_attention import tpu
+from pallas_kernels.paged_attention import common, gpu, mosaic_gpu, reference, tpu
 
 IMPLS = ("auto", "pallas", "reference")
 ATTENTION_IMPLS = IMPLS + ("mosaic_gpu", "triton")
@@ -33,12 +29,20 @@ _KERNELS = {"tpu": tpu, "triton": gpu, "mosaic_gpu": mosaic_gpu}
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
-def paged_attention(q, k_pages, v_pages, block_tables, lengths, *,
-                    sm_scale: float | None = None,
-                    soft_cap: float | None = None,
-                    sliding_window: int | None = None,
-                    k_scales=None, v_scales=None,
-                    impl: str = "auto"):
+def paged_attention(
+  q,
+  k_pages,
+  v_pages,
+  block_tables,
+  lengths,
+  *,
+  sm_scale: float | None = None,
+  soft_cap: float | None = None,
+  sliding_window: int | None = None,
+  k_scales=None,
+  v_scales=None,
+  impl: str = "auto",
+):
   """Decode attention of one new token per sequence over a paged KV cache.
 
   Args:
@@ -67,19 +71,27 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *,
     ValueError: for bad shapes, dtypes or options, or a page dtype the chosen
       kernel cannot serve (the message names the kernel).
   """
-  common.check_attention_args(q, k_pages, v_pages, block_tables, lengths,
-                              k_scales=k_scales, v_scales=v_scales)
+  common.check_attention_args(
+    q, k_pages, v_pages, block_tables, lengths, k_scales=k_scales, v_scales=v_scales
+  )
   common.check_attention_options(sm_scale, soft_cap, sliding_window)
   if is_concrete(block_tables, lengths):
-    common.check_block_tables(block_tables, lengths, k_pages.shape[1],
-                              k_pages.shape[2])
-  options = dict(sm_scale=sm_scale, soft_cap=soft_cap,
-                 sliding_window=sliding_window, k_scales=k_scales,
-                 v_scales=v_scales)
+    common.check_block_tables(block_tables, lengths, k_pages.shape[1], k_pages.shape[2])
+  options = dict(
+    sm_scale=sm_scale,
+    soft_cap=soft_cap,
+    sliding_window=sliding_window,
+    k_scales=k_scales,
+    v_scales=v_scales,
+  )
   kernel = select_attention_kernel(
-      impl, dtype=q.dtype, block_size=k_pages.shape[2],
-      head_dim=k_pages.shape[3],
-      group=q.shape[1] // k_pages.shape[0], quantized=k_scales is not None)
+    impl,
+    dtype=q.dtype,
+    block_size=k_pages.shape[2],
+    head_dim=k_pages.shape[3],
+    group=q.shape[1] // k_pages.shape[0],
+    quantized=k_scales is not None,
+  )
   args = (q, k_pages, v_pages, block_tables, lengths)
   if kernel is None:
     return reference.paged_attention_reference(*args, **options)
@@ -87,11 +99,20 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *,
   return _KERNELS[name].paged_attention(*args, **options, interpret=interpret)
 
 
-def paged_prefill_attention(q, k_pages, v_pages, block_tables, lengths,
-                            query_lens, *, sm_scale: float | None = None,
-                            soft_cap: float | None = None,
-                            sliding_window: int | None = None,
-                            k_scales=None, v_scales=None):
+def paged_prefill_attention(
+  q,
+  k_pages,
+  v_pages,
+  block_tables,
+  lengths,
+  query_lens,
+  *,
+  sm_scale: float | None = None,
+  soft_cap: float | None = None,
+  sliding_window: int | None = None,
+  k_scales=None,
+  v_scales=None,
+):
   """Causal attention of several new tokens per sequence to their context.
 
   For prefix-cache hits and chunked prefill: the new tokens' K/V are already
@@ -115,16 +136,24 @@ def paged_prefill_attention(q, k_pages, v_pages, block_tables, lengths,
   Returns:
     ``[batch, num_queries, num_q_heads, head_dim]`` in ``q.dtype``.
   """
-  common.check_attention_args(q, k_pages, v_pages, block_tables, lengths,
-                              query_rank=4, k_scales=k_scales,
-                              v_scales=v_scales)
+  common.check_attention_args(
+    q, k_pages, v_pages, block_tables, lengths, query_rank=4, k_scales=k_scales, v_scales=v_scales
+  )
   if is_concrete(block_tables, lengths):
-    common.check_block_tables(block_tables, lengths, k_pages.shape[1],
-                              k_pages.shape[2])
+    common.check_block_tables(block_tables, lengths, k_pages.shape[1], k_pages.shape[2])
   return reference.paged_prefill_attention_reference(
-      q, k_pages, v_pages, block_tables, lengths, query_lens,
-      sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
-      k_scales=k_scales, v_scales=v_scales)
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    lengths,
+    query_lens,
+    sm_scale=sm_scale,
+    soft_cap=soft_cap,
+    sliding_window=sliding_window,
+    k_scales=k_scales,
+    v_scales=v_scales,
+  )
 
 
 def select_kernel(impl: str, *, tile_sizes: tuple[int, ...] = ()):
@@ -153,8 +182,9 @@ def select_kernel(impl: str, *, tile_sizes: tuple[int, ...] = ()):
   return None if impl == "auto" else ("gpu", True)
 
 
-def select_attention_kernel(impl: str, *, dtype, block_size: int,
-                            head_dim: int, group: int, quantized: bool = False):
+def select_attention_kernel(
+  impl: str, *, dtype, block_size: int, head_dim: int, group: int, quantized: bool = False
+):
   """Resolves ``impl`` of ``paged_attention`` for the default backend.
 
   Args:
@@ -185,11 +215,13 @@ def select_attention_kernel(impl: str, *, dtype, block_size: int,
     return "tpu", False
   if not on_gpu:
     return None if impl == "auto" else ("triton", True)
-  if (gpu_compute_capability() >= 9.0 and not quantized
-      and mosaic_gpu.supports(dtype, block_size, head_dim, group)):
+  if (
+    gpu_compute_capability() >= 9.0
+    and not quantized
+    and mosaic_gpu.supports(dtype, block_size, head_dim, group)
+  ):
     return "mosaic_gpu", False
-  if impl == "auto" and not all(
-      _is_power_of_two(n) for n in (block_size, head_dim)):
+  if impl == "auto" and not all(_is_power_of_two(n) for n in (block_size, head_dim)):
     return None
   return "triton", False
 
@@ -197,8 +229,7 @@ def select_attention_kernel(impl: str, *, dtype, block_size: int,
 def kernel_block_sizes(platform: str) -> dict[str, str]:
   """The block sizes each compiled attention kernel of `platform` serves."""
   if platform in _GPU_PLATFORMS:
-    return {"triton": "powers of two",
-            "mosaic_gpu": ", ".join(map(str, mosaic_gpu.BLOCK_SIZES))}
+    return {"triton": "powers of two", "mosaic_gpu": ", ".join(map(str, mosaic_gpu.BLOCK_SIZES))}
   if platform == "tpu":
     return {"tpu": "any"}
   return {"reference (XLA)": "any"}
@@ -217,10 +248,12 @@ def check_block_size(block_size: int, platform: str | None = None) -> None:
   """
   platform = platform or jax.default_backend()
   if platform in _GPU_PLATFORMS and not _is_power_of_two(block_size):
-    sizes = "; ".join(f"{kernel}: {served}" for kernel, served in
-                      kernel_block_sizes(platform).items())
-    raise ValueError(f"block_size {block_size} is served by no paged-attention "
-                     f"kernel on {platform} ({sizes})")
+    sizes = "; ".join(
+      f"{kernel}: {served}" for kernel, served in kernel_block_sizes(platform).items()
+    )
+    raise ValueError(
+      f"block_size {block_size} is served by no paged-attention kernel on {platform} ({sizes})"
+    )
 
 
 def gpu_compute_capability() -> float:

@@ -61,15 +61,16 @@ class CacheConfig:
   def __post_init__(self):
     for name in ("block_size", "num_gpu_blocks", "max_seqs", "max_blocks_per_seq"):
       _require_int(name, getattr(self, name), minimum=1)
-    _require_int("num_cpu_blocks", self.num_cpu_blocks, minimum=0)   # 0: no swap space
+    _require_int("num_cpu_blocks", self.num_cpu_blocks, minimum=0)  # 0: no swap space
     if not 0.0 <= self.watermark < 1.0:
       raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
     if self.sliding_window is not None:
       _require_int("sliding_window", self.sliding_window, minimum=1)
       if self.enable_prefix_caching:
         raise ValueError(
-            "sliding_window cannot be combined with enable_prefix_caching "
-            "(vLLM raises NotImplementedError for this combination)")
+          "sliding_window cannot be combined with enable_prefix_caching "
+          "(vLLM raises NotImplementedError for this combination)"
+        )
     _require_int("hash_bits", self.hash_bits, minimum=0)
     if self.hash_bits > 64:
       raise ValueError(f"hash_bits must be in 0..64, got {self.hash_bits}")

@@ -16,10 +16,10 @@ import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 
-from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from paged_jax.config import CacheConfig
 from paged_jax.engine.llm_engine import LLMEngine
@@ -28,8 +28,14 @@ from paged_jax.engine.params import SamplingParams
 from paged_jax.engine.sampling import RowParams, is_stop, sample_rows
 from paged_jax.models.llama import init_dense_cache
 
-__all__ = ["GenerationStats", "Request", "SamplingParams", "generate",
-           "generate_dense", "sample_tokens"]
+__all__ = [
+  "GenerationStats",
+  "Request",
+  "SamplingParams",
+  "generate",
+  "generate_dense",
+  "sample_tokens",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +52,10 @@ class Request:
 
   def __post_init__(self):
     prompt = np.asarray(self.prompt)
-    if prompt.ndim != 1 or prompt.size < 1 or not np.issubdtype(
-        prompt.dtype, np.integer):
+    if prompt.ndim != 1 or prompt.size < 1 or not np.issubdtype(prompt.dtype, np.integer):
       raise ValueError(
-          f"prompt must be a non-empty 1-D int array, got {prompt.dtype}"
-          f"{list(prompt.shape)}")
+        f"prompt must be a non-empty 1-D int array, got {prompt.dtype}{list(prompt.shape)}"
+      )
     if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
       raise ValueError(f"n must be an int >= 1, got {self.n!r}")
     object.__setattr__(self, "prompt", prompt.astype(np.int32))
@@ -61,21 +66,20 @@ def _row_params(sampling: SamplingParams, keys: jax.Array) -> RowParams:
   rows = keys.shape[0]
   stop = sampling.stop_token_ids or (-1,)
   return RowParams(
-      temperature=jnp.full(rows, sampling.temperature, jnp.float32),
-      top_k=jnp.full(rows, sampling.top_k, jnp.int32),
-      top_p=jnp.full(rows, sampling.top_p, jnp.float32),
-      key_data=jax.random.key_data(keys),
-      stop_ids=jnp.tile(jnp.asarray(stop, jnp.int32), (rows, 1)))
+    temperature=jnp.full(rows, sampling.temperature, jnp.float32),
+    top_k=jnp.full(rows, sampling.top_k, jnp.int32),
+    top_p=jnp.full(rows, sampling.top_p, jnp.float32),
+    key_data=jax.random.key_data(keys),
+    stop_ids=jnp.tile(jnp.asarray(stop, jnp.int32), (rows, 1)),
+  )
 
 
 def _request_keys(key: jax.Array, rows: int) -> jax.Array:
   """The key of sample 0 of requests 0 .. rows - 1, as the engine makes them."""
-  return jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(key, i), 0))(
-      jnp.arange(rows))
+  return jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(key, i), 0))(jnp.arange(rows))
 
 
-def sample_tokens(logits: jax.Array, key: jax.Array,
-                  params: SamplingParams) -> jax.Array:
+def sample_tokens(logits: jax.Array, key: jax.Array, params: SamplingParams) -> jax.Array:
   """Draws one token per row with `params` (row `b` with `split(key)[b]`).
 
   Args:
@@ -91,11 +95,17 @@ def sample_tokens(logits: jax.Array, key: jax.Array,
   return sample_rows(logits, _row_params(params, keys), index, 0).tokens
 
 
-def generate(model, requests: Sequence[Request | np.ndarray], cfg: CacheConfig,
-             sampling: SamplingParams, key: jax.Array, *,
-             progress: Callable[[int], None] | None = None,
-             kv_cache_dtype=None, mesh: jax.sharding.Mesh | None = None
-             ) -> tuple[list[list[np.ndarray]], GenerationStats]:
+def generate(
+  model,
+  requests: Sequence[Request | np.ndarray],
+  cfg: CacheConfig,
+  sampling: SamplingParams,
+  key: jax.Array,
+  *,
+  progress: Callable[[int], None] | None = None,
+  kv_cache_dtype=None,
+  mesh: jax.sharding.Mesh | None = None,
+) -> tuple[list[list[np.ndarray]], GenerationStats]:
   """Serves `requests` on a paged KV cache (a wrapper over `LLMEngine`).
 
   Args:
@@ -124,15 +134,20 @@ def generate(model, requests: Sequence[Request | np.ndarray], cfg: CacheConfig,
       model's heads do not split over the mesh's "model" axis.
   """
   requests = [r if isinstance(r, Request) else Request(r) for r in requests]
-  engine = LLMEngine(model, None, cfg, preemption_mode="swap",
-                     kv_cache_dtype=kv_cache_dtype, mesh=mesh,
-                     max_num_batched_tokens=cfg.max_seqs
-                     * cfg.max_tokens_per_seq, key=key)
+  engine = LLMEngine(
+    model,
+    None,
+    cfg,
+    preemption_mode="swap",
+    kv_cache_dtype=kv_cache_dtype,
+    mesh=mesh,
+    max_num_batched_tokens=cfg.max_seqs * cfg.max_tokens_per_seq,
+    key=key,
+  )
   vocab = model.config.vocab_size
   params = []
   for index, request in enumerate(requests):
-    p = dataclasses.replace(sampling, n=request.n, max_new_tokens=None,
-                            eos_id=None)
+    p = dataclasses.replace(sampling, n=request.n, max_new_tokens=None, eos_id=None)
     if int(request.prompt.max()) >= vocab or int(request.prompt.min()) < 0:
       raise ValueError(f"request {index} has token ids outside 0..{vocab - 1}")
     error = engine.admission_error(request.prompt.size, p)
@@ -145,16 +160,14 @@ def generate(model, requests: Sequence[Request | np.ndarray], cfg: CacheConfig,
   while engine.has_unfinished_requests():
     for out in engine.step():
       if out.finished:
-        outputs[int(out.request_id)] = [
-            np.asarray(o.token_ids, np.int32) for o in out.outputs]
+        outputs[int(out.request_id)] = [np.asarray(o.token_ids, np.int32) for o in out.outputs]
         if progress is not None:
           progress(len(out.outputs))
   return outputs, engine.stats
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2))
-def _dense_generate(graphdef, params_state, sampling: SamplingParams, key,
-                    tokens, lengths, cache):
+def _dense_generate(graphdef, params_state, sampling: SamplingParams, key, tokens, lengths, cache):
   """Prefill then a `while_loop` of decode steps on a dense cache."""
   model = nnx.merge(graphdef, params_state)
   batch, width = tokens.shape
@@ -179,14 +192,13 @@ def _dense_generate(graphdef, params_state, sampling: SamplingParams, key,
     return i + 1, still, jnp.where(running, new, token), outputs, cache
 
   carry = (jnp.int32(1), running, token, outputs, cache)
-  _, _, _, outputs, _ = jax.lax.while_loop(lambda c: jnp.any(c[1]), step,
-                                           carry)
+  _, _, _, outputs, _ = jax.lax.while_loop(lambda c: jnp.any(c[1]), step, carry)
   return outputs
 
 
-def generate_dense(model, prompts: Sequence[np.ndarray],
-                   sampling: SamplingParams, key: jax.Array
-                   ) -> list[np.ndarray]:
+def generate_dense(
+  model, prompts: Sequence[np.ndarray], sampling: SamplingParams, key: jax.Array
+) -> list[np.ndarray]:
   """Generates from every prompt on a dense cache (one row per prompt).
 
   Args:
@@ -208,12 +220,12 @@ def generate_dense(model, prompts: Sequence[np.ndarray],
   width = 8 * -(-int(lengths.max()) // 8)
   tokens = np.zeros((len(prompts), width), np.int32)
   for row, prompt in enumerate(prompts):
-    tokens[row, :prompt.size] = prompt
-  cache = init_dense_cache(model.config, len(prompts),
-                           width + sampling.max_tokens)
+    tokens[row, : prompt.size] = prompt
+  cache = init_dense_cache(model.config, len(prompts), width + sampling.max_tokens)
   graphdef, params_state = nnx.split(model)
-  outputs = np.asarray(_dense_generate(graphdef, params_state, sampling, key,
-                                       tokens, lengths, cache))
+  outputs = np.asarray(
+    _dense_generate(graphdef, params_state, sampling, key, tokens, lengths, cache)
+  )
   stops = list(sampling.stop_token_ids)
   results = []
   for row in outputs:

@@ -49,15 +49,14 @@ from __future__ import annotations
 import functools
 import warnings
 
-from flax import struct
 import jax
-from jax import lax
-from jax.experimental.compute_on import compute_on
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
+from jax import lax
+from jax.experimental.compute_on import compute_on
 
-from paged_jax.attention import check_block_size, is_concrete
-from paged_jax.attention import select_kernel
+from paged_jax.attention import check_block_size, is_concrete, select_kernel
 from pallas_kernels import copy_blocks as copy_blocks_kernels
 from pallas_kernels import quantization
 from pallas_kernels import write_kv as write_kv_kernels
@@ -104,9 +103,16 @@ class KVCache:
   v_scale_host: tuple[jax.Array, ...] | None = None
 
   @classmethod
-  def create(cls, cfg, num_layers: int, num_kv_heads: int, head_dim: int,
-             dtype=jnp.bfloat16, *, device: jax.Device | None = None
-             ) -> KVCache:
+  def create(
+    cls,
+    cfg,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype=jnp.bfloat16,
+    *,
+    device: jax.Device | None = None,
+  ) -> KVCache:
     """Allocates a zeroed cache for ``cfg``.
 
     Args:
@@ -126,9 +132,11 @@ class KVCache:
       ValueError: for a size below 1, an unsupported dtype, or a block size
         that no attention kernel of the device serves (`check_block_size`).
     """
-    for name, value in (("num_layers", num_layers),
-                        ("num_kv_heads", num_kv_heads),
-                        ("head_dim", head_dim)):
+    for name, value in (
+      ("num_layers", num_layers),
+      ("num_kv_heads", num_kv_heads),
+      ("head_dim", head_dim),
+    ):
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     dtype = check_cache_dtype(dtype)
@@ -137,18 +145,22 @@ class KVCache:
     # NamedSharding (not SingleDeviceSharding) carries the memory kind into
     # traced types, which host-side gathers and scatters need under jit.
     mesh = jax.sharding.Mesh(np.asarray([device]), ("device",))
-    device_sharding = jax.sharding.NamedSharding(
-        mesh, jax.sharding.PartitionSpec())
+    device_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     host_kind = host_memory_kind(device)
-    host_sharding = (device_sharding.with_memory_kind(host_kind)
-                     if host_kind else device_sharding)
-    return cls.zeros(cfg, num_layers, num_kv_heads, head_dim, dtype,
-                     device_sharding, host_sharding)
+    host_sharding = device_sharding.with_memory_kind(host_kind) if host_kind else device_sharding
+    return cls.zeros(cfg, num_layers, num_kv_heads, head_dim, dtype, device_sharding, host_sharding)
 
   @classmethod
-  def zeros(cls, cfg, num_layers: int, num_kv_heads: int, head_dim: int, dtype,
-            device_sharding: jax.sharding.NamedSharding,
-            host_sharding: jax.sharding.NamedSharding) -> KVCache:
+  def zeros(
+    cls,
+    cfg,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype,
+    device_sharding: jax.sharding.NamedSharding,
+    host_sharding: jax.sharding.NamedSharding,
+  ) -> KVCache:
     """A zeroed cache placed by the given shardings (heads on axis 0).
 
     ``create`` places it on one device; ``paged_jax.sharding`` splits the
@@ -157,25 +169,35 @@ class KVCache:
     page = (cfg.block_size, head_dim)
     device_shape = (num_kv_heads, cfg.num_gpu_blocks, *page)
     host_shape = (num_kv_heads, cfg.num_cpu_blocks, *page)
-    groups = [(device_shape, dtype, device_sharding),
-              (host_shape, _bits_dtype(dtype), host_sharding)]
+    groups = [
+      (device_shape, dtype, device_sharding),
+      (host_shape, _bits_dtype(dtype), host_sharding),
+    ]
     if quantization.is_quantized(dtype):
       scale = quantization.SCALE_DTYPE
-      groups += [(device_shape[:3], scale, device_sharding),
-                 (host_shape[:3], scale, host_sharding)]
+      groups += [(device_shape[:3], scale, device_sharding), (host_shape[:3], scale, host_sharding)]
     # Each group gives K then V of every layer.
-    specs = [(shape, kind, sharding) for shape, kind, sharding in groups
-             for _ in range(2 * num_layers)]
+    specs = [
+      (shape, kind, sharding) for shape, kind, sharding in groups for _ in range(2 * num_layers)
+    ]
     arrays = jax.jit(
-        lambda: tuple(jnp.zeros(shape, kind) for shape, kind, _ in specs),
-        out_shardings=tuple(sharding for _, _, sharding in specs))()
-    layers = [tuple(arrays[i * num_layers:(i + 1) * num_layers])
-              for i in range(len(arrays) // num_layers)]
+      lambda: tuple(jnp.zeros(shape, kind) for shape, kind, _ in specs),
+      out_shardings=tuple(sharding for _, _, sharding in specs),
+    )()
+    layers = [
+      tuple(arrays[i * num_layers : (i + 1) * num_layers]) for i in range(len(arrays) // num_layers)
+    ]
     k, v, k_host, v_host, *scales = layers
-    scale_fields = dict(zip(
-        ("k_scale", "v_scale", "k_scale_host", "v_scale_host"), scales))
-    return cls(k, v, k_host, v_host, device_sharding=device_sharding,
-               host_sharding=host_sharding, **scale_fields)
+    scale_fields = dict(zip(("k_scale", "v_scale", "k_scale_host", "v_scale_host"), scales))
+    return cls(
+      k,
+      v,
+      k_host,
+      v_host,
+      device_sharding=device_sharding,
+      host_sharding=host_sharding,
+      **scale_fields,
+    )
 
   @property
   def num_layers(self) -> int:
@@ -202,8 +224,9 @@ class KVCache:
 
   def host_pages(self, layer: int) -> tuple[jax.Array, jax.Array]:
     """Layer ``layer``'s host K and V pages viewed as ``dtype``."""
-    return tuple(lax.bitcast_convert_type(pages[layer], self.dtype)
-                 for pages in (self.k_host, self.v_host))
+    return tuple(
+      lax.bitcast_convert_type(pages[layer], self.dtype) for pages in (self.k_host, self.v_host)
+    )
 
   @property
   def num_kv_heads(self) -> int:
@@ -233,13 +256,11 @@ class KVCache:
   @property
   def host_nbytes(self) -> int:
     """Bytes of the host swap pages and scales (all layers, K and V)."""
-    return _nbytes(self.k_host, self.v_host, self.k_scale_host,
-                   self.v_scale_host)
+    return _nbytes(self.k_host, self.v_host, self.k_scale_host, self.v_scale_host)
 
 
 def _nbytes(*groups) -> int:
-  return sum(a.size * a.dtype.itemsize for group in groups if group
-             for a in group)
+  return sum(a.size * a.dtype.itemsize for group in groups if group for a in group)
 
 
 def check_cache_dtype(dtype) -> jnp.dtype:
@@ -254,14 +275,14 @@ def check_cache_dtype(dtype) -> jnp.dtype:
     raise ValueError(f"not a dtype: {dtype!r}") from error
   if dtype not in FLOAT_DTYPES + QUANTIZED_DTYPES:
     raise ValueError(
-        f"KV cache dtype {dtype} is not supported; use one of "
-        f"{[str(d) for d in FLOAT_DTYPES]} or, quantized with scales, "
-        f"{[str(d) for d in QUANTIZED_DTYPES]}")
+      f"KV cache dtype {dtype} is not supported; use one of "
+      f"{[str(d) for d in FLOAT_DTYPES]} or, quantized with scales, "
+      f"{[str(d) for d in QUANTIZED_DTYPES]}"
+    )
   return dtype
 
 
-def write_kv(cache: KVCache, layer: int, k, v, slot_mapping, *,
-             impl: str = "auto") -> KVCache:
+def write_kv(cache: KVCache, layer: int, k, v, slot_mapping, *, impl: str = "auto") -> KVCache:
   """Writes new tokens' keys and values of one layer into their slots.
 
   Args:
@@ -283,8 +304,9 @@ def write_kv(cache: KVCache, layer: int, k, v, slot_mapping, *,
   _check_layer(cache, layer)
   k, v, slot_mapping = map(jnp.asarray, (k, v, slot_mapping))
   if k.shape[:-2] != slot_mapping.shape:
-    raise ValueError(f"slot_mapping shape {slot_mapping.shape} must be the "
-                     f"leading shape of k {k.shape}")
+    raise ValueError(
+      f"slot_mapping shape {slot_mapping.shape} must be the leading shape of k {k.shape}"
+    )
   tokens = slot_mapping.size
   k = k.reshape(tokens, *k.shape[-2:])
   v = v.reshape(tokens, *v.shape[-2:])
@@ -293,23 +315,24 @@ def write_kv(cache: KVCache, layer: int, k, v, slot_mapping, *,
     check_slot_mapping(slot_mapping, cache.num_gpu_blocks * cache.block_size)
   scales = {}
   if cache.quantized:
-    (k, k_scales), (v, v_scales) = (quantization.quantize(x, cache.dtype)
-                                    for x in (k, v))
+    (k, k_scales), (v, v_scales) = (quantization.quantize(x, cache.dtype) for x in (k, v))
     k_scale, v_scale = write_kv_kernels.write_scales(
-        cache.k_scale[layer], cache.v_scale[layer], k_scales, v_scales,
-        slot_mapping)
-    scales = dict(k_scale=_replace_layer(cache.k_scale, layer, k_scale),
-                  v_scale=_replace_layer(cache.v_scale, layer, v_scale))
+      cache.k_scale[layer], cache.v_scale[layer], k_scales, v_scales, slot_mapping
+    )
+    scales = dict(
+      k_scale=_replace_layer(cache.k_scale, layer, k_scale),
+      v_scale=_replace_layer(cache.v_scale, layer, v_scale),
+    )
   args = (cache.k[layer], cache.v[layer], k, v, slot_mapping)
   kernel = select_kernel(impl, tile_sizes=(cache.head_dim,))
   if kernel is None:
     k_pages, v_pages = write_kv_kernels.write_kv_reference(*args)
   else:
     backend, interpret = kernel
-    k_pages, v_pages = write_kv_kernels.write_kv(
-        *args, backend=backend, interpret=interpret)
-  return cache.replace(k=_replace_layer(cache.k, layer, k_pages),
-                       v=_replace_layer(cache.v, layer, v_pages), **scales)
+    k_pages, v_pages = write_kv_kernels.write_kv(*args, backend=backend, interpret=interpret)
+  return cache.replace(
+    k=_replace_layer(cache.k, layer, k_pages), v=_replace_layer(cache.v, layer, v_pages), **scales
+  )
 
 
 def copy_blocks(cache: KVCache, plan, *, impl: str = "auto") -> KVCache:
@@ -328,9 +351,15 @@ def copy_blocks(cache: KVCache, plan, *, impl: str = "auto") -> KVCache:
   """
   src, dst, count = _plan_arrays(plan)
   if is_concrete(src, dst, count):
-    check_plan(src, dst, count, num_src_blocks=cache.num_gpu_blocks,
-               num_dst_blocks=cache.num_gpu_blocks, name="copy plan",
-               disjoint=True)
+    check_plan(
+      src,
+      dst,
+      count,
+      num_src_blocks=cache.num_gpu_blocks,
+      num_dst_blocks=cache.num_gpu_blocks,
+      name="copy plan",
+      disjoint=True,
+    )
   pages = cache.k + cache.v
   kernel = select_kernel(impl, tile_sizes=(cache.block_size, cache.head_dim))
   if kernel is None:
@@ -338,7 +367,8 @@ def copy_blocks(cache: KVCache, plan, *, impl: str = "auto") -> KVCache:
   else:
     backend, interpret = kernel
     pages = copy_blocks_kernels.copy_blocks(
-        pages, src, dst, count, backend=backend, interpret=interpret)
+      pages, src, dst, count, backend=backend, interpret=interpret
+    )
   layers = cache.num_layers
   cache = cache.replace(k=pages[:layers], v=pages[layers:])
   if not cache.quantized:
@@ -346,7 +376,8 @@ def copy_blocks(cache: KVCache, plan, *, impl: str = "auto") -> KVCache:
   # Scales are [num_kv_heads, num_blocks, block_size]: copied in XLA as
   # pages with head_dim 1 (a gather and a scatter, in place when donated).
   scales = copy_blocks_kernels.copy_blocks_reference(
-      [s[..., None] for s in cache.k_scale + cache.v_scale], src, dst, count)
+    [s[..., None] for s in cache.k_scale + cache.v_scale], src, dst, count
+  )
   scales = tuple(s[..., 0] for s in scales)
   return cache.replace(k_scale=scales[:layers], v_scale=scales[layers:])
 
@@ -369,8 +400,14 @@ def swap_out(cache: KVCache, plan) -> KVCache:
   """
   src, dst, count = _plan_arrays(plan)
   if is_concrete(src, dst, count):
-    check_plan(src, dst, count, num_src_blocks=cache.num_gpu_blocks,
-               num_dst_blocks=cache.num_cpu_blocks, name="swap_out plan")
+    check_plan(
+      src,
+      dst,
+      count,
+      num_src_blocks=cache.num_gpu_blocks,
+      num_dst_blocks=cache.num_cpu_blocks,
+      name="swap_out plan",
+    )
   return _jitted_for(cache, _swap_out)(cache, src, dst, count)
 
 
@@ -390,15 +427,22 @@ def swap_in(cache: KVCache, plan) -> KVCache:
   """
   src, dst, count = _plan_arrays(plan)
   if is_concrete(src, dst, count):
-    check_plan(src, dst, count, num_src_blocks=cache.num_cpu_blocks,
-               num_dst_blocks=cache.num_gpu_blocks, name="swap_in plan")
+    check_plan(
+      src,
+      dst,
+      count,
+      num_src_blocks=cache.num_cpu_blocks,
+      num_dst_blocks=cache.num_gpu_blocks,
+      name="swap_in plan",
+    )
   return _jitted_for(cache, _swap_in)(cache, src, dst, count)
 
 
 def _jitted_for(cache: KVCache, swap):
   """``swap`` jitted with the cache donated and its shardings kept."""
-  return _jit_swap(swap, cache.num_layers, cache.device_sharding,
-                   cache.host_sharding, cache.quantized)
+  return _jit_swap(
+    swap, cache.num_layers, cache.device_sharding, cache.host_sharding, cache.quantized
+  )
 
 
 @functools.cache
@@ -407,22 +451,31 @@ def _jit_swap(swap, num_layers, device_sharding, host_sharding, quantized):
   on_host = (host_sharding,) * num_layers
   scales = {}
   if quantized:
-    scales = dict(k_scale=on_device, v_scale=on_device, k_scale_host=on_host,
-                  v_scale_host=on_host)
-  cache_shardings = KVCache(on_device, on_device, on_host, on_host,
-                            device_sharding=device_sharding,
-                            host_sharding=host_sharding, **scales)
+    scales = dict(k_scale=on_device, v_scale=on_device, k_scale_host=on_host, v_scale_host=on_host)
+  cache_shardings = KVCache(
+    on_device,
+    on_device,
+    on_host,
+    on_host,
+    device_sharding=device_sharding,
+    host_sharding=host_sharding,
+    **scales,
+  )
   plan_shardings = (_replicated(device_sharding),) * 3
-  return jax.jit(swap, donate_argnums=0,
-                 in_shardings=(cache_shardings, *plan_shardings),
-                 out_shardings=cache_shardings)
+  return jax.jit(
+    swap,
+    donate_argnums=0,
+    in_shardings=(cache_shardings, *plan_shardings),
+    out_shardings=cache_shardings,
+  )
 
 
 def _swap_out(cache: KVCache, src, dst, count) -> KVCache:
   live = _live_pairs(src, dst, count)
   sources = jnp.where(live, src, 0)
-  targets = jax.device_put(jnp.where(live, dst, cache.num_cpu_blocks),
-                           _replicated(cache.host_sharding))
+  targets = jax.device_put(
+    jnp.where(live, dst, cache.num_cpu_blocks), _replicated(cache.host_sharding)
+  )
 
   def move(device_arrays, host_arrays, to_bits):
     staged = _gather_blocks(device_arrays, sources)
@@ -434,16 +487,13 @@ def _swap_out(cache: KVCache, src, dst, count) -> KVCache:
   cache = cache.replace(k_host=pages[:layers], v_host=pages[layers:])
   if not cache.quantized:
     return cache
-  scales = move(cache.k_scale + cache.v_scale,
-                cache.k_scale_host + cache.v_scale_host, lambda x: x)
-  return cache.replace(k_scale_host=scales[:layers],
-                       v_scale_host=scales[layers:])
+  scales = move(cache.k_scale + cache.v_scale, cache.k_scale_host + cache.v_scale_host, lambda x: x)
+  return cache.replace(k_scale_host=scales[:layers], v_scale_host=scales[layers:])
 
 
 def _swap_in(cache: KVCache, src, dst, count) -> KVCache:
   live = _live_pairs(src, dst, count)
-  sources = jax.device_put(jnp.where(live, src, 0),
-                           _replicated(cache.host_sharding))
+  sources = jax.device_put(jnp.where(live, src, 0), _replicated(cache.host_sharding))
   targets = jnp.where(live, dst, cache.num_gpu_blocks)
 
   def move(host_arrays, device_arrays, from_bits):
@@ -453,13 +503,15 @@ def _swap_in(cache: KVCache, src, dst, count) -> KVCache:
     return _set_blocks(device_arrays, targets, staged)
 
   layers = cache.num_layers
-  pages = move(cache.k_host + cache.v_host, cache.k + cache.v,
-               lambda x: lax.bitcast_convert_type(x, cache.dtype))
+  pages = move(
+    cache.k_host + cache.v_host,
+    cache.k + cache.v,
+    lambda x: lax.bitcast_convert_type(x, cache.dtype),
+  )
   cache = cache.replace(k=pages[:layers], v=pages[layers:])
   if not cache.quantized:
     return cache
-  scales = move(cache.k_scale_host + cache.v_scale_host,
-                cache.k_scale + cache.v_scale, lambda x: x)
+  scales = move(cache.k_scale_host + cache.v_scale_host, cache.k_scale + cache.v_scale, lambda x: x)
   return cache.replace(k_scale=scales[:layers], v_scale=scales[layers:])
 
 
@@ -471,8 +523,7 @@ def _gather_blocks(pages, blocks):
 
 def _set_blocks(pages, blocks, staged):
   """Writes ``staged[:, i]`` into ``pages[i]`` at ``blocks``; past-end dropped."""
-  return tuple(page.at[:, blocks].set(staged[:, i], mode="drop")
-               for i, page in enumerate(pages))
+  return tuple(page.at[:, blocks].set(staged[:, i], mode="drop") for i, page in enumerate(pages))
 
 
 def _staging(sharding: jax.sharding.NamedSharding):
@@ -505,8 +556,16 @@ def _live_pairs(src, dst, count):
   return (jnp.arange(src.shape[0]) < count) & (src >= 0) & (dst >= 0)
 
 
-def check_plan(src, dst, count, *, num_src_blocks: int, num_dst_blocks: int,
-               name: str = "plan", disjoint: bool = False) -> None:
+def check_plan(
+  src,
+  dst,
+  count,
+  *,
+  num_src_blocks: int,
+  num_dst_blocks: int,
+  name: str = "plan",
+  disjoint: bool = False,
+) -> None:
   """Host-side check of a concrete plan (the checked path).
 
   Args:
@@ -527,25 +586,24 @@ def check_plan(src, dst, count, *, num_src_blocks: int, num_dst_blocks: int,
   src, dst = np.asarray(jax.device_get(src)), np.asarray(jax.device_get(dst))
   count = int(jax.device_get(count))
   if not 0 <= count <= src.shape[0]:
-    raise ValueError(f"{name}: count {count} is outside 0..{src.shape[0]} "
-                     "(the plan's capacity)")
+    raise ValueError(f"{name}: count {count} is outside 0..{src.shape[0]} (the plan's capacity)")
   src, dst = src[:count], dst[:count]
-  for label, blocks, limit in (("src", src, num_src_blocks),
-                               ("dst", dst, num_dst_blocks)):
+  for label, blocks, limit in (("src", src, num_src_blocks), ("dst", dst, num_dst_blocks)):
     bad = np.flatnonzero((blocks < 0) | (blocks >= limit))
     if bad.size:
       entry = bad[0]
-      raise ValueError(f"{name} entry {entry}: {label} block {blocks[entry]} "
-                       f"is out of range 0..{limit - 1}")
+      raise ValueError(
+        f"{name} entry {entry}: {label} block {blocks[entry]} is out of range 0..{limit - 1}"
+      )
   values, counts = np.unique(dst, return_counts=True)
   if (counts > 1).any():
-    raise ValueError(f"{name}: dst block {values[counts > 1][0]} appears "
-                     f"{counts[counts > 1][0]} times")
+    raise ValueError(
+      f"{name}: dst block {values[counts > 1][0]} appears {counts[counts > 1][0]} times"
+    )
   if disjoint:
     both = np.intersect1d(src, dst)
     if both.size:
-      raise ValueError(f"{name}: block {both[0]} is both a source and a "
-                       "destination")
+      raise ValueError(f"{name}: block {both[0]} is both a source and a destination")
 
 
 def check_slot_mapping(slot_mapping, num_slots: int) -> None:
@@ -561,13 +619,15 @@ def check_slot_mapping(slot_mapping, num_slots: int) -> None:
   slots = np.asarray(jax.device_get(slot_mapping)).reshape(-1)
   bad = np.flatnonzero((slots < -1) | (slots >= num_slots))
   if bad.size:
-    raise ValueError(f"slot_mapping[{bad[0]}] = {slots[bad[0]]} is out of "
-                     f"range -1..{num_slots - 1}")
+    raise ValueError(
+      f"slot_mapping[{bad[0]}] = {slots[bad[0]]} is out of range -1..{num_slots - 1}"
+    )
   written = slots[slots >= 0]
   values, counts = np.unique(written, return_counts=True)
   if (counts > 1).any():
-    raise ValueError(f"slot {values[counts > 1][0]} is written "
-                     f"{counts[counts > 1][0]} times in one slot_mapping")
+    raise ValueError(
+      f"slot {values[counts > 1][0]} is written {counts[counts > 1][0]} times in one slot_mapping"
+    )
 
 
 def host_memory_kind(device: jax.Device) -> str | None:
@@ -595,14 +655,17 @@ def pick_host_memory_kind(kinds: tuple[str, ...], platform: str) -> str | None:
     return "pinned_host"
   fallback = "unpinned_host" if "unpinned_host" in kinds else None
   warnings.warn(
-      f"{platform} offers no 'pinned_host' memory (it has {list(kinds)}); "
-      f"KV swap space falls back to {fallback or 'device'} memory",
-      RuntimeWarning, stacklevel=3)
+    f"{platform} offers no 'pinned_host' memory (it has {list(kinds)}); "
+    f"KV swap space falls back to {fallback or 'device'} memory",
+    RuntimeWarning,
+    stacklevel=3,
+  )
   return fallback
 
 
-def bytes_per_block(*, block_size: int, num_layers: int, num_kv_heads: int,
-                    head_dim: int, dtype) -> int:
+def bytes_per_block(
+  *, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype
+) -> int:
   """Bytes one block number occupies across all layers' K and V.
 
   A quantized dtype (int8, float8_e4m3fn) adds its float32 scales: each
@@ -617,9 +680,9 @@ def bytes_per_block(*, block_size: int, num_layers: int, num_kv_heads: int,
   return 2 * num_layers * num_kv_heads * block_size * row_bytes
 
 
-def num_gpu_blocks_for_memory(memory_bytes: int, block_bytes: int, *,
-                              utilization: float = 0.9,
-                              reserved_bytes: int = 0) -> int:
+def num_gpu_blocks_for_memory(
+  memory_bytes: int, block_bytes: int, *, utilization: float = 0.9, reserved_bytes: int = 0
+) -> int:
   """Device blocks that fit a memory budget, like vLLM's gpu_memory_utilization.
 
   Args:
@@ -635,20 +698,21 @@ def num_gpu_blocks_for_memory(memory_bytes: int, block_bytes: int, *,
     raise ValueError(f"utilization must be in (0, 1], got {utilization}")
   if block_bytes < 1 or memory_bytes < 0 or reserved_bytes < 0:
     raise ValueError(
-        f"need block_bytes >= 1 and non-negative memory_bytes and "
-        f"reserved_bytes, got {block_bytes}, {memory_bytes}, {reserved_bytes}")
+      f"need block_bytes >= 1 and non-negative memory_bytes and "
+      f"reserved_bytes, got {block_bytes}, {memory_bytes}, {reserved_bytes}"
+    )
   budget = int(memory_bytes * utilization) - reserved_bytes
   blocks = budget // block_bytes
   if blocks < 1:
     raise ValueError(
-        f"no room for KV blocks: {memory_bytes} bytes * utilization "
-        f"{utilization} - {reserved_bytes} reserved < one block of "
-        f"{block_bytes} bytes")
+      f"no room for KV blocks: {memory_bytes} bytes * utilization "
+      f"{utilization} - {reserved_bytes} reserved < one block of "
+      f"{block_bytes} bytes"
+    )
   return blocks
 
 
-def num_cpu_blocks_for_swap_space(swap_space_gib: float,
-                                  block_bytes: int) -> int:
+def num_cpu_blocks_for_swap_space(swap_space_gib: float, block_bytes: int) -> int:
   """Host blocks that fit ``swap_space_gib`` GiB, like vLLM's swap_space.
 
   Args:
@@ -659,8 +723,9 @@ def num_cpu_blocks_for_swap_space(swap_space_gib: float,
     ``floor(swap_space_gib * 2**30 / block_bytes)``.
   """
   if swap_space_gib < 0 or block_bytes < 1:
-    raise ValueError(f"need swap_space_gib >= 0 and block_bytes >= 1, got "
-                     f"{swap_space_gib}, {block_bytes}")
+    raise ValueError(
+      f"need swap_space_gib >= 0 and block_bytes >= 1, got {swap_space_gib}, {block_bytes}"
+    )
   return int(swap_space_gib * _GIB) // block_bytes
 
 
@@ -673,8 +738,9 @@ def device_memory_bytes(device: jax.Device | None = None) -> int:
   device = jax.devices()[0] if device is None else device
   stats = device.memory_stats() or {}
   if "bytes_limit" not in stats:
-    raise ValueError(f"{device.platform} device {device.id} reports no memory "
-                     "limit; pass memory_bytes explicitly")
+    raise ValueError(
+      f"{device.platform} device {device.id} reports no memory limit; pass memory_bytes explicitly"
+    )
   return int(stats["bytes_limit"])
 
 
@@ -683,22 +749,18 @@ def _plan_arrays(plan):
   count = jnp.asarray(plan.count)
   for name, array in (("src", src), ("dst", dst)):
     if array.ndim != 1 or array.dtype != jnp.int32:
-      raise ValueError(f"plan.{name} must be int32[capacity], got "
-                       f"{array.dtype}{list(array.shape)}")
+      raise ValueError(f"plan.{name} must be int32[capacity], got {array.dtype}{list(array.shape)}")
   if src.shape != dst.shape:
     raise ValueError(f"plan.src {src.shape} and plan.dst {dst.shape} differ")
   if count.shape != () or count.dtype != jnp.int32:
-    raise ValueError(f"plan.count must be an int32 scalar, got "
-                     f"{count.dtype}{list(count.shape)}")
+    raise ValueError(f"plan.count must be an int32 scalar, got {count.dtype}{list(count.shape)}")
   return src, dst, count
 
 
 def _check_layer(cache: KVCache, layer) -> None:
-  if isinstance(layer, bool) or not isinstance(layer, int) or not (
-      0 <= layer < cache.num_layers):
-    raise ValueError(f"layer must be an int in 0..{cache.num_layers - 1}, got "
-                     f"{layer!r}")
+  if isinstance(layer, bool) or not isinstance(layer, int) or not (0 <= layer < cache.num_layers):
+    raise ValueError(f"layer must be an int in 0..{cache.num_layers - 1}, got {layer!r}")
 
 
 def _replace_layer(layers: tuple, layer: int, value) -> tuple:
-  return layers[:layer] + (value,) + layers[layer + 1:]
+  return layers[:layer] + (value,) + layers[layer + 1 :]

@@ -34,11 +34,11 @@ import re
 import types
 from collections.abc import Sequence
 
-from flax import nnx
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from paged_jax import attention
 from paged_jax import kv_cache as kv_ops
@@ -69,9 +69,10 @@ def make_mesh(data: int = 1, model: int = 1, devices=None) -> jax.sharding.Mesh:
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
       raise ValueError(f"{name} must be an int >= 1, got {size!r}")
   if data * model > len(devices):
-    raise ValueError(f"a ({data}, {model}) mesh needs {data * model} devices, "
-                     f"{len(devices)} available")
-  grid = np.asarray(devices[:data * model], dtype=object).reshape(data, model)
+    raise ValueError(
+      f"a ({data}, {model}) mesh needs {data * model} devices, {len(devices)} available"
+    )
+  grid = np.asarray(devices[: data * model], dtype=object).reshape(data, model)
   return jax.sharding.Mesh(grid, AXES)
 
 
@@ -89,11 +90,11 @@ def check_heads(num_q_heads: int, num_kv_heads: int, tp: int) -> None:
       ``num_kv_heads`` and ``tp`` do not divide one another.
   """
   if num_q_heads % tp:
-    raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of the "
-                     f"model axis ({tp})")
+    raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of the model axis ({tp})")
   if num_kv_heads % tp and tp % num_kv_heads:
-    raise ValueError(f"num_kv_heads ({num_kv_heads}) and the model axis ({tp}) "
-                     "must divide one another")
+    raise ValueError(
+      f"num_kv_heads ({num_kv_heads}) and the model axis ({tp}) must divide one another"
+    )
 
 
 def stored_kv_heads(num_kv_heads: int, tp: int) -> int:
@@ -104,16 +105,17 @@ def stored_kv_heads(num_kv_heads: int, tp: int) -> int:
 # (path pattern, spec) in order; the first match wins, unmatched is replicated.
 # Paths are nnx state paths joined by "/", e.g. "blocks/0/attention/q_proj/kernel".
 _RULES = (
-    (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)/kernel$", P(None, "model")),
-    (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)/bias$", P("model")),
-    (r"(o_proj|down_proj)/kernel$", P("model", None)),
-    (r"embed/embedding$", P("model", None)),
-    (r"lm_head/kernel$", P(None, "model")),
+  (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)/kernel$", P(None, "model")),
+  (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)/bias$", P("model")),
+  (r"(o_proj|down_proj)/kernel$", P("model", None)),
+  (r"embed/embedding$", P("model", None)),
+  (r"lm_head/kernel$", P(None, "model")),
 )
 
 
-def partition_spec(path: str, shape: Sequence[int], tp: int, *,
-                   num_kv_heads: int) -> jax.sharding.PartitionSpec:
+def partition_spec(
+  path: str, shape: Sequence[int], tp: int, *, num_kv_heads: int
+) -> jax.sharding.PartitionSpec:
   """The Megatron split of one parameter over the ``"model"`` axis.
 
   Column-parallel q/k/v/gate/up, row-parallel o/down, vocabulary-split
@@ -137,8 +139,9 @@ def partition_spec(path: str, shape: Sequence[int], tp: int, *,
     if re.search(pattern, path):
       if len(spec) != len(shape):
         return P()
-      return P(*(axis if axis is None or shape[i] % tp == 0 else None
-                 for i, axis in enumerate(spec)))
+      return P(
+        *(axis if axis is None or shape[i] % tp == 0 else None for i, axis in enumerate(spec))
+      )
   return P()
 
 
@@ -165,8 +168,7 @@ def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh) -> nnx.Module:
   def place(path, value):
     name = "/".join(_key_name(key) for key in path)
     name = name.removesuffix("/value")  # the nnx.Variable's array
-    spec = partition_spec(name, value.shape, tp,
-                          num_kv_heads=config.num_kv_heads)
+    spec = partition_spec(name, value.shape, tp, num_kv_heads=config.num_kv_heads)
     return jax.device_put(value, jax.sharding.NamedSharding(mesh, spec))
 
   return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(place, state))
@@ -179,8 +181,9 @@ def _key_name(key) -> str:
   return str(key)
 
 
-def create_kv_cache(cfg, num_layers: int, num_kv_heads: int, head_dim: int,
-                    dtype, mesh: jax.sharding.Mesh) -> KVCache:
+def create_kv_cache(
+  cfg, num_layers: int, num_kv_heads: int, head_dim: int, dtype, mesh: jax.sharding.Mesh
+) -> KVCache:
   """A zeroed cache for every data shard, split over KV heads and shards.
 
   Pages are ``[stored_kv_heads, data * blocks, block_size, head_dim]``: the
@@ -211,14 +214,19 @@ def create_kv_cache(cfg, num_layers: int, num_kv_heads: int, head_dim: int,
   heads = stored_kv_heads(num_kv_heads, tp)
   device_sharding = jax.sharding.NamedSharding(mesh, P("model", "data"))
   host_kind = kv_ops.host_memory_kind(mesh.devices.flat[0])
-  host_sharding = (device_sharding.with_memory_kind(host_kind)
-                   if host_kind else device_sharding)
-  all_shards = dataclasses.replace(cfg, num_gpu_blocks=data
-                                   * cfg.num_gpu_blocks,
-                                   num_cpu_blocks=data * cfg.num_cpu_blocks)
-  return KVCache.zeros(all_shards, num_layers, heads, head_dim,
-                       kv_ops.check_cache_dtype(dtype), device_sharding,
-                       host_sharding)
+  host_sharding = device_sharding.with_memory_kind(host_kind) if host_kind else device_sharding
+  all_shards = dataclasses.replace(
+    cfg, num_gpu_blocks=data * cfg.num_gpu_blocks, num_cpu_blocks=data * cfg.num_cpu_blocks
+  )
+  return KVCache.zeros(
+    all_shards,
+    num_layers,
+    heads,
+    head_dim,
+    kv_ops.check_cache_dtype(dtype),
+    device_sharding,
+    host_sharding,
+  )
 
 
 def cache_mesh(cache: KVCache) -> jax.sharding.Mesh | None:
@@ -242,8 +250,7 @@ def shard_plan(plan, shard: int, num_src_blocks: int, num_dst_blocks: int):
     The plan with shard ``shard``'s blocks offset to its part of the cache.
   """
   offset = lambda ids, size: jnp.where(ids >= 0, ids + shard * size, ids)
-  return plan.replace(src=offset(plan.src, num_src_blocks),
-                      dst=offset(plan.dst, num_dst_blocks))
+  return plan.replace(src=offset(plan.src, num_src_blocks), dst=offset(plan.dst, num_dst_blocks))
 
 
 def split_rows(x: jax.Array, kv: KVCache) -> jax.Array:
@@ -251,8 +258,7 @@ def split_rows(x: jax.Array, kv: KVCache) -> jax.Array:
   mesh = cache_mesh(kv)
   if mesh is None:
     return x
-  return jax.lax.with_sharding_constraint(
-      x, jax.sharding.NamedSharding(mesh, P("data")))
+  return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, P("data")))
 
 
 def replicate(tree, kv: KVCache):
@@ -261,24 +267,20 @@ def replicate(tree, kv: KVCache):
   mesh = cache_mesh(kv)
   if mesh is None:
     return tree
-  return jax.lax.with_sharding_constraint(
-      tree, jax.sharding.NamedSharding(mesh, P()))
+  return jax.lax.with_sharding_constraint(tree, jax.sharding.NamedSharding(mesh, P()))
 
 
 def _device_part(cache: KVCache) -> KVCache:
   """The device pages (and scales) only: what runs per shard."""
-  return cache.replace(k_host=(), v_host=(), k_scale_host=None,
-                       v_scale_host=None)
+  return cache.replace(k_host=(), v_host=(), k_scale_host=None, v_scale_host=None)
 
 
 def _with_device_part(cache: KVCache, part: KVCache) -> KVCache:
-  return cache.replace(k=part.k, v=part.v, k_scale=part.k_scale,
-                       v_scale=part.v_scale)
+  return cache.replace(k=part.k, v=part.v, k_scale=part.k_scale, v_scale=part.v_scale)
 
 
 def _per_shard(fn, mesh, in_specs, out_specs):
-  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                       check_vma=False)
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
 _PAGES = P("model", "data")
@@ -307,28 +309,34 @@ def copy_blocks(cache: KVCache, plan) -> KVCache:
   if jnp.ndim(plan.src) == 1:
     src, dst, count = kv_ops._plan_arrays(plan)
     if data > 1:
-      raise ValueError(f"a cache of {data} data shards needs one copy plan "
-                       f"per shard ([{data}, K] src and dst), got {src.shape}")
+      raise ValueError(
+        f"a cache of {data} data shards needs one copy plan "
+        f"per shard ([{data}, K] src and dst), got {src.shape}"
+      )
     src, dst, count = src[None], dst[None], jnp.reshape(count, (1,))
   else:
-    src, dst, count = (jnp.asarray(a) for a in (plan.src, plan.dst,
-                                                 plan.count))
+    src, dst, count = (jnp.asarray(a) for a in (plan.src, plan.dst, plan.count))
   if attention.is_concrete(src, dst, count):
     for shard in range(data):
-      kv_ops.check_plan(src[shard], dst[shard], count[shard],
-                        num_src_blocks=cache.num_gpu_blocks // data,
-                        num_dst_blocks=cache.num_gpu_blocks // data,
-                        name="copy plan", disjoint=True)
+      kv_ops.check_plan(
+        src[shard],
+        dst[shard],
+        count[shard],
+        num_src_blocks=cache.num_gpu_blocks // data,
+        num_dst_blocks=cache.num_gpu_blocks // data,
+        name="copy plan",
+        disjoint=True,
+      )
   device = _device_part(cache)
 
   def local(pages, src, dst, count):
-    return kv_ops.copy_blocks(pages, types.SimpleNamespace(
-        src=src[0], dst=dst[0], count=count[0]))
+    return kv_ops.copy_blocks(pages, types.SimpleNamespace(src=src[0], dst=dst[0], count=count[0]))
 
   pages_spec = jax.tree.map(lambda _: _PAGES, device)
   shards = P("data")
-  copied = _per_shard(local, mesh, (pages_spec, shards, shards, shards),
-                      pages_spec)(device, src, dst, count)
+  copied = _per_shard(local, mesh, (pages_spec, shards, shards, shards), pages_spec)(
+    device, src, dst, count
+  )
   return _with_device_part(cache, copied)
 
 
@@ -355,9 +363,8 @@ class ShardedPagedCache(PagedCache):
       return out, cache.kv
 
     out, written = _per_shard(
-        local, mesh, (pages_spec, rows, rows, heads, heads, heads, rows),
-        (heads, pages_spec))(device, self.block_tables, self.slot_mapping, q,
-                             k, v, positions)
+      local, mesh, (pages_spec, rows, rows, heads, heads, heads, rows), (heads, pages_spec)
+    )(device, self.block_tables, self.slot_mapping, q, k, v, positions)
     return out, self.replace(kv=_with_device_part(self.kv, written))
 
 
@@ -380,5 +387,4 @@ def init_states(bm, num_shards: int):
   Returns:
     A ``BlockManagerState`` whose arrays have a leading ``num_shards`` axis.
   """
-  return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_shards, *x.shape)),
-                      bm.init())
+  return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_shards, *x.shape)), bm.init())

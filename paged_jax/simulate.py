@@ -33,9 +33,11 @@ class TraceConfig:
 def sample_lengths(trace: TraceConfig) -> tuple[np.ndarray, np.ndarray]:
   """(prompt lengths, output lengths), each clipped so prompt + output <= max_len."""
   rng = np.random.default_rng(trace.seed)
+
   def lognormal(mean):
-    mu = np.log(mean) - trace.sigma ** 2 / 2   # so that the mean is `mean`
+    mu = np.log(mean) - trace.sigma**2 / 2  # so that the mean is `mean`
     return np.maximum(1, rng.lognormal(mu, trace.sigma, trace.num_requests).astype(int))
+
   prompts = np.minimum(lognormal(trace.mean_prompt), trace.max_len // 2)
   outputs = np.minimum(lognormal(trace.mean_output), trace.max_len - prompts)
   return prompts, outputs
@@ -53,7 +55,7 @@ def replay(cfg: CacheConfig, trace: TraceConfig, progress=None) -> dict:
   slots = cfg.max_seqs
   token_buf = jnp.zeros(cfg.max_tokens_per_seq, jnp.int32)
   ids = np.arange(slots, dtype=np.int32)
-  request_of = np.full(slots, -1)        # request running in each slot
+  request_of = np.full(slots, -1)  # request running in each slot
   remaining = np.zeros(slots, int)
   waiting = list(range(trace.num_requests))
   steps = preemptions = finished = 0
@@ -75,7 +77,7 @@ def replay(cfg: CacheConfig, trace: TraceConfig, progress=None) -> dict:
     batch = jnp.asarray(np.where(running, ids, -1))
     state, plan = append(state, batch, jnp.zeros((slots, 1), jnp.int32), jnp.ones(slots, jnp.int32))
     if Status(int(plan.status)) == Status.OUT_OF_BLOCKS:
-      victim = int(np.nonzero(running)[0][-1])          # preempt by recomputation
+      victim = int(np.nonzero(running)[0][-1])  # preempt by recomputation
       state, _ = free(state, jnp.array([victim]))
       waiting.insert(0, int(request_of[victim]))
       request_of[victim] = -1
@@ -94,7 +96,13 @@ def replay(cfg: CacheConfig, trace: TraceConfig, progress=None) -> dict:
       request_of[done] = -1
       if progress is not None:
         progress(int(done.sum()))
-  return dict(requests=trace.num_requests, finished=finished, decode_steps=steps,
-              preemptions=preemptions, paged_utilization=held_tokens / used_slots,
-              contiguous_utilization=held_tokens / reserved_slots,
-              mean_prompt=float(prompts.mean()), mean_output=float(outputs.mean()))
+  return dict(
+    requests=trace.num_requests,
+    finished=finished,
+    decode_steps=steps,
+    preemptions=preemptions,
+    paged_utilization=held_tokens / used_slots,
+    contiguous_utilization=held_tokens / reserved_slots,
+    mean_prompt=float(prompts.mean()),
+    mean_output=float(outputs.mean()),
+  )

@@ -20,15 +20,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
-import jax.numpy as jnp
 
 
-def copy_blocks(caches: Sequence[jax.Array], src, dst, count, *,
-                backend: str = "gpu", interpret: bool = False):
+def copy_blocks(
+  caches: Sequence[jax.Array], src, dst, count, *, backend: str = "gpu", interpret: bool = False
+):
   """Copies block ``src[i]`` to block ``dst[i]`` in every cache, ``i < count``.
 
   Args:
@@ -71,8 +72,7 @@ def copy_blocks_reference(caches: Sequence[jax.Array], src, dst, count):
   # Dead pairs read block 0 and write past the end, where the write is dropped.
   safe_src = jnp.where(live, src, 0)
   safe_dst = jnp.where(live, dst, num_blocks)
-  return tuple(cache.at[:, safe_dst].set(cache[:, safe_src], mode="drop")
-               for cache in caches)
+  return tuple(cache.at[:, safe_dst].set(cache[:, safe_src], mode="drop") for cache in caches)
 
 
 def check_copy_blocks_args(caches, src, dst, count):
@@ -85,23 +85,23 @@ def check_copy_blocks_args(caches, src, dst, count):
     raise ValueError("copy_blocks needs at least one cache array")
   first = caches[0]
   if first.ndim != 4:
-    raise ValueError("caches must be [num_kv_heads, num_blocks, block_size, "
-                     f"head_dim], got shape {first.shape}")
+    raise ValueError(
+      f"caches must be [num_kv_heads, num_blocks, block_size, head_dim], got shape {first.shape}"
+    )
   for index, cache in enumerate(caches):
     if cache.shape != first.shape or cache.dtype != first.dtype:
       raise ValueError(
-          f"cache {index} is {cache.dtype}{list(cache.shape)}, cache 0 is "
-          f"{first.dtype}{list(first.shape)}; all must match")
+        f"cache {index} is {cache.dtype}{list(cache.shape)}, cache 0 is "
+        f"{first.dtype}{list(first.shape)}; all must match"
+      )
   for name, array in (("src", src), ("dst", dst)):
     if array.ndim != 1 or array.dtype != jnp.int32:
-      raise ValueError(
-          f"{name} must be int32[pairs], got {array.dtype}{list(array.shape)}")
+      raise ValueError(f"{name} must be int32[pairs], got {array.dtype}{list(array.shape)}")
   if src.shape != dst.shape:
     raise ValueError(f"src {src.shape} and dst {dst.shape} differ in length")
   count = jnp.asarray(count)
   if count.size != 1 or count.dtype != jnp.int32:
-    raise ValueError(
-        f"count must be an int32 scalar, got {count.dtype}{list(count.shape)}")
+    raise ValueError(f"count must be an int32 scalar, got {count.dtype}{list(count.shape)}")
   return count.reshape(1)
 
 
@@ -113,13 +113,12 @@ def _copy_blocks_gpu(caches, src, dst, count, interpret):
   num_kv_heads, _, block_size, head_dim = caches[0].shape
   for name, size in (("block_size", block_size), ("head_dim", head_dim)):
     if size & (size - 1):
-      raise ValueError(
-          f"{name} must be a power of two for the GPU kernel, got {size}")
+      raise ValueError(f"{name} must be a power of two for the GPU kernel, got {size}")
   plan_spec = pl.BlockSpec(src.shape, lambda i, h: (0,))
-  cache_spec = pl.BlockSpec((None, *caches[0].shape[1:]),
-                            lambda i, h: (h, 0, 0, 0))
+  cache_spec = pl.BlockSpec((None, *caches[0].shape[1:]), lambda i, h: (h, 0, 0, 0))
   num_plan_args = 3
-  return tuple(pl.pallas_call(
+  return tuple(
+    pl.pallas_call(
       _copy_tile_kernel,
       grid=(src.shape[0], num_kv_heads),
       in_specs=[plan_spec, plan_spec, pl.BlockSpec((1,), lambda i, h: (0,))]
@@ -130,7 +129,8 @@ def _copy_blocks_gpu(caches, src, dst, count, interpret):
       compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
       interpret=interpret,
       name="copy_blocks_gpu",
-  )(src, dst, count, *caches))
+    )(src, dst, count, *caches)
+  )
 
 
 def _copy_tile_kernel(src_ref, dst_ref, count_ref, *cache_refs):
@@ -149,25 +149,28 @@ def _copy_tile_kernel(src_ref, dst_ref, count_ref, *cache_refs):
 def _copy_blocks_tpu(caches, src, dst, count, interpret):
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   num_plan_args = 3
-  return tuple(pl.pallas_call(
+  return tuple(
+    pl.pallas_call(
       _copy_pairs_dma_kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=num_plan_args,
-          grid=(1,),
-          in_specs=[any_spec] * len(caches),
-          out_specs=[any_spec] * len(caches),
-          scratch_shapes=[pltpu.SemaphoreType.DMA((2,))]),
+        num_scalar_prefetch=num_plan_args,
+        grid=(1,),
+        in_specs=[any_spec] * len(caches),
+        out_specs=[any_spec] * len(caches),
+        scratch_shapes=[pltpu.SemaphoreType.DMA((2,))],
+      ),
       out_shape=[jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches],
       input_output_aliases={num_plan_args + i: i for i in range(len(caches))},
       interpret=pltpu.InterpretParams() if interpret else False,
       name="copy_blocks_tpu",
-  )(src, dst, count, *caches))
+    )(src, dst, count, *caches)
+  )
 
 
 def _copy_pairs_dma_kernel(src_ref, dst_ref, count_ref, *refs):
   """Copies pair ``i`` while pair ``i - 1`` finishes (two semaphore slots)."""
   num_caches = (len(refs) - 1) // 2
-  caches, sems = refs[num_caches:2 * num_caches], refs[-1]
+  caches, sems = refs[num_caches : 2 * num_caches], refs[-1]
   count = jnp.minimum(count_ref[0], src_ref.shape[0])
 
   def for_live_pair(pair, action):
@@ -176,8 +179,9 @@ def _copy_pairs_dma_kernel(src_ref, dst_ref, count_ref, *refs):
     @pl.when((source >= 0) & (target >= 0))
     def _():
       for cache in caches:
-        action(pltpu.make_async_copy(cache.at[:, source], cache.at[:, target],
-                                     sems.at[lax.rem(pair, 2)]))
+        action(
+          pltpu.make_async_copy(cache.at[:, source], cache.at[:, target], sems.at[lax.rem(pair, 2)])
+        )
 
   @pl.loop(0, count)
   def _(pair):

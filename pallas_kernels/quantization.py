@@ -13,8 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-MAX_VALUES = {jnp.dtype(jnp.int8): 127.0,
-              jnp.dtype(jnp.float8_e4m3fn): 448.0}
+MAX_VALUES = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
 QUANTIZED_DTYPES = tuple(MAX_VALUES)
 SCALE_DTYPE = jnp.dtype(jnp.float32)
 
@@ -41,8 +40,9 @@ def quantize(x, dtype) -> tuple[jax.Array, jax.Array]:
   """
   dtype = jnp.dtype(dtype)
   if dtype not in MAX_VALUES:
-    raise ValueError(f"cannot quantize to {dtype}; quantized dtypes are "
-                     f"{[str(d) for d in QUANTIZED_DTYPES]}")
+    raise ValueError(
+      f"cannot quantize to {dtype}; quantized dtypes are {[str(d) for d in QUANTIZED_DTYPES]}"
+    )
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"only float arrays are quantized, got {x.dtype}")
   max_value = MAX_VALUES[dtype]
@@ -60,8 +60,7 @@ def dequantize(values, scales, dtype=jnp.float32) -> jax.Array:
   return (values.astype(jnp.float32) * scales[..., None]).astype(dtype)
 
 
-def check_scales(k_pages, v_pages, k_scales, v_scales, *,
-                 kernel: str) -> None:
+def check_scales(k_pages, v_pages, k_scales, v_scales, *, kernel: str) -> None:
   """Raises ValueError unless pages and scales form one quantized layer.
 
   With both scales None the pages must not be quantized; otherwise the pages
@@ -79,16 +78,17 @@ def check_scales(k_pages, v_pages, k_scales, v_scales, *,
     raise ValueError(f"{kernel}: pass both k_scales and v_scales or neither")
   if k_scales is None:
     if is_quantized(k_pages.dtype):
-      raise ValueError(f"{kernel}: {k_pages.dtype} pages need k_scales and "
-                       "v_scales")
+      raise ValueError(f"{kernel}: {k_pages.dtype} pages need k_scales and v_scales")
     return
   if not (is_quantized(k_pages.dtype) and v_pages.dtype == k_pages.dtype):
     raise ValueError(
-        f"{kernel} cannot serve scales with {k_pages.dtype}/{v_pages.dtype} "
-        f"pages; quantized pages are {[str(d) for d in QUANTIZED_DTYPES]}")
+      f"{kernel} cannot serve scales with {k_pages.dtype}/{v_pages.dtype} "
+      f"pages; quantized pages are {[str(d) for d in QUANTIZED_DTYPES]}"
+    )
   expected = k_pages.shape[:3]
   for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
     if scales.shape != expected or scales.dtype != SCALE_DTYPE:
       raise ValueError(
-          f"{kernel}: {name} must be float32{list(expected)} ([num_kv_heads, "
-          f"num_blocks, block_size]), got {scales.dtype}{list(scales.shape)}")
+        f"{kernel}: {name} must be float32{list(expected)} ([num_kv_heads, "
+        f"num_blocks, block_size]), got {scales.dtype}{list(scales.shape)}"
+      )

@@ -18,15 +18,16 @@ with duplicates, which token lands is unspecified.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
-import jax.numpy as jnp
 
 
-def write_kv(k_cache, v_cache, k, v, slot_mapping, *, backend: str = "gpu",
-             interpret: bool = False):
+def write_kv(
+  k_cache, v_cache, k, v, slot_mapping, *, backend: str = "gpu", interpret: bool = False
+):
   """Writes ``k``, ``v`` into the cache slots named by ``slot_mapping``.
 
   Args:
@@ -66,8 +67,7 @@ def write_kv_reference(k_cache, v_cache, k, v, slot_mapping):
   return _scatter_slots((k_cache, v_cache), (k, v), slot_mapping)
 
 
-def write_scales(k_scale_cache, v_scale_cache, k_scales, v_scales,
-                 slot_mapping):
+def write_scales(k_scale_cache, v_scale_cache, k_scales, v_scales, slot_mapping):
   """Writes quantized tokens' scales into their slots (one XLA scatter each).
 
   Args:
@@ -81,18 +81,17 @@ def write_scales(k_scale_cache, v_scale_cache, k_scales, v_scales,
     The updated ``(k_scale_cache, v_scale_cache)``.
   """
   num_kv_heads = k_scale_cache.shape[0]
-  for name, cache in (("k_scale_cache", k_scale_cache),
-                      ("v_scale_cache", v_scale_cache)):
+  for name, cache in (("k_scale_cache", k_scale_cache), ("v_scale_cache", v_scale_cache)):
     if cache.ndim != 3 or cache.shape != k_scale_cache.shape:
-      raise ValueError(f"{name} must be [num_kv_heads, num_blocks, "
-                       f"block_size] like k_scale_cache, got {cache.shape}")
+      raise ValueError(
+        f"{name} must be [num_kv_heads, num_blocks, "
+        f"block_size] like k_scale_cache, got {cache.shape}"
+      )
   expected = (slot_mapping.shape[0], num_kv_heads)
   for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
     if scales.shape != expected:
-      raise ValueError(f"{name} must be [tokens, num_kv_heads] = {expected}, "
-                       f"got {scales.shape}")
-  return _scatter_slots((k_scale_cache, v_scale_cache), (k_scales, v_scales),
-                        slot_mapping)
+      raise ValueError(f"{name} must be [tokens, num_kv_heads] = {expected}, got {scales.shape}")
+  return _scatter_slots((k_scale_cache, v_scale_cache), (k_scales, v_scales), slot_mapping)
 
 
 def _scatter_slots(caches, rows, slot_mapping):
@@ -101,57 +100,67 @@ def _scatter_slots(caches, rows, slot_mapping):
   # An index past the end is dropped; -1 would wrap around to the last block.
   block = jnp.where(slot_mapping >= 0, slot_mapping // block_size, num_blocks)
   offset = slot_mapping % block_size
-  return tuple(cache.at[:, block, offset].set(jnp.swapaxes(new, 0, 1),
-                                              mode="drop")
-               for cache, new in zip(caches, rows))
+  return tuple(
+    cache.at[:, block, offset].set(jnp.swapaxes(new, 0, 1), mode="drop")
+    for cache, new in zip(caches, rows)
+  )
 
 
 def check_write_kv_args(k_cache, v_cache, k, v, slot_mapping) -> None:
   """Raises ValueError unless the arguments describe one cache write."""
   if k_cache.ndim != 4:
-    raise ValueError("k_cache must be [num_kv_heads, num_blocks, block_size, "
-                     f"head_dim], got shape {k_cache.shape}")
+    raise ValueError(
+      f"k_cache must be [num_kv_heads, num_blocks, block_size, head_dim], got shape {k_cache.shape}"
+    )
   if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
-    raise ValueError(f"v_cache {v_cache.dtype}{list(v_cache.shape)} differs "
-                     f"from k_cache {k_cache.dtype}{list(k_cache.shape)}")
+    raise ValueError(
+      f"v_cache {v_cache.dtype}{list(v_cache.shape)} differs "
+      f"from k_cache {k_cache.dtype}{list(k_cache.shape)}"
+    )
   num_kv_heads, _, _, head_dim = k_cache.shape
   if k.ndim != 3 or k.shape[1:] != (num_kv_heads, head_dim):
-    raise ValueError(f"k must be [tokens, num_kv_heads={num_kv_heads}, "
-                     f"head_dim={head_dim}], got shape {k.shape}")
+    raise ValueError(
+      f"k must be [tokens, num_kv_heads={num_kv_heads}, head_dim={head_dim}], got shape {k.shape}"
+    )
   if v.shape != k.shape:
     raise ValueError(f"v shape {v.shape} differs from k shape {k.shape}")
   if not k.dtype == v.dtype == k_cache.dtype:
-    raise ValueError(f"k, v and the cache must share one dtype, got {k.dtype}, "
-                     f"{v.dtype}, {k_cache.dtype}")
+    raise ValueError(
+      f"k, v and the cache must share one dtype, got {k.dtype}, {v.dtype}, {k_cache.dtype}"
+    )
   if slot_mapping.shape != k.shape[:1] or slot_mapping.dtype != jnp.int32:
-    raise ValueError(f"slot_mapping must be int32[{k.shape[0]}], got "
-                     f"{slot_mapping.dtype}{list(slot_mapping.shape)}")
+    raise ValueError(
+      f"slot_mapping must be int32[{k.shape[0]}], got "
+      f"{slot_mapping.dtype}{list(slot_mapping.shape)}"
+    )
 
 
 def _write_kv_gpu(k_cache, v_cache, k, v, slot_mapping, interpret):
   tokens, num_kv_heads, head_dim = k.shape
   if head_dim & (head_dim - 1):
-    raise ValueError(
-        f"head_dim must be a power of two for the GPU kernel, got {head_dim}")
+    raise ValueError(f"head_dim must be a power of two for the GPU kernel, got {head_dim}")
   row_spec = pl.BlockSpec((None, None, head_dim), lambda t, h: (t, h, 0))
-  cache_spec = pl.BlockSpec((None, *k_cache.shape[1:]),
-                            lambda t, h: (h, 0, 0, 0))
+  cache_spec = pl.BlockSpec((None, *k_cache.shape[1:]), lambda t, h: (h, 0, 0, 0))
   return pl.pallas_call(
-      _write_row_kernel,
-      grid=(tokens, num_kv_heads),
-      in_specs=[pl.BlockSpec((tokens,), lambda t, h: (0,)), row_spec, row_spec,
-                cache_spec, cache_spec],
-      out_specs=[cache_spec, cache_spec],
-      out_shape=[jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)] * 2,
-      input_output_aliases={3: 0, 4: 1},
-      compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
-      interpret=interpret,
-      name="write_kv_gpu",
+    _write_row_kernel,
+    grid=(tokens, num_kv_heads),
+    in_specs=[
+      pl.BlockSpec((tokens,), lambda t, h: (0,)),
+      row_spec,
+      row_spec,
+      cache_spec,
+      cache_spec,
+    ],
+    out_specs=[cache_spec, cache_spec],
+    out_shape=[jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)] * 2,
+    input_output_aliases={3: 0, 4: 1},
+    compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
+    interpret=interpret,
+    name="write_kv_gpu",
   )(slot_mapping, k, v, k_cache, v_cache)
 
 
-def _write_row_kernel(slots_ref, k_ref, v_ref, k_cache_in, v_cache_in,
-                      k_cache_ref, v_cache_ref):
+def _write_row_kernel(slots_ref, k_ref, v_ref, k_cache_in, v_cache_in, k_cache_ref, v_cache_ref):
   """Writes one token's row of one KV head."""
   del k_cache_in, v_cache_in  # aliased to the outputs
   slot = slots_ref[pl.program_id(0)]
@@ -167,22 +176,24 @@ def _write_row_kernel(slots_ref, k_ref, v_ref, k_cache_in, v_cache_in,
 def _write_kv_tpu(k_cache, v_cache, k, v, slot_mapping, interpret):
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   return pl.pallas_call(
-      _write_tokens_dma_kernel,
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=1,
-          grid=(1,),
-          in_specs=[any_spec] * 4,
-          out_specs=[any_spec] * 2,
-          scratch_shapes=[pltpu.SemaphoreType.DMA(())]),
-      out_shape=[jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)] * 2,
-      input_output_aliases={3: 0, 4: 1},
-      interpret=pltpu.InterpretParams() if interpret else False,
-      name="write_kv_tpu",
+    _write_tokens_dma_kernel,
+    grid_spec=pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=1,
+      grid=(1,),
+      in_specs=[any_spec] * 4,
+      out_specs=[any_spec] * 2,
+      scratch_shapes=[pltpu.SemaphoreType.DMA(())],
+    ),
+    out_shape=[jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)] * 2,
+    input_output_aliases={3: 0, 4: 1},
+    interpret=pltpu.InterpretParams() if interpret else False,
+    name="write_kv_tpu",
   )(slot_mapping, k, v, k_cache, v_cache)
 
 
-def _write_tokens_dma_kernel(slots_ref, k_hbm, v_hbm, k_cache_in, v_cache_in,
-                             k_cache_hbm, v_cache_hbm, sem):
+def _write_tokens_dma_kernel(
+  slots_ref, k_hbm, v_hbm, k_cache_in, v_cache_in, k_cache_hbm, v_cache_hbm, sem
+):
   """Starts one DMA per token and cache, then waits for all of them."""
   del k_cache_in, v_cache_in  # aliased to the outputs
   tokens = k_hbm.shape[0]
@@ -191,9 +202,10 @@ def _write_tokens_dma_kernel(slots_ref, k_hbm, v_hbm, k_cache_in, v_cache_in,
   def copies(token):
     slot = slots_ref[token]
     block, offset = lax.div(slot, block_size), lax.rem(slot, block_size)
-    return [pltpu.make_async_copy(new.at[token], cache.at[:, block, offset],
-                                  sem)
-            for new, cache in ((k_hbm, k_cache_hbm), (v_hbm, v_cache_hbm))]
+    return [
+      pltpu.make_async_copy(new.at[token], cache.at[:, block, offset], sem)
+      for new, cache in ((k_hbm, k_cache_hbm), (v_hbm, v_cache_hbm))
+    ]
 
   def for_each_written_token(action):
     @pl.loop(0, tokens)

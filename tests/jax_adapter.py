@@ -18,13 +18,14 @@ import paged_jax as pj
 from paged_jax.block_manager.manager import jit_op
 from paged_jax.block_manager.state import ON_CPU, ON_GPU
 
-@functools.lru_cache(maxsize=None)
+
+@functools.cache
 def _compiled(cfg: pj.CacheConfig, name: str, use_jit: bool):
   method = getattr(pj.BlockSpaceManager(cfg), name)
   return jit_op(method) if use_jit else method
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _host_view_fn(cfg: pj.CacheConfig):
   """A jitted call that packs a state's leaves and the queries the tests compare into one
   int32 array (one transfer per state), and the shapes of those queries."""
@@ -32,13 +33,17 @@ def _host_view_fn(cfg: pj.CacheConfig):
   slots = np.arange(cfg.max_seqs, dtype=np.int32)
 
   def queries(state):
-    return (bm.get_block_tables(state, slots), bm.get_num_tokens(state, slots),
-            bm.num_free_gpu_blocks(state), bm.num_free_cpu_blocks(state),
-            bm.prefix_cache_hit_rate(state))
+    return (
+      bm.get_block_tables(state, slots),
+      bm.get_num_tokens(state, slots),
+      bm.num_free_gpu_blocks(state),
+      bm.num_free_cpu_blocks(state),
+      bm.prefix_cache_hit_rate(state),
+    )
 
   def packed(state):
-    return jnp.concatenate([_as_int32(x).ravel()
-                            for x in jax.tree.leaves((state, queries(state)))])
+    return jnp.concatenate([_as_int32(x).ravel() for x in jax.tree.leaves((state, queries(state)))])
+
   return jax.jit(packed), jax.eval_shape(queries, bm.init())
 
 
@@ -54,7 +59,7 @@ def _unpack(packed: np.ndarray, like):
   out, start = [], 0
   for leaf in leaves:
     dtype, size = np.dtype(leaf.dtype), math.prod(leaf.shape)
-    chunk = packed[start:start + size].reshape(leaf.shape)
+    chunk = packed[start : start + size].reshape(leaf.shape)
     start += size
     out.append(chunk.view(dtype) if dtype in (np.uint32, np.float32) else chunk.astype(dtype))
   return jax.tree.unflatten(treedef, out)
@@ -66,8 +71,14 @@ _DEVICES = {ON_GPU: "gpu", ON_CPU: "cpu"}
 class JaxManager:
   """Mutable wrapper: holds a BlockManagerState and checks invariants after each call."""
 
-  def __init__(self, cfg: pj.CacheConfig, use_jit: bool = True, pad_to: int = 4,
-               token_pad: int | None = None, check: bool = True):
+  def __init__(
+    self,
+    cfg: pj.CacheConfig,
+    use_jit: bool = True,
+    pad_to: int = 4,
+    token_pad: int | None = None,
+    check: bool = True,
+  ):
     self.cfg = cfg
     self.use_jit = use_jit
     self.pad_to = pad_to
@@ -118,11 +129,12 @@ class JaxManager:
     k_cols = max([len(r) for r in new_token_ids] + [1])
     tokens = np.zeros((len(ids), k_cols), np.int32)
     for i, row in enumerate(new_token_ids):
-      tokens[i, :len(row)] = row
+      tokens[i, : len(row)] = row
     counts = np.zeros(len(ids), np.int32)
-    counts[:len(num_new)] = num_new
-    plan = self._mutate("append_slots", ids, tokens, counts,
-                        num_lookahead_slots=num_lookahead_slots)
+    counts[: len(num_new)] = num_new
+    plan = self._mutate(
+      "append_slots", ids, tokens, counts, num_lookahead_slots=num_lookahead_slots
+    )
     return pj.Status(int(plan.status)), _pairs(plan)
 
   def fork(self, parent_id, child_id):
@@ -143,8 +155,9 @@ class JaxManager:
     self._set_state(self._call("reset", self.state))
 
   def access_all_blocks_in_seq(self, seq_id, now):
-    self._set_state(self._call("access_all_blocks_in_seq", self.state, np.int32(seq_id),
-                               np.int32(now)))
+    self._set_state(
+      self._call("access_all_blocks_in_seq", self.state, np.int32(seq_id), np.int32(now))
+    )
 
   def mark_blocks_as_computed(self, seq_ids, num_computed_tokens):
     ids = self._ids(seq_ids)
@@ -152,7 +165,7 @@ class JaxManager:
       counts = np.int32(num_computed_tokens)
     else:
       counts = np.zeros(len(ids), np.int32)
-      counts[:len(num_computed_tokens)] = num_computed_tokens
+      counts[: len(num_computed_tokens)] = num_computed_tokens
     self._set_state(self._call("mark_blocks_as_computed", self.state, ids, counts))
 
   # --- queries
@@ -160,19 +173,27 @@ class JaxManager:
     return pj.AllocStatus(int(self._call("can_allocate", self.state, np.int32(num_tokens))))
 
   def can_append_slots(self, seq_ids, num_lookahead_slots=0):
-    return bool(self._call("can_append_slots", self.state, self._ids(seq_ids),
-                           num_lookahead_slots=num_lookahead_slots))
+    return bool(
+      self._call(
+        "can_append_slots", self.state, self._ids(seq_ids), num_lookahead_slots=num_lookahead_slots
+      )
+    )
 
   def can_swap_out(self, seq_ids):
     return bool(self._call("can_swap_out", self.state, self._ids(seq_ids)))
 
   def can_swap_in(self, seq_ids, num_lookahead_slots=0):
-    return pj.AllocStatus(int(self._call("can_swap_in", self.state, self._ids(seq_ids),
-                                         num_lookahead_slots=num_lookahead_slots)))
+    return pj.AllocStatus(
+      int(
+        self._call(
+          "can_swap_in", self.state, self._ids(seq_ids), num_lookahead_slots=num_lookahead_slots
+        )
+      )
+    )
 
   def get_common_computed_block_ids(self, seq_ids):
     ids, n = self._call("get_common_computed_block_ids", self.state, self._ids(seq_ids))
-    return np.asarray(ids)[:int(n)].tolist()
+    return np.asarray(ids)[: int(n)].tolist()
 
   def get_block_table(self, seq_id):
     return np.asarray(self._call("get_block_table", self.state, np.int32(seq_id))).tolist()
@@ -183,9 +204,9 @@ class JaxManager:
   def get_slot_mapping(self, seq_ids, num_new, width):
     ids = self._ids(seq_ids)
     counts = np.zeros(len(ids), np.int32)
-    counts[:len(num_new)] = num_new
+    counts[: len(num_new)] = num_new
     out = self._call("get_slot_mapping", self.state, ids, counts, width=width)
-    return np.asarray(out)[:len(seq_ids)].tolist()
+    return np.asarray(out)[: len(seq_ids)].tolist()
 
   def num_free_gpu_blocks(self):
     return int(self._call("num_free_gpu_blocks", self.state))
@@ -203,10 +224,15 @@ class JaxManager:
   def snapshot(self):
     """Tables, token counts, devices, ref counts, free counts and hit rate."""
     state, (tables, tokens, free_gpu, free_cpu, hit_rate) = self._host()
-    return dict(tables=tables.tolist(), tokens=tokens.tolist(),
-                devices=[_DEVICES.get(d) for d in state.device.tolist()],
-                gpu_refs=state.gpu.ref_count.tolist(), cpu_refs=state.cpu.ref_count.tolist(),
-                free=(int(free_gpu), int(free_cpu)), hit_rate=round(float(hit_rate), 6))
+    return dict(
+      tables=tables.tolist(),
+      tokens=tokens.tolist(),
+      devices=[_DEVICES.get(d) for d in state.device.tolist()],
+      gpu_refs=state.gpu.ref_count.tolist(),
+      cpu_refs=state.cpu.ref_count.tolist(),
+      free=(int(free_gpu), int(free_cpu)),
+      hit_rate=round(float(hit_rate), 6),
+    )
 
   def prefix_cache_hit_rate(self):
     return float(self._call("prefix_cache_hit_rate", self.state))

@@ -10,9 +10,9 @@ import functools
 import json
 import re
 
-from flax import nnx
 import jax
 import numpy as np
+from flax import nnx
 
 import paged_jax as pj
 from paged_jax import kv_cache as kv_ops
@@ -23,19 +23,20 @@ from paged_jax.models import load_tiny
 
 MESHES = ((1, 2), (1, 4), (2, 2), (2, 4), (8, 1))
 NUM_GPU_BLOCKS = 48  # distinctive, to find cache-sized arrays in the HLO
-CFG = pj.CacheConfig(block_size=8, num_gpu_blocks=NUM_GPU_BLOCKS,
-                     num_cpu_blocks=16, max_seqs=4, max_blocks_per_seq=8)
+CFG = pj.CacheConfig(
+  block_size=8, num_gpu_blocks=NUM_GPU_BLOCKS, num_cpu_blocks=16, max_seqs=4, max_blocks_per_seq=8
+)
 SAMPLING = pj.SamplingParams(max_new_tokens=6)
 # A collective's result: one shape, or a tuple of them (combined ops).
 COLLECTIVE = re.compile(
-    r"= (\([^)]*\)|\S+) (all-gather|all-to-all|collective-permute|all-reduce"
-    r"|reduce-scatter)(?:-start)?\(")
+  r"= (\([^)]*\)|\S+) (all-gather|all-to-all|collective-permute|all-reduce"
+  r"|reduce-scatter)(?:-start)?\("
+)
 
 
 def requests() -> list[pj.Request]:
   rng = np.random.default_rng(0)
-  return [pj.Request(rng.integers(0, 258, size=n).astype(np.int32))
-          for n in (5, 13)]
+  return [pj.Request(rng.integers(0, 258, size=n).astype(np.int32)) for n in (5, 13)]
 
 
 def tokens_of(outputs) -> list[list[int]]:
@@ -58,34 +59,42 @@ def logits_of(model, mesh) -> list[list[float]]:
   state = bm.init()
   for seq, prompt in zip(seqs, prompts):
     tokens = np.zeros(CFG.max_tokens_per_seq, np.int32)
-    tokens[:prompt.size] = prompt
-    state, _ = manager.allocate(state, seqs[seq:seq + 1], tokens, prompt.size)
+    tokens[: prompt.size] = prompt
+    state, _ = manager.allocate(state, seqs[seq : seq + 1], tokens, prompt.size)
   config = model.config
   if mesh is None:
-    kv = pj.KVCache.create(CFG, config.num_layers, config.num_kv_heads,
-                           config.head_dim, dtype=config.compute_dtype)
+    kv = pj.KVCache.create(
+      CFG, config.num_layers, config.num_kv_heads, config.head_dim, dtype=config.compute_dtype
+    )
   else:
     model = sharding.shard_model(model, mesh)
-    kv = sharding.create_kv_cache(CFG, config.num_layers, config.num_kv_heads,
-                                  config.head_dim, config.compute_dtype, mesh)
+    kv = sharding.create_kv_cache(
+      CFG, config.num_layers, config.num_kv_heads, config.head_dim, config.compute_dtype, mesh
+    )
   graphdef, params = nnx.split(model)
   width = 16
   ids = np.zeros((len(prompts), width), np.int32)
   positions = np.full((len(prompts), width), -1, np.int32)
   for row, prompt in enumerate(prompts):
-    ids[row, :prompt.size] = prompt
-    positions[row, :prompt.size] = np.arange(prompt.size)
+    ids[row, : prompt.size] = prompt
+    positions[row, : prompt.size] = np.arange(prompt.size)
   slots = manager.get_slot_mapping(state, seqs, lengths, width=width)
-  prefill, kv = _forward(graphdef, params, kv, ids, positions,
-                         manager.get_block_tables(state, seqs), slots)
+  prefill, kv = _forward(
+    graphdef, params, kv, ids, positions, manager.get_block_tables(state, seqs), slots
+  )
   last = np.asarray(prefill)[seqs, lengths - 1]
   token = np.argmax(last, axis=-1).astype(np.int32)[:, None]
   ones = np.ones(len(prompts), np.int32)
   state, _ = manager.append_slots(state, seqs, token, ones)
   decode, _ = _forward(
-      graphdef, params, kv, token, lengths[:, None],
-      manager.get_block_tables(state, seqs),
-      manager.get_slot_mapping(state, seqs, ones, width=1))
+    graphdef,
+    params,
+    kv,
+    token,
+    lengths[:, None],
+    manager.get_block_tables(state, seqs),
+    manager.get_slot_mapping(state, seqs, ones, width=1),
+  )
   valid = np.asarray(prefill)[positions >= 0]
   return [valid.ravel().tolist(), np.asarray(decode).ravel().tolist()]
 
@@ -94,15 +103,17 @@ def device_bytes(kv) -> dict[str, list[int]]:
   """Bytes of device and host pages (and scales) on each device, from the
   shardings."""
   result = {}
-  scales = ((kv.k_scale + kv.v_scale, kv.k_scale_host + kv.v_scale_host)
-            if kv.quantized else ((), ()))
-  for name, pages in (("device", kv.k + kv.v + scales[0]),
-                      ("host", kv.k_host + kv.v_host + scales[1])):
+  scales = (
+    (kv.k_scale + kv.v_scale, kv.k_scale_host + kv.v_scale_host) if kv.quantized else ((), ())
+  )
+  for name, pages in (
+    ("device", kv.k + kv.v + scales[0]),
+    ("host", kv.k_host + kv.v_host + scales[1]),
+  ):
     per_device = {}
     for array in pages:
       for shard in array.addressable_shards:
-        per_device[shard.device.id] = (per_device.get(shard.device.id, 0)
-                                       + shard.data.nbytes)
+        per_device[shard.device.id] = per_device.get(shard.device.id, 0) + shard.data.nbytes
     result[name] = [per_device[d] for d in sorted(per_device)]
   return result
 
@@ -113,8 +124,7 @@ def weight_bytes(model, mesh) -> list[int]:
   params = nnx.state(sharding.shard_model(model, mesh), nnx.Param)
   for array in jax.tree.leaves(params):
     for shard in array.addressable_shards:
-      per_device[shard.device.id] = (per_device.get(shard.device.id, 0)
-                                     + shard.data.nbytes)
+      per_device[shard.device.id] = per_device.get(shard.device.id, 0) + shard.data.nbytes
   return [per_device[d] for d in sorted(per_device)]
 
 
@@ -127,23 +137,38 @@ def step_collectives(model, mesh) -> dict[str, list[list[str]]]:
   """Collectives of the compiled decode loop, prefill and swaps on ``mesh``."""
   runner = runner_lib.ModelRunner(model, CFG, mesh=mesh)
   decode = runner_lib._decode_loop.lower(
-      runner.graphdef, runner.params, runner.rows, runner.decode_carry(4),
-      np.array(True), False)
+    runner.graphdef, runner.params, runner.rows, runner.decode_carry(4), np.array(True), False
+  )
   data, rows, width = runner.num_shards, 2, 16
-  draw_rows = jax.tree.map(lambda a: a[:data * CFG.max_seqs], runner.rows)
+  draw_rows = jax.tree.map(lambda a: a[: data * CFG.max_seqs], runner.rows)
   prefill = runner_lib._prefill.lower(
-      runner.graphdef, runner.params, runner.kv, runner.state,
-      np.zeros((data * rows, width), np.int32),
-      np.zeros((data * rows, width), np.int32),
-      np.zeros((data, rows), np.int32),
-      np.zeros(data * CFG.max_seqs, np.int32), draw_rows, 0, CFG.block_size)
+    runner.graphdef,
+    runner.params,
+    runner.kv,
+    runner.state,
+    np.zeros((data * rows, width), np.int32),
+    np.zeros((data * rows, width), np.int32),
+    np.zeros((data, rows), np.int32),
+    np.zeros(data * CFG.max_seqs, np.int32),
+    draw_rows,
+    0,
+    CFG.block_size,
+  )
   plan = np.zeros(8, np.int32)
   kv = runner.kv
-  swaps = [kv_ops._jitted_for(kv, fn).lower(kv, plan, plan, np.int32(0))
-           for fn in (kv_ops._swap_out, kv_ops._swap_in)]
-  return {name: collectives(lowered.compile().as_text())
-          for name, lowered in (("decode", decode), ("prefill", prefill),
-                                ("swap_out", swaps[0]), ("swap_in", swaps[1]))}
+  swaps = [
+    kv_ops._jitted_for(kv, fn).lower(kv, plan, plan, np.int32(0))
+    for fn in (kv_ops._swap_out, kv_ops._swap_in)
+  ]
+  return {
+    name: collectives(lowered.compile().as_text())
+    for name, lowered in (
+      ("decode", decode),
+      ("prefill", prefill),
+      ("swap_out", swaps[0]),
+      ("swap_in", swaps[1]),
+    )
+  }
 
 
 def ops_match(mesh, dtype="float32") -> bool:
@@ -156,8 +181,9 @@ def ops_match(mesh, dtype="float32") -> bool:
   """
   rng = np.random.default_rng(1)
   heads, head_dim, data = 4, 32, mesh.shape["data"]
-  all_blocks = dataclasses.replace(CFG, num_gpu_blocks=data * NUM_GPU_BLOCKS,
-                                   num_cpu_blocks=data * CFG.num_cpu_blocks)
+  all_blocks = dataclasses.replace(
+    CFG, num_gpu_blocks=data * NUM_GPU_BLOCKS, num_cpu_blocks=data * CFG.num_cpu_blocks
+  )
   one = pj.KVCache.create(all_blocks, 2, heads, head_dim, dtype=dtype)
   many = sharding.create_kv_cache(CFG, 2, heads, head_dim, dtype, mesh)
   shape, host_shape = one.k[0].shape, one.k_host[0].shape
@@ -165,63 +191,81 @@ def ops_match(mesh, dtype="float32") -> bool:
     pages = [rng.integers(-127, 128, shape).astype(np.int8) for _ in range(4)]
   else:
     pages = [rng.standard_normal(shape, np.float32) for _ in range(4)]
-  host = np.frombuffer(rng.bytes(pages[0].nbytes * host_shape[1] // shape[1]),
-                       one.k_host[0].dtype).reshape(host_shape)
+  host = np.frombuffer(
+    rng.bytes(pages[0].nbytes * host_shape[1] // shape[1]), one.k_host[0].dtype
+  ).reshape(host_shape)
   scales = [rng.random(shape[:3], np.float32) for _ in range(4)]
   nan = np.full(host_shape[:3], np.nan, np.float32)
 
   def fill(cache):
-    put = lambda arrays, sharding_: tuple(jax.device_put(a, sharding_)
-                                          for a in arrays)
-    cache = cache.replace(k=put(pages[:2], cache.device_sharding),
-                          v=put(pages[2:], cache.device_sharding),
-                          k_host=put([host] * 2, cache.host_sharding),
-                          v_host=put([host] * 2, cache.host_sharding))
+    put = lambda arrays, sharding_: tuple(jax.device_put(a, sharding_) for a in arrays)
+    cache = cache.replace(
+      k=put(pages[:2], cache.device_sharding),
+      v=put(pages[2:], cache.device_sharding),
+      k_host=put([host] * 2, cache.host_sharding),
+      v_host=put([host] * 2, cache.host_sharding),
+    )
     if not cache.quantized:
       return cache
-    return cache.replace(k_scale=put(scales[:2], cache.device_sharding),
-                         v_scale=put(scales[2:], cache.device_sharding),
-                         k_scale_host=put([nan] * 2, cache.host_sharding),
-                         v_scale_host=put([nan] * 2, cache.host_sharding))
+    return cache.replace(
+      k_scale=put(scales[:2], cache.device_sharding),
+      v_scale=put(scales[2:], cache.device_sharding),
+      k_scale_host=put([nan] * 2, cache.host_sharding),
+      v_scale_host=put([nan] * 2, cache.host_sharding),
+    )
 
-  blocks = np.stack([rng.permutation(NUM_GPU_BLOCKS)
-                     for _ in range(data)]).astype(np.int32)
+  blocks = np.stack([rng.permutation(NUM_GPU_BLOCKS) for _ in range(data)]).astype(np.int32)
   counts = (5 + np.arange(data) % 2).astype(np.int32)
-  cow = pj.CopyPlan(src=blocks[:, :6], dst=blocks[:, 6:12], count=counts,
-                    status=np.zeros(data, np.int32))
+  cow = pj.CopyPlan(
+    src=blocks[:, :6], dst=blocks[:, 6:12], count=counts, status=np.zeros(data, np.int32)
+  )
   live = np.arange(6) < counts[:, None]
   offsets = NUM_GPU_BLOCKS * np.arange(data, dtype=np.int32)[:, None]
   global_ids = lambda ids: (ids + offsets)[live].astype(np.int32)
-  one_cow = pj.CopyPlan(src=global_ids(blocks[:, :6]),
-                        dst=global_ids(blocks[:, 6:12]),
-                        count=np.int32(live.sum()), status=np.int32(0))
-  out = sharding.shard_plan(pj.SwapPlan(
-      src=blocks[-1, 12:20], dst=np.arange(8, dtype=np.int32),
-      count=np.int32(7), status=np.int32(0)), data - 1, NUM_GPU_BLOCKS,
-                            CFG.num_cpu_blocks)
-  back = pj.SwapPlan(src=np.arange(8, dtype=np.int32), dst=blocks[0, 20:28],
-                     count=np.int32(7), status=np.int32(0))
+  one_cow = pj.CopyPlan(
+    src=global_ids(blocks[:, :6]),
+    dst=global_ids(blocks[:, 6:12]),
+    count=np.int32(live.sum()),
+    status=np.int32(0),
+  )
+  out = sharding.shard_plan(
+    pj.SwapPlan(
+      src=blocks[-1, 12:20], dst=np.arange(8, dtype=np.int32), count=np.int32(7), status=np.int32(0)
+    ),
+    data - 1,
+    NUM_GPU_BLOCKS,
+    CFG.num_cpu_blocks,
+  )
+  back = pj.SwapPlan(
+    src=np.arange(8, dtype=np.int32), dst=blocks[0, 20:28], count=np.int32(7), status=np.int32(0)
+  )
   results = []
-  for cache, copy, plan in ((fill(one), pj.copy_blocks, one_cow),
-                            (fill(many), sharding.copy_blocks, cow)):
+  for cache, copy, plan in (
+    (fill(one), pj.copy_blocks, one_cow),
+    (fill(many), sharding.copy_blocks, cow),
+  ):
     cache = pj.swap_in(pj.swap_out(copy(cache, plan), out), back)
     results.append([np.asarray(a) for a in jax.tree.leaves(cache)])
-  return all(np.array_equal(a, b, equal_nan=True)
-             for a, b in zip(*results))
+  return all(np.array_equal(a, b, equal_nan=True) for a, b in zip(*results))
 
 
 def row_mesh(mesh, row: int) -> jax.sharding.Mesh:
   """Data shard ``row`` of ``mesh`` as a ``(1, model)`` mesh."""
-  return jax.sharding.Mesh(mesh.devices[row:row + 1], sharding.AXES)
+  return jax.sharding.Mesh(mesh.devices[row : row + 1], sharding.AXES)
 
 
 # Every feature at once on a data-parallel mesh: prefix caching (two prompts
 # share 16 tokens), seeded sampling with n=2, beam search, and preemption by
 # swap (8 blocks per shard cannot hold the two greedy requests at once).
-FEATURES_CFG = pj.CacheConfig(block_size=8, num_gpu_blocks=8,
-                              num_cpu_blocks=32, max_seqs=4,
-                              max_blocks_per_seq=8, watermark=0.0,
-                              enable_prefix_caching=True)
+FEATURES_CFG = pj.CacheConfig(
+  block_size=8,
+  num_gpu_blocks=8,
+  num_cpu_blocks=32,
+  max_seqs=4,
+  max_blocks_per_seq=8,
+  watermark=0.0,
+  enable_prefix_caching=True,
+)
 
 
 def feature_requests():
@@ -229,13 +273,18 @@ def feature_requests():
   loaded shard of each is 0, 1, 1, 0 (round robin would give 0, 1, 0, 1)."""
   rng = np.random.default_rng(2)
   shared = rng.integers(0, 258, 16)
-  prompts = [rng.integers(0, 258, 7)] + [
-      np.concatenate([shared, rng.integers(0, 258, n)]) for n in (3, 9)] + [
-          rng.integers(0, 258, 11)]
+  prompts = (
+    [rng.integers(0, 258, 7)]
+    + [np.concatenate([shared, rng.integers(0, 258, n)]) for n in (3, 9)]
+    + [rng.integers(0, 258, 11)]
+  )
   greedy = pj.SamplingParams(max_tokens=24)
-  params = [pj.SamplingParams(max_tokens=16, n=2, temperature=0.8, seed=3),
-            greedy, greedy,
-            pj.SamplingParams(max_tokens=8, n=2, use_beam_search=True)]
+  params = [
+    pj.SamplingParams(max_tokens=16, n=2, temperature=0.8, seed=3),
+    greedy,
+    greedy,
+    pj.SamplingParams(max_tokens=8, n=2, use_beam_search=True),
+  ]
   return [(p.astype(np.int32), q) for p, q in zip(prompts, params)]
 
 
@@ -243,10 +292,16 @@ def serve_features(model, mesh, kv_cache_dtype=None) -> dict:
   """Tokens and log-probs of `feature_requests` on an engine on ``mesh``,
   where each request went, and what the shards hold at the end; then where
   one more request goes once all have finished (their loads are gone)."""
-  engine = pj.LLMEngine(model, None, FEATURES_CFG, mesh=mesh,
-                        preemption_mode="swap", num_decode_steps=4,
-                        kv_cache_dtype=kv_cache_dtype,
-                        max_num_batched_tokens=32)
+  engine = pj.LLMEngine(
+    model,
+    None,
+    FEATURES_CFG,
+    mesh=mesh,
+    preemption_mode="swap",
+    num_decode_steps=4,
+    kv_cache_dtype=kv_cache_dtype,
+    max_num_batched_tokens=32,
+  )
   requests = feature_requests()
   for i, (prompt, params) in enumerate(requests):
     engine.add_request(str(i), prompt, params)
@@ -266,75 +321,79 @@ def serve_features(model, mesh, kv_cache_dtype=None) -> dict:
   errors = {}
   if mesh is not None:
     try:
-      engine.state   # pylint: disable=pointless-statement
+      _ = engine.state
     except ValueError as err:
       errors["state"] = str(err)
-    plan = pj.CopyPlan(src=np.zeros(2, np.int32), dst=np.ones(2, np.int32),
-                       count=np.int32(1), status=np.int32(0))
+    plan = pj.CopyPlan(
+      src=np.zeros(2, np.int32), dst=np.ones(2, np.int32), count=np.int32(1), status=np.int32(0)
+    )
     try:
       sharding.copy_blocks(engine.runner.kv, plan)
     except ValueError as err:
       errors["copy_plan"] = str(err)
     try:
-      engine.runner.free([0, FEATURES_CFG.max_seqs])   # slot 0 of shards 0, 1
+      engine.runner.free([0, FEATURES_CFG.max_seqs])  # slot 0 of shards 0, 1
     except ValueError as err:
       errors["slots"] = str(err)
   return {
-      "errors": errors,
-      "tokens": [[o.token_ids for o in finals[str(i)].outputs]
-                 for i in range(len(requests))],
-      "logprobs": [[o.cumulative_logprob for o in finals[str(i)].outputs]
-                   for i in range(len(requests))],
-      "shards": shards, "late_shard": late_shard,
-      "all_free": engine.num_free_gpu_blocks()
-                  == engine.runner.num_shards * FEATURES_CFG.num_gpu_blocks,
-      "swaps": stats.swaps, "preemptions": stats.preemptions,
-      "hit_rate": stats.prefix_cache_hit_rate,
+    "errors": errors,
+    "tokens": [[o.token_ids for o in finals[str(i)].outputs] for i in range(len(requests))],
+    "logprobs": [
+      [o.cumulative_logprob for o in finals[str(i)].outputs] for i in range(len(requests))
+    ],
+    "shards": shards,
+    "late_shard": late_shard,
+    "all_free": engine.num_free_gpu_blocks()
+    == engine.runner.num_shards * FEATURES_CFG.num_gpu_blocks,
+    "swaps": stats.swaps,
+    "preemptions": stats.preemptions,
+    "hit_rate": stats.prefix_cache_hit_rate,
   }
 
 
 def single_process(out: str) -> None:
   model = load_tiny()
   reqs = requests()
-  result = {"reference": tokens_of(pj.generate(
-      model, reqs, CFG, SAMPLING, jax.random.key(0))[0])}
+  result = {"reference": tokens_of(pj.generate(model, reqs, CFG, SAMPLING, jax.random.key(0))[0])}
   result["reference_logits"] = logits_of(model, None)
-  result["unsharded_bytes"] = device_bytes(pj.KVCache.create(
-      CFG, 4, 2, 32, dtype="float32"))
+  result["unsharded_bytes"] = device_bytes(pj.KVCache.create(CFG, 4, 2, 32, dtype="float32"))
   result["unsharded_weight_bytes"] = sum(
-      a.nbytes for a in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    a.nbytes for a in jax.tree.leaves(nnx.state(model, nnx.Param))
+  )
   for shape in MESHES:
     mesh = sharding.make_mesh(*shape)
     name = f"{shape[0]}x{shape[1]}"
-    outputs, _ = pj.generate(model, reqs, CFG, SAMPLING, jax.random.key(0),
-                             mesh=mesh)
+    outputs, _ = pj.generate(model, reqs, CFG, SAMPLING, jax.random.key(0), mesh=mesh)
     result[name] = {
-        "tokens": tokens_of(outputs),
-        "bytes": device_bytes(sharding.create_kv_cache(
-            CFG, 4, 2, 32, "float32", mesh)),
-        "weight_bytes": weight_bytes(model, mesh),
+      "tokens": tokens_of(outputs),
+      "bytes": device_bytes(sharding.create_kv_cache(CFG, 4, 2, 32, "float32", mesh)),
+      "weight_bytes": weight_bytes(model, mesh),
     }
-    if shape in ((1, 2), (2, 2), (2, 4)):   # 2 rows: one per data shard
+    if shape in ((1, 2), (2, 2), (2, 4)):  # 2 rows: one per data shard
       result[name]["logits"] = logits_of(model, mesh)
-    if shape == (8, 1):   # a tensor-parallel-free row, off device 0
+    if shape == (8, 1):  # a tensor-parallel-free row, off device 0
       result[name]["logits"] = logits_of(model, row_mesh(mesh, 7))
   result["features_reference"] = serve_features(model, None)
   result["features_2x2"] = serve_features(model, sharding.make_mesh(2, 2))
   result["ops_match"] = ops_match(sharding.make_mesh(2, 2))
   result["int8_ops_match"] = ops_match(sharding.make_mesh(2, 2), "int8")
-  result["int8_reference"] = tokens_of(pj.generate(
-      model, reqs, CFG, SAMPLING, jax.random.key(0), kv_cache_dtype="int8")[0])
+  result["int8_reference"] = tokens_of(
+    pj.generate(model, reqs, CFG, SAMPLING, jax.random.key(0), kv_cache_dtype="int8")[0]
+  )
   int8_mesh = sharding.make_mesh(2, 2)
-  result["int8_2x2"] = tokens_of(pj.generate(
-      model, reqs, CFG, SAMPLING, jax.random.key(0), kv_cache_dtype="int8",
-      mesh=int8_mesh)[0])
-  result["int8_2x2_bytes"] = device_bytes(sharding.create_kv_cache(
-      CFG, 4, 2, 32, "int8", int8_mesh))
-  result["int8_unsharded_bytes"] = device_bytes(pj.KVCache.create(
-      CFG, 4, 2, 32, dtype="int8"))
+  result["int8_2x2"] = tokens_of(
+    pj.generate(
+      model, reqs, CFG, SAMPLING, jax.random.key(0), kv_cache_dtype="int8", mesh=int8_mesh
+    )[0]
+  )
+  result["int8_2x2_bytes"] = device_bytes(
+    sharding.create_kv_cache(CFG, 4, 2, 32, "int8", int8_mesh)
+  )
+  result["int8_unsharded_bytes"] = device_bytes(pj.KVCache.create(CFG, 4, 2, 32, dtype="int8"))
   for shape in ((1, 2), (1, 4), (2, 2)):
     result[f"{shape[0]}x{shape[1]}"]["collectives"] = step_collectives(
-        model, sharding.make_mesh(*shape))
+      model, sharding.make_mesh(*shape)
+    )
   with open(out, "w") as f:
     json.dump(result, f)
 
@@ -343,15 +402,20 @@ def multi_process(out: str) -> None:
   """One process of a two-process run: serves one (2, 4) mesh over both, then
   the same requests on one of its own devices."""
   model, reqs = load_tiny(), requests()
-  outputs, stats = pj.generate(model, reqs, CFG, SAMPLING, jax.random.key(0),
-                               mesh=sharding.make_mesh(2, 4))
+  outputs, stats = pj.generate(
+    model, reqs, CFG, SAMPLING, jax.random.key(0), mesh=sharding.make_mesh(2, 4)
+  )
   own = sharding.make_mesh(1, 1, devices=jax.local_devices())
-  reference, _ = pj.generate(model, reqs, CFG, SAMPLING, jax.random.key(0),
-                             mesh=own)
+  reference, _ = pj.generate(model, reqs, CFG, SAMPLING, jax.random.key(0), mesh=own)
   with open(out, "w") as f:
-    json.dump({"tokens": tokens_of(outputs),
-               "reference": tokens_of(reference),
-               "devices": jax.device_count(),
-               "local_devices": jax.local_device_count(),
-               "process_index": jax.process_index(),
-               "generated_tokens": stats.generated_tokens}, f)
+    json.dump(
+      {
+        "tokens": tokens_of(outputs),
+        "reference": tokens_of(reference),
+        "devices": jax.device_count(),
+        "local_devices": jax.local_device_count(),
+        "process_index": jax.process_index(),
+        "generated_tokens": stats.generated_tokens,
+      },
+      f,
+    )

@@ -22,10 +22,14 @@ def main() -> None:
   args = parser.parse_args()
   if args.port is not None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}",
-                               num_processes=2, process_id=args.process_id,
-                               initialization_timeout=60)
+    jax.distributed.initialize(
+      coordinator_address=f"127.0.0.1:{args.port}",
+      num_processes=2,
+      process_id=args.process_id,
+      initialization_timeout=60,
+    )
   from tests import sharding_checks  # pylint: disable=import-outside-toplevel
+
   if args.port is None:
     sharding_checks.single_process(args.out)
   else:

@@ -4,11 +4,11 @@ dense cache, following Hugging Face transformers' rules (`num_beams=W`,
 
 import functools
 
-from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import paged_jax as pj
 from paged_jax import models
@@ -16,13 +16,26 @@ from paged_jax import models
 pytestmark = pytest.mark.usefixtures("quick_compiles")
 
 MODEL_CONFIG = models.LlamaConfig(
-    vocab_size=40, num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8,
-    hidden=16, mlp_hidden=32, max_seq_len=64)
-CFG = pj.CacheConfig(block_size=4, num_gpu_blocks=48, num_cpu_blocks=32,
-                     max_seqs=8, max_blocks_per_seq=8, watermark=0.0,
-                     enable_prefix_caching=True)
+  vocab_size=40,
+  num_layers=1,
+  num_q_heads=2,
+  num_kv_heads=1,
+  head_dim=8,
+  hidden=16,
+  mlp_hidden=32,
+  max_seq_len=64,
+)
+CFG = pj.CacheConfig(
+  block_size=4,
+  num_gpu_blocks=48,
+  num_cpu_blocks=32,
+  max_seqs=8,
+  max_blocks_per_seq=8,
+  watermark=0.0,
+  enable_prefix_caching=True,
+)
 MAX_TOKENS = 8
-WIDTH = 24   # prompt + generated tokens, padded
+WIDTH = 24  # prompt + generated tokens, padded
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +54,7 @@ def _last_logprobs(graphdef, params, tokens, lengths):
   return jax.nn.log_softmax(last.astype(jnp.float32), axis=-1)
 
 
-def reference_beam_search(model, prompt, width, eos, length_penalty,
-                          max_tokens=MAX_TOKENS):
+def reference_beam_search(model, prompt, width, eos, length_penalty, max_tokens=MAX_TOKENS):
   """Hugging Face's beam search, one step at a time on the host.
 
   Returns:
@@ -50,8 +62,8 @@ def reference_beam_search(model, prompt, width, eos, length_penalty,
     first; a stopped hypothesis ends with its EOS token.
   """
   graphdef, params = nnx.split(model)
-  beams = [([], 0.0)]                # generated tokens, sum of logprobs
-  hypotheses = []                    # (score, tokens, sum_logprobs, stopped)
+  beams = [([], 0.0)]  # generated tokens, sum of logprobs
+  hypotheses = []  # (score, tokens, sum_logprobs, stopped)
 
   def add(tokens, total, stopped):
     score = total / len(tokens) ** length_penalty
@@ -65,7 +77,7 @@ def reference_beam_search(model, prompt, width, eos, length_penalty,
     rows = np.zeros((width, WIDTH), np.int32)
     for i, (tokens, _) in enumerate(beams):
       seq = list(prompt) + tokens
-      rows[i, :len(seq)] = seq
+      rows[i, : len(seq)] = seq
     lengths = np.full(width, len(prompt) + step, np.int32)
     logprobs = np.asarray(_last_logprobs(graphdef, params, rows, lengths))
     scores = np.full((width, logprobs.shape[1]), -np.inf, np.float32)
@@ -87,7 +99,8 @@ def reference_beam_search(model, prompt, width, eos, length_penalty,
     beams = new_beams
     length = step + 1
     if len(hypotheses) >= width and min(h[0] for h in hypotheses) >= (
-        float(top[0]) / length ** length_penalty):
+      float(top[0]) / length**length_penalty
+    ):
       break
   else:
     for tokens, total in beams:
@@ -100,9 +113,8 @@ def _eos_within_reach(model, prompt):
   """A token the greedy path draws within a few steps, so beams stop on it."""
   graphdef, params = nnx.split(model)
   rows = np.zeros((1, WIDTH), np.int32)
-  rows[0, :len(prompt)] = prompt
-  logprobs = _last_logprobs(graphdef, params, rows,
-                            np.array([len(prompt)], np.int32))
+  rows[0, : len(prompt)] = prompt
+  logprobs = _last_logprobs(graphdef, params, rows, np.array([len(prompt)], np.int32))
   return int(np.argsort(np.asarray(logprobs[0]))[-3])
 
 
@@ -122,13 +134,21 @@ def engine_results(model):
       cases.append((width, PROMPTS[0], eos, penalty))
   engine = pj.LLMEngine(model, None, CFG, num_decode_steps=4)
   for i, (width, prompt, stop, penalty) in enumerate(cases):
-    engine.add_request(str(i), prompt, pj.SamplingParams(
-        n=width, use_beam_search=True, max_tokens=MAX_TOKENS,
-        length_penalty=penalty, stop_token_ids=[] if stop is None else [stop]))
+    engine.add_request(
+      str(i),
+      prompt,
+      pj.SamplingParams(
+        n=width,
+        use_beam_search=True,
+        max_tokens=MAX_TOKENS,
+        length_penalty=penalty,
+        stop_token_ids=[] if stop is None else [stop],
+      ),
+    )
   finals = {}
   while engine.has_unfinished_requests():
     for out in engine.step():
-      assert out.finished   # beams report once, at the end
+      assert out.finished  # beams report once, at the end
       finals[out.request_id] = out
     pj.check_invariants(engine.state)
   assert engine.num_free_gpu_blocks() == CFG.num_gpu_blocks
@@ -138,8 +158,7 @@ def engine_results(model):
 def test_beams_equal_the_plain_beam_search(model, engine_results):
   cases, finals, _ = engine_results
   for i, (width, prompt, eos, penalty) in enumerate(cases):
-    expected = reference_beam_search(model, prompt, width,
-                                     -1 if eos is None else eos, penalty)
+    expected = reference_beam_search(model, prompt, width, -1 if eos is None else eos, penalty)
     got = finals[str(i)].outputs
     assert len(got) == width
     for out, (tokens, total, stopped) in zip(got, expected):
@@ -150,17 +169,21 @@ def test_beams_equal_the_plain_beam_search(model, engine_results):
 
 def test_beams_stop_on_eos_and_share_blocks(engine_results):
   cases, finals, stats = engine_results
-  stopped = [o for i, c in enumerate(cases) if c[2] is not None
-             for o in finals[str(i)].outputs if o.finish_reason == "stop"]
+  stopped = [
+    o
+    for i, c in enumerate(cases)
+    if c[2] is not None
+    for o in finals[str(i)].outputs
+    if o.finish_reason == "stop"
+  ]
   assert stopped, "no hypothesis ended with EOS: pick another EOS token"
-  assert stats.cow_copies > 0   # beams forked and wrote shared partial blocks
+  assert stats.cow_copies > 0  # beams forked and wrote shared partial blocks
 
 
 def test_beam_search_refuses_what_it_cannot_serve(model):
   engine = pj.LLMEngine(model, None, CFG, max_beam_width=2)
   with pytest.raises(ValueError, match="n=3 beams exceed max_beam_width=2"):
-    engine.add_request("a", [1, 2], pj.SamplingParams(n=3,
-                                                      use_beam_search=True))
+    engine.add_request("a", [1, 2], pj.SamplingParams(n=3, use_beam_search=True))
   engine.add_request("b", [1], pj.SamplingParams(n=2, use_beam_search=True))
   (out,) = engine.step()
   assert out.outputs[0].finish_reason == "error"
@@ -172,16 +195,25 @@ def test_beam_search_refuses_what_it_cannot_serve(model):
 
 
 def test_beams_that_must_be_swapped_without_a_host_pool_raise(model):
-  no_host = pj.CacheConfig(block_size=4, num_gpu_blocks=9, num_cpu_blocks=0,
-                           max_seqs=12, max_blocks_per_seq=8, watermark=0.0)
+  no_host = pj.CacheConfig(
+    block_size=4,
+    num_gpu_blocks=9,
+    num_cpu_blocks=0,
+    max_seqs=12,
+    max_blocks_per_seq=8,
+    watermark=0.0,
+  )
   engine = pj.LLMEngine(model, None, no_host, num_decode_steps=4)
   for i, prompt in enumerate(PROMPTS[1:]):
-    engine.add_request(str(i), prompt, pj.SamplingParams(
-        max_tokens=MAX_TOKENS, n=2, temperature=0.8, seed=i))
-  engine.add_request("beams", PROMPTS[0], pj.SamplingParams(
-      n=4, use_beam_search=True, max_tokens=MAX_TOKENS))
-  with pytest.raises(RuntimeError, match="beam-search request 'beams' must be "
-                     "preempted but the host pool"):
+    engine.add_request(
+      str(i), prompt, pj.SamplingParams(max_tokens=MAX_TOKENS, n=2, temperature=0.8, seed=i)
+    )
+  engine.add_request(
+    "beams", PROMPTS[0], pj.SamplingParams(n=4, use_beam_search=True, max_tokens=MAX_TOKENS)
+  )
+  with pytest.raises(
+    RuntimeError, match="beam-search request 'beams' must be preempted but the host pool"
+  ):
     while engine.has_unfinished_requests():
       engine.step()
 
@@ -190,15 +222,24 @@ def test_beams_survive_preemption_by_swap(model):
   # 9 blocks of 4 (what the 4 beams need alone) cannot hold them and the
   # sampled requests at once: the beams, latest to arrive, are swapped out
   # and back.
-  tight = pj.CacheConfig(block_size=4, num_gpu_blocks=9, num_cpu_blocks=32,
-                         max_seqs=12, max_blocks_per_seq=8, watermark=0.0)
+  tight = pj.CacheConfig(
+    block_size=4,
+    num_gpu_blocks=9,
+    num_cpu_blocks=32,
+    max_seqs=12,
+    max_blocks_per_seq=8,
+    watermark=0.0,
+  )
   engine = pj.LLMEngine(model, None, tight, num_decode_steps=4)
-  engine.add_request("first", PROMPTS[1], pj.SamplingParams(
-      max_tokens=MAX_TOKENS, n=2, temperature=0.8, seed=1))
-  engine.add_request("second", PROMPTS[2], pj.SamplingParams(
-      max_tokens=MAX_TOKENS, n=2, temperature=0.8, seed=2))
-  engine.add_request("beams", PROMPTS[0], pj.SamplingParams(
-      n=4, use_beam_search=True, max_tokens=MAX_TOKENS))
+  engine.add_request(
+    "first", PROMPTS[1], pj.SamplingParams(max_tokens=MAX_TOKENS, n=2, temperature=0.8, seed=1)
+  )
+  engine.add_request(
+    "second", PROMPTS[2], pj.SamplingParams(max_tokens=MAX_TOKENS, n=2, temperature=0.8, seed=2)
+  )
+  engine.add_request(
+    "beams", PROMPTS[0], pj.SamplingParams(n=4, use_beam_search=True, max_tokens=MAX_TOKENS)
+  )
   finals = {}
   while engine.has_unfinished_requests():
     for out in engine.step():
@@ -206,17 +247,17 @@ def test_beams_survive_preemption_by_swap(model):
     pj.check_invariants(engine.state)
   assert engine.stats.preemptions > 0 and engine.stats.swaps > 0
   expected = reference_beam_search(model, PROMPTS[0], 4, -1, 1.0)
-  assert [o.token_ids for o in finals["beams"].outputs] == [
-      tokens for tokens, _, _ in expected]
+  assert [o.token_ids for o in finals["beams"].outputs] == [tokens for tokens, _, _ in expected]
   assert engine.num_free_gpu_blocks() == tight.num_gpu_blocks
 
 
 def test_aborting_beams_frees_their_blocks_and_slots(model):
   engine = pj.LLMEngine(model, None, CFG, num_decode_steps=2)
-  engine.add_request("beams", PROMPTS[1], pj.SamplingParams(
-      n=4, use_beam_search=True, max_tokens=MAX_TOKENS))
+  engine.add_request(
+    "beams", PROMPTS[1], pj.SamplingParams(n=4, use_beam_search=True, max_tokens=MAX_TOKENS)
+  )
   engine.step()
-  engine.step()            # the beams have forked and hold blocks
+  engine.step()  # the beams have forked and hold blocks
   assert engine.num_free_gpu_blocks() < CFG.num_gpu_blocks
   engine.abort_request("beams")
   pj.check_invariants(engine.state)

@@ -11,8 +11,9 @@ import paged_jax as pj
 
 pytestmark = pytest.mark.usefixtures("quick_compiles")
 
-CFG = pj.CacheConfig(block_size=4, num_gpu_blocks=8, num_cpu_blocks=2, max_seqs=5,
-                     max_blocks_per_seq=4, watermark=0.0)
+CFG = pj.CacheConfig(
+  block_size=4, num_gpu_blocks=8, num_cpu_blocks=2, max_seqs=5, max_blocks_per_seq=4, watermark=0.0
+)
 BM = pj.BlockSpaceManager(CFG)
 CHECKED = pj.checked(BM)
 TOKENS = jnp.arange(32, dtype=jnp.int32)
@@ -47,50 +48,178 @@ def _full_cpu(state):
 
 
 CASES = [
-    # name, prepare, method, args, status, error, words in the message
-    ("free twice (second free)", lambda s: CHECKED.free(s, ids(0))[0], "free", (ids(0),),
-     pj.Status.NOT_ALLOCATED, pj.NotAllocatedError, "seq 0"),
-    ("append to an empty slot", None, "append_slots",
-     (ids(3), jnp.ones((2, 1), jnp.int32), jnp.array([1, 0], jnp.int32)),
-     pj.Status.NOT_ALLOCATED, pj.NotAllocatedError, "seq 3"),
-    ("fork of an empty slot", None, "fork", (jnp.int32(3), jnp.int32(2)),
-     pj.Status.NOT_ALLOCATED, pj.NotAllocatedError, "seq 3"),
-    ("swap_out of an empty slot", None, "swap_out", (ids(3),),
-     pj.Status.NOT_ALLOCATED, pj.NotAllocatedError, "seq 3"),
-    ("allocate into an occupied slot", None, "allocate", (ids(0), TOKENS, jnp.int32(4)),
-     pj.Status.ALREADY_ALLOCATED, pj.AlreadyAllocatedError, "seq 0"),
-    ("fork onto an occupied child", None, "fork", (jnp.int32(0), jnp.int32(1)),
-     pj.Status.ALREADY_ALLOCATED, pj.AlreadyAllocatedError, "seq 1"),
-    ("seq id out of range", None, "free", (ids(7),),
-     pj.Status.INVALID_ARGUMENT, pj.InvalidArgumentError, "seq id 7"),
-    ("seq id named twice", None, "free", (ids(0, 0),),
-     pj.Status.INVALID_ARGUMENT, pj.InvalidArgumentError, "named twice"),
-    ("negative token count in allocate", None, "allocate", (ids(2), TOKENS, jnp.int32(-1)),
-     pj.Status.INVALID_ARGUMENT, pj.InvalidArgumentError, "num_tokens=-1"),
-    ("negative token count in append", None, "append_slots",
-     (ids(0), jnp.ones((2, 1), jnp.int32), jnp.array([-1, 0], jnp.int32)),
-     pj.Status.INVALID_ARGUMENT, pj.InvalidArgumentError, "num_new"),
-    ("prompt longer than a table", None, "allocate", (ids(2), TOKENS, jnp.int32(17)),
-     pj.Status.TABLE_FULL, pj.TableFullError, "16 tokens"),
-    ("append past the table", None, "append_slots",
-     (ids(0), jnp.ones((2, 16), jnp.int32), jnp.array([11, 0], jnp.int32)),
-     pj.Status.TABLE_FULL, pj.TableFullError, "seq 0"),
-    ("out of GPU blocks on allocate", _full_gpu, "allocate", (ids(4), TOKENS, jnp.int32(1)),
-     pj.Status.OUT_OF_BLOCKS, pj.OutOfBlocksError, "0 free"),
-    ("out of GPU blocks on append", _full_gpu, "append_slots",
-     (ids(3), jnp.ones((2, 1), jnp.int32), jnp.array([1, 0], jnp.int32)),
-     pj.Status.OUT_OF_BLOCKS, pj.OutOfBlocksError, "seq 3"),
-    ("out of GPU blocks on swap_in", _full_gpu, "swap_in", (ids(1),),
-     pj.Status.OUT_OF_BLOCKS, pj.OutOfBlocksError, "seq 1"),
-    ("out of CPU blocks on swap_out", _full_cpu, "swap_out", (ids(0),),
-     pj.Status.SWAP_SPACE_EXHAUSTED, pj.SwapSpaceExhaustedError, "1 CPU blocks free"),
-    ("swap_in of a sequence on the GPU", None, "swap_in", (ids(0),),
-     pj.Status.WRONG_DEVICE, pj.WrongDeviceError, "seq 0"),
-    ("swap_out of a sequence on the CPU", None, "swap_out", (ids(1),),
-     pj.Status.WRONG_DEVICE, pj.WrongDeviceError, "seq 1"),
-    ("append to a sequence on the CPU", None, "append_slots",
-     (ids(1), jnp.ones((2, 1), jnp.int32), jnp.array([1, 0], jnp.int32)),
-     pj.Status.WRONG_DEVICE, pj.WrongDeviceError, "seq 1"),
+  # name, prepare, method, args, status, error, words in the message
+  (
+    "free twice (second free)",
+    lambda s: CHECKED.free(s, ids(0))[0],
+    "free",
+    (ids(0),),
+    pj.Status.NOT_ALLOCATED,
+    pj.NotAllocatedError,
+    "seq 0",
+  ),
+  (
+    "append to an empty slot",
+    None,
+    "append_slots",
+    (ids(3), jnp.ones((2, 1), jnp.int32), jnp.array([1, 0], jnp.int32)),
+    pj.Status.NOT_ALLOCATED,
+    pj.NotAllocatedError,
+    "seq 3",
+  ),
+  (
+    "fork of an empty slot",
+    None,
+    "fork",
+    (jnp.int32(3), jnp.int32(2)),
+    pj.Status.NOT_ALLOCATED,
+    pj.NotAllocatedError,
+    "seq 3",
+  ),
+  (
+    "swap_out of an empty slot",
+    None,
+    "swap_out",
+    (ids(3),),
+    pj.Status.NOT_ALLOCATED,
+    pj.NotAllocatedError,
+    "seq 3",
+  ),
+  (
+    "allocate into an occupied slot",
+    None,
+    "allocate",
+    (ids(0), TOKENS, jnp.int32(4)),
+    pj.Status.ALREADY_ALLOCATED,
+    pj.AlreadyAllocatedError,
+    "seq 0",
+  ),
+  (
+    "fork onto an occupied child",
+    None,
+    "fork",
+    (jnp.int32(0), jnp.int32(1)),
+    pj.Status.ALREADY_ALLOCATED,
+    pj.AlreadyAllocatedError,
+    "seq 1",
+  ),
+  (
+    "seq id out of range",
+    None,
+    "free",
+    (ids(7),),
+    pj.Status.INVALID_ARGUMENT,
+    pj.InvalidArgumentError,
+    "seq id 7",
+  ),
+  (
+    "seq id named twice",
+    None,
+    "free",
+    (ids(0, 0),),
+    pj.Status.INVALID_ARGUMENT,
+    pj.InvalidArgumentError,
+    "named twice",
+  ),
+  (
+    "negative token count in allocate",
+    None,
+    "allocate",
+    (ids(2), TOKENS, jnp.int32(-1)),
+    pj.Status.INVALID_ARGUMENT,
+    pj.InvalidArgumentError,
+    "num_tokens=-1",
+  ),
+  (
+    "negative token count in append",
+    None,
+    "append_slots",
+    (ids(0), jnp.ones((2, 1), jnp.int32), jnp.array([-1, 0], jnp.int32)),
+    pj.Status.INVALID_ARGUMENT,
+    pj.InvalidArgumentError,
+    "num_new",
+  ),
+  (
+    "prompt longer than a table",
+    None,
+    "allocate",
+    (ids(2), TOKENS, jnp.int32(17)),
+    pj.Status.TABLE_FULL,
+    pj.TableFullError,
+    "16 tokens",
+  ),
+  (
+    "append past the table",
+    None,
+    "append_slots",
+    (ids(0), jnp.ones((2, 16), jnp.int32), jnp.array([11, 0], jnp.int32)),
+    pj.Status.TABLE_FULL,
+    pj.TableFullError,
+    "seq 0",
+  ),
+  (
+    "out of GPU blocks on allocate",
+    _full_gpu,
+    "allocate",
+    (ids(4), TOKENS, jnp.int32(1)),
+    pj.Status.OUT_OF_BLOCKS,
+    pj.OutOfBlocksError,
+    "0 free",
+  ),
+  (
+    "out of GPU blocks on append",
+    _full_gpu,
+    "append_slots",
+    (ids(3), jnp.ones((2, 1), jnp.int32), jnp.array([1, 0], jnp.int32)),
+    pj.Status.OUT_OF_BLOCKS,
+    pj.OutOfBlocksError,
+    "seq 3",
+  ),
+  (
+    "out of GPU blocks on swap_in",
+    _full_gpu,
+    "swap_in",
+    (ids(1),),
+    pj.Status.OUT_OF_BLOCKS,
+    pj.OutOfBlocksError,
+    "seq 1",
+  ),
+  (
+    "out of CPU blocks on swap_out",
+    _full_cpu,
+    "swap_out",
+    (ids(0),),
+    pj.Status.SWAP_SPACE_EXHAUSTED,
+    pj.SwapSpaceExhaustedError,
+    "1 CPU blocks free",
+  ),
+  (
+    "swap_in of a sequence on the GPU",
+    None,
+    "swap_in",
+    (ids(0),),
+    pj.Status.WRONG_DEVICE,
+    pj.WrongDeviceError,
+    "seq 0",
+  ),
+  (
+    "swap_out of a sequence on the CPU",
+    None,
+    "swap_out",
+    (ids(1),),
+    pj.Status.WRONG_DEVICE,
+    pj.WrongDeviceError,
+    "seq 1",
+  ),
+  (
+    "append to a sequence on the CPU",
+    None,
+    "append_slots",
+    (ids(1), jnp.ones((2, 1), jnp.int32), jnp.array([1, 0], jnp.int32)),
+    pj.Status.WRONG_DEVICE,
+    pj.WrongDeviceError,
+    "seq 1",
+  ),
 ]
 
 
@@ -98,8 +227,9 @@ def _same(a, b):
   return jax.tree.all(jax.tree.map(lambda x, y: bool(jnp.array_equal(x, y)), a, b))
 
 
-@pytest.mark.parametrize("name, prepare, method, args, status, error, words", CASES,
-                         ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+  "name, prepare, method, args, status, error, words", CASES, ids=[c[0] for c in CASES]
+)
 def test_bad_input(base_state, name, prepare, method, args, status, error, words):
   state = prepare(base_state) if prepare else base_state
   new_state, result = jax.jit(getattr(BM, method))(state, *args)
@@ -126,30 +256,59 @@ def test_checked_returns_results_on_success(base_state):
 
 def test_static_lookahead_must_be_a_non_negative_int(base_state):
   with pytest.raises(ValueError, match="num_lookahead_slots"):
-    BM.append_slots(base_state, ids(0), jnp.ones((2, 1), jnp.int32), jnp.ones(2, jnp.int32),
-                    num_lookahead_slots=-1)
+    BM.append_slots(
+      base_state,
+      ids(0),
+      jnp.ones((2, 1), jnp.int32),
+      jnp.ones(2, jnp.int32),
+      num_lookahead_slots=-1,
+    )
 
 
 # Arguments whose dtype or shape is wrong: a ValueError at trace time (jit or not),
 # an InvalidArgumentError on the checked path; nothing runs.
 ONES = jnp.ones((2, 1), jnp.int32)
 BAD_SHAPES = [
-    ("float token_ids", "allocate", (ids(2), TOKENS.astype(jnp.float32), 4),
-     "token_ids must be an integer array, got dtype float32"),
-    ("2-D token_ids", "allocate", (ids(2), TOKENS.reshape(4, 8), 4),
-     r"token_ids must have shape \[n\], got \[4, 8\]"),
-    ("float num_tokens", "allocate", (ids(2), TOKENS, 4.5), "num_tokens must be an integer"),
-    ("2-D seq_ids", "free", (ids(0)[None],), r"seq_ids must have shape \[n\], got \[1, 2\]"),
-    ("float seq_ids", "swap_out", (ids(0).astype(jnp.float32),), "seq_ids must be an integer"),
-    ("float new_token_ids", "append_slots", (ids(0), ONES * 1.5, jnp.ones(2, jnp.int32)),
-     "new_token_ids must be an integer"),
-    ("1-D new_token_ids", "append_slots", (ids(0), jnp.ones(2, jnp.int32), jnp.ones(2, jnp.int32)),
-     r"new_token_ids must have shape \[2, n\], got \[2\]"),
-    ("num_new of the wrong length", "append_slots", (ids(0), ONES, jnp.ones(3, jnp.int32)),
-     r"num_new must have shape \[2\], got \[3\]"),
-    ("float parent_id", "fork", (0.0, jnp.int32(2)), "parent_id must be an integer"),
-    ("num_new of the wrong length in get_slot_mapping", "get_slot_mapping",
-     (ids(0), jnp.ones(3, jnp.int32), 1), r"num_new must have shape \[2\], got \[3\]"),
+  (
+    "float token_ids",
+    "allocate",
+    (ids(2), TOKENS.astype(jnp.float32), 4),
+    "token_ids must be an integer array, got dtype float32",
+  ),
+  (
+    "2-D token_ids",
+    "allocate",
+    (ids(2), TOKENS.reshape(4, 8), 4),
+    r"token_ids must have shape \[n\], got \[4, 8\]",
+  ),
+  ("float num_tokens", "allocate", (ids(2), TOKENS, 4.5), "num_tokens must be an integer"),
+  ("2-D seq_ids", "free", (ids(0)[None],), r"seq_ids must have shape \[n\], got \[1, 2\]"),
+  ("float seq_ids", "swap_out", (ids(0).astype(jnp.float32),), "seq_ids must be an integer"),
+  (
+    "float new_token_ids",
+    "append_slots",
+    (ids(0), ONES * 1.5, jnp.ones(2, jnp.int32)),
+    "new_token_ids must be an integer",
+  ),
+  (
+    "1-D new_token_ids",
+    "append_slots",
+    (ids(0), jnp.ones(2, jnp.int32), jnp.ones(2, jnp.int32)),
+    r"new_token_ids must have shape \[2, n\], got \[2\]",
+  ),
+  (
+    "num_new of the wrong length",
+    "append_slots",
+    (ids(0), ONES, jnp.ones(3, jnp.int32)),
+    r"num_new must have shape \[2\], got \[3\]",
+  ),
+  ("float parent_id", "fork", (0.0, jnp.int32(2)), "parent_id must be an integer"),
+  (
+    "num_new of the wrong length in get_slot_mapping",
+    "get_slot_mapping",
+    (ids(0), jnp.ones(3, jnp.int32), 1),
+    r"num_new must have shape \[2\], got \[3\]",
+  ),
 ]
 
 
@@ -164,9 +323,11 @@ def test_bad_dtype_or_shape_raises(base_state, name, method, args, words):
 def test_checked_refuses_a_state_of_another_config(base_state):
   other = pj.BlockSpaceManager(dataclasses.replace(CFG, num_gpu_blocks=16, max_seqs=6))
   state = other.init()
-  with pytest.raises(pj.InvalidArgumentError,
-                     match=r"another CacheConfig: num_gpu_blocks=16 \(state\) vs 8 \(manager\), "
-                           r"max_seqs=6 \(state\) vs 5 \(manager\)$"):
+  with pytest.raises(
+    pj.InvalidArgumentError,
+    match=r"another CacheConfig: num_gpu_blocks=16 \(state\) vs 8 \(manager\), "
+    r"max_seqs=6 \(state\) vs 5 \(manager\)$",
+  ):
     CHECKED.allocate(state, ids(0), TOKENS, 4)
   with pytest.raises(pj.InvalidArgumentError, match="num_gpu_blocks=16"):
     CHECKED.get_block_tables(state, ids(0))
@@ -176,30 +337,36 @@ def test_checked_refuses_a_state_of_another_config(base_state):
 
 def test_table_queries_of_an_out_of_range_id(base_state):
   """Unchecked: -1 rows (documented); checked: InvalidArgumentError."""
-  np.testing.assert_array_equal(jax.jit(BM.get_block_tables)(base_state, jnp.array([7, 0])),
-                                [[-1] * 4, [7, 6, -1, -1]])
   np.testing.assert_array_equal(
-      jax.jit(BM.get_slot_mapping, static_argnames="width")(
-          base_state, jnp.array([7]), jnp.array([1]), width=1), [[-1]])
-  for call in (lambda: CHECKED.get_block_tables(base_state, jnp.array([0, 7])),
-               lambda: CHECKED.get_block_table(base_state, -1),
-               lambda: CHECKED.get_num_tokens(base_state, jnp.array([5])),
-               lambda: CHECKED.get_slot_mapping(base_state, jnp.array([9]), jnp.array([1]),
-                                                width=1)):
+    jax.jit(BM.get_block_tables)(base_state, jnp.array([7, 0])), [[-1] * 4, [7, 6, -1, -1]]
+  )
+  np.testing.assert_array_equal(
+    jax.jit(BM.get_slot_mapping, static_argnames="width")(
+      base_state, jnp.array([7]), jnp.array([1]), width=1
+    ),
+    [[-1]],
+  )
+  for call in (
+    lambda: CHECKED.get_block_tables(base_state, jnp.array([0, 7])),
+    lambda: CHECKED.get_block_table(base_state, -1),
+    lambda: CHECKED.get_num_tokens(base_state, jnp.array([5])),
+    lambda: CHECKED.get_slot_mapping(base_state, jnp.array([9]), jnp.array([1]), width=1),
+  ):
     with pytest.raises(pj.InvalidArgumentError, match="is outside 0..4"):
       call()
-  np.testing.assert_array_equal(CHECKED.get_block_tables(base_state, ids(0)),
-                                [[7, 6, -1, -1], [-1] * 4])
+  np.testing.assert_array_equal(
+    CHECKED.get_block_tables(base_state, ids(0)), [[7, 6, -1, -1], [-1] * 4]
+  )
 
 
 def test_results_show_their_status_by_name(base_state):
   _, res = jax.jit(BM.free)(base_state, ids(7))
   assert repr(res) == "OpResult(status=Status.INVALID_ARGUMENT)"
   _, res = jax.jit(BM.allocate)(base_state, ids(2), TOKENS, 4)
-  assert repr(res) == ("AllocateResult(status=Status.OK, "
-                       "num_hit_blocks=Array(0, dtype=int32))")
+  assert repr(res) == ("AllocateResult(status=Status.OK, num_hit_blocks=Array(0, dtype=int32))")
   _, plan = jax.jit(BM.swap_in)(base_state, ids(0))
   assert repr(plan).startswith("SwapPlan(src=Array(") and repr(plan).endswith(
-      "status=Status.WRONG_DEVICE)")
+    "status=Status.WRONG_DEVICE)"
+  )
   _, plan = jax.jit(BM.append_slots)(base_state, ids(0), ONES, jnp.ones(2, jnp.int32))
   assert repr(plan).endswith("count=Array(0, dtype=int32), status=Status.OK)")

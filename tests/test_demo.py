@@ -14,20 +14,23 @@ import pytest
 from paged_jax.__main__ import main
 
 
-@pytest.mark.parametrize("argv, message", [
+@pytest.mark.parametrize(
+  "argv, message",
+  [
     (["demo", "--num-requests", "0"], "--num-requests: must be >= 1"),
     (["demo", "--block-size", "x"], "--block-size: invalid"),
-    (["demo", "--model", "tiny", "--num-gpu-blocks", "2"],
-     "cannot hold one 128-token sequence"),
+    (["demo", "--model", "tiny", "--num-gpu-blocks", "2"], "cannot hold one 128-token sequence"),
     (["demo", "--num-cpu-blocks", "-1"], "--num-cpu-blocks must be >= 0"),
-    (["demo", "--model", "tiny", "--max-seqs", "2"],
-     "--max-seqs 2 is below the 4 samples"),
-    (["demo", "--model", "/nonexistent/model"],
-     "--model: '/nonexistent/model' is neither a model folder"),
+    (["demo", "--model", "tiny", "--max-seqs", "2"], "--max-seqs 2 is below the 4 samples"),
+    (
+      ["demo", "--model", "/nonexistent/model"],
+      "--model: '/nonexistent/model' is neither a model folder",
+    ),
     (["demo", "--dtype", "int8"], "--dtype: invalid choice"),
     (["trace", "--num-gpu-blocks", "4"], "cannot hold one 2048-token request"),
     (["serve"], "invalid choice: 'serve'"),
-])
+  ],
+)
 def test_bad_options_exit_with_code_2_and_a_message(argv, message, capsys):
   with pytest.raises(SystemExit) as exit_info:
     main(argv)
@@ -37,14 +40,28 @@ def test_bad_options_exit_with_code_2_and_a_message(argv, message, capsys):
 
 def test_demo_json_report():
   result = subprocess.run(
-      [sys.executable, "-m", "paged_jax", "demo", "--model", "tiny",
-       "--num-requests", "2",
-       "--max-new-tokens", "4", "--json"],
-      capture_output=True, text=True, timeout=300, check=True,
-      env={**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"})
+    [
+      sys.executable,
+      "-m",
+      "paged_jax",
+      "demo",
+      "--model",
+      "tiny",
+      "--num-requests",
+      "2",
+      "--max-new-tokens",
+      "4",
+      "--json",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=True,
+    env={**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"},
+  )
   report = json.loads(result.stdout)
   assert report["requests"] == 2
-  assert report["sequences"] == 5   # the second request asks for 4 samples
+  assert report["sequences"] == 5  # the second request asks for 4 samples
   assert 2 <= report["generated_tokens"] <= 5 * 4
   assert report["tokens_per_s"] > 0
   assert 0 < report["peak_blocks"] <= report["num_gpu_blocks"]

@@ -21,28 +21,67 @@ from tests.reference.block_manager import ReferenceBlockSpaceManager
 pytestmark = pytest.mark.usefixtures("quick_compiles")
 
 EXAMPLES = int(os.environ.get("PAGED_JAX_PROPERTY_EXAMPLES", "40"))
-COLUMNS = 4          # new-token columns of every append (one compile per shape)
-PAD = 4              # seq-id batch width
+COLUMNS = 4  # new-token columns of every append (one compile per shape)
+PAD = 4  # seq-id batch width
 
 CONFIGS = {
-    "uncached": CacheConfig(block_size=2, num_gpu_blocks=14, num_cpu_blocks=8, max_seqs=6,
-                            max_blocks_per_seq=6, watermark=0.1),
-    "window": CacheConfig(block_size=2, num_gpu_blocks=12, num_cpu_blocks=6, max_seqs=6,
-                          max_blocks_per_seq=8, watermark=0.0, sliding_window=3),
-    "cached64": CacheConfig(block_size=2, num_gpu_blocks=12, num_cpu_blocks=8, max_seqs=6,
-                            max_blocks_per_seq=6, watermark=0.1, enable_prefix_caching=True),
-    "cached1": CacheConfig(block_size=2, num_gpu_blocks=10, num_cpu_blocks=6, max_seqs=6,
-                           max_blocks_per_seq=6, watermark=0.0, enable_prefix_caching=True,
-                           hash_bits=1),
-    "cached0": CacheConfig(block_size=3, num_gpu_blocks=10, num_cpu_blocks=6, max_seqs=5,
-                           max_blocks_per_seq=5, watermark=0.0, enable_prefix_caching=True,
-                           hash_bits=0),
+  "uncached": CacheConfig(
+    block_size=2,
+    num_gpu_blocks=14,
+    num_cpu_blocks=8,
+    max_seqs=6,
+    max_blocks_per_seq=6,
+    watermark=0.1,
+  ),
+  "window": CacheConfig(
+    block_size=2,
+    num_gpu_blocks=12,
+    num_cpu_blocks=6,
+    max_seqs=6,
+    max_blocks_per_seq=8,
+    watermark=0.0,
+    sliding_window=3,
+  ),
+  "cached64": CacheConfig(
+    block_size=2,
+    num_gpu_blocks=12,
+    num_cpu_blocks=8,
+    max_seqs=6,
+    max_blocks_per_seq=6,
+    watermark=0.1,
+    enable_prefix_caching=True,
+  ),
+  "cached1": CacheConfig(
+    block_size=2,
+    num_gpu_blocks=10,
+    num_cpu_blocks=6,
+    max_seqs=6,
+    max_blocks_per_seq=6,
+    watermark=0.0,
+    enable_prefix_caching=True,
+    hash_bits=1,
+  ),
+  "cached0": CacheConfig(
+    block_size=3,
+    num_gpu_blocks=10,
+    num_cpu_blocks=6,
+    max_seqs=5,
+    max_blocks_per_seq=5,
+    watermark=0.0,
+    enable_prefix_caching=True,
+    hash_bits=0,
+  ),
 }
 
 # The non-zero lookahead of each config's appends: append_slots compiles once per
 # static lookahead (the costliest compile of a trace), so each config uses two of them.
-LOOKAHEAD = {CONFIGS["uncached"]: 3, CONFIGS["window"]: 1, CONFIGS["cached64"]: 3,
-             CONFIGS["cached1"]: 1, CONFIGS["cached0"]: 2}
+LOOKAHEAD = {
+  CONFIGS["uncached"]: 3,
+  CONFIGS["window"]: 1,
+  CONFIGS["cached64"]: 3,
+  CONFIGS["cached1"]: 1,
+  CONFIGS["cached0"]: 2,
+}
 
 
 def jax_manager(name, use_jit=True):
@@ -50,8 +89,11 @@ def jax_manager(name, use_jit=True):
   return JaxManager(CONFIGS[name], use_jit=use_jit, pad_to=PAD)
 
 
-_BASES = [[1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2], [1, 2, 1, 1, 2, 2, 1, 1, 2, 2, 1, 1],
-          [2, 2, 2, 1, 1, 1, 2, 2, 2, 1, 1, 1]]
+_BASES = [
+  [1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2],
+  [1, 2, 1, 1, 2, 2, 1, 1, 2, 2, 1, 1],
+  [2, 2, 2, 1, 1, 1, 2, 2, 2, 1, 1, 1],
+]
 
 
 def _prompt(rng, cfg):
@@ -116,9 +158,11 @@ def _run_op(rng, m, cfg, op, now):
     return _query(m.get_common_computed_block_ids, cfg, ids)
   if op == 10:
     ids = _pick_ids(rng, m, cfg, "gpu", rng.randint(1, 3))
-    return (m.can_allocate(rng.randint(-1, cfg.max_tokens_per_seq + 2)),
-            m.can_append_slots(ids, rng.choice([0, 3])),
-            _query(m.get_slot_mapping, cfg, ids, [rng.randint(0, 5) for _ in ids], 4))
+    return (
+      m.can_allocate(rng.randint(-1, cfg.max_tokens_per_seq + 2)),
+      m.can_append_slots(ids, rng.choice([0, 3])),
+      _query(m.get_slot_mapping, cfg, ids, [rng.randint(0, 5) for _ in ids], 4),
+    )
   m.reset()
   return None
 
@@ -135,12 +179,14 @@ def _snapshot(m, cfg):
   if isinstance(m, JaxManager):
     return m.snapshot()
   return dict(
-      tables=[m.get_block_table(s) for s in range(cfg.max_seqs)],
-      tokens=[m.get_num_tokens(s) for s in range(cfg.max_seqs)],
-      devices=[m.device_of(s) for s in range(cfg.max_seqs)],
-      gpu_refs=m.ref_counts("gpu"), cpu_refs=m.ref_counts("cpu"),
-      free=(m.num_free_gpu_blocks(), m.num_free_cpu_blocks()),
-      hit_rate=round(m.prefix_cache_hit_rate(), 6))
+    tables=[m.get_block_table(s) for s in range(cfg.max_seqs)],
+    tokens=[m.get_num_tokens(s) for s in range(cfg.max_seqs)],
+    devices=[m.device_of(s) for s in range(cfg.max_seqs)],
+    gpu_refs=m.ref_counts("gpu"),
+    cpu_refs=m.ref_counts("cpu"),
+    free=(m.num_free_gpu_blocks(), m.num_free_cpu_blocks()),
+    hit_rate=round(m.prefix_cache_hit_rate(), 6),
+  )
 
 
 def run_trace(name, seed, num_ops, use_jit=True):
@@ -159,8 +205,12 @@ def run_trace(name, seed, num_ops, use_jit=True):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-@hypothesis.settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
-                     suppress_health_check=list(hypothesis.HealthCheck))
+@hypothesis.settings(
+  max_examples=EXAMPLES,
+  deadline=None,
+  derandomize=True,
+  suppress_health_check=list(hypothesis.HealthCheck),
+)
 @hypothesis.given(seed=st.integers(0, 2**32 - 1), num_ops=st.integers(50, 70))
 def test_jitted_matches_reference(name, seed, num_ops):
   run_trace(name, seed, num_ops)
@@ -171,31 +221,34 @@ def test_jitted_matches_reference(name, seed, num_ops):
 # the trace is short; every append has 2 token columns and lookahead 1.
 _P5 = [1, 2, 1, 2, 1]
 EAGER_STEPS = [
-    lambda m: m.allocate([0, 1], _P5, 5),
-    lambda m: m.allocate([2], _P5, 5),                          # prefix hits
-    lambda m: m.fork(2, 3),
-    lambda m: m.fork(3, 4),
-    # Rows 1 and 2 share the block row 0 fills (hits within the call); 0 writes in place.
-    lambda m: m.append_slots([0, 1, 2], [[2, 0], [2, 0], [2, 0]], [1, 1, 1],
-                             num_lookahead_slots=1),
-    # Seq 3 copies the block it shares with seq 4; lookahead grows its table.
-    lambda m: m.append_slots([3, -1], [[5, 6], [0, 0]], [2, 0], num_lookahead_slots=1),
-    lambda m: (m.can_append_slots([3, 4]), m.can_swap_out([0, 1]), m.can_allocate(12),
-               m.get_slot_mapping([0, 3], [2, 3], 4)),
-    lambda m: m.mark_blocks_as_computed([0, 1], [6, 6]),
-    lambda m: m.get_common_computed_block_ids([0, 1]),
-    lambda m: m.access_all_blocks_in_seq(0, 5),
-    lambda m: m.swap_out([0, 1]),
-    lambda m: (m.can_swap_in([0, 1], 2), m.swap_in([0, 1])),    # some hits in the GPU pool
-    lambda m: m.free([0, 1, 2, 3]),
-    lambda m: m.allocate([5], [1, 1, 2] * 4, 12),               # evicts cached blocks
-    # Failures are masked writes, not other code: two of them (the jitted test has them all).
-    lambda m: (m.allocate([4], _P5, 5), m.append_slots([9], [[1, 0]], [1], num_lookahead_slots=1)),
-    lambda m: m.reset(),
+  lambda m: m.allocate([0, 1], _P5, 5),
+  lambda m: m.allocate([2], _P5, 5),  # prefix hits
+  lambda m: m.fork(2, 3),
+  lambda m: m.fork(3, 4),
+  # Rows 1 and 2 share the block row 0 fills (hits within the call); 0 writes in place.
+  lambda m: m.append_slots([0, 1, 2], [[2, 0], [2, 0], [2, 0]], [1, 1, 1], num_lookahead_slots=1),
+  # Seq 3 copies the block it shares with seq 4; lookahead grows its table.
+  lambda m: m.append_slots([3, -1], [[5, 6], [0, 0]], [2, 0], num_lookahead_slots=1),
+  lambda m: (
+    m.can_append_slots([3, 4]),
+    m.can_swap_out([0, 1]),
+    m.can_allocate(12),
+    m.get_slot_mapping([0, 3], [2, 3], 4),
+  ),
+  lambda m: m.mark_blocks_as_computed([0, 1], [6, 6]),
+  lambda m: m.get_common_computed_block_ids([0, 1]),
+  lambda m: m.access_all_blocks_in_seq(0, 5),
+  lambda m: m.swap_out([0, 1]),
+  lambda m: (m.can_swap_in([0, 1], 2), m.swap_in([0, 1])),  # some hits in the GPU pool
+  lambda m: m.free([0, 1, 2, 3]),
+  lambda m: m.allocate([5], [1, 1, 2] * 4, 12),  # evicts cached blocks
+  # Failures are masked writes, not other code: two of them (the jitted test has them all).
+  lambda m: (m.allocate([4], _P5, 5), m.append_slots([9], [[1, 0]], [1], num_lookahead_slots=1)),
+  lambda m: m.reset(),
 ]
 
 
-@pytest.mark.parametrize("name", ["cached64"])   # runs the uncached paths too
+@pytest.mark.parametrize("name", ["cached64"])  # runs the uncached paths too
 def test_unjitted_matches_reference(name):
   """The same functions run eagerly (no jit) agree too, on a trace that runs every op."""
   cfg = CONFIGS[name]

@@ -3,11 +3,11 @@ stop, stream, abort and fail the way users rely on."""
 
 import dataclasses
 
-from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import paged_jax as pj
 from paged_jax import models
@@ -15,17 +15,30 @@ from paged_jax import models
 pytestmark = pytest.mark.usefixtures("quick_compiles")
 
 MODEL_CONFIG = models.LlamaConfig(
-    vocab_size=258, num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8,
-    hidden=16, mlp_hidden=32, max_seq_len=64)
+  vocab_size=258,
+  num_layers=1,
+  num_q_heads=2,
+  num_kv_heads=1,
+  head_dim=8,
+  hidden=16,
+  mlp_hidden=32,
+  max_seq_len=64,
+)
 # 14 blocks of 4 do not hold all sequences at once: the runs must preempt.
-CFG = pj.CacheConfig(block_size=4, num_gpu_blocks=14, num_cpu_blocks=32,
-                     max_seqs=6, max_blocks_per_seq=20, watermark=0.0,
-                     enable_prefix_caching=True)
+CFG = pj.CacheConfig(
+  block_size=4,
+  num_gpu_blocks=14,
+  num_cpu_blocks=32,
+  max_seqs=6,
+  max_blocks_per_seq=20,
+  watermark=0.0,
+  enable_prefix_caching=True,
+)
 TOKENIZER = models.ByteTokenizer()
 GREEDY = pj.SamplingParams(max_tokens=12, ignore_eos=True)
-SAMPLED = pj.SamplingParams(max_tokens=12, temperature=0.9, top_k=50,
-                            top_p=0.95, seed=7, n=2, ignore_eos=True,
-                            logprobs=2)
+SAMPLED = pj.SamplingParams(
+  max_tokens=12, temperature=0.9, top_k=50, top_p=0.95, seed=7, n=2, ignore_eos=True, logprobs=2
+)
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +49,13 @@ def model():
 def _requests():
   """(id, prompt, params): ragged prompts, two sharing a prefix, one n=2."""
   system = "THE DEVIL'S "
-  prompts = ["CAT, n. ", system + "DOG", system + "LOVE, n. A temporary",
-             "WAR", "BORE, n. A person who talks"]
+  prompts = [
+    "CAT, n. ",
+    system + "DOG",
+    system + "LOVE, n. A temporary",
+    "WAR",
+    "BORE, n. A person who talks",
+  ]
   params = [GREEDY, GREEDY, SAMPLED, GREEDY, GREEDY]
   return [(str(i), p, s) for i, (p, s) in enumerate(zip(prompts, params))]
 
@@ -74,32 +92,35 @@ def _tokens(finals):
 @pytest.fixture(scope="module")
 def reference(model):
   """One sequence at a time, whole prompts: no chunking, no preemption."""
-  engine = pj.LLMEngine(model, TOKENIZER, CFG, max_num_seqs=2,
-                        max_num_batched_tokens=64, num_decode_steps=4)
+  engine = pj.LLMEngine(
+    model, TOKENIZER, CFG, max_num_seqs=2, max_num_batched_tokens=64, num_decode_steps=4
+  )
   finals, _ = _serve(engine, _requests())
   assert engine.stats.preemptions == 0
   _all_blocks_free(engine)
   return finals
 
 
-@pytest.mark.parametrize("mode, budget, reverse", [
+@pytest.mark.parametrize(
+  "mode, budget, reverse",
+  [
     ("recompute", 64, False),
     ("swap", 8, True),
-])
-def test_outputs_do_not_depend_on_scheduling(model, reference, mode, budget,
-                                             reverse):
-  engine = pj.LLMEngine(model, TOKENIZER, CFG, preemption_mode=mode,
-                        max_num_batched_tokens=budget, num_decode_steps=4)
+  ],
+)
+def test_outputs_do_not_depend_on_scheduling(model, reference, mode, budget, reverse):
+  engine = pj.LLMEngine(
+    model, TOKENIZER, CFG, preemption_mode=mode, max_num_batched_tokens=budget, num_decode_steps=4
+  )
   requests = _requests()
   finals, _ = _serve(engine, requests[::-1] if reverse else requests)
   assert _tokens(finals) == _tokens(reference)
-  assert [o.text for o in finals["2"].outputs] == [
-      o.text for o in reference["2"].outputs]
+  assert [o.text for o in finals["2"].outputs] == [o.text for o in reference["2"].outputs]
   stats = engine.stats
   assert stats.preemptions > 0
   if mode == "swap":
     assert stats.swaps > 0
-  if budget < 20:   # the longest prompt needs several chunks
+  if budget < 20:  # the longest prompt needs several chunks
     assert stats.prefill_tokens >= stats.prompt_tokens - 4 * 3
   _all_blocks_free(engine)
 
@@ -122,14 +143,16 @@ def test_outputs_finish_with_a_reason_and_logprobs(reference):
 
 def test_stop_strings_spanning_tokens_abort_and_streaming(model, reference):
   text = reference["0"].outputs[0].text
-  stop = text[3:6]                       # three bytes: three tokens
+  stop = text[3:6]  # three bytes: three tokens
   start = text.index(stop)
   engine = pj.LLMEngine(model, TOKENIZER, CFG, num_decode_steps=4)
   requests = _requests()
-  requests[0] = ("0", requests[0][1], dataclasses.replace(
-      GREEDY, stop=["no such text", stop], output_kind="delta"))
-  requests[2] = ("2", requests[2][1], dataclasses.replace(
-      SAMPLED, output_kind="delta"))
+  requests[0] = (
+    "0",
+    requests[0][1],
+    dataclasses.replace(GREEDY, stop=["no such text", stop], output_kind="delta"),
+  )
+  requests[2] = ("2", requests[2][1], dataclasses.replace(SAMPLED, output_kind="delta"))
   for request_id, prompt, params in requests:
     engine.add_request(request_id, prompt, params)
   finals, streamed = {}, {}
@@ -150,16 +173,14 @@ def test_stop_strings_spanning_tokens_abort_and_streaming(model, reference):
   joined = "".join(o.outputs[0].text for o in streamed["0"])
   assert joined == text[:start]
   tokens = sum((o.outputs[0].token_ids for o in streamed["0"]), [])
-  assert tokens == reference["0"].outputs[0].token_ids[:len(tokens)]
+  assert tokens == reference["0"].outputs[0].token_ids[: len(tokens)]
   # Tokens end with the one that completed the stop string.
   assert stop in TOKENIZER.decode(tokens)
   assert stop not in TOKENIZER.decode(tokens[:-1])
-  for index in (0, 1):   # the deltas of each sample add up to its output
+  for index in (0, 1):  # the deltas of each sample add up to its output
     expected = reference["2"].outputs[index]
-    assert "".join(o.outputs[index].text for o in streamed["2"]) == (
-        expected.text)
-    assert sum((o.outputs[index].token_ids for o in streamed["2"]), []) == (
-        expected.token_ids)
+    assert "".join(o.outputs[index].text for o in streamed["2"]) == (expected.text)
+    assert sum((o.outputs[index].token_ids for o in streamed["2"]), []) == (expected.token_ids)
   assert len(streamed["2"]) > 2
   aborted = finals["4"].outputs[0]
   assert finals["4"].finished and aborted.finish_reason == "abort"
@@ -168,13 +189,11 @@ def test_stop_strings_spanning_tokens_abort_and_streaming(model, reference):
 
 
 def test_requests_that_cannot_fit_fail_without_blocking_the_queue(model):
-  engine = pj.LLMEngine(model, TOKENIZER, CFG, max_num_seqs=4,
-                        num_decode_steps=4)
+  engine = pj.LLMEngine(model, TOKENIZER, CFG, max_num_seqs=4, num_decode_steps=4)
   engine.add_request("wide", "A" * 40, pj.SamplingParams(max_tokens=8, n=4))
   engine.add_request("many", "A", pj.SamplingParams(n=5))
   engine.add_request("long", "B" * 64, GREEDY)
-  finals, _ = _serve(engine, [("ok", "D", dataclasses.replace(
-      GREEDY, max_tokens=3))])
+  finals, _ = _serve(engine, [("ok", "D", dataclasses.replace(GREEDY, max_tokens=3))])
   assert finals["wide"].outputs[0].finish_reason == "error"
   # 4 samples of 40 + 7 tokens (12 blocks of 4) share 10 prompt blocks.
   assert "needs 18 GPU blocks" in finals["wide"].error
@@ -185,14 +204,22 @@ def test_requests_that_cannot_fit_fail_without_blocking_the_queue(model):
   _all_blocks_free(engine)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(n=0), "n"), (dict(temperature=-0.5), "temperature"),
-    (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),
-    (dict(max_tokens=0), "max_tokens"), (dict(stop=[""]), "stop"),
-    (dict(stop_token_ids=[-3]), "stop_token_ids"), (dict(seed=-1), "seed"),
-    (dict(logprobs=-1), "logprobs"), (dict(output_kind="all"), "output_kind"),
+@pytest.mark.parametrize(
+  "kwargs, field",
+  [
+    (dict(n=0), "n"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(stop=[""]), "stop"),
+    (dict(stop_token_ids=[-3]), "stop_token_ids"),
+    (dict(seed=-1), "seed"),
+    (dict(logprobs=-1), "logprobs"),
+    (dict(output_kind="all"), "output_kind"),
     (dict(use_beam_search=True, temperature=0.5), "temperature"),
-])
+  ],
+)
 def test_bad_sampling_params_name_the_field(kwargs, field):
   with pytest.raises(ValueError, match=f"^{field}"):
     pj.SamplingParams(**kwargs)
@@ -231,13 +258,12 @@ class _OwnModel(nnx.Module):
   def __call__(self, tokens, positions, cache):
     x = self.embed(tokens)
     q, k, v = jnp.split(self.qkv(x)[:, :, None, :], 3, axis=-1)
-    if cache is None:   # causal attention over `tokens` alone
-      scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 8 ** -0.5
+    if cache is None:  # causal attention over `tokens` alone
+      scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 8**-0.5
       mask = positions[:, None, :, None] >= positions[:, None, None, :]
-      out = jnp.einsum("bhqk,bkhd->bqhd",
-                       jax.nn.softmax(jnp.where(mask, scores, -1e30)), v)
+      out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.where(mask, scores, -1e30)), v)
     else:
-      out, cache = cache.attend(0, q, k, v, positions, sm_scale=8 ** -0.5)
+      out, cache = cache.attend(0, q, k, v, positions, sm_scale=8**-0.5)
     return self.embed.attend(x + out[:, :, 0]), cache
 
 
@@ -245,8 +271,7 @@ def test_serves_a_model_of_its_own_that_follows_the_protocol():
   own = _OwnModel(nnx.Rngs(1))
   assert isinstance(own, pj.ModelProtocol)
   llm = pj.LLM(own, TOKENIZER, CFG, num_decode_steps=4)
-  (out,) = llm.generate("HELLO", pj.SamplingParams(max_tokens=6,
-                                                   ignore_eos=True))
+  (out,) = llm.generate("HELLO", pj.SamplingParams(max_tokens=6, ignore_eos=True))
   tokens = list(TOKENIZER.encode("HELLO"))
   # Greedy without a cache, the whole (causal, end-padded) sequence each time.
   forward = jax.jit(lambda ids: own(ids, jnp.arange(11)[None], None)[0])

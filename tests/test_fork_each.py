@@ -10,9 +10,14 @@ import paged_jax as pj
 
 pytestmark = pytest.mark.usefixtures("quick_compiles")
 
-CFG = pj.CacheConfig(block_size=4, num_gpu_blocks=32, num_cpu_blocks=8,
-                     max_seqs=8, max_blocks_per_seq=4,
-                     enable_prefix_caching=True)
+CFG = pj.CacheConfig(
+  block_size=4,
+  num_gpu_blocks=32,
+  num_cpu_blocks=8,
+  max_seqs=8,
+  max_blocks_per_seq=4,
+  enable_prefix_caching=True,
+)
 BM = pj.BlockSpaceManager(CFG)
 fork_each = jax.jit(BM.fork_each)
 fork = jax.jit(BM.fork)
@@ -32,12 +37,11 @@ def state():
 
 
 def _same(a, b):
-  return all(np.array_equal(x, y) for x, y in
-             zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 def test_equals_one_fork_per_pair(state):
-  parents = np.array([1, -1, 1, 0, 2], np.int32)   # slot 1 forks twice
+  parents = np.array([1, -1, 1, 0, 2], np.int32)  # slot 1 forks twice
   children = np.array([4, -1, 7, 3, 6], np.int32)
   batched, result = fork_each(state, parents, children)
   assert int(result.status) == pj.Status.OK
@@ -50,18 +54,19 @@ def test_equals_one_fork_per_pair(state):
   pj.check_invariants(batched)
 
 
-@pytest.mark.parametrize("parents, children, status", [
-    ([0, 1], [3, 3], pj.Status.INVALID_ARGUMENT),     # a child twice
-    ([0, 3], [3, 4], pj.Status.INVALID_ARGUMENT),     # a child is a parent
-    ([0, -1], [3, 4], pj.Status.INVALID_ARGUMENT),    # padding on one side
-    ([0, 8], [3, 4], pj.Status.INVALID_ARGUMENT),     # out of range
-    ([0, 5], [3, 4], pj.Status.NOT_ALLOCATED),        # an empty parent
-    ([0, 1], [3, 2], pj.Status.ALREADY_ALLOCATED),    # a held child
-])
-def test_a_bad_pair_refuses_the_call_and_changes_nothing(state, parents,
-                                                          children, status):
-  new, result = fork_each(state, np.array(parents, np.int32),
-                          np.array(children, np.int32))
+@pytest.mark.parametrize(
+  "parents, children, status",
+  [
+    ([0, 1], [3, 3], pj.Status.INVALID_ARGUMENT),  # a child twice
+    ([0, 3], [3, 4], pj.Status.INVALID_ARGUMENT),  # a child is a parent
+    ([0, -1], [3, 4], pj.Status.INVALID_ARGUMENT),  # padding on one side
+    ([0, 8], [3, 4], pj.Status.INVALID_ARGUMENT),  # out of range
+    ([0, 5], [3, 4], pj.Status.NOT_ALLOCATED),  # an empty parent
+    ([0, 1], [3, 2], pj.Status.ALREADY_ALLOCATED),  # a held child
+  ],
+)
+def test_a_bad_pair_refuses_the_call_and_changes_nothing(state, parents, children, status):
+  new, result = fork_each(state, np.array(parents, np.int32), np.array(children, np.int32))
   assert pj.Status(int(result.status)) == status
   assert _same(new, state)
 

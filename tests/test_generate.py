@@ -1,23 +1,31 @@
 """Paged generation against the dense cache: logits, greedy tokens, stats."""
 
 import dataclasses
-from flax import nnx
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import paged_jax as pj
 from paged_jax import models
-from paged_jax.generate import (Request, SamplingParams, generate,
-                                generate_dense, sample_tokens)
+from paged_jax.generate import Request, SamplingParams, generate, generate_dense, sample_tokens
 from paged_jax.models.paged import PagedCache
 
 pytestmark = pytest.mark.usefixtures("quick_compiles")
 
 CONFIG = models.LlamaConfig(
-    vocab_size=61, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=8,
-    hidden=32, mlp_hidden=48, max_seq_len=64, tie_embeddings=False)
+  vocab_size=61,
+  num_layers=2,
+  num_q_heads=4,
+  num_kv_heads=2,
+  head_dim=8,
+  hidden=32,
+  mlp_hidden=48,
+  max_seq_len=64,
+  tie_embeddings=False,
+)
 GREEDY = SamplingParams(max_new_tokens=8)
 
 
@@ -31,32 +39,30 @@ def requests():
   """Ragged random prompts; three share a 20-token prefix; some ask n=4."""
   rng = np.random.default_rng(1)
   shared = rng.integers(0, CONFIG.vocab_size, 20)
-  prompts = [rng.integers(0, CONFIG.vocab_size, rng.integers(2, 18))
-             for _ in range(3)]
-  prompts += [np.concatenate([shared, rng.integers(0, CONFIG.vocab_size, n)])
-              for n in (1, 5, 9)]
-  return [Request(p.astype(np.int32), n=4 if i % 2 else 1)
-          for i, p in enumerate(prompts)]
+  prompts = [rng.integers(0, CONFIG.vocab_size, rng.integers(2, 18)) for _ in range(3)]
+  prompts += [np.concatenate([shared, rng.integers(0, CONFIG.vocab_size, n)]) for n in (1, 5, 9)]
+  return [Request(p.astype(np.int32), n=4 if i % 2 else 1) for i, p in enumerate(prompts)]
 
 
 @pytest.fixture(scope="module")
 def dense_outputs(model, requests):
-  return generate_dense(model, [r.prompt for r in requests], GREEDY,
-                        jax.random.key(0))
+  return generate_dense(model, [r.prompt for r in requests], GREEDY, jax.random.key(0))
 
 
 def _jitted_forward(model):
   graphdef, state = nnx.split(model)
-  return jax.jit(lambda state, tokens, positions, cache: nnx.merge(
-      graphdef, state)(tokens, positions, cache)).__get__(state)
+  return jax.jit(
+    lambda state, tokens, positions, cache: nnx.merge(graphdef, state)(tokens, positions, cache)
+  ).__get__(state)
 
 
 def test_paged_logits_match_dense_for_prefill_and_decode(model):
   forward = _jitted_forward(model)
   rng = np.random.default_rng(2)
   lengths = np.array([7, 3, 12], np.int32)
-  cfg = pj.CacheConfig(block_size=4, num_gpu_blocks=32, num_cpu_blocks=0,
-                       max_seqs=3, max_blocks_per_seq=4)
+  cfg = pj.CacheConfig(
+    block_size=4, num_gpu_blocks=32, num_cpu_blocks=0, max_seqs=3, max_blocks_per_seq=4
+  )
   bm = pj.BlockSpaceManager(cfg)
   state = bm.init()
   tokens = np.zeros((3, 12), np.int32)
@@ -65,26 +71,32 @@ def test_paged_logits_match_dense_for_prefill_and_decode(model):
     state, _ = bm.allocate(state, jnp.array([row]), tokens[row], int(length))
   positions = np.where(np.arange(12) < lengths[:, None], np.arange(12), -1)
   ids = jnp.arange(3, dtype=jnp.int32)
-  kv = pj.KVCache.create(cfg, CONFIG.num_layers, CONFIG.num_kv_heads,
-                         CONFIG.head_dim, dtype=jnp.float32)
-  kv = kv.replace(k=tuple(jnp.full_like(k, jnp.nan) for k in kv.k),
-                  v=tuple(jnp.full_like(v, jnp.nan) for v in kv.v))
-  paged = PagedCache(kv=kv, block_tables=bm.get_block_tables(state, ids),
-                     slot_mapping=bm.get_slot_mapping(state, ids, lengths,
-                                                      width=12))
+  kv = pj.KVCache.create(
+    cfg, CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, dtype=jnp.float32
+  )
+  kv = kv.replace(
+    k=tuple(jnp.full_like(k, jnp.nan) for k in kv.k),
+    v=tuple(jnp.full_like(v, jnp.nan) for v in kv.v),
+  )
+  paged = PagedCache(
+    kv=kv,
+    block_tables=bm.get_block_tables(state, ids),
+    slot_mapping=bm.get_slot_mapping(state, ids, lengths, width=12),
+  )
   dense = models.init_dense_cache(CONFIG, 3)
   paged_logits, paged = forward(tokens, positions, paged)
   dense_logits, dense = forward(tokens, positions, dense)
   real = positions >= 0
-  np.testing.assert_allclose(paged_logits[real], dense_logits[real],
-                             atol=1e-5, rtol=0)
+  np.testing.assert_allclose(paged_logits[real], dense_logits[real], atol=1e-5, rtol=0)
 
   next_tokens = rng.integers(0, CONFIG.vocab_size, (3, 1)).astype(np.int32)
   state, plan = bm.append_slots(state, ids, next_tokens, jnp.ones(3, jnp.int32))
   assert int(plan.status) == pj.Status.OK
-  paged = PagedCache(kv=paged.kv, block_tables=bm.get_block_tables(state, ids),
-                     slot_mapping=bm.get_slot_mapping(state, ids,
-                                                      jnp.ones(3, jnp.int32), width=1))
+  paged = PagedCache(
+    kv=paged.kv,
+    block_tables=bm.get_block_tables(state, ids),
+    slot_mapping=bm.get_slot_mapping(state, ids, jnp.ones(3, jnp.int32), width=1),
+  )
   paged_logits, _ = forward(next_tokens, lengths[:, None], paged)
   dense_logits, _ = forward(next_tokens, lengths[:, None], dense)
   assert np.all(np.isfinite(paged_logits))
@@ -92,17 +104,20 @@ def test_paged_logits_match_dense_for_prefill_and_decode(model):
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
-def test_greedy_paged_tokens_equal_dense(model, requests, dense_outputs,
-                                         prefix_caching):
+def test_greedy_paged_tokens_equal_dense(model, requests, dense_outputs, prefix_caching):
   # Without caching the GPU pool is tight, so the loop runs out of blocks
   # and the engine swaps sequences out and back in.
   block_size, tokens_per_seq = 16, 48
   pool_tokens = 160 if prefix_caching else 112
   cfg = pj.CacheConfig(
-      block_size=block_size, num_gpu_blocks=pool_tokens // block_size + 2,
-      num_cpu_blocks=256 // block_size, max_seqs=16,
-      max_blocks_per_seq=tokens_per_seq // block_size,
-      enable_prefix_caching=prefix_caching, watermark=0.0)
+    block_size=block_size,
+    num_gpu_blocks=pool_tokens // block_size + 2,
+    num_cpu_blocks=256 // block_size,
+    max_seqs=16,
+    max_blocks_per_seq=tokens_per_seq // block_size,
+    enable_prefix_caching=prefix_caching,
+    watermark=0.0,
+  )
   outputs, stats = generate(model, requests, cfg, GREEDY, jax.random.key(0))
   for request, expected, samples in zip(requests, dense_outputs, outputs):
     assert len(samples) == request.n
@@ -119,16 +134,17 @@ def test_greedy_paged_tokens_equal_dense(model, requests, dense_outputs,
     assert stats.prefill_tokens == stats.prompt_tokens
     assert stats.prefix_cache_hit_rate == -1.0
     assert stats.preemptions > 0 and stats.swaps > 0
-  assert stats.cow_copies > 0   # n=4 samples share a partial last block
+  assert stats.cow_copies > 0  # n=4 samples share a partial last block
 
 
 def test_eos_stops_a_sequence(model, requests, dense_outputs):
   eos = int(dense_outputs[0][2])
   sampling = SamplingParams(max_new_tokens=8, eos_id=eos)
-  cfg = pj.CacheConfig(block_size=4, num_gpu_blocks=64, num_cpu_blocks=0,
-                       max_seqs=4, max_blocks_per_seq=12)
+  cfg = pj.CacheConfig(
+    block_size=4, num_gpu_blocks=64, num_cpu_blocks=0, max_seqs=4, max_blocks_per_seq=12
+  )
   outputs, _ = generate(model, requests[:1], cfg, sampling, jax.random.key(0))
-  expected = dense_outputs[0][:list(dense_outputs[0]).index(eos) + 1]
+  expected = dense_outputs[0][: list(dense_outputs[0]).index(eos) + 1]
   np.testing.assert_array_equal(outputs[0][0], expected)
 
 
@@ -139,8 +155,10 @@ def random_logits():
 
 def test_top_k_one_and_tiny_top_p_are_greedy(random_logits):
   greedy = np.argmax(random_logits, axis=-1)
-  for params in (SamplingParams(temperature=1.0, top_k=1),
-                 SamplingParams(temperature=1.0, top_p=1e-6)):
+  for params in (
+    SamplingParams(temperature=1.0, top_k=1),
+    SamplingParams(temperature=1.0, top_p=1e-6),
+  ):
     tokens = sample_tokens(random_logits, jax.random.key(4), params)
     np.testing.assert_array_equal(tokens, greedy)
 
@@ -163,62 +181,80 @@ def test_top_p_samples_stay_in_the_nucleus(random_logits):
     assert token in order[before < 0.5]
 
 
-@pytest.mark.parametrize("kwargs, message", [
+@pytest.mark.parametrize(
+  "kwargs, message",
+  [
     (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(temperature=-1.0), "temperature"),
     (dict(top_k=-2), "top_k"),
     (dict(top_p=0.0), "top_p"),
-])
+  ],
+)
 def test_bad_sampling_params_raise(kwargs, message):
   with pytest.raises(ValueError, match=message):
     SamplingParams(**kwargs)
 
 
-@pytest.mark.parametrize("prompt, n, message", [
+@pytest.mark.parametrize(
+  "prompt, n, message",
+  [
     (np.zeros(0, np.int32), 1, "non-empty"),
     (np.zeros((2, 2), np.int32), 1, "1-D"),
     (np.ones(3, np.int32), 0, "n must be"),
-])
+  ],
+)
 def test_bad_requests_raise(prompt, n, message):
   with pytest.raises(ValueError, match=message):
     Request(prompt, n=n)
 
 
-@pytest.mark.parametrize("request_, message", [
+@pytest.mark.parametrize(
+  "request_, message",
+  [
     (Request(np.ones(3, np.int32), n=9), "n=9 sequences exceed max_num_seqs"),
     (Request(np.ones(40, np.int32)), "no room"),
     (Request(np.full(3, 99, np.int32)), "token ids outside"),
-])
+  ],
+)
 def test_generate_rejects_requests_that_do_not_fit(model, request_, message):
-  cfg = pj.CacheConfig(block_size=4, num_gpu_blocks=16, num_cpu_blocks=0,
-                       max_seqs=8, max_blocks_per_seq=10)
+  cfg = pj.CacheConfig(
+    block_size=4, num_gpu_blocks=16, num_cpu_blocks=0, max_seqs=8, max_blocks_per_seq=10
+  )
   with pytest.raises(ValueError, match=message):
     generate(model, [request_], cfg, GREEDY, jax.random.key(0))
 
 
-@pytest.mark.parametrize("num_gpu_blocks, prompt, n, message", [
+@pytest.mark.parametrize(
+  "num_gpu_blocks, prompt, n, message",
+  [
     # Each of 4 samples holds 20 prompt + 7 new tokens (7 blocks of 4); they
     # share the 5 full prompt blocks: 5 + 4 x 2.
     (2, 20, 4, r"needs 13 GPU blocks .* the cache has 2"),
     # 10 prompt tokens and 7 more need 5 blocks of 4.
     (3, 10, 1, r"needs 5 GPU blocks .* the cache has 3"),
-])
+  ],
+)
 def test_a_cache_too_small_for_one_sequence_fails_up_front(
-    model, num_gpu_blocks, prompt, n, message):
-  cfg = pj.CacheConfig(block_size=4, num_gpu_blocks=num_gpu_blocks,
-                       num_cpu_blocks=16, max_seqs=4, max_blocks_per_seq=10,
-                       watermark=0.0)
+  model, num_gpu_blocks, prompt, n, message
+):
+  cfg = pj.CacheConfig(
+    block_size=4,
+    num_gpu_blocks=num_gpu_blocks,
+    num_cpu_blocks=16,
+    max_seqs=4,
+    max_blocks_per_seq=10,
+    watermark=0.0,
+  )
   with pytest.raises(ValueError, match="request 0: " + message):
-    generate(model, [Request(np.ones(prompt, np.int32), n=n)], cfg, GREEDY,
-             jax.random.key(0))
+    generate(model, [Request(np.ones(prompt, np.int32), n=n)], cfg, GREEDY, jax.random.key(0))
 
 
-def test_generation_stops_at_the_models_positions(model, requests,
-                                                  dense_outputs):
+def test_generation_stops_at_the_models_positions(model, requests, dense_outputs):
   # 60 prompt tokens leave 4 of the model's 64 positions for new tokens.
   prompt = np.concatenate([requests[0].prompt, np.ones(60, np.int32)])[-60:]
-  cfg = pj.CacheConfig(block_size=4, num_gpu_blocks=64, num_cpu_blocks=0,
-                       max_seqs=4, max_blocks_per_seq=20)
+  cfg = pj.CacheConfig(
+    block_size=4, num_gpu_blocks=64, num_cpu_blocks=0, max_seqs=4, max_blocks_per_seq=20
+  )
   llm = pj.LLM(model, None, cfg)
   (out,) = llm.generate([prompt], pj.SamplingParams(max_tokens=40))
   expected = generate_dense(model, [prompt], GREEDY, jax.random.key(0))[0]
@@ -230,8 +266,9 @@ def test_generation_stops_at_the_models_positions(model, requests,
 def test_paged_cache_rejects_a_slot_mapping_of_the_wrong_shape():
   cfg = pj.CacheConfig(block_size=4, num_gpu_blocks=4, num_cpu_blocks=0)
   kv = pj.KVCache.create(cfg, 1, 2, 8, dtype=jnp.float32)
-  cache = PagedCache(kv=kv, block_tables=jnp.zeros((2, 4), jnp.int32),
-                     slot_mapping=jnp.zeros((2, 3), jnp.int32))
+  cache = PagedCache(
+    kv=kv, block_tables=jnp.zeros((2, 4), jnp.int32), slot_mapping=jnp.zeros((2, 3), jnp.int32)
+  )
   q = jnp.ones((2, 5, 4, 8))
   k = jnp.ones((2, 5, 2, 8))
   with pytest.raises(ValueError, match=r"slot_mapping shape \(2, 3\) must be"):
@@ -239,13 +276,20 @@ def test_paged_cache_rejects_a_slot_mapping_of_the_wrong_shape():
 
 
 def test_the_paged_cache_refuses_a_sliding_window_model():
-  windowed = models.Llama(dataclasses.replace(CONFIG, sliding_window=5),
-                          rngs=nnx.Rngs(0))
-  cfg = pj.CacheConfig(block_size=4, num_gpu_blocks=8, num_cpu_blocks=0,
-                       max_seqs=1, max_blocks_per_seq=4, sliding_window=5)
-  kv = pj.KVCache.create(cfg, CONFIG.num_layers, CONFIG.num_kv_heads,
-                         CONFIG.head_dim, dtype=jnp.float32)
-  cache = PagedCache(kv=kv, block_tables=jnp.zeros((1, 4), jnp.int32),
-                     slot_mapping=jnp.zeros((1, 1), jnp.int32))
+  windowed = models.Llama(dataclasses.replace(CONFIG, sliding_window=5), rngs=nnx.Rngs(0))
+  cfg = pj.CacheConfig(
+    block_size=4,
+    num_gpu_blocks=8,
+    num_cpu_blocks=0,
+    max_seqs=1,
+    max_blocks_per_seq=4,
+    sliding_window=5,
+  )
+  kv = pj.KVCache.create(
+    cfg, CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, dtype=jnp.float32
+  )
+  cache = PagedCache(
+    kv=kv, block_tables=jnp.zeros((1, 4), jnp.int32), slot_mapping=jnp.zeros((1, 1), jnp.int32)
+  )
   with pytest.raises(ValueError, match="does not serve sliding-window models"):
     windowed(jnp.ones((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32), cache)

@@ -14,32 +14,30 @@ from pallas_kernels import copy_blocks as copy_blocks_lib
 # block size 8/16/32, head_dim 64/128, both float dtypes and the quantized
 # page dtypes (int8, float8_e4m3fn).
 CASES = [
-    (4, 2, 64, 8, 12, 5, 3, "float32"),
-    (2, 8, 128, 16, 8, 3, 3, "bfloat16"),
-    (6, 1, 64, 32, 6, 2, 1, "float32"),
-    (2, 4, 128, 8, 4, 2, 0, "bfloat16"),
-    (2, 2, 64, 16, 6, 3, 2, "int8"),
-    (2, 1, 128, 8, 6, 2, 2, "float8_e4m3fn"),
+  (4, 2, 64, 8, 12, 5, 3, "float32"),
+  (2, 8, 128, 16, 8, 3, 3, "bfloat16"),
+  (6, 1, 64, 32, 6, 2, 1, "float32"),
+  (2, 4, 128, 8, 4, 2, 0, "bfloat16"),
+  (2, 2, 64, 16, 6, 3, 2, "int8"),
+  (2, 1, 128, 8, 6, 2, 2, "float8_e4m3fn"),
 ]
 copy_blocks_reference = jax.jit(copy_blocks_lib.copy_blocks_reference)
 KERNELS = {
-    backend: jax.jit(functools.partial(copy_blocks_lib.copy_blocks,
-                                       backend=backend, interpret=True))
-    for backend in ("gpu", "tpu")
+  backend: jax.jit(functools.partial(copy_blocks_lib.copy_blocks, backend=backend, interpret=True))
+  for backend in ("gpu", "tpu")
 }
 
 
 def make_inputs(case, seed=0):
   """Random caches and a plan: disjoint sources and destinations, -1 tail."""
-  (num_caches, num_kv_heads, head_dim, block_size, num_blocks, capacity, count,
-   dtype) = case
+  (num_caches, num_kv_heads, head_dim, block_size, num_blocks, capacity, count, dtype) = case
   rng = np.random.default_rng(seed)
   shape = (num_kv_heads, num_blocks, block_size, head_dim)
   caches = [random_pages(rng, shape, dtype) for _ in range(num_caches)]
   blocks = rng.permutation(num_blocks)
   src = np.full(capacity, -1, np.int32)
   dst = np.full(capacity, -1, np.int32)
-  src[:count], dst[:count] = blocks[:count], blocks[count:2 * count]
+  src[:count], dst[:count] = blocks[:count], blocks[count : 2 * count]
   if count < capacity:
     # A stale pair past count must be ignored.
     src[count], dst[count] = blocks[2 * count], blocks[2 * count + 1]
@@ -85,9 +83,10 @@ def test_kernel_matches_numpy(case, backend):
 @pytest.mark.parametrize("backend", ["gpu", "tpu"])
 def test_kernel_copies_in_place_when_donated(backend):
   caches, src, dst, count = make_inputs(CASES[0])
-  copy = jax.jit(functools.partial(copy_blocks_lib.copy_blocks,
-                                   backend=backend, interpret=True),
-                 donate_argnums=0)
+  copy = jax.jit(
+    functools.partial(copy_blocks_lib.copy_blocks, backend=backend, interpret=True),
+    donate_argnums=0,
+  )
   memory = copy.lower(caches, src, dst, count).compile().memory_analysis()
   assert memory.alias_size_in_bytes == sum(cache.nbytes for cache in caches)
 
@@ -97,28 +96,30 @@ def test_kernel_lowers_for_its_platform(backend, platform):
   shape = jax.ShapeDtypeStruct
   caches = [shape((8, 64, 16, 128), jnp.bfloat16)] * 4
   plan = shape((6,), jnp.int32)
-  copy = jax.jit(functools.partial(copy_blocks_lib.copy_blocks,
-                                   backend=backend), donate_argnums=0)
+  copy = jax.jit(functools.partial(copy_blocks_lib.copy_blocks, backend=backend), donate_argnums=0)
   lowered = copy.trace(caches, plan, plan, shape((), jnp.int32)).lower(
-      lowering_platforms=(platform,))
+    lowering_platforms=(platform,)
+  )
   assert f"copy_blocks_{backend}" in lowered.as_text()
 
 
 def good_args():
-  return dict(caches=[jnp.ones((2, 4, 8, 64))] * 2,
-              src=jnp.zeros((3,), jnp.int32), dst=jnp.ones((3,), jnp.int32),
-              count=jnp.int32(1))
+  return dict(
+    caches=[jnp.ones((2, 4, 8, 64))] * 2,
+    src=jnp.zeros((3,), jnp.int32),
+    dst=jnp.ones((3,), jnp.int32),
+    count=jnp.int32(1),
+  )
 
 
 BAD_ARGS = {
-    "no caches": (dict(caches=[]), "at least one cache"),
-    "cache rank": (dict(caches=[jnp.ones((4, 8, 64))]), "caches must be"),
-    "mismatch": (dict(caches=[jnp.ones((2, 4, 8, 64)),
-                              jnp.ones((2, 5, 8, 64))]), "cache 1 is"),
-    "src dtype": (dict(src=jnp.zeros((3,))), "src must be int32"),
-    "dst rank": (dict(dst=jnp.zeros((3, 1), jnp.int32)), "dst must be int32"),
-    "lengths": (dict(dst=jnp.zeros((4,), jnp.int32)), "differ in length"),
-    "count": (dict(count=jnp.zeros((2,), jnp.int32)), "count must be"),
+  "no caches": (dict(caches=[]), "at least one cache"),
+  "cache rank": (dict(caches=[jnp.ones((4, 8, 64))]), "caches must be"),
+  "mismatch": (dict(caches=[jnp.ones((2, 4, 8, 64)), jnp.ones((2, 5, 8, 64))]), "cache 1 is"),
+  "src dtype": (dict(src=jnp.zeros((3,))), "src must be int32"),
+  "dst rank": (dict(dst=jnp.zeros((3, 1), jnp.int32)), "dst must be int32"),
+  "lengths": (dict(dst=jnp.zeros((4,), jnp.int32)), "differ in length"),
+  "count": (dict(count=jnp.zeros((2,), jnp.int32)), "count must be"),
 }
 
 

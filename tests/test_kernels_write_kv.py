@@ -13,18 +13,17 @@ from pallas_kernels import write_kv as write_kv_lib
 # of Hkv in {1, 2, 4, 8}, head_dim 64/128, block 8/16/32, both float dtypes
 # and the quantized page dtypes (int8, float8_e4m3fn).
 CASES = [
-    (1, 64, 8, 6, 5, "float32"),
-    (2, 128, 16, 4, 9, "bfloat16"),
-    (4, 64, 32, 3, 7, "float32"),
-    (8, 128, 8, 5, 4, "bfloat16"),
-    (2, 64, 16, 4, 6, "int8"),
-    (1, 128, 8, 3, 5, "float8_e4m3fn"),
+  (1, 64, 8, 6, 5, "float32"),
+  (2, 128, 16, 4, 9, "bfloat16"),
+  (4, 64, 32, 3, 7, "float32"),
+  (8, 128, 8, 5, 4, "bfloat16"),
+  (2, 64, 16, 4, 6, "int8"),
+  (1, 128, 8, 3, 5, "float8_e4m3fn"),
 ]
 write_kv_reference = jax.jit(write_kv_lib.write_kv_reference)
 KERNELS = {
-    backend: jax.jit(functools.partial(write_kv_lib.write_kv, backend=backend,
-                                       interpret=True))
-    for backend in ("gpu", "tpu")
+  backend: jax.jit(functools.partial(write_kv_lib.write_kv, backend=backend, interpret=True))
+  for backend in ("gpu", "tpu")
 }
 
 
@@ -35,10 +34,10 @@ def make_inputs(case, seed=0):
   dtype = jnp.dtype(dtype)
   cache_shape = (num_kv_heads, num_blocks, block_size, head_dim)
   scale = 40.0 if jnp.issubdtype(dtype, jnp.integer) else 1.0  # int8 range
-  caches = [(rng.standard_normal(cache_shape) * scale).astype(dtype)
-            for _ in range(2)]
-  new = [(rng.standard_normal((tokens, num_kv_heads, head_dim)) * scale
-          ).astype(dtype) for _ in range(2)]
+  caches = [(rng.standard_normal(cache_shape) * scale).astype(dtype) for _ in range(2)]
+  new = [
+    (rng.standard_normal((tokens, num_kv_heads, head_dim)) * scale).astype(dtype) for _ in range(2)
+  ]
   slots = rng.permutation(num_blocks * block_size)[:tokens].astype(np.int32)
   slots[0] = -1
   return caches, new, slots
@@ -78,8 +77,9 @@ def test_kernel_matches_numpy(case, backend):
 @pytest.mark.parametrize("backend", ["gpu", "tpu"])
 def test_kernel_writes_in_place_when_donated(backend):
   caches, new, slots = make_inputs(CASES[0])
-  write = jax.jit(functools.partial(write_kv_lib.write_kv, backend=backend,
-                                    interpret=True), donate_argnums=(0, 1))
+  write = jax.jit(
+    functools.partial(write_kv_lib.write_kv, backend=backend, interpret=True), donate_argnums=(0, 1)
+  )
   memory = write.lower(*caches, *new, slots).compile().memory_analysis()
   cache_bytes = sum(cache.nbytes for cache in caches)
   assert memory.alias_size_in_bytes == cache_bytes
@@ -90,36 +90,34 @@ def test_kernel_lowers_for_its_platform(backend, platform):
   shape = jax.ShapeDtypeStruct
   cache = shape((8, 64, 16, 128), jnp.bfloat16)
   rows = shape((5, 8, 128), jnp.bfloat16)
-  write = jax.jit(functools.partial(write_kv_lib.write_kv, backend=backend),
-                  donate_argnums=(0, 1))
-  lowered = write.trace(cache, cache, rows, rows,
-                        shape((5,), jnp.int32)).lower(
-                            lowering_platforms=(platform,))
+  write = jax.jit(functools.partial(write_kv_lib.write_kv, backend=backend), donate_argnums=(0, 1))
+  lowered = write.trace(cache, cache, rows, rows, shape((5,), jnp.int32)).lower(
+    lowering_platforms=(platform,)
+  )
   assert f"write_kv_{backend}" in lowered.as_text()
 
 
 def good_args():
   cache = jnp.ones((2, 4, 8, 64))
   rows = jnp.ones((3, 2, 64))
-  return dict(k_cache=cache, v_cache=cache, k=rows, v=rows,
-              slot_mapping=jnp.zeros((3,), jnp.int32))
+  return dict(k_cache=cache, v_cache=cache, k=rows, v=rows, slot_mapping=jnp.zeros((3,), jnp.int32))
 
 
 BAD_ARGS = {
-    "cache rank": (dict(k_cache=jnp.ones((4, 8, 64)),
-                        v_cache=jnp.ones((4, 8, 64))), "k_cache must be"),
-    "v_cache": (dict(v_cache=jnp.ones((2, 5, 8, 64))), "v_cache"),
-    "k heads": (dict(k=jnp.ones((3, 4, 64)), v=jnp.ones((3, 4, 64))),
-                "num_kv_heads=2"),
-    "k rank": (dict(k=jnp.ones((3, 128)), v=jnp.ones((3, 128))),
-               "k must be"),
-    "v shape": (dict(v=jnp.ones((4, 2, 64))), "v shape"),
-    "dtype": (dict(k=jnp.ones((3, 2, 64), jnp.bfloat16),
-                   v=jnp.ones((3, 2, 64), jnp.bfloat16)), "one dtype"),
-    "slots length": (dict(slot_mapping=jnp.zeros((4,), jnp.int32)),
-                     "slot_mapping must be int32"),
-    "slots dtype": (dict(slot_mapping=jnp.zeros((3,))),
-                    "slot_mapping must be int32"),
+  "cache rank": (
+    dict(k_cache=jnp.ones((4, 8, 64)), v_cache=jnp.ones((4, 8, 64))),
+    "k_cache must be",
+  ),
+  "v_cache": (dict(v_cache=jnp.ones((2, 5, 8, 64))), "v_cache"),
+  "k heads": (dict(k=jnp.ones((3, 4, 64)), v=jnp.ones((3, 4, 64))), "num_kv_heads=2"),
+  "k rank": (dict(k=jnp.ones((3, 128)), v=jnp.ones((3, 128))), "k must be"),
+  "v shape": (dict(v=jnp.ones((4, 2, 64))), "v shape"),
+  "dtype": (
+    dict(k=jnp.ones((3, 2, 64), jnp.bfloat16), v=jnp.ones((3, 2, 64), jnp.bfloat16)),
+    "one dtype",
+  ),
+  "slots length": (dict(slot_mapping=jnp.zeros((4,), jnp.int32)), "slot_mapping must be int32"),
+  "slots dtype": (dict(slot_mapping=jnp.zeros((3,))), "slot_mapping must be int32"),
 }
 
 
@@ -140,5 +138,6 @@ def test_unknown_backend_and_untileable_head_dim_raise():
     write_kv_lib.write_kv(**good_args(), backend="mps")
   cache, rows = jnp.ones((2, 4, 8, 80)), jnp.ones((3, 2, 80))
   with pytest.raises(ValueError, match="head_dim must be a power of two"):
-    write_kv_lib.write_kv(cache, cache, rows, rows, jnp.zeros((3,), jnp.int32),
-                          backend="gpu", interpret=True)
+    write_kv_lib.write_kv(
+      cache, cache, rows, rows, jnp.zeros((3,), jnp.int32), backend="gpu", interpret=True
+    )

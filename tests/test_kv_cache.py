@@ -1,28 +1,31 @@
 """KVCache: allocation, sizing, write_kv/copy_blocks, attention dispatch, and
 an in-place decode step."""
 
-from typing import NamedTuple
 import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax import attention
-from paged_jax import kv_cache
+from paged_jax import attention, kv_cache
 from paged_jax.config import CacheConfig
-from pallas_kernels.paged_attention import gpu
-from pallas_kernels.paged_attention import paged_attention_reference
-from pallas_kernels.paged_attention import paged_prefill_attention_reference
+from pallas_kernels.paged_attention import (
+  gpu,
+  paged_attention_reference,
+  paged_prefill_attention_reference,
+)
 
-CFG = CacheConfig(block_size=8, num_gpu_blocks=12, num_cpu_blocks=4,
-                  max_seqs=4, max_blocks_per_seq=4)
+CFG = CacheConfig(
+  block_size=8, num_gpu_blocks=12, num_cpu_blocks=4, max_seqs=4, max_blocks_per_seq=4
+)
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 64
 
 
 class Plan(NamedTuple):
   """A CopyPlan/SwapPlan stand-in: the fields the cache ops read."""
+
   src: jax.Array
   dst: jax.Array
   count: jax.Array
@@ -42,8 +45,7 @@ def random_cache(cfg=CFG, dtype=jnp.float32, seed=0):
   rng = np.random.default_rng(seed)
 
   def fill(pages):
-    return tuple(jnp.asarray(rng.standard_normal(p.shape), dtype)
-                 for p in pages)
+    return tuple(jnp.asarray(rng.standard_normal(p.shape), dtype) for p in pages)
 
   return cache.replace(k=fill(cache.k), v=fill(cache.v))
 
@@ -65,17 +67,21 @@ def test_create_allocates_zeroed_device_and_host_pages():
     assert pages.shape == host_shape and pages.dtype == jnp.uint16  # bits
     assert pages.sharding.memory_kind == "pinned_host"
   for pages in cache.host_pages(2):
-    assert pages.dtype == jnp.bfloat16 and not np.asarray(pages,
-                                                          np.float32).any()
-  assert (cache.num_layers, cache.num_kv_heads, cache.block_size,
-          cache.head_dim) == (3, KV_HEADS, CFG.block_size, HEAD_DIM)
+    assert pages.dtype == jnp.bfloat16 and not np.asarray(pages, np.float32).any()
+  assert (cache.num_layers, cache.num_kv_heads, cache.block_size, cache.head_dim) == (
+    3,
+    KV_HEADS,
+    CFG.block_size,
+    HEAD_DIM,
+  )
   assert (cache.num_gpu_blocks, cache.num_cpu_blocks) == (12, 4)
   assert cache.nbytes == 2 * 3 * np.prod(device_shape) * 2
   assert cache.host_nbytes == 2 * 3 * np.prod(host_shape) * 2
 
 
-@pytest.mark.parametrize("kwargs", [dict(num_layers=0), dict(head_dim=True),
-                                    dict(num_kv_heads=2.0)])
+@pytest.mark.parametrize(
+  "kwargs", [dict(num_layers=0), dict(head_dim=True), dict(num_kv_heads=2.0)]
+)
 def test_create_rejects_bad_sizes(kwargs):
   sizes = {**dict(num_layers=1, num_kv_heads=1, head_dim=8), **kwargs}
   with pytest.raises(ValueError, match=next(iter(kwargs))):
@@ -83,40 +89,40 @@ def test_create_rejects_bad_sizes(kwargs):
 
 
 def test_sizing_follows_vllm_formulas():
-  llama3_8b = dict(block_size=16, num_layers=32, num_kv_heads=8, head_dim=128,
-                   dtype=jnp.bfloat16)
+  llama3_8b = dict(block_size=16, num_layers=32, num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16)
   block = kv_cache.bytes_per_block(**llama3_8b)
   assert block == 2 * 32 * 8 * 16 * 128 * 2  # K and V, bf16: 2 MiB
   gib = 1 << 30
   # (80 GiB * 0.9 - 16 GiB) / 2 MiB = 56 GiB / 2 MiB
-  assert kv_cache.num_gpu_blocks_for_memory(
-      80 * gib, block, utilization=0.9, reserved_bytes=16 * gib) == 28672
-  assert kv_cache.num_gpu_blocks_for_memory(block * 10 + 1, block,
-                                            utilization=1.0) == 10
+  assert (
+    kv_cache.num_gpu_blocks_for_memory(80 * gib, block, utilization=0.9, reserved_bytes=16 * gib)
+    == 28672
+  )
+  assert kv_cache.num_gpu_blocks_for_memory(block * 10 + 1, block, utilization=1.0) == 10
   assert kv_cache.num_cpu_blocks_for_swap_space(4, block) == 2048
   assert kv_cache.num_cpu_blocks_for_swap_space(0, block) == 0
 
 
-@pytest.mark.parametrize("call,message", [
-    (lambda: kv_cache.num_gpu_blocks_for_memory(1 << 30, 1, utilization=0.0),
-     "utilization"),
-    (lambda: kv_cache.num_gpu_blocks_for_memory(1 << 30, 1, utilization=1.5),
-     "utilization"),
-    (lambda: kv_cache.num_gpu_blocks_for_memory(100, 64, reserved_bytes=50),
-     "no room"),
+@pytest.mark.parametrize(
+  "call,message",
+  [
+    (lambda: kv_cache.num_gpu_blocks_for_memory(1 << 30, 1, utilization=0.0), "utilization"),
+    (lambda: kv_cache.num_gpu_blocks_for_memory(1 << 30, 1, utilization=1.5), "utilization"),
+    (lambda: kv_cache.num_gpu_blocks_for_memory(100, 64, reserved_bytes=50), "no room"),
     (lambda: kv_cache.num_gpu_blocks_for_memory(-1, 64), "non-negative"),
     (lambda: kv_cache.num_cpu_blocks_for_swap_space(-1, 64), "swap_space_gib"),
     (lambda: kv_cache.num_cpu_blocks_for_swap_space(1, 0), "block_bytes"),
-    (lambda: kv_cache.device_memory_bytes(jax.devices("cpu")[0]),
-     "reports no memory limit"),
-])
+    (lambda: kv_cache.device_memory_bytes(jax.devices("cpu")[0]), "reports no memory limit"),
+  ],
+)
 def test_sizing_errors(call, message):
   with pytest.raises(ValueError, match=message):
     call()
 
 
-@pytest.mark.parametrize("kinds,expected", [
-    (("device", "unpinned_host"), "unpinned_host"), (("device",), None)])
+@pytest.mark.parametrize(
+  "kinds,expected", [(("device", "unpinned_host"), "unpinned_host"), (("device",), None)]
+)
 def test_host_memory_fallback_warns_once(kinds, expected):
   with pytest.warns(RuntimeWarning, match="no 'pinned_host' memory"):
     assert kv_cache.pick_host_memory_kind(kinds, "testbackend") == expected
@@ -128,8 +134,10 @@ def test_host_memory_fallback_warns_once(kinds, expected):
 def test_pinned_host_is_picked_without_warning():
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    assert kv_cache.pick_host_memory_kind(
-        ("device", "pinned_host", "unpinned_host"), "cpu") == "pinned_host"
+    assert (
+      kv_cache.pick_host_memory_kind(("device", "pinned_host", "unpinned_host"), "cpu")
+      == "pinned_host"
+    )
 
 
 @pytest.mark.parametrize("impl", ["reference", "pallas"])
@@ -138,8 +146,7 @@ def test_write_kv_writes_one_layer_at_its_slots(impl):
   before = numpy_pages(cache)
   rng = np.random.default_rng(1)
   # The block manager's [batch, width] slot mapping, -1 padded.
-  slots = np.array([[3 * 8 + 5, 3 * 8 + 6, -1], [10 * 8 + 0, -1, -1]],
-                   np.int32)
+  slots = np.array([[3 * 8 + 5, 3 * 8 + 6, -1], [10 * 8 + 0, -1, -1]], np.int32)
   k = rng.standard_normal((2, 3, KV_HEADS, HEAD_DIM)).astype(np.float32)
   v = rng.standard_normal((2, 3, KV_HEADS, HEAD_DIM)).astype(np.float32)
   cache = kv_cache.write_kv(cache, 1, k, v, jnp.asarray(slots), impl=impl)
@@ -165,11 +172,11 @@ def test_copy_blocks_copies_every_layer(impl):
 
 
 WRITE_ERRORS = {
-    "layer": (dict(layer=2), "layer must be an int in 0..1"),
-    "slot range": (dict(slots=[0, 96]), r"slot_mapping\[1\] = 96 is out"),
-    "slot below -1": (dict(slots=[-2, 0]), r"slot_mapping\[0\] = -2"),
-    "duplicate": (dict(slots=[5, 5]), "slot 5 is written 2 times"),
-    "shape": (dict(slots=[0, 1, 2]), "leading shape of k"),
+  "layer": (dict(layer=2), "layer must be an int in 0..1"),
+  "slot range": (dict(slots=[0, 96]), r"slot_mapping\[1\] = 96 is out"),
+  "slot below -1": (dict(slots=[-2, 0]), r"slot_mapping\[0\] = -2"),
+  "duplicate": (dict(slots=[5, 5]), "slot 5 is written 2 times"),
+  "shape": (dict(slots=[0, 1, 2]), "leading shape of k"),
 }
 
 
@@ -184,10 +191,10 @@ def test_write_kv_checked_path_errors(bad):
 
 
 COPY_ERRORS = {
-    "src range": ([(12, 0)], 4, "copy plan entry 0: src block 12 is out"),
-    "dst range": ([(0, 1), (2, -1)], 4, "entry 1: dst block -1 is out"),
-    "duplicate dst": ([(0, 1), (2, 1)], 4, "dst block 1 appears 2 times"),
-    "overlap": ([(0, 1), (1, 2)], 4, "block 1 is both a source and a"),
+  "src range": ([(12, 0)], 4, "copy plan entry 0: src block 12 is out"),
+  "dst range": ([(0, 1), (2, -1)], 4, "entry 1: dst block -1 is out"),
+  "duplicate dst": ([(0, 1), (2, 1)], 4, "dst block 1 appears 2 times"),
+  "overlap": ([(0, 1), (1, 2)], 4, "block 1 is both a source and a"),
 }
 
 
@@ -198,16 +205,21 @@ def test_copy_blocks_checked_path_errors(bad):
     kv_cache.copy_blocks(random_cache(), make_plan(pairs, capacity))
 
 
-@pytest.mark.parametrize("plan,message", [
-    (Plan(jnp.zeros(2, jnp.int32), jnp.ones(2, jnp.int32), jnp.int32(3)),
-     "count 3 is outside 0..2"),
-    (Plan(jnp.zeros(2), jnp.ones(2, jnp.int32), jnp.int32(1)),
-     "plan.src must be int32"),
-    (Plan(jnp.zeros(2, jnp.int32), jnp.ones(3, jnp.int32), jnp.int32(1)),
-     "differ"),
-    (Plan(jnp.zeros(2, jnp.int32), jnp.ones(2, jnp.int32), jnp.zeros(1, int)),
-     "plan.count must be an int32 scalar"),
-])
+@pytest.mark.parametrize(
+  "plan,message",
+  [
+    (
+      Plan(jnp.zeros(2, jnp.int32), jnp.ones(2, jnp.int32), jnp.int32(3)),
+      "count 3 is outside 0..2",
+    ),
+    (Plan(jnp.zeros(2), jnp.ones(2, jnp.int32), jnp.int32(1)), "plan.src must be int32"),
+    (Plan(jnp.zeros(2, jnp.int32), jnp.ones(3, jnp.int32), jnp.int32(1)), "differ"),
+    (
+      Plan(jnp.zeros(2, jnp.int32), jnp.ones(2, jnp.int32), jnp.zeros(1, int)),
+      "plan.count must be an int32 scalar",
+    ),
+  ],
+)
 def test_malformed_plans_raise(plan, message):
   with pytest.raises(ValueError, match=message):
     kv_cache.copy_blocks(random_cache(), plan)
@@ -233,14 +245,13 @@ def test_attention_dispatch_on_cpu():
   q, tables, lengths = decode_inputs()
   args = (q, cache.k[0], cache.v[0], tables, lengths)
   run = jax.jit(attention.paged_attention, static_argnames=("soft_cap", "impl"))
-  expected = jax.jit(paged_attention_reference, static_argnames="soft_cap")(
-      *args, soft_cap=9.0)
+  expected = jax.jit(paged_attention_reference, static_argnames="soft_cap")(*args, soft_cap=9.0)
   auto = run(*args, soft_cap=9.0, impl="auto")
   np.testing.assert_array_equal(np.asarray(auto), np.asarray(expected))
   pallas = run(*args, soft_cap=9.0, impl="pallas")
-  interpreted = jax.jit(gpu.paged_attention,
-                        static_argnames=("soft_cap", "interpret"))(
-                            *args, soft_cap=9.0, interpret=True)
+  interpreted = jax.jit(gpu.paged_attention, static_argnames=("soft_cap", "interpret"))(
+    *args, soft_cap=9.0, interpret=True
+  )
   np.testing.assert_array_equal(np.asarray(pallas), np.asarray(interpreted))
   np.testing.assert_allclose(pallas, expected, atol=1e-5)
 
@@ -251,10 +262,12 @@ def test_prefill_dispatch_runs_the_reference():
   q = jnp.stack([q, 2 * q, -q], axis=1)
   query_lens = jnp.asarray([3, 2], jnp.int32)
   args = (q, cache.k[1], cache.v[1], tables, lengths, query_lens)
-  got = jax.jit(attention.paged_prefill_attention,
-                static_argnames="sliding_window")(*args, sliding_window=5)
-  want = jax.jit(paged_prefill_attention_reference,
-                 static_argnames="sliding_window")(*args, sliding_window=5)
+  got = jax.jit(attention.paged_prefill_attention, static_argnames="sliding_window")(
+    *args, sliding_window=5
+  )
+  want = jax.jit(paged_prefill_attention_reference, static_argnames="sliding_window")(
+    *args, sliding_window=5
+  )
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
@@ -266,8 +279,7 @@ def test_attention_checked_path_rejects_out_of_range_tables(prefill):
   args = (q, cache.k[0], cache.v[0], tables, lengths)
   with pytest.raises(ValueError, match=r"block_tables\[1, 2\] = 12"):
     if prefill:
-      attention.paged_prefill_attention(q[:, None], *args[1:],
-                                        jnp.ones(2, jnp.int32))
+      attention.paged_prefill_attention(q[:, None], *args[1:], jnp.ones(2, jnp.int32))
     else:
       attention.paged_attention(*args)
 
@@ -278,11 +290,11 @@ def test_decode_step_updates_the_cache_in_place(dtype):
   the cache donated, hold no second copy of the cache, scales included
   (reference implementations, CPU; float32 and int8 because XLA:CPU converts
   bfloat16 and fp8 arrays to scatter into them)."""
-  cfg = CacheConfig(block_size=8, num_gpu_blocks=512, num_cpu_blocks=16,
-                    max_seqs=4, max_blocks_per_seq=4)
+  cfg = CacheConfig(
+    block_size=8, num_gpu_blocks=512, num_cpu_blocks=16, max_seqs=4, max_blocks_per_seq=4
+  )
   if dtype == "int8":
-    cache = kv_cache.KVCache.create(cfg, LAYERS, KV_HEADS, HEAD_DIM,
-                                    dtype=dtype)  # only lowered
+    cache = kv_cache.KVCache.create(cfg, LAYERS, KV_HEADS, HEAD_DIM, dtype=dtype)  # only lowered
   else:
     cache = random_cache(cfg, dtype)
   q, tables, lengths = decode_inputs()
@@ -295,15 +307,23 @@ def test_decode_step_updates_the_cache_in_place(dtype):
     cache = kv_cache.copy_blocks(cache, plan, impl="reference")
     outputs = []
     for layer in range(cache.num_layers):
-      cache = kv_cache.write_kv(cache, layer, new_k, -new_k, slots,
-                                impl="reference")
-      outputs.append(attention.paged_attention(
-          q, cache.k[layer], cache.v[layer], tables, lengths,
-          impl="reference", **cache.scales(layer)))
+      cache = kv_cache.write_kv(cache, layer, new_k, -new_k, slots, impl="reference")
+      outputs.append(
+        attention.paged_attention(
+          q,
+          cache.k[layer],
+          cache.v[layer],
+          tables,
+          lengths,
+          impl="reference",
+          **cache.scales(layer),
+        )
+      )
     return cache, outputs
 
-  compiled = jax.jit(step, donate_argnums=0).lower(
-      cache, plan, new_k, slots, q, tables, lengths).compile()
+  compiled = (
+    jax.jit(step, donate_argnums=0).lower(cache, plan, new_k, slots, q, tables, lengths).compile()
+  )
   memory = compiled.memory_analysis()
   assert memory.temp_size_in_bytes < 0.1 * cache.nbytes
   assert memory.alias_size_in_bytes == cache.nbytes + cache.host_nbytes

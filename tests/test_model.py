@@ -3,23 +3,29 @@
 import dataclasses
 import json
 
-from flax import nnx
 import hypothesis
-from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
+from hypothesis import strategies as st
 
 from paged_jax import models
-from paged_jax.models import layers
-from paged_jax.models import pretrained
+from paged_jax.models import layers, pretrained
 
 GQA_CONFIG = models.LlamaConfig(
-    vocab_size=61, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=8,
-    hidden=32, mlp_hidden=48, max_seq_len=24, tie_embeddings=False)
-MQA_TIED_CONFIG = dataclasses.replace(GQA_CONFIG, num_kv_heads=1,
-                                      tie_embeddings=True)
+  vocab_size=61,
+  num_layers=2,
+  num_q_heads=4,
+  num_kv_heads=2,
+  head_dim=8,
+  hidden=32,
+  mlp_hidden=48,
+  max_seq_len=24,
+  tie_embeddings=False,
+)
+MQA_TIED_CONFIG = dataclasses.replace(GQA_CONFIG, num_kv_heads=1, tie_embeddings=True)
 
 BATCH = 3
 CHUNK_WIDTH = 8
@@ -31,14 +37,14 @@ def _forward_fn(model):
   """Jitted pure forward `(tokens, positions, cache) -> (logits, cache)`."""
   graphdef, state = nnx.split(model)
   forward = jax.jit(
-      lambda state, tokens, positions, cache: nnx.merge(graphdef, state)(
-          tokens, positions, cache))
-  return lambda tokens, positions, cache=None: forward(
-      state, tokens, positions, cache)
+    lambda state, tokens, positions, cache: nnx.merge(graphdef, state)(tokens, positions, cache)
+  )
+  return lambda tokens, positions, cache=None: forward(state, tokens, positions, cache)
 
 
-@pytest.fixture(scope="module", params=[GQA_CONFIG, MQA_TIED_CONFIG],
-                ids=["gqa_untied", "mqa_tied"])
+@pytest.fixture(
+  scope="module", params=[GQA_CONFIG, MQA_TIED_CONFIG], ids=["gqa_untied", "mqa_tied"]
+)
 def small_model(request):
   model = models.Llama(request.param, rngs=nnx.Rngs(0))
   return model, _forward_fn(model)
@@ -47,10 +53,13 @@ def small_model(request):
 def _ragged_schedule(rng):
   """Random tokens and per-row lengths of two prefill chunks and a decode."""
   tokens = rng.integers(0, GQA_CONFIG.vocab_size, (BATCH, TOTAL_WIDTH))
-  chunk_lengths = np.stack([
+  chunk_lengths = np.stack(
+    [
       rng.integers(1, CHUNK_WIDTH + 1, BATCH),
       rng.integers(0, CHUNK_WIDTH + 1, BATCH),
-      rng.integers(0, DECODE_STEPS + 1, BATCH)])
+      rng.integers(0, DECODE_STEPS + 1, BATCH),
+    ]
+  )
   chunk_lengths[:, 0] = [CHUNK_WIDTH, CHUNK_WIDTH, DECODE_STEPS]  # one full row
   return tokens.astype(np.int32), chunk_lengths
 
@@ -58,8 +67,7 @@ def _ragged_schedule(rng):
 def _chunk(tokens, starts, lengths, width):
   """Tokens and positions `[BATCH, width]` of each row's next tokens."""
   offsets = np.arange(width)[None, :]
-  positions = np.where(offsets < lengths[:, None], starts[:, None] + offsets,
-                       -1).astype(np.int32)
+  positions = np.where(offsets < lengths[:, None], starts[:, None] + offsets, -1).astype(np.int32)
   chunk_tokens = np.take_along_axis(tokens, np.maximum(positions, 0), axis=1)
   return chunk_tokens, positions
 
@@ -89,29 +97,27 @@ def _run_with_dense_cache(forward, config, tokens, chunk_lengths, fill=0.0):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_dense_cache_prefill_then_decode_matches_full_forward(small_model,
-                                                              seed):
+def test_dense_cache_prefill_then_decode_matches_full_forward(small_model, seed):
   model, forward = small_model
   tokens, chunk_lengths = _ragged_schedule(np.random.default_rng(seed))
-  cached, lengths = _run_with_dense_cache(forward, model.config, tokens,
-                                          chunk_lengths)
-  full_positions = np.where(np.arange(TOTAL_WIDTH) < lengths[:, None],
-                            np.arange(TOTAL_WIDTH), -1).astype(np.int32)
+  cached, lengths = _run_with_dense_cache(forward, model.config, tokens, chunk_lengths)
+  full_positions = np.where(
+    np.arange(TOTAL_WIDTH) < lengths[:, None], np.arange(TOTAL_WIDTH), -1
+  ).astype(np.int32)
   full_logits, cache = forward(tokens, full_positions)
   assert cache is None
   assert len(cached) == lengths.sum()
   for (row, position), logits in cached.items():
-    np.testing.assert_allclose(logits, full_logits[row, position], rtol=0,
-                               atol=1e-5, err_msg=f"row {row} pos {position}")
+    np.testing.assert_allclose(
+      logits, full_logits[row, position], rtol=0, atol=1e-5, err_msg=f"row {row} pos {position}"
+    )
 
 
 def test_dense_cache_never_reads_unwritten_entries(small_model):
   model, forward = small_model
   tokens, chunk_lengths = _ragged_schedule(np.random.default_rng(3))
-  clean, _ = _run_with_dense_cache(forward, model.config, tokens,
-                                   chunk_lengths)
-  poisoned, _ = _run_with_dense_cache(forward, model.config, tokens,
-                                      chunk_lengths, fill=np.nan)
+  clean, _ = _run_with_dense_cache(forward, model.config, tokens, chunk_lengths)
+  poisoned, _ = _run_with_dense_cache(forward, model.config, tokens, chunk_lengths, fill=np.nan)
   assert clean.keys() == poisoned.keys()
   for key, logits in clean.items():
     np.testing.assert_array_equal(poisoned[key], logits)
@@ -125,15 +131,19 @@ def test_padding_inside_a_row_changes_no_other_logits(small_model):
   junk = rng.integers(0, GQA_CONFIG.vocab_size, 3)
   padding = np.full(3, -1)
   at_end, _ = forward(
-      np.concatenate([real, junk])[None].astype(np.int32),
-      np.concatenate([np.arange(num_real), padding])[None].astype(np.int32))
+    np.concatenate([real, junk])[None].astype(np.int32),
+    np.concatenate([np.arange(num_real), padding])[None].astype(np.int32),
+  )
   in_middle, _ = forward(
-      np.concatenate([real[:5], junk, real[5:]])[None].astype(np.int32),
-      np.concatenate([np.arange(5), padding, np.arange(5, num_real)])[None]
-      .astype(np.int32))
+    np.concatenate([real[:5], junk, real[5:]])[None].astype(np.int32),
+    np.concatenate([np.arange(5), padding, np.arange(5, num_real)])[None].astype(np.int32),
+  )
   np.testing.assert_allclose(
-      np.concatenate([in_middle[:, :5], in_middle[:, 8:]], axis=1),
-      at_end[:, :num_real], rtol=0, atol=1e-5)
+    np.concatenate([in_middle[:, :5], in_middle[:, 8:]], axis=1),
+    at_end[:, :num_real],
+    rtol=0,
+    atol=1e-5,
+  )
 
 
 def test_gqa_shapes():
@@ -149,7 +159,8 @@ def test_gqa_shapes():
   assert all(k.shape == (2, 7, 2, 8) for k in cache.k + cache.v)
   positions = jnp.tile(jnp.arange(3, dtype=jnp.int32), (2, 1))
   logits, cache = nnx.eval_shape(
-      lambda model: model(jnp.ones((2, 3), jnp.int32), positions, cache), model)
+    lambda model: model(jnp.ones((2, 3), jnp.int32), positions, cache), model
+  )
   assert logits.shape == (2, 3, 61) and logits.dtype == jnp.float32
   assert all(k.shape == (2, 7, 2, 8) for k in cache.k + cache.v)
 
@@ -163,14 +174,12 @@ def _naive_attention(q, k, v, q_positions, k_positions, sm_scale):
     for t in range(q_tokens):
       if q_positions[b, t] < 0:
         continue
-      keys = [j for j in range(k.shape[1])
-              if 0 <= k_positions[b, j] <= q_positions[b, t]]
+      keys = [j for j in range(k.shape[1]) if 0 <= k_positions[b, j] <= q_positions[b, t]]
       for h in range(num_q_heads):
         scores = np.array([q[b, t, h] @ k[b, j, h // group] for j in keys])
         weights = np.exp(sm_scale * scores - np.max(sm_scale * scores))
         weights /= weights.sum()
-        out[b, t, h] = sum(w * v[b, j, h // group]
-                           for w, j in zip(weights, keys))
+        out[b, t, h] = sum(w * v[b, j, h // group] for w, j in zip(weights, keys))
   return out
 
 
@@ -181,8 +190,7 @@ def test_masked_attention_matches_naive_gqa_reference():
   v = rng.normal(size=(2, 5, 2, 4)).astype(np.float32)
   q_positions = np.array([[2, 3, -1], [0, 4, 1]], np.int32)
   k_positions = np.array([[0, 1, 2, 3, -1], [4, 3, 2, 1, 0]], np.int32)
-  out = layers.masked_attention(q, k, v, q_positions, k_positions,
-                                sm_scale=0.5)
+  out = layers.masked_attention(q, k, v, q_positions, k_positions, sm_scale=0.5)
   expected = _naive_attention(q, k, v, q_positions, k_positions, 0.5)
   np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
 
@@ -201,8 +209,7 @@ def test_rope_depends_only_on_relative_position():
   np.testing.assert_allclose(score(7, 3), score(107, 103), rtol=1e-4)
   assert not np.isclose(score(7, 3), score(3, 7), rtol=1e-3)
   np.testing.assert_allclose(rotate(q, 0), q)
-  np.testing.assert_allclose(np.linalg.norm(rotate(q, 41)), np.linalg.norm(q),
-                             rtol=1e-5)
+  np.testing.assert_allclose(np.linalg.norm(rotate(q, 41)), np.linalg.norm(q), rtol=1e-5)
 
 
 def test_rms_norm_matches_formula():
@@ -210,14 +217,16 @@ def test_rms_norm_matches_formula():
   x = rng.normal(size=(3, 5)).astype(np.float32) * 4 + 1
   scale = rng.normal(size=(5,)).astype(np.float32)
   expected = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6) * scale
-  np.testing.assert_allclose(layers.rms_norm(x, scale, 1e-6), expected,
-                             rtol=1e-5)
+  np.testing.assert_allclose(layers.rms_norm(x, scale, 1e-6), expected, rtol=1e-5)
 
 
 def test_bfloat16_forward_tracks_float32(small_model):
   model, forward = small_model
-  tokens = np.random.default_rng(8).integers(
-      0, GQA_CONFIG.vocab_size, (BATCH, TOTAL_WIDTH)).astype(np.int32)
+  tokens = (
+    np.random.default_rng(8)
+    .integers(0, GQA_CONFIG.vocab_size, (BATCH, TOTAL_WIDTH))
+    .astype(np.int32)
+  )
   positions = np.tile(np.arange(TOTAL_WIDTH, dtype=np.int32), (BATCH, 1))
   config_bf16 = dataclasses.replace(model.config, dtype=jnp.bfloat16)
   assert config_bf16.dtype == "bfloat16"
@@ -230,7 +239,10 @@ def test_bfloat16_forward_tracks_float32(small_model):
 
 # Config validation.
 
-@pytest.mark.parametrize("change, message", [
+
+@pytest.mark.parametrize(
+  "change, message",
+  [
     (dict(vocab_size=0), "vocab_size must be a positive int"),
     (dict(num_layers=2.0), "num_layers must be a positive int"),
     (dict(hidden=True), "hidden must be a positive int"),
@@ -240,7 +252,8 @@ def test_bfloat16_forward_tracks_float32(small_model):
     (dict(norm_eps=0.0), "norm_eps must be > 0"),
     (dict(tie_embeddings=1), "tie_embeddings must be a bool"),
     (dict(dtype="int32"), "dtype must be one of"),
-])
+  ],
+)
 def test_config_rejects_bad_fields(change, message):
   with pytest.raises(ValueError, match=message):
     dataclasses.replace(GQA_CONFIG, **change)
@@ -251,16 +264,15 @@ def test_config_dict_round_trip_and_errors():
   assert json.loads(json.dumps(fields)) == fields
   assert models.LlamaConfig.from_dict(fields) == GQA_CONFIG
   assert hash(models.LlamaConfig.from_dict(fields)) == hash(GQA_CONFIG)
-  with pytest.raises(ValueError,
-                     match=r"unknown LlamaConfig fields: \['heads'\]"):
+  with pytest.raises(ValueError, match=r"unknown LlamaConfig fields: \['heads'\]"):
     models.LlamaConfig.from_dict({**fields, "heads": 4})
   del fields["hidden"]
-  with pytest.raises(ValueError,
-                     match=r"missing LlamaConfig fields: \['hidden'\]"):
+  with pytest.raises(ValueError, match=r"missing LlamaConfig fields: \['hidden'\]"):
     models.LlamaConfig.from_dict(fields)
 
 
 # Bad inputs to the model and the dense cache.
+
 
 def test_model_rejects_bad_tokens_and_positions():
   model = models.Llama(GQA_CONFIG, rngs=nnx.Rngs(0))
@@ -282,22 +294,30 @@ def test_dense_cache_rejects_mismatched_shapes():
   with pytest.raises(ValueError, match="do not fit a cache of batch 2"):
     jax.eval_shape(lambda: model(*one_token(3), wrong_batch))
   too_few_layers = models.DenseCache.create(
-      num_layers=1, batch_size=1, max_len=4, num_kv_heads=2, head_dim=8)
+    num_layers=1, batch_size=1, max_len=4, num_kv_heads=2, head_dim=8
+  )
   with pytest.raises(ValueError, match="layer 1 out of range"):
     jax.eval_shape(lambda: model(*one_token(1), too_few_layers))
 
 
-@pytest.mark.parametrize("name, value", [
-    ("num_layers", 0), ("batch_size", -1), ("max_len", 2.5),
-    ("num_kv_heads", None), ("head_dim", False)])
+@pytest.mark.parametrize(
+  "name, value",
+  [
+    ("num_layers", 0),
+    ("batch_size", -1),
+    ("max_len", 2.5),
+    ("num_kv_heads", None),
+    ("head_dim", False),
+  ],
+)
 def test_dense_cache_create_rejects_bad_sizes(name, value):
-  sizes = dict(num_layers=1, batch_size=1, max_len=4, num_kv_heads=1,
-               head_dim=2)
+  sizes = dict(num_layers=1, batch_size=1, max_len=4, num_kv_heads=1, head_dim=2)
   with pytest.raises(ValueError, match=f"{name} must be a positive int"):
     models.DenseCache.create(**{**sizes, name: value})
 
 
 # Tokenizer.
+
 
 @hypothesis.given(st.text())
 @hypothesis.settings(max_examples=100, deadline=None)
@@ -331,6 +351,7 @@ def test_tokenizer_specials_and_errors():
 
 # Saving, loading and the shipped tiny model.
 
+
 def test_save_and_load_round_trip(tmp_path):
   model = models.Llama(GQA_CONFIG, rngs=nnx.Rngs(1))
   models.save_model(model, tmp_path, weights_dtype=jnp.float32)
@@ -346,13 +367,10 @@ def test_load_model_errors(tmp_path):
     models.load_model(tmp_path)
   models.save_model(models.Llama(GQA_CONFIG, rngs=nnx.Rngs(0)), tmp_path)
   config_file = tmp_path / pretrained.CONFIG_FILE
-  config_file.write_text(json.dumps(
-      dataclasses.replace(GQA_CONFIG, mlp_hidden=40).to_dict()))
-  with pytest.raises(
-      ValueError, match=r"blocks/0/mlp/down_proj/kernel has shape \(48, 32\)"):
+  config_file.write_text(json.dumps(dataclasses.replace(GQA_CONFIG, mlp_hidden=40).to_dict()))
+  with pytest.raises(ValueError, match=r"blocks/0/mlp/down_proj/kernel has shape \(48, 32\)"):
     models.load_model(tmp_path)
-  config_file.write_text(json.dumps(
-      dataclasses.replace(GQA_CONFIG, tie_embeddings=True).to_dict()))
+  config_file.write_text(json.dumps(dataclasses.replace(GQA_CONFIG, tie_embeddings=True).to_dict()))
   with pytest.raises(ValueError, match=r"unexpected \['lm_head/kernel'\]"):
     models.load_model(tmp_path)
   (tmp_path / pretrained.WEIGHTS_FILE).unlink()
@@ -366,13 +384,11 @@ def tiny_model():
 
 
 def test_load_tiny_produces_the_saved_config(tiny_model):
-  saved = json.loads(
-      (pretrained.tiny_model_dir() / pretrained.CONFIG_FILE).read_text())
+  saved = json.loads((pretrained.tiny_model_dir() / pretrained.CONFIG_FILE).read_text())
   assert tiny_model.config == models.LlamaConfig.from_dict(saved)
   assert tiny_model.config.vocab_size == models.ByteTokenizer.vocab_size
   assert tiny_model.config.num_q_heads > tiny_model.config.num_kv_heads
-  weights_bytes = (pretrained.tiny_model_dir()
-                   / pretrained.WEIGHTS_FILE).stat().st_size
+  weights_bytes = (pretrained.tiny_model_dir() / pretrained.WEIGHTS_FILE).stat().st_size
   assert weights_bytes <= 5 * 2**20
 
 
@@ -381,13 +397,11 @@ def test_tiny_model_predicts_held_out_text(tiny_model):
   letter frequencies alone about 3; the shipped model scores about 2.0."""
   tokenizer = models.ByteTokenizer()
   window = tiny_model.config.max_seq_len
-  held_out = tokenizer.encode(models.tiny_corpus()[-4 * window:])
+  held_out = tokenizer.encode(models.tiny_corpus()[-4 * window :])
   targets = held_out.reshape(4, window)
-  inputs = np.concatenate(
-      [np.full((4, 1), tokenizer.bos_id, np.int32), targets[:, :-1]], axis=1)
+  inputs = np.concatenate([np.full((4, 1), tokenizer.bos_id, np.int32), targets[:, :-1]], axis=1)
   positions = np.tile(np.arange(window, dtype=np.int32), (4, 1))
   logits, _ = _forward_fn(tiny_model)(inputs, positions)
   log_probs = jax.nn.log_softmax(logits, axis=-1)
-  loss = -float(jnp.mean(jnp.take_along_axis(log_probs, targets[..., None],
-                                             axis=-1)))
+  loss = -float(jnp.mean(jnp.take_along_axis(log_probs, targets[..., None], axis=-1)))
   assert loss < 2.5

@@ -13,8 +13,7 @@ COLAB = pathlib.Path(__file__).parent.parent / "colab"
 def _run(name: str, monkeypatch):
   """Executes `name`; returns (printed text, number of images)."""
   notebook = nbformat.read(COLAB / name, as_version=4)
-  install = [cell for cell in notebook.cells
-             if "install" in cell.metadata.get("tags", [])]
+  install = [cell for cell in notebook.cells if "install" in cell.metadata.get("tags", [])]
   assert len(install) == 1 and "pip install" in install[0].source
   notebook.cells = [cell for cell in notebook.cells if cell not in install]
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
@@ -22,11 +21,13 @@ def _run(name: str, monkeypatch):
   monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
   monkeypatch.delenv("MPLBACKEND", raising=False)
   monkeypatch.setenv("PYTHONPATH", str(COLAB.parent))
-  client = nbclient.NotebookClient(notebook, timeout=180, kernel_name="python3",
-                                   resources={"metadata": {"path": str(COLAB)}})
+  client = nbclient.NotebookClient(
+    notebook, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(COLAB)}}
+  )
   client.execute()
-  outputs = [output for cell in notebook.cells if cell.cell_type == "code"
-             for output in cell.outputs]
+  outputs = [
+    output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs
+  ]
   text = "".join(output.get("text", "") for output in outputs)
   images = sum("image/png" in output.get("data", {}) for output in outputs)
   return text, images
@@ -40,7 +41,7 @@ def test_quickstart_notebook_runs(monkeypatch):
   assert "prefix-cache hit rate 60%" in text
   assert "'LOVE, n. " in text and "GenerationStats(" in text
   assert "decode attention (2, 4, 32) lengths [21, 21] copies 1" in text
-  assert images == 4   # one per show() call
+  assert images == 4  # one per show() call
 
 
 def test_engine_notebook_runs(monkeypatch):

@@ -42,10 +42,14 @@ IDLE_SLOT = 4  # holds IDLE_BLOCKS device blocks in the preempted run
 IDLE_BLOCKS = 6  # leaves 10 blocks: too few for the four sequences at once
 MAX_STEPS = 100  # far more than the longest sequence needs
 
-CFG = pj.CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks=16,
-                     num_cpu_blocks=16, max_seqs=5,
-                     max_blocks_per_seq=MAX_TOKENS // BLOCK_SIZE,
-                     watermark=0.0)
+CFG = pj.CacheConfig(
+  block_size=BLOCK_SIZE,
+  num_gpu_blocks=16,
+  num_cpu_blocks=16,
+  max_seqs=5,
+  max_blocks_per_seq=MAX_TOKENS // BLOCK_SIZE,
+  watermark=0.0,
+)
 BM = pj.BlockSpaceManager(CFG)
 
 
@@ -59,10 +63,8 @@ def _random_table(seed, shape):
 
 
 # Indexed by [sequence, position, layer]: K and V of the token, its query.
-TOKEN_KV = _random_table(0, (len(FINAL_LENS), MAX_TOKENS, LAYERS, 2, KV_HEADS,
-                             HEAD_DIM))
-TOKEN_QUERY = _random_table(1, (len(FINAL_LENS), MAX_TOKENS, LAYERS, Q_HEADS,
-                                HEAD_DIM))
+TOKEN_KV = _random_table(0, (len(FINAL_LENS), MAX_TOKENS, LAYERS, 2, KV_HEADS, HEAD_DIM))
+TOKEN_QUERY = _random_table(1, (len(FINAL_LENS), MAX_TOKENS, LAYERS, Q_HEADS, HEAD_DIM))
 
 
 def token_kv(seq_ids, positions, layer, dtype):
@@ -108,12 +110,16 @@ def nan_cache(dtype) -> pj.KVCache:
   cache = pj.KVCache.create(CFG, LAYERS, KV_HEADS, HEAD_DIM, dtype)
 
   def poison(pages):
-    return tuple(jax.device_put(
-        jax.lax.bitcast_convert_type(jnp.full(p.shape, jnp.nan, dtype),
-                                     p.dtype), p.sharding) for p in pages)
+    return tuple(
+      jax.device_put(
+        jax.lax.bitcast_convert_type(jnp.full(p.shape, jnp.nan, dtype), p.dtype), p.sharding
+      )
+      for p in pages
+    )
 
-  return cache.replace(k=poison(cache.k), v=poison(cache.v),
-                       k_host=poison(cache.k_host), v_host=poison(cache.v_host))
+  return cache.replace(
+    k=poison(cache.k), v=poison(cache.v), k_host=poison(cache.k_host), v_host=poison(cache.v_host)
+  )
 
 
 @functools.partial(jax.jit, donate_argnums=1)
@@ -132,8 +138,7 @@ def prefill(state, cache, seq_id, num_tokens):
   seq_ids = seq_id[None]
   positions = jnp.arange(PROMPT_WIDTH, dtype=jnp.int32)
   state, result = BM.allocate(state, seq_ids, positions, num_tokens)
-  slots = BM.get_slot_mapping(state, seq_ids, num_tokens[None],
-                              width=PROMPT_WIDTH)[0]
+  slots = BM.get_slot_mapping(state, seq_ids, num_tokens[None], width=PROMPT_WIDTH)[0]
   for layer in range(LAYERS):
     k, v = token_kv(seq_id, positions, layer, cache.dtype)
     cache = pj.write_kv(cache, layer, k, v, slots)
@@ -157,11 +162,9 @@ def decode_step(state, cache, seq_ids):
     Q_HEADS, HEAD_DIM]``, ``append_slots``'s status and its copy count.
   """
   positions = BM.get_num_tokens(state, seq_ids)
-  state, cow = BM.append_slots(state, seq_ids, positions[:, None],
-                               (seq_ids >= 0).astype(jnp.int32))
+  state, cow = BM.append_slots(state, seq_ids, positions[:, None], (seq_ids >= 0).astype(jnp.int32))
   cache = pj.copy_blocks(cache, cow)
-  slots = BM.get_slot_mapping(state, seq_ids, jnp.ones_like(seq_ids),
-                              width=1)[:, 0]
+  slots = BM.get_slot_mapping(state, seq_ids, jnp.ones_like(seq_ids), width=1)[:, 0]
   slots = jnp.where(cow.status == pj.Status.OK, slots, -1)
   tables = BM.get_block_tables(state, seq_ids)
   lengths = BM.get_num_tokens(state, seq_ids)
@@ -170,8 +173,7 @@ def decode_step(state, cache, seq_ids):
     k, v = token_kv(seq_ids, positions, layer, cache.dtype)
     cache = pj.write_kv(cache, layer, k, v, slots)
     q = token_query(seq_ids, positions, layer, cache.dtype)
-    outputs.append(pj.paged_attention(q, cache.k[layer], cache.v[layer],
-                                      tables, lengths))
+    outputs.append(pj.paged_attention(q, cache.k[layer], cache.v[layer], tables, lengths))
   return state, cache, jnp.stack(outputs), cow.status, cow.count
 
 
@@ -190,8 +192,7 @@ def _ids(seqs) -> jax.Array:
 
   One shape for every call, so each jitted function compiles once.
   """
-  return jnp.asarray([i if i in seqs else -1 for i in range(CFG.max_seqs)],
-                     jnp.int32)
+  return jnp.asarray([i if i in seqs else -1 for i in range(CFG.max_seqs)], jnp.int32)
 
 
 class Scheduler:
@@ -199,8 +200,8 @@ class Scheduler:
 
   Each step decodes one token for every running sequence. When
   ``append_slots`` runs out of blocks (and ``can_append_slots`` agrees), the
-  last running group is swapped out and the step is retried; after a step without preemption the first swapped
-  group comes back once ``can_swap_in`` allows it.
+  last running group is swapped out and the step is retried; after a step without
+  preemption the first swapped group comes back once ``can_swap_in`` allows it.
 
   Attributes:
     outputs: ``(seq, position) -> [LAYERS, Q_HEADS, HEAD_DIM]`` float32, the
@@ -221,13 +222,14 @@ class Scheduler:
     self.idle_blocks = idle_blocks
     if idle_blocks:
       idle_tokens = idle_blocks * BLOCK_SIZE
-      self.state, result = allocate(self.state, _ids([IDLE_SLOT]),
-                                    jnp.zeros(idle_tokens, jnp.int32),
-                                    idle_tokens)
+      self.state, result = allocate(
+        self.state, _ids([IDLE_SLOT]), jnp.zeros(idle_tokens, jnp.int32), idle_tokens
+      )
       assert result.status == pj.Status.OK
     for seq, num_tokens in PROMPT_LENS.items():
       self.state, self.cache, status = prefill(
-          self.state, self.cache, jnp.int32(seq), jnp.int32(num_tokens))
+        self.state, self.cache, jnp.int32(seq), jnp.int32(num_tokens)
+      )
       assert status == pj.Status.OK
     for child, parent in FORKS.items():
       self.state, result = fork(self.state, parent, child)
@@ -261,7 +263,8 @@ class Scheduler:
     while self.running:
       decoding = [seq for group in self.running for seq in group]
       state, self.cache, outputs, status, copies = decode_step(
-          self.state, self.cache, _ids(decoding))
+        self.state, self.cache, _ids(decoding)
+      )
       if status != pj.Status.OUT_OF_BLOCKS:
         assert status == pj.Status.OK
         self.state, self.copies = state, self.copies + int(copies)
@@ -271,9 +274,11 @@ class Scheduler:
       assert len(self.running) > 1, "a lone group ran out of device blocks"
       self._swap_out(self.running.pop())
       preempted = True
-    if (self.swapped and not preempted
-        and can_swap_in(self.state, _ids(self.swapped[0]))
-        == pj.AllocStatus.OK):
+    if (
+      self.swapped
+      and not preempted
+      and can_swap_in(self.state, _ids(self.swapped[0])) == pj.AllocStatus.OK
+    ):
       self._swap_in(self.swapped.pop(0))
     assert self.running or not self.swapped, "swapped groups cannot return"
 
@@ -291,16 +296,18 @@ class Scheduler:
     if done:
       self.state, result = free(self.state, _ids(done))
       assert result.status == pj.Status.OK
-      self.running = [group for group in (
-          [seq for seq in group if seq not in done] for group in self.running)
-                      if group]
+      self.running = [
+        group
+        for group in ([seq for seq in group if seq not in done] for group in self.running)
+        if group
+      ]
 
   def _swap_out(self, group) -> None:
     entries = np.asarray(block_tables(self.state, _ids(group)))
     self.state, plan = plan_swap_out(self.state, _ids(group))
     assert plan.status == pj.Status.OK
     self.cache = pj.swap_out(self.cache, plan)
-    freed = set(np.asarray(plan.src)[:int(plan.count)].tolist())
+    freed = set(np.asarray(plan.src)[: int(plan.count)].tolist())
     self.shared_swapped += int((entries >= 0).sum()) - len(freed)
     self._freed_by_swap[tuple(group)] = freed
     self.swapped.append(group)
@@ -316,24 +323,31 @@ class Scheduler:
       self.resumed.setdefault(seq, [])
 
 
-@pytest.fixture(scope="module",
-                params=[pytest.param(jnp.float32, id="float32"),
-                        pytest.param(jnp.bfloat16, id="bfloat16")])
+@pytest.fixture(
+  scope="module",
+  params=[pytest.param(jnp.float32, id="float32"), pytest.param(jnp.bfloat16, id="bfloat16")],
+)
 def runs(request) -> tuple[Scheduler, Scheduler]:
   """The preempted and the uninterrupted run, for one dtype."""
-  return (Scheduler(request.param, idle_blocks=IDLE_BLOCKS).run(),
-          Scheduler(request.param, idle_blocks=0).run())
+  return (
+    Scheduler(request.param, idle_blocks=IDLE_BLOCKS).run(),
+    Scheduler(request.param, idle_blocks=0).run(),
+  )
 
 
 def test_every_output_matches_the_uninterrupted_run(runs):
   preempted, uninterrupted = runs
-  expected_keys = {(seq, position) for seq, final in FINAL_LENS.items()
-                   for position in range(prompt_len(seq), final)}
+  expected_keys = {
+    (seq, position)
+    for seq, final in FINAL_LENS.items()
+    for position in range(prompt_len(seq), final)
+  }
   assert set(preempted.outputs) == set(uninterrupted.outputs) == expected_keys
   for key, want in uninterrupted.outputs.items():
     assert np.isfinite(want).all(), key
-    np.testing.assert_allclose(preempted.outputs[key], want, rtol=0,
-                               atol=1e-6, equal_nan=False, err_msg=str(key))
+    np.testing.assert_allclose(
+      preempted.outputs[key], want, rtol=0, atol=1e-6, equal_nan=False, err_msg=str(key)
+    )
 
 
 def test_uninterrupted_run_matches_dense_attention(runs):
@@ -341,8 +355,9 @@ def test_uninterrupted_run_matches_dense_attention(runs):
   dtype = uninterrupted.cache.dtype
   atol = 1e-5 if dtype == jnp.float32 else 1e-2
   for (seq, position), got in uninterrupted.outputs.items():
-    np.testing.assert_allclose(got, dense_attention(seq, position, dtype),
-                               rtol=0, atol=atol, err_msg=str((seq, position)))
+    np.testing.assert_allclose(
+      got, dense_attention(seq, position, dtype), rtol=0, atol=atol, err_msg=str((seq, position))
+    )
 
 
 def test_the_forked_pair_was_swapped_out_overwritten_and_resumed(runs):

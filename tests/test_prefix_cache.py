@@ -17,12 +17,14 @@ def test_prompt_hashes_match_the_rolling_hash_at_block_ends():
   prompt_hashes = jax.jit(pc.prompt_hashes, static_argnums=2)
   for count in (0, 1, 15, 16, 17, 100, 128):
     tokens = jnp.asarray(rng.integers(0, 50_000, length), jnp.int32)
-    prefix, rolling = pc.rolling_hashes(jnp.array([[0, 0, 1, 1]], jnp.uint32), tokens[None],
-                                        jnp.array([count]))
+    prefix, rolling = pc.rolling_hashes(
+      jnp.array([[0, 0, 1, 1]], jnp.uint32), tokens[None], jnp.array([count])
+    )
     ends, prompt_rolling = prompt_hashes(tokens, jnp.int32(count), block_size)
     full = count // block_size
-    np.testing.assert_array_equal(np.asarray(ends[:full]),
-                                  np.asarray(prefix[0, block_size - 1::block_size][:full]))
+    np.testing.assert_array_equal(
+      np.asarray(ends[:full]), np.asarray(prefix[0, block_size - 1 :: block_size][:full])
+    )
     np.testing.assert_array_equal(np.asarray(prompt_rolling), np.asarray(rolling[0]))
 
 
@@ -31,9 +33,14 @@ def _same_state(a, b) -> bool:
 
 
 def _cached_manager(num_gpu_blocks: int, num_cpu_blocks: int):
-  cfg = pj.CacheConfig(block_size=4, num_gpu_blocks=num_gpu_blocks,
-                       num_cpu_blocks=num_cpu_blocks, max_seqs=2, max_blocks_per_seq=4,
-                       enable_prefix_caching=True)
+  cfg = pj.CacheConfig(
+    block_size=4,
+    num_gpu_blocks=num_gpu_blocks,
+    num_cpu_blocks=num_cpu_blocks,
+    max_seqs=2,
+    max_blocks_per_seq=4,
+    enable_prefix_caching=True,
+  )
   bm = pj.BlockSpaceManager(cfg)
   return bm, bm.init()
 
@@ -52,9 +59,9 @@ def test_caching_without_swap_space():
   state, _ = jax.jit(bm.free)(state, jnp.array([0]))
   state, res = allocate(state, jnp.array([1]), tokens, 8)
   assert res.status == pj.Status.OK and res.num_hit_blocks == 2
-  _, res = allocate(state, jnp.array([1]), tokens, 8)       # a failed call counts no hit
+  _, res = allocate(state, jnp.array([1]), tokens, 8)  # a failed call counts no hit
   assert res.status == pj.Status.ALREADY_ALLOCATED and res.num_hit_blocks == 0
-  assert float(bm.prefix_cache_hit_rate(state)) == 0.5    # the second prompt hit both blocks
+  assert float(bm.prefix_cache_hit_rate(state)) == 0.5  # the second prompt hit both blocks
   pj.check_invariants(state)
 
 

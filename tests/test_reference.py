@@ -9,22 +9,30 @@ import copy
 import random
 
 import hypothesis
-from hypothesis import strategies as st
 import pytest
+from hypothesis import strategies as st
 
 from paged_jax.config import AllocStatus, CacheConfig, Status
-from tests.reference.allocators import CachedBlockAllocator
-from tests.reference.allocators import LRUEvictor
-from tests.reference.allocators import PhysicalTokenBlock
-from tests.reference.allocators import UncachedBlockAllocator
+from tests.reference.allocators import (
+  CachedBlockAllocator,
+  LRUEvictor,
+  PhysicalTokenBlock,
+  UncachedBlockAllocator,
+)
 from tests.reference.block_manager import ReferenceBlockSpaceManager
 
 pytestmark = pytest.mark.usefixtures("quick_compiles")
 
 
 def make_manager(**overrides) -> ReferenceBlockSpaceManager:
-  fields = dict(block_size=2, num_gpu_blocks=6, num_cpu_blocks=6, max_seqs=8,
-                max_blocks_per_seq=4, watermark=0.0)
+  fields = dict(
+    block_size=2,
+    num_gpu_blocks=6,
+    num_cpu_blocks=6,
+    max_seqs=8,
+    max_blocks_per_seq=4,
+    watermark=0.0,
+  )
   fields.update(overrides)
   return ReferenceBlockSpaceManager(CacheConfig(**fields))
 
@@ -62,8 +70,7 @@ def test_uncached_pool_raises_when_empty():
     pool.take()
 
 
-@pytest.mark.parametrize("pool_type",
-                         [UncachedBlockAllocator, CachedBlockAllocator])
+@pytest.mark.parametrize("pool_type", [UncachedBlockAllocator, CachedBlockAllocator])
 def test_releasing_an_unreferenced_block_is_a_double_free(pool_type):
   pool = pool_type(2)
   block = pool.take()
@@ -117,11 +124,12 @@ def test_touch_never_moves_last_accessed_backwards():
 def test_lru_evictor_tie_breaks():
   evictor = LRUEvictor()
   # (block_number, last_accessed, num_hashed_tokens, release_order)
-  for number, accessed, hashed, order in [(0, 1, 8, 0), (1, 0, 4, 1),
-                                          (2, 0, 8, 3), (3, 0, 8, 2)]:
-    evictor.add(PhysicalTokenBlock(number, last_accessed=accessed,
-                                   num_hashed_tokens=hashed,
-                                   release_order=order))
+  for number, accessed, hashed, order in [(0, 1, 8, 0), (1, 0, 4, 1), (2, 0, 8, 3), (3, 0, 8, 2)]:
+    evictor.add(
+      PhysicalTokenBlock(
+        number, last_accessed=accessed, num_hashed_tokens=hashed, release_order=order
+      )
+    )
   # Oldest access first; then longest prefix; then released earliest.
   assert [evictor.evict() for _ in range(4)] == [3, 2, 1, 0]
   with pytest.raises(ValueError, match="no block to evict"):
@@ -290,8 +298,7 @@ def test_lookahead_reserves_blocks_that_later_tokens_use():
   assert manager.allocate([0], [1], 1) == Status.OK  # block 7
   assert manager.can_append_slots([0], num_lookahead_slots=3)  # 7 >= 1 + 2
   # 2 tokens + 3 lookahead slots span 3 blocks: entries 1 and 2 are taken.
-  assert manager.append_slots([0], [[2]], [1], num_lookahead_slots=3) == (
-      Status.OK, [])
+  assert manager.append_slots([0], [[2]], [1], num_lookahead_slots=3) == (Status.OK, [])
   assert table(manager, 0) == [7, 6, 5]
   assert manager.get_num_tokens(0) == 2
   # Later tokens land in the reserved blocks and take nothing.
@@ -299,8 +306,7 @@ def test_lookahead_reserves_blocks_that_later_tokens_use():
   assert table(manager, 0) == [7, 6, 5]
   assert manager.get_slot_mapping([0], [3], 3) == [[12, 13, 10]]
   assert manager.append_slots([0], [[6, 7]], [2]) == (Status.TABLE_FULL, [])
-  assert manager.append_slots([0], [[]], [0], num_lookahead_slots=2) == (
-      Status.TABLE_FULL, [])
+  assert manager.append_slots([0], [[]], [0], num_lookahead_slots=2) == (Status.TABLE_FULL, [])
 
 
 def test_can_append_slots_counts_lookahead_per_sequence():
@@ -314,11 +320,14 @@ def test_can_append_slots_counts_lookahead_per_sequence():
   assert not manager.can_append_slots([0], num_lookahead_slots=5)
 
 
-@pytest.mark.parametrize("query", [
+@pytest.mark.parametrize(
+  "query",
+  [
     lambda m: m.append_slots([0], [[1]], [1], num_lookahead_slots=-1),
     lambda m: m.can_append_slots([0], num_lookahead_slots=-1),
     lambda m: m.can_swap_in([0], num_lookahead_slots=-1),
-])
+  ],
+)
 def test_negative_lookahead_raises(query):
   with pytest.raises(ValueError, match="num_lookahead_slots"):
     query(make_manager())
@@ -347,7 +356,9 @@ def occupied_manager(**overrides):
   return manager
 
 
-@pytest.mark.parametrize("call, expected", [
+@pytest.mark.parametrize(
+  "call, expected",
+  [
     (lambda m: m.allocate([4], [1], 1), Status.INVALID_ARGUMENT),
     (lambda m: m.allocate([-2], [1], 1), Status.INVALID_ARGUMENT),
     (lambda m: m.allocate([2, 2], [1], 1), Status.INVALID_ARGUMENT),
@@ -359,15 +370,15 @@ def occupied_manager(**overrides):
     (lambda m: m.allocate([0], [1] * 9, 9), Status.ALREADY_ALLOCATED),
     (lambda m: m.allocate([2], [1] * 9, 9), Status.TABLE_FULL),
     (lambda m: m.allocate([2], [1] * 7, 7), Status.OUT_OF_BLOCKS),
-])
+  ],
+)
 def test_allocate_statuses(call, expected):
   assert_fails_cleanly(occupied_manager(num_gpu_blocks=3), call, expected)
 
 
 def test_allocate_all_padding_is_a_no_op():
   manager = occupied_manager()
-  assert_fails_cleanly(manager, lambda m: m.allocate([-1, -1], [1], 1),
-                       Status.OK)
+  assert_fails_cleanly(manager, lambda m: m.allocate([-1, -1], [1], 1), Status.OK)
 
 
 def test_allocate_zero_tokens_occupies_the_slot():
@@ -378,25 +389,23 @@ def test_allocate_zero_tokens_occupies_the_slot():
   assert manager.allocate([0], [], 0) == Status.ALREADY_ALLOCATED
 
 
-@pytest.mark.parametrize("call, expected", [
+@pytest.mark.parametrize(
+  "call, expected",
+  [
     (lambda m: m.append_slots([4], [[1]], [1]), Status.INVALID_ARGUMENT),
-    (lambda m: m.append_slots([0, 0], [[1], [1]], [1, 1]),
-     Status.INVALID_ARGUMENT),
+    (lambda m: m.append_slots([0, 0], [[1], [1]], [1, 1]), Status.INVALID_ARGUMENT),
     (lambda m: m.append_slots([0], [[1]], [-1]), Status.INVALID_ARGUMENT),
     (lambda m: m.append_slots([0], [[1]], [2]), Status.INVALID_ARGUMENT),
-    (lambda m: m.append_slots([2, 7], [[1], [1]], [1, 1]),
-     Status.INVALID_ARGUMENT),
+    (lambda m: m.append_slots([2, 7], [[1], [1]], [1, 1]), Status.INVALID_ARGUMENT),
     (lambda m: m.append_slots([2], [[1]], [1]), Status.NOT_ALLOCATED),
-    (lambda m: m.append_slots([1, 2], [[1], [1]], [1, 1]),
-     Status.NOT_ALLOCATED),
+    (lambda m: m.append_slots([1, 2], [[1], [1]], [1, 1]), Status.NOT_ALLOCATED),
     (lambda m: m.append_slots([1], [[1]], [1]), Status.WRONG_DEVICE),
-    (lambda m: m.append_slots([0, 1], [[1] * 6, [1]], [6, 1]),
-     Status.WRONG_DEVICE),
+    (lambda m: m.append_slots([0, 1], [[1] * 6, [1]], [6, 1]), Status.WRONG_DEVICE),
     (lambda m: m.append_slots([0], [[1] * 6], [6]), Status.TABLE_FULL),
-    (lambda m: m.append_slots([0], [[1] * 4], [4], num_lookahead_slots=2),
-     Status.TABLE_FULL),
+    (lambda m: m.append_slots([0], [[1] * 4], [4], num_lookahead_slots=2), Status.TABLE_FULL),
     (lambda m: m.append_slots([0], [[1] * 5], [5]), Status.OUT_OF_BLOCKS),
-])
+  ],
+)
 def test_append_slots_statuses(call, expected):
   assert_fails_cleanly(occupied_manager(num_gpu_blocks=3), call, expected)
 
@@ -415,7 +424,9 @@ def test_append_slots_rows_must_line_up():
     make_manager().append_slots([0, 1], [[1]], [1, 1])
 
 
-@pytest.mark.parametrize("call, expected", [
+@pytest.mark.parametrize(
+  "call, expected",
+  [
     (lambda m: m.fork(0, 4), Status.INVALID_ARGUMENT),
     (lambda m: m.fork(-1, 2), Status.INVALID_ARGUMENT),
     (lambda m: m.fork(0, -1), Status.INVALID_ARGUMENT),
@@ -435,7 +446,8 @@ def test_append_slots_rows_must_line_up():
     (lambda m: m.swap_in([9]), Status.INVALID_ARGUMENT),
     (lambda m: m.swap_in([2]), Status.NOT_ALLOCATED),
     (lambda m: m.swap_in([0, 1]), Status.WRONG_DEVICE),
-])
+  ],
+)
 def test_fork_free_and_swap_statuses(call, expected):
   assert_fails_cleanly(occupied_manager(num_cpu_blocks=2), call, expected)
 
@@ -462,14 +474,12 @@ def test_failed_call_restores_revived_blocks_and_counters():
   # Hits revive blocks 0 and 1 (pinned first); the 2 misses need 2 blocks
   # but only block 2 is left.
   prompt = [1, 2, 3, 4, 0, 0, 0, 0]
-  assert_fails_cleanly(manager, lambda m: m.allocate([1], prompt, 8),
-                       Status.OUT_OF_BLOCKS)
+  assert_fails_cleanly(manager, lambda m: m.allocate([1], prompt, 8), Status.OUT_OF_BLOCKS)
   assert manager.prefix_cache_hit_rate() == 0.0
 
 
 def test_failed_swap_in_restores_lookups():
-  manager = make_manager(num_gpu_blocks=2, num_cpu_blocks=2,
-                         enable_prefix_caching=True)
+  manager = make_manager(num_gpu_blocks=2, num_cpu_blocks=2, enable_prefix_caching=True)
   assert manager.allocate([0], [1, 2], 2) == Status.OK  # GPU block 0
   assert manager.swap_out([0])[0] == Status.OK
   assert manager.allocate([1], [5, 6, 7], 3) == Status.OK  # GPU 1 and 0
@@ -509,8 +519,7 @@ def test_swapping_out_one_holder_keeps_the_others_blocks():
 
 
 def test_swap_with_prefix_caching_shares_cached_content():
-  manager = make_manager(num_gpu_blocks=4, num_cpu_blocks=4,
-                         enable_prefix_caching=True)
+  manager = make_manager(num_gpu_blocks=4, num_cpu_blocks=4, enable_prefix_caching=True)
   assert manager.allocate([0], [1, 2, 3], 3) == Status.OK  # [0, 1]
   assert manager.swap_out([0]) == (Status.OK, [(0, 0), (1, 1)])
   # GPU block 0 kept its content in the evictor; swap_in finds it there (one
@@ -536,11 +545,9 @@ def test_can_swap_counts_distinct_blocks():
   assert manager.can_swap_in([0, 1]) == AllocStatus.LATER
   # 2 + 2 * (1 + ceil(1 / 2)) = 6 required: all 6 GPU blocks would do, so
   # not NEVER (unlike can_allocate, NEVER ignores the watermark).
-  assert manager.can_swap_in([0, 1], num_lookahead_slots=1) == (
-      AllocStatus.LATER)
+  assert manager.can_swap_in([0, 1], num_lookahead_slots=1) == (AllocStatus.LATER)
   # 2 + 2 * (1 + ceil(3 / 2)) = 8 > 6 GPU blocks.
-  assert manager.can_swap_in([0, 1], num_lookahead_slots=3) == (
-      AllocStatus.NEVER)
+  assert manager.can_swap_in([0, 1], num_lookahead_slots=3) == (AllocStatus.NEVER)
   assert manager.free([2]) == Status.OK
   assert manager.can_swap_in([0, -1, 1]) == AllocStatus.OK
 
@@ -572,11 +579,14 @@ def test_cached_pool_take_order_through_the_manager():
   assert taken == [3, 1, 0, 2]
 
 
-@pytest.mark.parametrize("accesses, expected", [
+@pytest.mark.parametrize(
+  "accesses, expected",
+  [
     ([], [1, 0, 2]),  # longest prefix first, then the earliest released
     ([(0, 5), (1, 3)], [2, 1, 0]),  # least recently accessed first
     ([(0, 5), (1, 3), (0, 1)], [2, 1, 0]),  # accesses never go backwards
-])
+  ],
+)
 def test_lru_eviction_order(accesses, expected):
   manager = make_manager(num_gpu_blocks=3, enable_prefix_caching=True)
   assert manager.allocate([0], [1, 2, 3, 4], 4) == Status.OK  # 0 and 1
@@ -676,8 +686,7 @@ def test_rows_share_the_block_an_earlier_row_copied_or_took():
   assert manager.allocate([3], [], 0) == Status.OK
   # Row 0 copies shared block 0 into block 2 and fills it; row 2 shares
   # block 2 and drops block 1; row 3 shares it too, taking nothing.
-  status, plan = manager.append_slots([0, 2, 3], [[2], [2], [1, 2]],
-                                      [1, 1, 2])
+  status, plan = manager.append_slots([0, 2, 3], [[2], [2], [1, 2]], [1, 1, 2])
   assert (status, plan) == (Status.OK, [(0, 2)])
   assert [table(manager, s) for s in range(4)] == [[2], [0], [2], [2]]
   assert manager.ref_counts("gpu")[:4] == [1, 0, 3, 0]
@@ -747,8 +756,7 @@ def test_computed_marks_skip_swapped_out_sequences():
 def test_computed_marks_stop_at_the_last_token():
   manager = make_manager(enable_prefix_caching=True)
   assert manager.allocate([0], [1, 2, 3], 3) == Status.OK  # [0, 1]
-  assert manager.append_slots([0], [[]], [0], num_lookahead_slots=3) == (
-      Status.OK, [])
+  assert manager.append_slots([0], [[]], [0], num_lookahead_slots=3) == (Status.OK, [])
   assert table(manager, 0) == [0, 1, 2]
   # 6 computed tokens are capped at the 3 the sequence holds: block 0 only.
   manager.mark_blocks_as_computed([0], 6)
@@ -778,13 +786,23 @@ def test_computed_flags_need_caching():
 
 def test_can_queries_answer_no_for_a_group_their_op_refuses(manager_factory):
   """Bad or repeated ids, an empty slot or the wrong device: no, whatever the space."""
-  manager = manager_factory(CacheConfig(block_size=2, num_gpu_blocks=8, num_cpu_blocks=8,
-                                        max_seqs=4, max_blocks_per_seq=4, watermark=0.0))
-  assert manager.allocate([0], [1, 2, 3], 3) == Status.OK      # seq 0 on the GPU
+  manager = manager_factory(
+    CacheConfig(
+      block_size=2,
+      num_gpu_blocks=8,
+      num_cpu_blocks=8,
+      max_seqs=4,
+      max_blocks_per_seq=4,
+      watermark=0.0,
+    )
+  )
+  assert manager.allocate([0], [1, 2, 3], 3) == Status.OK  # seq 0 on the GPU
   assert manager.allocate([1], [4, 5], 2) == Status.OK
-  assert manager.swap_out([1])[0] == Status.OK                  # seq 1 on the CPU; 2, 3 empty
-  refused = {"gpu": [[0, 0], [0, 4], [-2], [2], [1], [0, 1]],
-             "cpu": [[1, 1], [1, 4], [-2], [3], [0], [1, 0]]}
+  assert manager.swap_out([1])[0] == Status.OK  # seq 1 on the CPU; 2, 3 empty
+  refused = {
+    "gpu": [[0, 0], [0, 4], [-2], [2], [1], [0, 1]],
+    "cpu": [[1, 1], [1, 4], [-2], [3], [0], [1, 0]],
+  }
   for ids in refused["gpu"]:
     assert manager.can_append_slots(ids) is False, ids
     assert manager.can_swap_out(ids) is False, ids
@@ -800,7 +818,9 @@ def test_can_queries_answer_no_for_a_group_their_op_refuses(manager_factory):
 # Host-side query errors.
 
 
-@pytest.mark.parametrize("query, message", [
+@pytest.mark.parametrize(
+  "query, message",
+  [
     (lambda m: m.get_block_table(8), "seq_id"),
     (lambda m: m.get_num_tokens(-1), "seq_id"),
     (lambda m: m.device_of(8), "seq_id"),
@@ -813,7 +833,8 @@ def test_can_queries_answer_no_for_a_group_their_op_refuses(manager_factory):
     (lambda m: m.get_slot_mapping([0], [-1], 1), "num_new"),
     (lambda m: m.get_slot_mapping([0], [1, 1], 1), "num_new"),
     (lambda m: m.get_slot_mapping([9], [1], 1), "seq_ids"),
-])
+  ],
+)
 def test_bad_query_arguments_raise(query, message):
   with pytest.raises(ValueError, match=message):
     query(make_manager())
@@ -824,7 +845,11 @@ def test_slot_mapping():
   assert manager.allocate([0, 1], [1, 2, 3], 3) == Status.OK  # [5, 4]
   # Last 2 positions (1 and 2), then the last 5 capped at 3, then width 1.
   assert manager.get_slot_mapping([0, -1, 1, 3], [2, 1, 5, 1], 3) == [
-      [11, 8, -1], [-1, -1, -1], [10, 11, 8], [-1, -1, -1]]
+    [11, 8, -1],
+    [-1, -1, -1],
+    [10, 11, 8],
+    [-1, -1, -1],
+  ]
   assert manager.get_slot_mapping([0], [5], 1) == [[10]]
 
 
@@ -863,17 +888,19 @@ def check_invariants(manager):
 
 
 CONFIGS = [
-    dict(),
-    dict(sliding_window=3),
-    dict(enable_prefix_caching=True),
-    dict(enable_prefix_caching=True, num_gpu_blocks=4),
+  dict(),
+  dict(sliding_window=3),
+  dict(enable_prefix_caching=True),
+  dict(enable_prefix_caching=True, num_gpu_blocks=4),
 ]
+
 
 def random_operation(rng, manager) -> tuple:
   """A mostly valid operation for ``manager``'s state; some ids are bad."""
   slots = range(manager.cfg.max_seqs)
-  by_device = {device: [s for s in slots if manager.device_of(s) == device]
-               for device in ("gpu", "cpu", None)}
+  by_device = {
+    device: [s for s in slots if manager.device_of(s) == device] for device in ("gpu", "cpu", None)
+  }
 
   def some(ids, most):
     chosen = rng.sample(ids, min(len(ids), rng.randint(1, most)))
@@ -884,16 +911,20 @@ def random_operation(rng, manager) -> tuple:
   def tokens(most):
     return [rng.randint(0, 1) for _ in range(rng.randint(0, most))]
 
-  name = rng.choice(["allocate", "append", "append", "fork", "free",
-                     "swap_out", "swap_in", "access"])
+  name = rng.choice(
+    ["allocate", "append", "append", "fork", "free", "swap_out", "swap_in", "access"]
+  )
   if name == "allocate":
     return name, some(by_device[None], 2), tokens(6), rng.randint(0, 1)
   if name == "append":
     rows = [(s, tokens(3)) for s in some(by_device["gpu"], 3)]
     return name, rows, rng.randint(0, 2)
   if name == "fork":
-    return (name, rng.choice(by_device["gpu"] + by_device["cpu"] or [0]),
-            rng.choice(by_device[None] or [0]))
+    return (
+      name,
+      rng.choice(by_device["gpu"] + by_device["cpu"] or [0]),
+      rng.choice(by_device[None] or [0]),
+    )
   if name == "free":
     return name, some(by_device["gpu"] + by_device["cpu"], 2)
   if name == "swap_out":
@@ -911,8 +942,9 @@ def apply(manager, operation):
     return manager.allocate(seq_ids, tokens, len(tokens), salt=salt)
   if name == "append":
     rows, lookahead = args
-    return manager.append_slots([s for s, _ in rows], [t for _, t in rows],
-                                [len(t) for _, t in rows], lookahead)[0]
+    return manager.append_slots(
+      [s for s, _ in rows], [t for _, t in rows], [len(t) for _, t in rows], lookahead
+    )[0]
   if name == "fork":
     return manager.fork(*args)
   if name == "access":
@@ -928,8 +960,7 @@ def apply(manager, operation):
 @hypothesis.given(seed=st.integers(0, 2**31 - 1))
 def test_random_programs_keep_invariants_and_fail_atomically(config, seed):
   rng = random.Random(seed)
-  manager = make_manager(max_seqs=4, max_blocks_per_seq=4, num_cpu_blocks=4,
-                         **config)
+  manager = make_manager(max_seqs=4, max_blocks_per_seq=4, num_cpu_blocks=4, **config)
   for _ in range(24):
     before = copy.deepcopy(manager._state)
     status = apply(manager, random_operation(rng, manager))
@@ -968,17 +999,15 @@ def test_append_that_frees_nothing_equals_one_call_per_row(config, seed):
   _, rows, lookahead = random_operation_of(rng, batched, "append")
   sequential = copy.deepcopy(batched)
   held_before = [n > 0 for n in batched.ref_counts("gpu")]
-  status, plan = batched.append_slots([s for s, _ in rows],
-                                      [t for _, t in rows],
-                                      [len(t) for _, t in rows], lookahead)
+  status, plan = batched.append_slots(
+    [s for s, _ in rows], [t for _, t in rows], [len(t) for _, t in rows], lookahead
+  )
   held_after = [n > 0 for n in batched.ref_counts("gpu")]
   hypothesis.assume(status == Status.OK)
-  hypothesis.assume(not any(b and not a for b, a in zip(held_before,
-                                                        held_after)))
+  hypothesis.assume(not any(b and not a for b, a in zip(held_before, held_after)))
   sequential_plan = []
   for seq_id, new in rows:
-    row_status, row_plan = sequential.append_slots([seq_id], [new],
-                                                   [len(new)], lookahead)
+    row_status, row_plan = sequential.append_slots([seq_id], [new], [len(new)], lookahead)
     assert row_status == Status.OK
     sequential_plan += row_plan
   assert plan == sequential_plan

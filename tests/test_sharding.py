@@ -16,10 +16,10 @@ import socket
 import subprocess
 import sys
 
-from flax import nnx
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import paged_jax as pj
 from paged_jax import sharding
@@ -35,10 +35,8 @@ FAST_COMPILE = "--xla_backend_optimization_level=0"
 
 def _env(num_devices: int) -> dict:
   env = dict(os.environ)
-  env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={num_devices} "
-                      f"{FAST_COMPILE}")
-  env["PYTHONPATH"] = os.pathsep.join(
-      [str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={num_devices} {FAST_COMPILE}"
+  env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
   env["JAX_PLATFORMS"] = "cpu"
   env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
   return env
@@ -59,9 +57,9 @@ def meshes(tmp_path_factory, worker_id):
   with open(shared / "sharding_meshes.lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if not out.exists():
-      result = subprocess.run(_worker(out), cwd=ROOT, env=_env(8),
-                              capture_output=True, text=True,
-                              timeout=TIMEOUT_S)
+      result = subprocess.run(
+        _worker(out), cwd=ROOT, env=_env(8), capture_output=True, text=True, timeout=TIMEOUT_S
+      )
       assert result.returncode == 0, result.stderr[-4000:]
   return json.loads(out.read_text())
 
@@ -84,21 +82,18 @@ def test_each_device_holds_its_share_of_the_cache(meshes):
   # Each data shard has a one-device cache's blocks. The tiny model has 2 KV
   # heads: 2 model shards split them, 4 store each head twice and hold one
   # head each, so a device holds half either way.
-  for name, data, tp in (("1x2", 1, 2), ("1x4", 1, 4), ("2x2", 2, 2),
-                         ("2x4", 2, 4), ("8x1", 8, 1)):
+  for name, data, tp in (("1x2", 1, 2), ("1x4", 1, 4), ("2x2", 2, 2), ("2x4", 2, 4), ("8x1", 8, 1)):
     share = max(1, 2 // tp) / 2 if tp > 1 else 1
     for kind in ("device", "host"):
       per_device = meshes[name]["bytes"][kind]
-      assert per_device == [full[kind][0] * share] * (data * tp), (name,
-                                                                   kind)
+      assert per_device == [full[kind][0] * share] * (data * tp), (name, kind)
 
 
 def test_weights_are_split_over_the_model_axis(meshes):
   full = meshes["unsharded_weight_bytes"]
   # Only the norms stay whole at tp=2; at tp=4 k/v (2 KV heads) and the
   # 258-token embedding are replicated too.
-  for name, bound in (("1x2", 0.51), ("2x2", 0.51), ("1x4", 0.32),
-                      ("2x4", 0.32), ("8x1", 1.0)):
+  for name, bound in (("1x2", 0.51), ("2x2", 0.51), ("1x4", 0.32), ("2x4", 0.32), ("8x1", 1.0)):
     assert max(meshes[name]["weight_bytes"]) <= bound * full, name
 
 
@@ -118,8 +113,10 @@ def test_data_shards_serve_every_feature_as_one_device_does(meshes):
   want, got = meshes["features_reference"], meshes["features_2x2"]
   assert got["tokens"] == want["tokens"]
   np.testing.assert_allclose(
-      [x for row in got["logprobs"] for x in row],
-      [x for row in want["logprobs"] for x in row], atol=1e-4)
+    [x for row in got["logprobs"] for x in row],
+    [x for row in want["logprobs"] for x in row],
+    atol=1e-4,
+  )
   # Each request went to the shard with the fewest tokens outstanding, and
   # finished requests no longer count: a new one goes to shard 0 again.
   assert got["shards"] == [0, 1, 1, 0]
@@ -127,23 +124,21 @@ def test_data_shards_serve_every_feature_as_one_device_does(meshes):
   assert got["all_free"] and want["all_free"]
   assert got["swaps"] > 0 and got["preemptions"] > 0
   assert got["hit_rate"] > 0
-  assert "the engine has 2 data shards: use engine.shard_state" in got[
-      "errors"]["state"]
-  assert "a cache of 2 data shards needs one copy plan per shard" in got[
-      "errors"]["copy_plan"]
+  assert "the engine has 2 data shards: use engine.shard_state" in got["errors"]["state"]
+  assert "a cache of 2 data shards needs one copy plan per shard" in got["errors"]["copy_plan"]
   assert "slots [0, 4] span several data shards" in got["errors"]["slots"]
 
 
 def test_sharded_copy_and_swaps_match_one_device(meshes):
   # On a (2, 2) mesh: heads over "model", each data shard's blocks its own.
   assert meshes["ops_match"] is True
-  assert meshes["int8_ops_match"] is True   # pages and scales, bit for bit
+  assert meshes["int8_ops_match"] is True  # pages and scales, bit for bit
 
 
 def test_a_quantized_cache_serves_sharded(meshes):
   assert meshes["int8_2x2"] == meshes["int8_reference"]
   full = meshes["int8_unsharded_bytes"]
-  for kind in ("device", "host"):   # pages and scales split over 2 heads
+  for kind in ("device", "host"):  # pages and scales split over 2 heads
     assert meshes["int8_2x2_bytes"][kind] == [full[kind][0] // 2] * 4
 
 
@@ -155,11 +150,17 @@ def _free_port() -> int:
 
 def test_two_processes_give_the_one_device_tokens(tmp_path):
   port = _free_port()
-  procs = [subprocess.Popen(
-      _worker(tmp_path / f"{i}.json", "--port", str(port), "--process_id",
-              str(i)),
-      cwd=ROOT, env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-      text=True) for i in range(2)]
+  procs = [
+    subprocess.Popen(
+      _worker(tmp_path / f"{i}.json", "--port", str(port), "--process_id", str(i)),
+      cwd=ROOT,
+      env=_env(4),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
   try:
     logs = [proc.communicate(timeout=TIMEOUT_S)[0] for proc in procs]
   finally:
@@ -182,6 +183,7 @@ def test_two_processes_give_the_one_device_tokens(tmp_path):
 
 # In-process checks on the one device of the suite.
 
+
 def test_make_mesh_rejects_bad_sizes():
   with pytest.raises(ValueError, match="model must be an int >= 1"):
     sharding.make_mesh(1, 0)
@@ -198,67 +200,72 @@ def test_heads_must_split_over_the_model_axis():
     sharding.check_heads(6, 2, 4)
   with pytest.raises(ValueError, match=r"num_kv_heads \(3\) and the model"):
     sharding.check_heads(12, 3, 2)
-  wrong = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1),
-                            ("model", "data"))
+  wrong = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("model", "data"))
   with pytest.raises(ValueError, match="mesh axes must be"):
     sharding.check_axes(wrong)
-  cfg = pj.CacheConfig(block_size=4, num_gpu_blocks=4, num_cpu_blocks=0,
-                       max_seqs=1, max_blocks_per_seq=2)
+  cfg = pj.CacheConfig(
+    block_size=4, num_gpu_blocks=4, num_cpu_blocks=0, max_seqs=1, max_blocks_per_seq=2
+  )
   with pytest.raises(ValueError, match="mesh axes must be"):
     sharding.create_kv_cache(cfg, 1, 2, 8, "float32", wrong)
 
 
-@pytest.mark.parametrize("path, shape, tp, kv_heads, spec", [
-    ("blocks/0/attention/q_proj/kernel", (256, 256), 4, 2,
-     sharding.P(None, "model")),
-    ("blocks/0/attention/k_proj/kernel", (256, 64), 2, 2,
-     sharding.P(None, "model")),
+@pytest.mark.parametrize(
+  "path, shape, tp, kv_heads, spec",
+  [
+    ("blocks/0/attention/q_proj/kernel", (256, 256), 4, 2, sharding.P(None, "model")),
+    ("blocks/0/attention/k_proj/kernel", (256, 64), 2, 2, sharding.P(None, "model")),
     ("blocks/0/attention/k_proj/kernel", (256, 64), 4, 2, sharding.P()),
     ("blocks/1/attention/q_proj/bias", (256,), 4, 4, sharding.P("model")),
-    ("blocks/0/attention/o_proj/kernel", (256, 256), 4, 2,
-     sharding.P("model", None)),
-    ("blocks/0/mlp/down_proj/kernel", (512, 256), 2, 2,
-     sharding.P("model", None)),
+    ("blocks/0/attention/o_proj/kernel", (256, 256), 4, 2, sharding.P("model", None)),
+    ("blocks/0/mlp/down_proj/kernel", (512, 256), 2, 2, sharding.P("model", None)),
     ("embed/embedding", (258, 256), 2, 2, sharding.P("model", None)),
     ("embed/embedding", (258, 256), 4, 2, sharding.P(None, None)),
     ("lm_head/kernel", (256, 260), 4, 2, sharding.P(None, "model")),
     ("blocks/0/attention/q_norm/scale", (32,), 4, 2, sharding.P()),
     ("final_norm/scale", (256,), 4, 2, sharding.P()),
-])
+  ],
+)
 def test_partition_rules(path, shape, tp, kv_heads, spec):
-  assert sharding.partition_spec(path, shape, tp,
-                                 num_kv_heads=kv_heads) == spec
+  assert sharding.partition_spec(path, shape, tp, num_kv_heads=kv_heads) == spec
 
 
 def test_shard_model_places_every_parameter_by_its_rule():
-  model = pj.models.Llama(LlamaConfig(
-      vocab_size=16, num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=4,
-      hidden=8, mlp_hidden=16), rngs=nnx.Rngs(0))
+  model = pj.models.Llama(
+    LlamaConfig(
+      vocab_size=16,
+      num_layers=1,
+      num_q_heads=2,
+      num_kv_heads=1,
+      head_dim=4,
+      hidden=8,
+      mlp_hidden=16,
+    ),
+    rngs=nnx.Rngs(0),
+  )
   sharded = sharding.shard_model(model, sharding.make_mesh(1, 1))
   kernel = sharded.blocks[0].attention.q_proj.kernel[...]
   assert kernel.sharding.spec == sharding.P(None, "model")
   down = sharded.blocks[0].mlp.down_proj.kernel[...]
   assert down.sharding.spec == sharding.P("model", None)
   assert sharded.final_norm.scale[...].sharding.spec == sharding.P()
-  np.testing.assert_array_equal(
-      kernel, model.blocks[0].attention.q_proj.kernel[...])
+  np.testing.assert_array_equal(kernel, model.blocks[0].attention.q_proj.kernel[...])
 
 
 def test_batched_states_match_one_state_per_shard():
-  cfg = pj.CacheConfig(block_size=4, num_gpu_blocks=16, num_cpu_blocks=4,
-                       max_seqs=4, max_blocks_per_seq=4)
+  cfg = pj.CacheConfig(
+    block_size=4, num_gpu_blocks=16, num_cpu_blocks=4, max_seqs=4, max_blocks_per_seq=4
+  )
   bm = pj.BlockSpaceManager(cfg)
   states = sharding.init_states(bm, 3)
   lengths = np.array([5, 13, 1], np.int32)
   tokens = np.arange(3 * 16, dtype=np.int32).reshape(3, 16)
   seq_ids = np.array([[0], [2], [1]], np.int32)
-  states, results = jax.jit(jax.vmap(manager.allocate))(
-      states, seq_ids, tokens, lengths)
+  states, results = jax.jit(jax.vmap(manager.allocate))(states, seq_ids, tokens, lengths)
   assert (np.asarray(results.status) == 0).all()
   allocate = jax.jit(manager.allocate)
   for shard in range(3):
-    one, _ = allocate(bm.init(), seq_ids[shard], tokens[shard],
-                      lengths[shard])
+    one, _ = allocate(bm.init(), seq_ids[shard], tokens[shard], lengths[shard])
     mine = jax.tree.map(lambda x, s=shard: x[s], states)
     for got, want in zip(jax.tree.leaves(mine), jax.tree.leaves(one)):
       np.testing.assert_array_equal(got, want)
@@ -267,9 +274,12 @@ def test_batched_states_match_one_state_per_shard():
 
 
 def test_a_shards_swap_plan_moves_its_own_blocks():
-  plan = pj.SwapPlan(src=np.array([3, 0, -1], np.int32),
-                     dst=np.array([1, 2, -1], np.int32), count=np.int32(2),
-                     status=np.int32(0))
+  plan = pj.SwapPlan(
+    src=np.array([3, 0, -1], np.int32),
+    dst=np.array([1, 2, -1], np.int32),
+    count=np.int32(2),
+    status=np.int32(0),
+  )
   moved = sharding.shard_plan(plan, 2, num_src_blocks=10, num_dst_blocks=4)
   np.testing.assert_array_equal(moved.src, [23, 20, -1])
   np.testing.assert_array_equal(moved.dst, [9, 10, -1])
@@ -277,25 +287,33 @@ def test_a_shards_swap_plan_moves_its_own_blocks():
 
 
 def test_sharded_copy_checks_a_concrete_plan():
-  cfg = pj.CacheConfig(block_size=4, num_gpu_blocks=4, num_cpu_blocks=2,
-                       max_seqs=1, max_blocks_per_seq=2)
-  cache = sharding.create_kv_cache(cfg, 1, 2, 8, "float32",
-                                   sharding.make_mesh(1, 1))
-  bad = pj.CopyPlan(src=np.array([0], np.int32), dst=np.array([4], np.int32),
-                    count=np.int32(1), status=np.int32(0))
+  cfg = pj.CacheConfig(
+    block_size=4, num_gpu_blocks=4, num_cpu_blocks=2, max_seqs=1, max_blocks_per_seq=2
+  )
+  cache = sharding.create_kv_cache(cfg, 1, 2, 8, "float32", sharding.make_mesh(1, 1))
+  bad = pj.CopyPlan(
+    src=np.array([0], np.int32), dst=np.array([4], np.int32), count=np.int32(1), status=np.int32(0)
+  )
   with pytest.raises(ValueError, match="dst block 4 is out of range 0..3"):
     sharding.copy_blocks(cache, bad)
   with pytest.raises(ValueError, match="swap_out plan entry 0: dst block 4"):
     pj.swap_out(cache, bad)
   with pytest.raises(ValueError, match="swap_in plan entry 0: src block 2 is out of range 0..1"):
-    pj.swap_in(cache, pj.SwapPlan(
-        src=np.array([2], np.int32), dst=np.array([0], np.int32),
-        count=np.int32(1), status=np.int32(0)))
+    pj.swap_in(
+      cache,
+      pj.SwapPlan(
+        src=np.array([2], np.int32),
+        dst=np.array([0], np.int32),
+        count=np.int32(1),
+        status=np.int32(0),
+      ),
+    )
 
 
 def test_an_engine_rejects_a_mesh_without_the_axes():
   wrong = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("device",))
-  cfg = pj.CacheConfig(block_size=4, num_gpu_blocks=4, num_cpu_blocks=0,
-                       max_seqs=1, max_blocks_per_seq=2)
+  cfg = pj.CacheConfig(
+    block_size=4, num_gpu_blocks=4, num_cpu_blocks=0, max_seqs=1, max_blocks_per_seq=2
+  )
   with pytest.raises(ValueError, match="mesh axes must be"):
     pj.LLMEngine(pj.models.load_tiny(), None, cfg, mesh=wrong)

@@ -16,14 +16,16 @@ from paged_jax import kv_cache
 from paged_jax.config import CacheConfig
 from pallas_kernels.paged_attention import paged_attention_reference
 
-CFG = CacheConfig(block_size=8, num_gpu_blocks=16, num_cpu_blocks=8,
-                  max_seqs=4, max_blocks_per_seq=4)
+CFG = CacheConfig(
+  block_size=8, num_gpu_blocks=16, num_cpu_blocks=8, max_seqs=4, max_blocks_per_seq=4
+)
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 64
 attend = jax.jit(paged_attention_reference)
 
 
 class Plan(NamedTuple):
   """A SwapPlan/CopyPlan stand-in: the fields the cache ops read."""
+
   src: jax.Array
   dst: jax.Array
   count: jax.Array
@@ -45,12 +47,14 @@ def random_cache(dtype, cfg=CFG, seed=0):
 
   def fill(pages):
     # Host pages hold bit patterns: random floats viewed as their bits.
-    return tuple(jax.device_put(
-        rng.standard_normal(p.shape).astype(dtype).view(p.dtype), p.sharding)
-                 for p in pages)
+    return tuple(
+      jax.device_put(rng.standard_normal(p.shape).astype(dtype).view(p.dtype), p.sharding)
+      for p in pages
+    )
 
-  return cache.replace(k=fill(cache.k), v=fill(cache.v),
-                       k_host=fill(cache.k_host), v_host=fill(cache.v_host))
+  return cache.replace(
+    k=fill(cache.k), v=fill(cache.v), k_host=fill(cache.k_host), v_host=fill(cache.v_host)
+  )
 
 
 def device_pages(cache):
@@ -72,14 +76,14 @@ def write_tokens(cache, layer_rows, slots):
 
 
 def attention_of(cache, q, tables, lengths):
-  tables, lengths = jnp.asarray(tables, jnp.int32), jnp.asarray(lengths,
-                                                                jnp.int32)
-  return [np.asarray(attend(q, cache.k[layer], cache.v[layer], tables,
-                            lengths)) for layer in range(cache.num_layers)]
+  tables, lengths = jnp.asarray(tables, jnp.int32), jnp.asarray(lengths, jnp.int32)
+  return [
+    np.asarray(attend(q, cache.k[layer], cache.v[layer], tables, lengths))
+    for layer in range(cache.num_layers)
+  ]
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16],
-                         ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
 def test_preemption_round_trip_is_bitwise(dtype):
   """A forks B, B copies-on-write its last block; C shares A's first block.
 
@@ -94,8 +98,7 @@ def test_preemption_round_trip_is_bitwise(dtype):
   cache = kv_cache.copy_blocks(cache, make_plan([(5, 9)], capacity=2))
   b_table = [3, 7, 9, -1]
   new_rows = rng.standard_normal((LAYERS, 2, KV_HEADS, HEAD_DIM)).astype(dtype)
-  cache = write_tokens(cache, new_rows, jnp.asarray([5 * 8 + 4, 9 * 8 + 4],
-                                                    jnp.int32))
+  cache = write_tokens(cache, new_rows, jnp.asarray([5 * 8 + 4, 9 * 8 + 4], jnp.int32))
   tables, lengths = [a_table, b_table, c_table], [21, 21, 12]
   q = jnp.asarray(rng.standard_normal((3, 4, HEAD_DIM)), dtype)
   before = attention_of(cache, q, tables, lengths)
@@ -108,15 +111,13 @@ def test_preemption_round_trip_is_bitwise(dtype):
   # D takes the freed blocks 9, 5, 7 and fills them with new tokens.
   reused = np.array([9, 5, 7])
   d_slots = (reused[:, None] * 8 + np.arange(8)).reshape(-1).astype(np.int32)
-  d_rows = rng.standard_normal(
-      (LAYERS, d_slots.size, KV_HEADS, HEAD_DIM)).astype(dtype)
+  d_rows = rng.standard_normal((LAYERS, d_slots.size, KV_HEADS, HEAD_DIM)).astype(dtype)
   cache = write_tokens(cache, d_rows, jnp.asarray(d_slots))
   c_after = attention_of(cache, q[2:], [c_table], [12])
   for got, want in zip(c_after, before):
     np.testing.assert_array_equal(got, want[2:])
 
-  cache = kv_cache.swap_in(cache, make_plan(zip([4, 0, 6, 2],
-                                                [12, 13, 14, 15])))
+  cache = kv_cache.swap_in(cache, make_plan(zip([4, 0, 6, 2], [12, 13, 14, 15])))
   for pages, want in zip(device_pages(cache), pages_before):
     np.testing.assert_array_equal(pages[:, [12, 13, 14, 15]], want)
   swapped_tables = [[12, 13, 14, -1], [12, 13, 15, -1], c_table]
@@ -136,8 +137,7 @@ def test_pages_stay_in_their_memory_kinds_and_types():
   assert {p.dtype for p in cache.k + cache.v} == {jnp.dtype(jnp.bfloat16)}
 
 
-@pytest.mark.parametrize("swap", [kv_cache.swap_out, kv_cache.swap_in],
-                         ids=["out", "in"])
+@pytest.mark.parametrize("swap", [kv_cache.swap_out, kv_cache.swap_in], ids=["out", "in"])
 def test_count_zero_is_a_no_op(swap):
   cache = random_cache(jnp.float32)
   before = device_pages(cache) + host_pages(cache)
@@ -149,14 +149,22 @@ def test_count_zero_is_a_no_op(swap):
 
 
 SWAP_ERRORS = [
-    (kv_cache.swap_out, [(16, 0)], "swap_out plan entry 0: src block 16 is out"
-     r" of range 0..15"),
-    (kv_cache.swap_out, [(0, 1), (2, 8)], "entry 1: dst block 8 is out of"
-     r" range 0..7"),
-    (kv_cache.swap_in, [(8, 0)], "swap_in plan entry 0: src block 8"),
-    (kv_cache.swap_in, [(0, 16)], "dst block 16 is out of range 0..15"),
-    (kv_cache.swap_out, [(0, 1), (2, 1)], "dst block 1 appears 2 times"),
-    (kv_cache.swap_in, [(0, 1), (-1, 2)], "src block -1 is out of range"),
+  (
+    kv_cache.swap_out,
+    [(16, 0)],
+    "swap_out plan entry 0: src block 16 is out"
+    r" of range 0..15",
+  ),
+  (
+    kv_cache.swap_out,
+    [(0, 1), (2, 8)],
+    "entry 1: dst block 8 is out of"
+    r" range 0..7",
+  ),
+  (kv_cache.swap_in, [(8, 0)], "swap_in plan entry 0: src block 8"),
+  (kv_cache.swap_in, [(0, 16)], "dst block 16 is out of range 0..15"),
+  (kv_cache.swap_out, [(0, 1), (2, 1)], "dst block 1 appears 2 times"),
+  (kv_cache.swap_in, [(0, 1), (-1, 2)], "src block -1 is out of range"),
 ]
 
 
@@ -174,12 +182,18 @@ def test_count_beyond_capacity_raises():
     kv_cache.swap_out(random_cache(jnp.float32), plan)
 
 
-@pytest.mark.parametrize("swap,dtype", [
-    (kv_cache._swap_out, jnp.float32), (kv_cache._swap_in, jnp.float32),
+@pytest.mark.parametrize(
+  "swap,dtype",
+  [
+    (kv_cache._swap_out, jnp.float32),
+    (kv_cache._swap_in, jnp.float32),
     # On the CPU backend a bfloat16 scatter into the device pages converts
     # them (see kv_cache), so only swap_out, whose scatter is host-side on
     # bits, is in place there for bfloat16.
-    (kv_cache._swap_out, jnp.bfloat16)], ids=["out", "in", "out-bfloat16"])
+    (kv_cache._swap_out, jnp.bfloat16),
+  ],
+  ids=["out", "in", "out-bfloat16"],
+)
 def test_swap_memory_follows_the_plan_not_the_cache(swap, dtype):
   """In place, and temporaries of the planned blocks only, whatever the cache
   size: one staging buffer of the plan's capacity (on each side at most)."""
@@ -187,16 +201,19 @@ def test_swap_memory_follows_the_plan_not_the_cache(swap, dtype):
   plan = make_plan([(1, 2)], capacity)
   temps = []
   for num_blocks in (64, 256):
-    cfg = CacheConfig(block_size=8, num_gpu_blocks=num_blocks,
-                      num_cpu_blocks=num_blocks, max_seqs=4,
-                      max_blocks_per_seq=4)
+    cfg = CacheConfig(
+      block_size=8,
+      num_gpu_blocks=num_blocks,
+      num_cpu_blocks=num_blocks,
+      max_seqs=4,
+      max_blocks_per_seq=4,
+    )
     cache = kv_cache.KVCache.create(cfg, LAYERS, KV_HEADS, HEAD_DIM, dtype)
     compiled = kv_cache._jitted_for(cache, swap).lower(cache, *plan).compile()
     memory = compiled.memory_analysis()
     assert memory.alias_size_in_bytes == cache.nbytes + cache.host_nbytes
     temps.append(memory.temp_size_in_bytes)
-  staged_bytes = (2 * LAYERS * KV_HEADS * capacity * 8 * HEAD_DIM
-                  * jnp.dtype(dtype).itemsize)
+  staged_bytes = 2 * LAYERS * KV_HEADS * capacity * 8 * HEAD_DIM * jnp.dtype(dtype).itemsize
   assert temps[0] == temps[1] <= 2 * staged_bytes + 1024
 
 
@@ -207,10 +224,7 @@ def test_swaps_compose_inside_a_jitted_step():
   def step(cache, out_plan, in_plan):
     return kv_cache.swap_in(kv_cache.swap_out(cache, out_plan), in_plan)
 
-  cache = jax.jit(step, donate_argnums=0)(cache, make_plan([(3, 6)]),
-                                          make_plan([(6, 10)]))
-  np.testing.assert_array_equal(np.asarray(cache.host_pages(1)[1])[:, 6],
-                                want)
+  cache = jax.jit(step, donate_argnums=0)(cache, make_plan([(3, 6)]), make_plan([(6, 10)]))
+  np.testing.assert_array_equal(np.asarray(cache.host_pages(1)[1])[:, 6], want)
   np.testing.assert_array_equal(np.asarray(cache.v[1])[:, 10], want)
   assert cache.v_host[1].sharding.memory_kind == "pinned_host"
-

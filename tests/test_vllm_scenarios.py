@@ -16,8 +16,14 @@ pytestmark = pytest.mark.usefixtures("quick_compiles")
 
 def small_config(**overrides) -> CacheConfig:
   """vLLM's usual test pool: block size 4, four GPU and four CPU blocks."""
-  fields = dict(block_size=4, num_gpu_blocks=4, num_cpu_blocks=4, max_seqs=8,
-                max_blocks_per_seq=8, watermark=0.0)
+  fields = dict(
+    block_size=4,
+    num_gpu_blocks=4,
+    num_cpu_blocks=4,
+    max_seqs=8,
+    max_blocks_per_seq=8,
+    watermark=0.0,
+  )
   fields.update(overrides)
   return CacheConfig(**fields)
 
@@ -140,8 +146,8 @@ def test_reset(manager_factory):
 def test_sliding_window_multi_seq(manager_factory):
   """Sequences longer than the window hold only the window's blocks."""
   manager = manager_factory(
-      small_config(block_size=1, num_gpu_blocks=8, num_cpu_blocks=8,
-                   sliding_window=2))
+    small_config(block_size=1, num_gpu_blocks=8, num_cpu_blocks=8, sliding_window=2)
+  )
   assert manager.num_free_gpu_blocks() == 8
 
   # A 3-token prompt keeps only the blocks of its last 2 positions.
@@ -173,15 +179,15 @@ def test_sliding_window_multi_seq(manager_factory):
   assert manager.num_free_gpu_blocks() == 8
 
 
-def test_mark_blocks_as_computed_with_prefix_cache_and_chunked_prefill(
-    manager_factory):
+def test_mark_blocks_as_computed_with_prefix_cache_and_chunked_prefill(manager_factory):
   """Chunked prefill marks only the blocks its chunks completed."""
   manager = manager_factory(
-      small_config(num_gpu_blocks=16, num_cpu_blocks=0, max_blocks_per_seq=16,
-                   enable_prefix_caching=True))
+    small_config(
+      num_gpu_blocks=16, num_cpu_blocks=0, max_blocks_per_seq=16, enable_prefix_caching=True
+    )
+  )
   prompt_length = 4 * 16 - 1
-  assert manager.allocate([0], list(range(prompt_length)),
-                          prompt_length) == Status.OK
+  assert manager.allocate([0], list(range(prompt_length)), prompt_length) == Status.OK
   assert len(live_blocks(manager, 0)) == 16
 
   # First chunk: 2.5 blocks, so 2 blocks are computed.
@@ -195,9 +201,15 @@ def test_mark_blocks_as_computed_with_prefix_cache_and_chunked_prefill(
 
 def prefix_config(**overrides) -> CacheConfig:
   """vLLM's prefix-caching test pool: 16 blocks of 16 tokens."""
-  fields = dict(block_size=16, num_gpu_blocks=16, num_cpu_blocks=0,
-                max_seqs=16, max_blocks_per_seq=1, watermark=0.0,
-                enable_prefix_caching=True)
+  fields = dict(
+    block_size=16,
+    num_gpu_blocks=16,
+    num_cpu_blocks=0,
+    max_seqs=16,
+    max_blocks_per_seq=1,
+    watermark=0.0,
+    enable_prefix_caching=True,
+  )
   fields.update(overrides)
   return CacheConfig(**fields)
 

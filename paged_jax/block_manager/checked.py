@@ -17,24 +17,38 @@ class PagedCacheError(Exception):
 
 
 class OutOfBlocksError(PagedCacheError): ...
+
+
 class SwapSpaceExhaustedError(PagedCacheError): ...
+
+
 class DoubleFreeError(PagedCacheError): ...
+
+
 class NotAllocatedError(PagedCacheError): ...
+
+
 class AlreadyAllocatedError(PagedCacheError): ...
+
+
 class WrongDeviceError(PagedCacheError): ...
+
+
 class TableFullError(PagedCacheError): ...
+
+
 class InvalidArgumentError(PagedCacheError, ValueError): ...
 
 
 ERRORS = {
-    Status.OUT_OF_BLOCKS: OutOfBlocksError,
-    Status.SWAP_SPACE_EXHAUSTED: SwapSpaceExhaustedError,
-    Status.DOUBLE_FREE: DoubleFreeError,
-    Status.NOT_ALLOCATED: NotAllocatedError,
-    Status.ALREADY_ALLOCATED: AlreadyAllocatedError,
-    Status.WRONG_DEVICE: WrongDeviceError,
-    Status.TABLE_FULL: TableFullError,
-    Status.INVALID_ARGUMENT: InvalidArgumentError,
+  Status.OUT_OF_BLOCKS: OutOfBlocksError,
+  Status.SWAP_SPACE_EXHAUSTED: SwapSpaceExhaustedError,
+  Status.DOUBLE_FREE: DoubleFreeError,
+  Status.NOT_ALLOCATED: NotAllocatedError,
+  Status.ALREADY_ALLOCATED: AlreadyAllocatedError,
+  Status.WRONG_DEVICE: WrongDeviceError,
+  Status.TABLE_FULL: TableFullError,
+  Status.INVALID_ARGUMENT: InvalidArgumentError,
 }
 
 _MUTATING = ("allocate", "append_slots", "fork", "free", "swap_out", "swap_in")
@@ -64,11 +78,12 @@ class CheckedBlockSpaceManager:
     def call(state, *args, **kwargs):
       _check_state(name, state, self.bm.cfg)
       if name in _ID_QUERIES:
-        _check_query_ids(name, state.cfg, args[0] if args else
-                         kwargs.get("seq_ids", kwargs.get("seq_id")))
+        _check_query_ids(
+          name, state.cfg, args[0] if args else kwargs.get("seq_ids", kwargs.get("seq_id"))
+        )
       try:
         out = jitted(state, *args, **kwargs)
-      except ValueError as error:    # a dtype, shape or static argument, found at trace time
+      except ValueError as error:  # a dtype, shape or static argument, found at trace time
         raise InvalidArgumentError(f"{name}: {error}") from None
       if name not in _MUTATING:
         return out
@@ -77,6 +92,7 @@ class CheckedBlockSpaceManager:
       if status != Status.OK:
         raise ERRORS[status](describe_failure(name, status, state, args, kwargs))
       return new_state, result
+
     return call
 
 
@@ -94,12 +110,14 @@ def _check_state(op: str, state, cfg: CacheConfig) -> None:
   """InvalidArgumentError unless `state` is a BlockManagerState built from `cfg`."""
   if not isinstance(state, BlockManagerState):
     raise InvalidArgumentError(
-        f"{op}: state must be a BlockManagerState, got {type(state).__name__}")
+      f"{op}: state must be a BlockManagerState, got {type(state).__name__}"
+    )
   if state.cfg != cfg:
-    differ = ", ".join(f"{f.name}={getattr(state.cfg, f.name)!r} (state) vs "
-                       f"{getattr(cfg, f.name)!r} (manager)"
-                       for f in dataclasses.fields(cfg)
-                       if getattr(state.cfg, f.name) != getattr(cfg, f.name))
+    differ = ", ".join(
+      f"{f.name}={getattr(state.cfg, f.name)!r} (state) vs {getattr(cfg, f.name)!r} (manager)"
+      for f in dataclasses.fields(cfg)
+      if getattr(state.cfg, f.name) != getattr(cfg, f.name)
+    )
     raise InvalidArgumentError(f"{op}: the state was built from another CacheConfig: {differ}")
 
 
@@ -110,7 +128,8 @@ def _check_query_ids(op: str, cfg: CacheConfig, seq_ids) -> None:
   bad = ids[~padding & ((ids < 0) | (ids >= cfg.max_seqs))]
   if bad.size:
     raise InvalidArgumentError(
-        f"{op}: seq id {int(bad.ravel()[0])} is outside 0..{cfg.max_seqs - 1}")
+      f"{op}: seq id {int(bad.ravel()[0])} is outside 0..{cfg.max_seqs - 1}"
+    )
 
 
 def describe_failure(op: str, status: Status, state: BlockManagerState, args, kwargs) -> str:
@@ -139,17 +158,22 @@ def describe_failure(op: str, status: Status, state: BlockManagerState, args, kw
     return f"{op}: seq {seq} is {where[int(device[seq])]}, which {op} cannot use"
   if status == Status.TABLE_FULL:
     limit = cfg.max_tokens_per_seq
-    return (f"{op}: seq {real[0] if real else ids[0]} would exceed its block table "
-            f"({cfg.max_blocks_per_seq} blocks of {cfg.block_size} = {limit} tokens)")
+    return (
+      f"{op}: seq {real[0] if real else ids[0]} would exceed its block table "
+      f"({cfg.max_blocks_per_seq} blocks of {cfg.block_size} = {limit} tokens)"
+    )
   if status == Status.OUT_OF_BLOCKS:
     seq, need = _blocks_needed(op, state, args, kwargs, real)
-    return (f"{op}: seq {seq} needs {need} GPU blocks, {free_gpu} free "
-            f"(watermark {cfg.watermark_blocks})")
+    return (
+      f"{op}: seq {seq} needs {need} GPU blocks, {free_gpu} free (watermark {cfg.watermark_blocks})"
+    )
   if status == Status.SWAP_SPACE_EXHAUSTED:
     tables = np.asarray(state.tables)[real]
     distinct = len(set(tables[tables >= 0].tolist()))
-    return (f"{op}: seqs {real} hold {distinct} distinct GPU blocks, "
-            f"{int(state.cpu.num_free())} CPU blocks free")
+    return (
+      f"{op}: seqs {real} hold {distinct} distinct GPU blocks, "
+      f"{int(state.cpu.num_free())} CPU blocks free"
+    )
   return f"{op}: {status.name}"
 
 
@@ -174,8 +198,9 @@ def _blocks_needed(op, state, args, kwargs, real) -> tuple[int, int]:
     n, k = int(state.num_tokens[seq]), int(counts[row])
     held = tables[seq][tables[seq] >= 0]
     last = tables[seq][(n - 1) // bs] if n and k and n % bs else -1
-    needs.append((seq, max(0, -(-(n + k + lookahead) // bs) - len(held))
-                  + int(last >= 0 and ref[last] > 1)))
+    needs.append(
+      (seq, max(0, -(-(n + k + lookahead) // bs) - len(held)) + int(last >= 0 and ref[last] > 1))
+    )
   total = sum(need for _, need in needs)
   return next((seq for seq, need in needs if need), real[0]), total
 

@@ -12,15 +12,19 @@ from paged_jax.block_manager.state import EMPTY, ON_CPU, ON_GPU, BlockManagerSta
 def check_invariants(state: BlockManagerState) -> None:
   """Raises AssertionError naming the first broken rule (host-side, not jittable)."""
   cfg = state.cfg
-  state = jax.device_get(state)       # one transfer, then NumPy
+  state = jax.device_get(state)  # one transfer, then NumPy
   tables = np.asarray(state.tables)
   device = np.asarray(state.device)
   num_tokens = np.asarray(state.num_tokens)
-  _require(np.all(num_tokens >= 0) and np.all(num_tokens <= cfg.max_tokens_per_seq),
-           "token counts within 0 .. max_blocks_per_seq * block_size")
+  _require(
+    np.all(num_tokens >= 0) and np.all(num_tokens <= cfg.max_tokens_per_seq),
+    "token counts within 0 .. max_blocks_per_seq * block_size",
+  )
   empty = device == EMPTY
-  _require(np.all(tables[empty] == -1) and np.all(num_tokens[empty] == 0),
-           "empty slots hold no table and no tokens")
+  _require(
+    np.all(tables[empty] == -1) and np.all(num_tokens[empty] == 0),
+    "empty slots hold no table and no tokens",
+  )
   for name, pool, dev in (("GPU", state.gpu, ON_GPU), ("CPU", state.cpu, ON_CPU)):
     _check_pool(name, pool, tables[device == dev])
 
@@ -34,10 +38,13 @@ def _check_pool(name: str, pool: Pool, tables: np.ndarray) -> None:
     _require(len(set(held.tolist())) == len(held), f"a {name} table holds each block at most once")
   refs = np.bincount(tables[tables >= 0].ravel(), minlength=n)
   bad = np.nonzero(refs != ref)[0]
-  _require(bad.size == 0, f"{name} ref count equals references from tables "
-           f"(block {bad[:1].tolist()} has ref {ref[bad[:1]].tolist()}, tables {refs[bad[:1]].tolist()})")
+  _require(
+    bad.size == 0,
+    f"{name} ref count equals references from tables "
+    f"(block {bad[:1].tolist()} has ref {ref[bad[:1]].tolist()}, tables {refs[bad[:1]].tolist()})",
+  )
   next_fresh = int(pool.next_fresh)
-  stack = np.asarray(pool.free_stack)[:int(pool.num_stacked)]
+  stack = np.asarray(pool.free_stack)[: int(pool.num_stacked)]
   free = np.concatenate([np.arange(next_fresh, n), stack])
   _require(len(set(free.tolist())) == len(free), f"{name} free lists name each block once")
   _require(np.all(ref[free] == 0), f"{name} free blocks are unreferenced (and in no table)")
@@ -49,8 +56,10 @@ def _check_pool(name: str, pool: Pool, tables: np.ndarray) -> None:
   _require(not np.any(has[free]), f"{name} blocks on the free lists hold no content")
   evictable = has & (ref == 0)
   _require(int(c.num_evictable) == int(evictable.sum()), f"{name} evictor count is exact")
-  _require(len(free) + int(evictable.sum()) == n - np.count_nonzero(ref),
-           f"{name} every unreferenced block is free or in the evictor")
+  _require(
+    len(free) + int(evictable.sum()) == n - np.count_nonzero(ref),
+    f"{name} every unreferenced block is free or in the evictor",
+  )
   _check_hash_table(name, c, has)
 
 
@@ -63,15 +72,17 @@ def _check_hash_table(name, c, has) -> None:
   for b, head in enumerate(buckets):
     node, before = int(head), -2 - b
     while node >= 0:
-      _require(has[node] and not seen[node] and home[node] == b,
-               f"{name} hash chains hold each cached block once, in its bucket")
+      _require(
+        has[node] and not seen[node] and home[node] == b,
+        f"{name} hash chains hold each cached block once, in its bucket",
+      )
       _require(prev[node] == before, f"{name} hash chains are doubly linked")
       seen[node] = True
       node, before = int(nxt[node]), node
   _require(np.array_equal(seen, has), f"{name} every cached block is in the hash table")
 
 
-_bucket_of = jax.jit(bucket_of, static_argnums=1)   # one dispatch instead of a dozen eager ops
+_bucket_of = jax.jit(bucket_of, static_argnums=1)  # one dispatch instead of a dozen eager ops
 
 
 def _require(condition, rule: str) -> None:

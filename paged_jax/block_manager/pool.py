@@ -56,11 +56,14 @@ def running_count_and_total(flags: jax.Array) -> tuple[jax.Array, jax.Array]:
   packed = _packed(flags)
   words = packed.shape[0]
   counts = lax.population_count(packed).astype(jnp.int32)
-  before = (jnp.cumsum(counts) if words <= 256
-            else _running_sum(counts.astype(jnp.float32)).astype(jnp.int32)) - counts
+  before = (
+    jnp.cumsum(counts)
+    if words <= 256
+    else _running_sum(counts.astype(jnp.float32)).astype(jnp.int32)
+  ) - counts
   i = jnp.arange(n, dtype=jnp.int32)
   bit = (i & 31).astype(jnp.uint32)
-  up_to_i = packed[i >> 5] & ((jnp.uint32(2) << bit) - 1)    # 2 << 31 wraps to 0: all bits
+  up_to_i = packed[i >> 5] & ((jnp.uint32(2) << bit) - 1)  # 2 << 31 wraps to 0: all bits
   running = before[i >> 5] + lax.population_count(up_to_i).astype(jnp.int32)
   return running, jnp.sum(counts, dtype=jnp.int32)
 
@@ -95,8 +98,9 @@ def _running_sum(x: jax.Array, width: int = 32) -> jax.Array:
   return (within + (_running_sum(totals) - totals)[:, None]).reshape(-1)[:n]
 
 
-def taken_blocks(pool: Pool, num_takes: jax.Array, capacity: int,
-                 pinned: jax.Array) -> tuple[jax.Array, jax.Array]:
+def taken_blocks(
+  pool: Pool, num_takes: jax.Array, capacity: int, pinned: jax.Array
+) -> tuple[jax.Array, jax.Array]:
   """The blocks that takes number 0 .. capacity-1 would get, in take order.
 
   Never-used blocks first, then the free stack from its top, then eviction of
@@ -122,9 +126,11 @@ def taken_blocks(pool: Pool, num_takes: jax.Array, capacity: int,
   if pool.content is None or capacity == 0:
     return blocks, evicted
   num_evictions = num_takes - num_fresh - pool.num_stacked
-  victims = lax.cond(num_evictions > 0,
-                     lambda: _eviction_order(pool, pinned, capacity),
-                     lambda: jnp.full(capacity, NO_BLOCK, jnp.int32))
+  victims = lax.cond(
+    num_evictions > 0,
+    lambda: _eviction_order(pool, pinned, capacity),
+    lambda: jnp.full(capacity, NO_BLOCK, jnp.int32),
+  )
   evict_rank = jnp.clip(rank - num_fresh - pool.num_stacked, 0, capacity - 1)
   return jnp.where(evicted, victims[evict_rank], blocks), evicted
 
@@ -143,18 +149,19 @@ def _eviction_order(pool: Pool, pinned: jax.Array, capacity: int) -> jax.Array:
   evictable = c.has_content & (pool.ref_count == 0) & ~(scatter_count(pinned, n) > 0)
   keys = (c.last_accessed, -c.num_hashed_tokens, c.release_time)
   need = jnp.minimum(count_true(evictable), capacity)
-  chosen = jnp.zeros(n, bool)     # blocks before the threshold key
-  tied = evictable                # blocks equal to it on the keys so far
+  chosen = jnp.zeros(n, bool)  # blocks before the threshold key
+  tied = evictable  # blocks equal to it on the keys so far
   for key in keys:
     threshold = _smallest_reaching(key, tied, need)
     before = tied & (key < threshold)
     chosen |= before
     need = need - count_true(before)
     tied &= key == threshold
-  chosen |= tied & (need > 0)     # the one block at the threshold itself
+  chosen |= tied & (need > 0)  # the one block at the threshold itself
   slot = masked(running_count(chosen) - 1, chosen, capacity)
-  victims = jnp.full(capacity, n, jnp.int32).at[slot].set(jnp.arange(n, dtype=jnp.int32),
-                                                          mode="drop")
+  victims = (
+    jnp.full(capacity, n, jnp.int32).at[slot].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
+  )
   big = jnp.int32(_INT_MAX)
   valid = victims < n
   candidates = tuple(jnp.where(valid, take(key, victims), big) for key in keys)
@@ -169,7 +176,7 @@ def _smallest_reaching(key: jax.Array, among: jax.Array, count: jax.Array) -> ja
 
   def step(bounds):
     lo, hi = bounds
-    mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)     # floor((lo + hi) / 2), no overflow
+    mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2), no overflow
     enough = count_true(among & (key <= mid)) >= count
     return jnp.where(enough, lo, mid + 1), jnp.where(enough, mid, hi)
 
@@ -180,11 +187,11 @@ def _smallest_reaching(key: jax.Array, among: jax.Array, count: jax.Array) -> ja
 class Takes(NamedTuple):
   """The blocks one call takes from a pool, ranked in the order the call needs them."""
 
-  rank: jax.Array       # int32[E]: take rank of each entry of the call (meaningful where it takes)
-  count: jax.Array      # int32 scalar: how many entries take
-  blocks: jax.Array     # int32[E]: the block that take rank r gets (r < count)
-  evicted: jax.Array    # bool[E]: whether that block is evicted from the cache
-  revived: jax.Array    # int32 scalar: unreferenced cached blocks that the call's hits revive
+  rank: jax.Array  # int32[E]: take rank of each entry of the call (meaningful where it takes)
+  count: jax.Array  # int32 scalar: how many entries take
+  blocks: jax.Array  # int32[E]: the block that take rank r gets (r < count)
+  evicted: jax.Array  # bool[E]: whether that block is evicted from the cache
+  revived: jax.Array  # int32 scalar: unreferenced cached blocks that the call's hits revive
 
   def block_of(self, need: jax.Array) -> jax.Array:
     """The block each entry of `need` (the call's take mask) gets, -1 where it takes none."""
@@ -199,8 +206,7 @@ class Takes(NamedTuple):
     return self.count > pool.num_free() - self.revived
 
 
-def plan_takes(pool: Pool, need: jax.Array, pinned: jax.Array,
-               revived: jax.Array = jnp.int32(0)) -> Takes:
+def plan_takes(pool: Pool, need: jax.Array, pinned: jax.Array, revived: jax.Array = 0) -> Takes:
   """Ranks the takes of a call and finds the block of each rank.
 
   Args:
@@ -213,15 +219,21 @@ def plan_takes(pool: Pool, need: jax.Array, pinned: jax.Array,
   capacity = flat.shape[0]
   running, count = running_count_and_total(flat)
   blocks, evicted = taken_blocks(pool, count, capacity, pinned)
-  return Takes(rank=jnp.clip(running - 1, 0, max(capacity - 1, 0)), count=count, blocks=blocks,
-               evicted=evicted, revived=revived)
+  return Takes(
+    rank=jnp.clip(running - 1, 0, max(capacity - 1, 0)),
+    count=count,
+    blocks=blocks,
+    evicted=evicted,
+    revived=jnp.asarray(revived, jnp.int32),
+  )
 
 
 def no_takes() -> Takes:
   """The Takes of a call that takes nothing (free, fork, the source pool of a swap)."""
   none = jnp.zeros(0, jnp.int32)
-  return Takes(rank=none, count=jnp.int32(0), blocks=none, evicted=jnp.zeros(0, bool),
-               revived=jnp.int32(0))
+  return Takes(
+    rank=none, count=jnp.int32(0), blocks=none, evicted=jnp.zeros(0, bool), revived=jnp.int32(0)
+  )
 
 
 def release_pushes(pool: Pool, events: jax.Array, final_ref: jax.Array) -> jax.Array:
@@ -239,9 +251,16 @@ def release_pushes(pool: Pool, events: jax.Array, final_ref: jax.Array) -> jax.A
   return valid & (take(last, events) == pos) & (take(final_ref, events) == 0)
 
 
-def commit_pool(pool: Pool, ok: jax.Array, *, num_takes: jax.Array, gains: jax.Array,
-                releases: jax.Array, gain_weight=1,
-                may_release: jax.Array | None = None) -> tuple[Pool, jax.Array]:
+def commit_pool(
+  pool: Pool,
+  ok: jax.Array,
+  *,
+  num_takes: jax.Array,
+  gains: jax.Array,
+  releases: jax.Array,
+  gain_weight=1,
+  may_release: jax.Array | None = None,
+) -> tuple[Pool, jax.Array]:
   """Applies one call's takes, new references and releases (if `ok`).
 
   Args:
@@ -267,8 +286,11 @@ def commit_pool(pool: Pool, ok: jax.Array, *, num_takes: jax.Array, gains: jax.A
   def push_released(ref):
     ref = ref.at[masked(releases, (releases >= 0) & ok, n)].add(-1, mode="drop")
     pushed = release_pushes(pool, releases, ref) & ok
-    has_content = (take(pool.content.has_content, releases)
-                   if pool.content is not None else jnp.zeros(releases.shape, bool))
+    has_content = (
+      take(pool.content.has_content, releases)
+      if pool.content is not None
+      else jnp.zeros(releases.shape, bool)
+    )
     to_stack = pushed & ~has_content
     stack_rank = running_count(to_stack) - 1
     stack = pool.free_stack.at[masked(base + stack_rank, to_stack, n)].set(releases, mode="drop")
@@ -280,12 +302,15 @@ def commit_pool(pool: Pool, ok: jax.Array, *, num_takes: jax.Array, gains: jax.A
   # Most decode steps release nothing: skip the releases' scatters and scratch work.
   if may_release is None:
     may_release = jnp.any(releases >= 0)
-  ref, pushed, free_stack, num_stacked = lax.cond(may_release & ok, push_released,
-                                                  nothing_released, ref)
+  ref, pushed, free_stack, num_stacked = lax.cond(
+    may_release & ok, push_released, nothing_released, ref
+  )
   new_pool = pool.replace(
-      ref_count=ref, free_stack=free_stack,
-      num_stacked=jnp.where(ok, num_stacked, pool.num_stacked),
-      next_fresh=jnp.where(ok, pool.next_fresh + fresh_used, pool.next_fresh))
+    ref_count=ref,
+    free_stack=free_stack,
+    num_stacked=jnp.where(ok, num_stacked, pool.num_stacked),
+    next_fresh=jnp.where(ok, pool.next_fresh + fresh_used, pool.next_fresh),
+  )
   return new_pool, pushed
 
 
@@ -299,6 +324,7 @@ def release(pool: Pool, blocks: jax.Array) -> tuple[Pool, jax.Array]:
   blocks = jnp.asarray(blocks, jnp.int32).reshape(-1)
   too_many = jnp.any(scatter_count(blocks, pool.num_blocks) > pool.ref_count)
   ok = ~too_many
-  new_pool, _ = commit_pool(pool, ok, num_takes=jnp.int32(0), gains=jnp.zeros(0, jnp.int32),
-                            releases=blocks)
+  new_pool, _ = commit_pool(
+    pool, ok, num_takes=jnp.int32(0), gains=jnp.zeros(0, jnp.int32), releases=blocks
+  )
   return new_pool, jnp.where(ok, jnp.int32(Status.OK), jnp.int32(Status.DOUBLE_FREE))

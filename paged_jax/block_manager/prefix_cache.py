@@ -48,8 +48,9 @@ def _powers(base: int, count: int) -> jax.Array:
   return jnp.array(out, dtype=jnp.uint32)
 
 
-def rolling_hashes(rolling: jax.Array, tokens: jax.Array,
-                   count: jax.Array) -> tuple[jax.Array, jax.Array]:
+def rolling_hashes(
+  rolling: jax.Array, tokens: jax.Array, count: jax.Array
+) -> tuple[jax.Array, jax.Array]:
   """Prefix hashes after each new token, and the rolling state after `count`.
 
   The lane-l hash of tokens t_0 .. t_{p-1} is sum_i mix(t_i) * base_l**i mod 2**32,
@@ -76,13 +77,16 @@ def rolling_hashes(rolling: jax.Array, tokens: jax.Array,
     powers_after.append(next_power)
   prefix = jnp.stack(lanes, axis=-1)
   last = jnp.clip(count - 1, 0, max(k - 1, 0))
-  final_h = jnp.take_along_axis(prefix, last[:, None, None], axis=1)[:, 0, :] if k else rolling[:, :2]
+  final_h = (
+    jnp.take_along_axis(prefix, last[:, None, None], axis=1)[:, 0, :] if k else rolling[:, :2]
+  )
   final_h = jnp.where((count > 0)[:, None], final_h, rolling[:, :2])
   return prefix, jnp.concatenate([final_h, jnp.stack(powers_after, -1)], axis=-1)
 
 
-def prompt_hashes(tokens: jax.Array, count: jax.Array,
-                  block_size: int) -> tuple[jax.Array, jax.Array]:
+def prompt_hashes(
+  tokens: jax.Array, count: jax.Array, block_size: int
+) -> tuple[jax.Array, jax.Array]:
   """A whole prompt's lane hashes after each block, and its rolling state.
 
   `rolling_hashes` from an empty sequence, read at block ends only: the terms
@@ -100,8 +104,7 @@ def prompt_hashes(tokens: jax.Array, count: jax.Array,
   real = jnp.arange(k) < count
   ends, totals, powers_after = [], [], []
   for lane in range(2):
-    terms = jnp.where(real, _token_mix(tokens, lane) * _powers(_BASES[lane], k),
-                      jnp.uint32(0))
+    terms = jnp.where(real, _token_mix(tokens, lane) * _powers(_BASES[lane], k), jnp.uint32(0))
     block_sums = jnp.sum(terms.reshape(-1, block_size), axis=1, dtype=jnp.uint32)
     ends.append(jnp.cumsum(block_sums, dtype=jnp.uint32))
     totals.append(jnp.sum(block_sums, dtype=jnp.uint32))
@@ -109,8 +112,9 @@ def prompt_hashes(tokens: jax.Array, count: jax.Array,
   return jnp.stack(ends, axis=-1), jnp.stack(totals + powers_after)
 
 
-def identity_hash(prefix: jax.Array, salt: jax.Array, length: jax.Array,
-                  hash_bits: int) -> jax.Array:
+def identity_hash(
+  prefix: jax.Array, salt: jax.Array, length: jax.Array, hash_bits: int
+) -> jax.Array:
   """uint32[..., 2]: the indexing hash of (salt, prefix of `length` tokens), truncated."""
   salt_mix = _fmix32(salt.astype(jnp.uint32) ^ jnp.uint32(0x27D4EB2F))
   len_mix = _fmix32(length.astype(jnp.uint32) ^ jnp.uint32(0x165667B1))
@@ -127,9 +131,14 @@ def bucket_of(hashes: jax.Array, num_buckets: int) -> jax.Array:
   return (mixed & jnp.uint32(num_buckets - 1)).astype(jnp.int32)
 
 
-def lookup_chains(c: ContentIndex | None, hashes: jax.Array, tokens: jax.Array,
-                  salt: jax.Array, parent0: jax.Array,
-                  valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+def lookup_chains(
+  c: ContentIndex | None,
+  hashes: jax.Array,
+  tokens: jax.Array,
+  salt: jax.Array,
+  parent0: jax.Array,
+  valid: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
   """Finds the cached blocks of R chains of L consecutive full blocks.
 
   Level l of row r is the block whose identity is (salt[r], the prefix through
@@ -154,7 +163,7 @@ def lookup_chains(c: ContentIndex | None, hashes: jax.Array, tokens: jax.Array,
     (hit bool[R, L], block int32[R, L], -1 where no hit).
   """
   num_levels = hashes.shape[1]
-  if c is None:     # a pool without blocks
+  if c is None:  # a pool without blocks
     return jnp.zeros(valid.shape, bool), jnp.full(valid.shape, NO_BLOCK, jnp.int32)
   level = jnp.arange(num_levels)[None, :]
 
@@ -173,10 +182,12 @@ def lookup_chains(c: ContentIndex | None, hashes: jax.Array, tokens: jax.Array,
   def verify(cursor):
     """(first level of each row that is not a verified hit, cursors to walk on)."""
     safe = jnp.maximum(cursor, 0)
-    key_ok = ((cursor >= 0) & (c.salt[safe] == salt[:, None])
-              & jnp.all(c.tokens[safe] == tokens, axis=-1))
-    expected = jnp.concatenate([parent0[:, None], jnp.where(key_ok, cursor, NO_BLOCK)[:, :-1]],
-                               axis=1)
+    key_ok = (
+      (cursor >= 0) & (c.salt[safe] == salt[:, None]) & jnp.all(c.tokens[safe] == tokens, axis=-1)
+    )
+    expected = jnp.concatenate(
+      [parent0[:, None], jnp.where(key_ok, cursor, NO_BLOCK)[:, :-1]], axis=1
+    )
     bad = valid & ~(key_ok & (c.parent[safe] == expected))
     first_bad = jnp.min(jnp.where(bad, level, num_levels), axis=1, keepdims=True)
     return first_bad, (level == first_bad) & (cursor >= 0)
@@ -187,8 +198,9 @@ def lookup_chains(c: ContentIndex | None, hashes: jax.Array, tokens: jax.Array,
     return (cursor, *verify(cursor))
 
   start = seek(jnp.where(valid, c.buckets[bucket_of(hashes, c.buckets.shape[0])], NO_BLOCK))
-  cursor, first_bad, _ = lax.while_loop(lambda carry: jnp.any(carry[2]), walk_on,
-                                        (start, *verify(start)))
+  cursor, first_bad, _ = lax.while_loop(
+    lambda carry: jnp.any(carry[2]), walk_on, (start, *verify(start))
+  )
   hit = valid & (level < first_bad)
   return hit, jnp.where(hit, cursor, NO_BLOCK)
 
@@ -265,19 +277,27 @@ def unlink(c: ContentIndex, blocks: jax.Array) -> ContentIndex:
   def walk(links):
     def body(ptr):
       return jnp.where(removed(ptr), take(links, ptr, NO_BLOCK), ptr)
+
     return lambda start: lax.while_loop(lambda ptr: jnp.any(removed(ptr)), body, start)
 
   before = walk(c.prev_in_bucket)(take(c.prev_in_bucket, blocks, NO_BLOCK))
   after = walk(c.next_in_bucket)(take(c.next_in_bucket, blocks, NO_BLOCK))
   next_in_bucket = c.next_in_bucket.at[masked(before, live & (before >= 0), n)].set(
-      after, mode="drop")
+    after, mode="drop"
+  )
   buckets = c.buckets.at[masked(head_bucket(before), live & (before < 0), t)].set(
-      after, mode="drop")
+    after, mode="drop"
+  )
   prev_in_bucket = c.prev_in_bucket.at[masked(after, live & (after >= 0), n)].set(
-      before, mode="drop")
-  return c.replace(has_content=has, next_in_bucket=next_in_bucket, buckets=buckets,
-                   prev_in_bucket=prev_in_bucket,
-                   computed=c.computed.at[masked(blocks, live, n)].set(False, mode="drop"))
+    before, mode="drop"
+  )
+  return c.replace(
+    has_content=has,
+    next_in_bucket=next_in_bucket,
+    buckets=buckets,
+    prev_in_bucket=prev_in_bucket,
+    computed=c.computed.at[masked(blocks, live, n)].set(False, mode="drop"),
+  )
 
 
 def insert(c: ContentIndex, blocks: jax.Array, hashes: jax.Array) -> ContentIndex:
@@ -292,7 +312,7 @@ def insert(c: ContentIndex, blocks: jax.Array, hashes: jax.Array) -> ContentInde
   n = c.next_in_bucket.shape[0]
   bucket = bucket_of(hashes, t)
   _, size = _scratch_slots(hashes)
-  slot = bucket & (size - 1)   # a bucket's blocks share a slot: one of them per round
+  slot = bucket & (size - 1)  # a bucket's blocks share a slot: one of them per round
 
   e = blocks.shape[0]
   index = jnp.arange(e, dtype=jnp.int32)
@@ -303,43 +323,66 @@ def insert(c: ContentIndex, blocks: jax.Array, hashes: jax.Array) -> ContentInde
     winner = pending & (won == index)
     link = jnp.where(winner, head, link)
     other = jnp.minimum(won, e - 1)
-    bucket_won = ~winner & (won < e) & (bucket[other] == bucket)   # another block of my bucket
-    return (pending & ~winner, jnp.where(bucket_won, blocks[other], head), link,
-            superseded | (bucket_won & ~pending))
+    bucket_won = ~winner & (won < e) & (bucket[other] == bucket)  # another block of my bucket
+    return (
+      pending & ~winner,
+      jnp.where(bucket_won, blocks[other], head),
+      link,
+      superseded | (bucket_won & ~pending),
+    )
 
   valid = blocks >= 0
   _, _, link, superseded = lax.while_loop(
-      lambda carry: jnp.any(carry[0]), body,
-      (valid, take(c.buckets, bucket, NO_BLOCK), jnp.full(blocks.shape, NO_BLOCK, jnp.int32),
-       jnp.zeros(blocks.shape, bool)))
+    lambda carry: jnp.any(carry[0]),
+    body,
+    (
+      valid,
+      take(c.buckets, bucket, NO_BLOCK),
+      jnp.full(blocks.shape, NO_BLOCK, jnp.int32),
+      jnp.zeros(blocks.shape, bool),
+    ),
+  )
   at_blocks = masked(blocks, valid, n)
   prev_in_bucket = c.prev_in_bucket.at[at_blocks].set(head_mark(bucket), mode="drop")
   return c.replace(
-      buckets=c.buckets.at[masked(bucket, valid & ~superseded, t)].set(blocks, mode="drop"),
-      next_in_bucket=c.next_in_bucket.at[at_blocks].set(link, mode="drop"),
-      prev_in_bucket=prev_in_bucket.at[masked(link, valid & (link >= 0), n)].set(
-          blocks, mode="drop"))
+    buckets=c.buckets.at[masked(bucket, valid & ~superseded, t)].set(blocks, mode="drop"),
+    next_in_bucket=c.next_in_bucket.at[at_blocks].set(link, mode="drop"),
+    prev_in_bucket=prev_in_bucket.at[masked(link, valid & (link >= 0), n)].set(blocks, mode="drop"),
+  )
 
 
 class Registrations(NamedTuple):
   """Content identities of the blocks a call fills, one entry per candidate block."""
 
-  blocks: jax.Array             # int32[E]: the block to register (-1: none)
-  hash: jax.Array               # uint32[E, 2]
-  parent: jax.Array             # int32[E]: the block of the previous prefix (-1: none)
-  salt: jax.Array               # int32[E]
-  tokens: jax.Array             # int32[E, block_size]: the block's own tokens
+  blocks: jax.Array  # int32[E]: the block to register (-1: none)
+  hash: jax.Array  # uint32[E, 2]
+  parent: jax.Array  # int32[E]: the block of the previous prefix (-1: none)
+  salt: jax.Array  # int32[E]
+  tokens: jax.Array  # int32[E, block_size]: the block's own tokens
   num_hashed_tokens: jax.Array  # int32[E]: prefix length through the block
 
   @classmethod
   def none(cls, block_size: int) -> Registrations:
     empty = jnp.zeros(0, jnp.int32)
-    return cls(blocks=empty, hash=jnp.zeros((0, 2), jnp.uint32), parent=empty, salt=empty,
-               tokens=jnp.zeros((0, block_size), jnp.int32), num_hashed_tokens=empty)
+    return cls(
+      blocks=empty,
+      hash=jnp.zeros((0, 2), jnp.uint32),
+      parent=empty,
+      salt=empty,
+      tokens=jnp.zeros((0, block_size), jnp.int32),
+      num_hashed_tokens=empty,
+    )
 
 
-def commit_content(pool: Pool, ok: jax.Array, *, takes: Takes, releases: jax.Array,
-                   pushed: jax.Array, registrations: Registrations) -> Pool:
+def commit_content(
+  pool: Pool,
+  ok: jax.Array,
+  *,
+  takes: Takes,
+  releases: jax.Array,
+  pushed: jax.Array,
+  registrations: Registrations,
+) -> Pool:
   """Applies one call's effects on a cached pool's content index (if `ok`).
 
   Args:
@@ -359,26 +402,33 @@ def commit_content(pool: Pool, ok: jax.Array, *, takes: Takes, releases: jax.Arr
   evicted_blocks = jnp.where(taken_valid & evicted & ok, taken, NO_BLOCK)
   c = lax.cond(jnp.any(evicted_blocks >= 0), unlink, lambda c, _: c, c, evicted_blocks)
   take_idx = masked(taken, taken_ok, n)
-  c = c.replace(last_accessed=c.last_accessed.at[take_idx].set(-1, mode="drop"),
-                computed=c.computed.at[take_idx].set(False, mode="drop"))
+  c = c.replace(
+    last_accessed=c.last_accessed.at[take_idx].set(-1, mode="drop"),
+    computed=c.computed.at[take_idx].set(False, mode="drop"),
+  )
   to_evictor = pushed & take(c.has_content, releases) & ok
   rel_rank = running_count(to_evictor) - 1
-  c = c.replace(release_time=c.release_time.at[masked(releases, to_evictor, n)].set(
-      c.release_clock + rel_rank, mode="drop"))
+  c = c.replace(
+    release_time=c.release_time.at[masked(releases, to_evictor, n)].set(
+      c.release_clock + rel_rank, mode="drop"
+    )
+  )
   reg_ok = (reg.blocks >= 0) & ok
   idx = masked(reg.blocks, reg_ok, n)
-  c = c.replace(has_content=c.has_content.at[idx].set(True, mode="drop"),
-                hash=c.hash.at[idx].set(reg.hash, mode="drop"),
-                parent=c.parent.at[idx].set(reg.parent, mode="drop"),
-                salt=c.salt.at[idx].set(reg.salt, mode="drop"),
-                tokens=c.tokens.at[idx].set(reg.tokens, mode="drop"),
-                num_hashed_tokens=c.num_hashed_tokens.at[idx].set(reg.num_hashed_tokens,
-                                                                  mode="drop"))
+  c = c.replace(
+    has_content=c.has_content.at[idx].set(True, mode="drop"),
+    hash=c.hash.at[idx].set(reg.hash, mode="drop"),
+    parent=c.parent.at[idx].set(reg.parent, mode="drop"),
+    salt=c.salt.at[idx].set(reg.salt, mode="drop"),
+    tokens=c.tokens.at[idx].set(reg.tokens, mode="drop"),
+    num_hashed_tokens=c.num_hashed_tokens.at[idx].set(reg.num_hashed_tokens, mode="drop"),
+  )
   c = insert(c, jnp.where(reg_ok, reg.blocks, NO_BLOCK), reg.hash)
   pushed_to_evictor = jnp.sum(to_evictor)
   c = c.replace(
-      release_clock=c.release_clock + pushed_to_evictor,
-      num_evictable=jnp.where(
-          ok, c.num_evictable - revived - num_evicted + pushed_to_evictor,
-          c.num_evictable))
+    release_clock=c.release_clock + pushed_to_evictor,
+    num_evictable=jnp.where(
+      ok, c.num_evictable - revived - num_evicted + pushed_to_evictor, c.num_evictable
+    ),
+  )
   return pool.replace(content=c)

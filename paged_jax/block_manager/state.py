@@ -11,7 +11,7 @@ import numpy as np
 
 from paged_jax.config import CacheConfig, Status
 
-EMPTY, ON_GPU, ON_CPU = 0, 1, 2   # values of BlockManagerState.device
+EMPTY, ON_GPU, ON_CPU = 0, 1, 2  # values of BlockManagerState.device
 NO_BLOCK = -1
 
 
@@ -29,20 +29,20 @@ class ContentIndex:
   lookups always compare exactly.
   """
 
-  has_content: jax.Array      # bool[N]
-  hash: jax.Array             # uint32[N, 2]
-  parent: jax.Array           # int32[N]
-  salt: jax.Array             # int32[N]
-  tokens: jax.Array           # int32[N, block_size]
+  has_content: jax.Array  # bool[N]
+  hash: jax.Array  # uint32[N, 2]
+  parent: jax.Array  # int32[N]
+  salt: jax.Array  # int32[N]
+  tokens: jax.Array  # int32[N, block_size]
   num_hashed_tokens: jax.Array  # int32[N]: prefix length through the block
-  last_accessed: jax.Array    # int32[N]
-  release_time: jax.Array     # int32[N]: when the block last went to the evictor
-  computed: jax.Array         # bool[N]
-  buckets: jax.Array          # int32[T]: first block of each hash bucket, -1 if none
-  next_in_bucket: jax.Array   # int32[N]
-  prev_in_bucket: jax.Array   # int32[N]: -2 - bucket for the first block of a bucket
-  release_clock: jax.Array    # int32 scalar
-  num_evictable: jax.Array    # int32 scalar: blocks with content and no reference
+  last_accessed: jax.Array  # int32[N]
+  release_time: jax.Array  # int32[N]: when the block last went to the evictor
+  computed: jax.Array  # bool[N]
+  buckets: jax.Array  # int32[T]: first block of each hash bucket, -1 if none
+  next_in_bucket: jax.Array  # int32[N]
+  prev_in_bucket: jax.Array  # int32[N]: -2 - bucket for the first block of a bucket
+  release_clock: jax.Array  # int32 scalar
+  num_evictable: jax.Array  # int32 scalar: blocks with content and no reference
 
 
 @flax.struct.dataclass
@@ -56,11 +56,11 @@ class Pool:
   never-used counter, which is vLLM's v1 UncachedBlockAllocator.
   """
 
-  ref_count: jax.Array        # int32[N]
-  free_stack: jax.Array       # int32[N]
-  num_stacked: jax.Array      # int32 scalar
-  next_fresh: jax.Array       # int32 scalar
-  content: ContentIndex | None   # None without prefix caching or without blocks
+  ref_count: jax.Array  # int32[N]
+  free_stack: jax.Array  # int32[N]
+  num_stacked: jax.Array  # int32 scalar
+  next_fresh: jax.Array  # int32 scalar
+  content: ContentIndex | None  # None without prefix caching or without blocks
 
   @property
   def num_blocks(self) -> int:
@@ -82,8 +82,8 @@ class SeqHashState:
   partial last block, so a block's identity is known when it becomes full.
   """
 
-  rolling: jax.Array          # uint32[S, 4]: (h0, h1, p0^n, p1^n)
-  tail_tokens: jax.Array      # int32[S, block_size]
+  rolling: jax.Array  # uint32[S, 4]: (h0, h1, p0^n, p1^n)
+  tail_tokens: jax.Array  # int32[S, block_size]
 
 
 @flax.struct.dataclass
@@ -91,15 +91,15 @@ class BlockManagerState:
   """Everything the block manager knows. Immutable; the config is static."""
 
   cfg: CacheConfig = flax.struct.field(pytree_node=False)
-  tables: jax.Array           # int32[S, M]: physical block per logical block, -1 if none
-  num_tokens: jax.Array       # int32[S]
-  device: jax.Array           # int32[S]: EMPTY, ON_GPU or ON_CPU
-  salt: jax.Array             # int32[S]
+  tables: jax.Array  # int32[S, M]: physical block per logical block, -1 if none
+  num_tokens: jax.Array  # int32[S]
+  device: jax.Array  # int32[S]: EMPTY, ON_GPU or ON_CPU
+  salt: jax.Array  # int32[S]
   seq_hash: SeqHashState | None
   gpu: Pool
   cpu: Pool
-  num_lookups: jax.Array      # int32 scalar: prefix-cache lookups in the GPU pool
-  num_hits: jax.Array         # int32 scalar
+  num_lookups: jax.Array  # int32 scalar: prefix-cache lookups in the GPU pool
+  num_hits: jax.Array  # int32 scalar
 
 
 def _field_repr(name: str, value) -> str:
@@ -109,7 +109,7 @@ def _field_repr(name: str, value) -> str:
   codes = np.asarray(value)
   try:
     names = [f"Status.{Status(int(code)).name}" for code in codes.ravel()]
-  except ValueError:     # not a Status code
+  except ValueError:  # not a Status code
     return f"{name}={value!r}"
   if codes.ndim == 0:
     return f"{name}={names[0]}"
@@ -120,8 +120,7 @@ class _ShowsStatus:
   """A `__repr__` that names the status: ``OpResult(status=Status.OK)``."""
 
   def __repr__(self):
-    fields = ", ".join(_field_repr(f.name, getattr(self, f.name))
-                       for f in dataclasses.fields(self))
+    fields = ", ".join(_field_repr(f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
     return f"{type(self).__name__}({fields})"
 
 
@@ -129,15 +128,15 @@ class _ShowsStatus:
 class OpResult(_ShowsStatus):
   """Result of fork and free."""
 
-  status: jax.Array           # int32 scalar, a Status
+  status: jax.Array  # int32 scalar, a Status
 
 
 @flax.struct.dataclass(repr=False)
 class AllocateResult(_ShowsStatus):
   """Result of allocate: the status and the prompt blocks found in the prefix cache."""
 
-  status: jax.Array           # int32 scalar, a Status
-  num_hit_blocks: jax.Array   # int32 scalar: prefix-cache hits of the call (0 if none or failed)
+  status: jax.Array  # int32 scalar, a Status
+  num_hit_blocks: jax.Array  # int32 scalar: prefix-cache hits of the call (0 if none or failed)
 
 
 @flax.struct.dataclass(repr=False)
@@ -173,29 +172,37 @@ def init_pool(num_blocks: int, cfg: CacheConfig) -> Pool:
   """
   i32 = lambda v: jnp.asarray(v, jnp.int32)
   if not cfg.enable_prefix_caching or num_blocks == 0:
-    return Pool(ref_count=jnp.zeros(num_blocks, jnp.int32),
-                free_stack=jnp.arange(num_blocks, dtype=jnp.int32),
-                num_stacked=i32(num_blocks), next_fresh=i32(num_blocks),
-                content=None)
+    return Pool(
+      ref_count=jnp.zeros(num_blocks, jnp.int32),
+      free_stack=jnp.arange(num_blocks, dtype=jnp.int32),
+      num_stacked=i32(num_blocks),
+      next_fresh=i32(num_blocks),
+      content=None,
+    )
   n = num_blocks
   content = ContentIndex(
-      has_content=jnp.zeros(n, bool),
-      hash=jnp.zeros((n, 2), jnp.uint32),
-      parent=jnp.full(n, NO_BLOCK, jnp.int32),
-      salt=jnp.zeros(n, jnp.int32),
-      tokens=jnp.zeros((n, cfg.block_size), jnp.int32),
-      num_hashed_tokens=jnp.zeros(n, jnp.int32),
-      last_accessed=jnp.full(n, -1, jnp.int32),
-      release_time=jnp.zeros(n, jnp.int32),
-      computed=jnp.zeros(n, bool),
-      buckets=jnp.full(hash_table_size(n), NO_BLOCK, jnp.int32),
-      next_in_bucket=jnp.full(n, NO_BLOCK, jnp.int32),
-      prev_in_bucket=jnp.full(n, NO_BLOCK, jnp.int32),
-      release_clock=i32(0),
-      num_evictable=i32(0))
-  return Pool(ref_count=jnp.zeros(n, jnp.int32),
-              free_stack=jnp.full(n, NO_BLOCK, jnp.int32),
-              num_stacked=i32(0), next_fresh=i32(0), content=content)
+    has_content=jnp.zeros(n, bool),
+    hash=jnp.zeros((n, 2), jnp.uint32),
+    parent=jnp.full(n, NO_BLOCK, jnp.int32),
+    salt=jnp.zeros(n, jnp.int32),
+    tokens=jnp.zeros((n, cfg.block_size), jnp.int32),
+    num_hashed_tokens=jnp.zeros(n, jnp.int32),
+    last_accessed=jnp.full(n, -1, jnp.int32),
+    release_time=jnp.zeros(n, jnp.int32),
+    computed=jnp.zeros(n, bool),
+    buckets=jnp.full(hash_table_size(n), NO_BLOCK, jnp.int32),
+    next_in_bucket=jnp.full(n, NO_BLOCK, jnp.int32),
+    prev_in_bucket=jnp.full(n, NO_BLOCK, jnp.int32),
+    release_clock=i32(0),
+    num_evictable=i32(0),
+  )
+  return Pool(
+    ref_count=jnp.zeros(n, jnp.int32),
+    free_stack=jnp.full(n, NO_BLOCK, jnp.int32),
+    num_stacked=i32(0),
+    next_fresh=i32(0),
+    content=content,
+  )
 
 
 def init_state(cfg: CacheConfig) -> BlockManagerState:
@@ -204,19 +211,21 @@ def init_state(cfg: CacheConfig) -> BlockManagerState:
   seq_hash = None
   if cfg.enable_prefix_caching:
     seq_hash = SeqHashState(
-        rolling=jnp.tile(jnp.array([0, 0, 1, 1], jnp.uint32), (s, 1)),
-        tail_tokens=jnp.zeros((s, cfg.block_size), jnp.int32))
+      rolling=jnp.tile(jnp.array([0, 0, 1, 1], jnp.uint32), (s, 1)),
+      tail_tokens=jnp.zeros((s, cfg.block_size), jnp.int32),
+    )
   return BlockManagerState(
-      cfg=cfg,
-      tables=jnp.full((s, m), NO_BLOCK, jnp.int32),
-      num_tokens=jnp.zeros(s, jnp.int32),
-      device=jnp.zeros(s, jnp.int32),
-      salt=jnp.zeros(s, jnp.int32),
-      seq_hash=seq_hash,
-      gpu=init_pool(cfg.num_gpu_blocks, cfg),
-      cpu=init_pool(cfg.num_cpu_blocks, cfg),
-      num_lookups=jnp.zeros((), jnp.int32),
-      num_hits=jnp.zeros((), jnp.int32))
+    cfg=cfg,
+    tables=jnp.full((s, m), NO_BLOCK, jnp.int32),
+    num_tokens=jnp.zeros(s, jnp.int32),
+    device=jnp.zeros(s, jnp.int32),
+    salt=jnp.zeros(s, jnp.int32),
+    seq_hash=seq_hash,
+    gpu=init_pool(cfg.num_gpu_blocks, cfg),
+    cpu=init_pool(cfg.num_cpu_blocks, cfg),
+    num_lookups=jnp.zeros((), jnp.int32),
+    num_hits=jnp.zeros((), jnp.int32),
+  )
 
 
 def first_failure(*checks: tuple[Status, jax.Array]) -> jax.Array:

@@ -63,35 +63,46 @@ class Beams:
   done: jax.Array
 
   @classmethod
-  def create(cls, num_rows: int, max_width: int, max_tokens: int) -> "Beams":
+  def create(cls, num_rows: int, max_width: int, max_tokens: int) -> Beams:
     s, w, t = num_rows, max_width, max_tokens
     return cls(
-        leader=jnp.full(s, -1, jnp.int32), index=jnp.zeros(s, jnp.int32),
-        score=jnp.zeros(s, jnp.float32), tokens=jnp.zeros((s, t), jnp.int32),
-        slots=jnp.full((s, 2 * w - 1), -1, jnp.int32),
-        width=jnp.zeros(s, jnp.int32),
-        length_penalty=jnp.ones(s, jnp.float32), steps=jnp.zeros(s, jnp.int32),
-        hyp_tokens=jnp.zeros((s, w, t), jnp.int32),
-        hyp_len=jnp.zeros((s, w), jnp.int32),
-        hyp_score=jnp.full((s, w), -jnp.inf, jnp.float32),
-        hyp_logprob=jnp.zeros((s, w), jnp.float32),
-        hyp_stopped=jnp.zeros((s, w), bool), done=jnp.zeros(s, bool))
+      leader=jnp.full(s, -1, jnp.int32),
+      index=jnp.zeros(s, jnp.int32),
+      score=jnp.zeros(s, jnp.float32),
+      tokens=jnp.zeros((s, t), jnp.int32),
+      slots=jnp.full((s, 2 * w - 1), -1, jnp.int32),
+      width=jnp.zeros(s, jnp.int32),
+      length_penalty=jnp.ones(s, jnp.float32),
+      steps=jnp.zeros(s, jnp.int32),
+      hyp_tokens=jnp.zeros((s, w, t), jnp.int32),
+      hyp_len=jnp.zeros((s, w), jnp.int32),
+      hyp_score=jnp.full((s, w), -jnp.inf, jnp.float32),
+      hyp_logprob=jnp.zeros((s, w), jnp.float32),
+      hyp_stopped=jnp.zeros((s, w), bool),
+      done=jnp.zeros(s, bool),
+    )
 
-  def start(self, slots, width: int, length_penalty: float) -> "Beams":
+  def start(self, slots, width: int, length_penalty: float) -> Beams:
     """A new group in `slots` (its leader first), with one beam, empty."""
     leader = slots[0]
     fresh = Beams.create(*self.hyp_len.shape, self.tokens.shape[1])
     one = lambda a, value: a.at[leader].set(value)
-    padded = jnp.full(self.slots.shape[1], -1, jnp.int32).at[:len(slots)].set(
-        jnp.asarray(slots, jnp.int32))
+    padded = (
+      jnp.full(self.slots.shape[1], -1, jnp.int32)
+      .at[: len(slots)]
+      .set(jnp.asarray(slots, jnp.int32))
+    )
     beams = jax.tree.map(lambda a, f: a.at[leader].set(f[0]), self, fresh)
     return beams.replace(
-        leader=self.leader.at[jnp.asarray(slots)].set(leader),
-        index=one(beams.index, 0), score=one(beams.score, 0.0),
-        slots=one(beams.slots, padded), width=one(beams.width, width),
-        length_penalty=one(beams.length_penalty, length_penalty))
+      leader=self.leader.at[jnp.asarray(slots)].set(leader),
+      index=one(beams.index, 0),
+      score=one(beams.score, 0.0),
+      slots=one(beams.slots, padded),
+      width=one(beams.width, width),
+      length_penalty=one(beams.length_penalty, length_penalty),
+    )
 
-  def clear(self, slots) -> "Beams":
+  def clear(self, slots) -> Beams:
     """Forgets the group in `slots` (its leader first)."""
     fresh = Beams.create(*self.hyp_len.shape, self.tokens.shape[1])
     slots = jnp.asarray(slots)
@@ -121,34 +132,39 @@ class BeamMoves(flax.struct.PyTreeNode):
 def _take(a: jax.Array, index: jax.Array) -> jax.Array:
   """a[g, index[g, i]] for every row g (index of shape [S, k])."""
   extra = a.ndim - 2
-  return jnp.take_along_axis(a, index.reshape(index.shape + (1,) * extra),
-                             axis=1)
+  return jnp.take_along_axis(a, index.reshape(index.shape + (1,) * extra), axis=1)
 
 
-def _merge_hypotheses(beams: Beams, update, score, tokens, length, logprob,
-                      stopped) -> Beams:
+def _merge_hypotheses(beams: Beams, update, score, tokens, length, logprob, stopped) -> Beams:
   """Keeps each updated group's best `W` of its hypotheses and new ones."""
   w_max = beams.hyp_score.shape[1]
   cat = lambda old, new: jnp.concatenate([old, new], axis=1)
   all_score = cat(beams.hyp_score, score)
-  best_score, best = jax.lax.top_k(all_score, w_max)   # ties: older first
+  best_score, best = jax.lax.top_k(all_score, w_max)  # ties: older first
   in_width = jnp.arange(w_max)[None, :] < beams.width[:, None]
   best_score = jnp.where(in_width, best_score, -jnp.inf)
   keep = lambda old, new: jnp.where(
-      update.reshape((-1,) + (1,) * (old.ndim - 1)),
-      _take(cat(old, new), best), old)
+    update.reshape((-1,) + (1,) * (old.ndim - 1)), _take(cat(old, new), best), old
+  )
   return beams.replace(
-      hyp_score=jnp.where(update[:, None], best_score, beams.hyp_score),
-      hyp_tokens=keep(beams.hyp_tokens, tokens),
-      hyp_len=keep(beams.hyp_len, length),
-      hyp_logprob=keep(beams.hyp_logprob, logprob),
-      hyp_stopped=keep(beams.hyp_stopped, stopped))
+    hyp_score=jnp.where(update[:, None], best_score, beams.hyp_score),
+    hyp_tokens=keep(beams.hyp_tokens, tokens),
+    hyp_len=keep(beams.hyp_len, length),
+    hyp_logprob=keep(beams.hyp_logprob, logprob),
+    hyp_stopped=keep(beams.hyp_stopped, stopped),
+  )
 
 
-def step(beams: Beams, logprobs: jax.Array, running: jax.Array,
-         stop_ids: jax.Array, limit: jax.Array, seq_ids: jax.Array,
-         last_token: jax.Array, num_generated: jax.Array
-         ) -> tuple[Beams, BeamMoves]:
+def step(
+  beams: Beams,
+  logprobs: jax.Array,
+  running: jax.Array,
+  stop_ids: jax.Array,
+  limit: jax.Array,
+  seq_ids: jax.Array,
+  last_token: jax.Array,
+  num_generated: jax.Array,
+) -> tuple[Beams, BeamMoves]:
   """One beam-search step of every group from its beams' log-probabilities.
 
   Args:
@@ -167,22 +183,21 @@ def step(beams: Beams, logprobs: jax.Array, running: jax.Array,
   k, t = 2 * w_max, beams.tokens.shape[1]
   rows = jnp.arange(num_rows, dtype=jnp.int32)
   active = running & (beams.leader >= 0)
-  candidates = jnp.where(active[:, None], beams.score[:, None] + logprobs,
-                         -jnp.inf)
+  candidates = jnp.where(active[:, None], beams.score[:, None] + logprobs, -jnp.inf)
   row_score, row_token = jax.lax.top_k(candidates, k)
   # Each group's beams in beam order, then its best 2W candidates.
-  members = jnp.full((num_rows, w_max), -1, jnp.int32).at[
-      jnp.where(active, beams.leader, num_rows), beams.index].set(
-          rows, mode="drop")
+  members = (
+    jnp.full((num_rows, w_max), -1, jnp.int32)
+    .at[jnp.where(active, beams.leader, num_rows), beams.index]
+    .set(rows, mode="drop")
+  )
   present = members >= 0
   safe_members = jnp.maximum(members, 0)
   flat = lambda a: a.reshape(num_rows, w_max * k)
-  group_score = flat(jnp.where(present[..., None], row_score[safe_members],
-                               -jnp.inf))
+  group_score = flat(jnp.where(present[..., None], row_score[safe_members], -jnp.inf))
   score, pick = jax.lax.top_k(group_score, k)
   token = _take(flat(row_token[safe_members]), pick)
-  parent = _take(flat(jnp.broadcast_to(members[..., None],
-                                       (num_rows, w_max, k))), pick)
+  parent = _take(flat(jnp.broadcast_to(members[..., None], (num_rows, w_max, k))), pick)
   live = (beams.width > 0) & jnp.any(present, axis=1) & ~beams.done
 
   width = beams.width[:, None]
@@ -194,61 +209,76 @@ def step(beams: Beams, logprobs: jax.Array, running: jax.Array,
   length = beams.steps + 1
   denominator = (length.astype(jnp.float32) ** beams.length_penalty)[:, None]
   column = jnp.arange(t)[None, None, :]
-  cand_tokens = jnp.where(column == (length - 1)[:, None, None],
-                          token[..., None],
-                          beams.tokens[jnp.maximum(parent, 0)])
+  cand_tokens = jnp.where(
+    column == (length - 1)[:, None, None], token[..., None], beams.tokens[jnp.maximum(parent, 0)]
+  )
   lengths = jnp.broadcast_to(length[:, None], (num_rows, k))
   beams = _merge_hypotheses(
-      beams, live, jnp.where(new_hyp, score / denominator, -jnp.inf),
-      cand_tokens, lengths, score, jnp.ones((num_rows, k), bool))
+    beams,
+    live,
+    jnp.where(new_hyp, score / denominator, -jnp.inf),
+    cand_tokens,
+    lengths,
+    score,
+    jnp.ones((num_rows, k), bool),
+  )
   worst = beams.hyp_score[rows, jnp.maximum(beams.width - 1, 0)]
   done = live & (worst > -jnp.inf) & (worst >= score[:, 0] / denominator[:, 0])
   at_limit = live & ~done & (length >= limit)
   # At max_tokens the running beams join the hypotheses (in beam order).
-  in_beams = jnp.argsort(jnp.where(chosen, beam_rank, k), axis=1,
-                         stable=True)
+  in_beams = jnp.argsort(jnp.where(chosen, beam_rank, k), axis=1, stable=True)
   beams = _merge_hypotheses(
-      beams, at_limit,
-      jnp.where(_take(chosen, in_beams), _take(score, in_beams)
-                / denominator, -jnp.inf),
-      _take(cand_tokens, in_beams), lengths, _take(score, in_beams),
-      jnp.zeros((num_rows, k), bool))
+    beams,
+    at_limit,
+    jnp.where(_take(chosen, in_beams), _take(score, in_beams) / denominator, -jnp.inf),
+    _take(cand_tokens, in_beams),
+    lengths,
+    _take(score, in_beams),
+    jnp.zeros((num_rows, k), bool),
+  )
   finished = done | at_limit
 
   # Next beams: a beam's first child keeps its slot, others fork.
   child_of = chosen & ~finished[:, None]
   earlier = jnp.tril(jnp.ones((k, k), bool), -1)[None]
-  repeat = jnp.any((parent[:, :, None] == parent[:, None, :])
-                   & child_of[:, None, :] & earlier, axis=-1)
+  repeat = jnp.any(
+    (parent[:, :, None] == parent[:, None, :]) & child_of[:, None, :] & earlier, axis=-1
+  )
   first = child_of & ~repeat
   forks = child_of & repeat
   reserved = beams.slots
   spare = (reserved >= 0) & ~running[jnp.maximum(reserved, 0)]
   spare_rank = jnp.cumsum(spare, axis=1) - 1
-  spare_slots = jnp.full_like(reserved, -1).at[
-      rows[:, None], jnp.where(spare, spare_rank, reserved.shape[1])].set(
-          reserved, mode="drop")
-  fork_rank = jnp.clip(jnp.cumsum(forks, axis=1) - 1, 0,
-                       reserved.shape[1] - 1)
-  child = jnp.where(first, parent,
-                    jnp.where(forks, _take(spare_slots, fork_rank), -1))
-  kept = jnp.zeros(num_rows, bool).at[
-      jnp.where(first, parent, num_rows).reshape(-1)].set(True, mode="drop")
+  spare_slots = (
+    jnp.full_like(reserved, -1)
+    .at[rows[:, None], jnp.where(spare, spare_rank, reserved.shape[1])]
+    .set(reserved, mode="drop")
+  )
+  fork_rank = jnp.clip(jnp.cumsum(forks, axis=1) - 1, 0, reserved.shape[1] - 1)
+  child = jnp.where(first, parent, jnp.where(forks, _take(spare_slots, fork_rank), -1))
+  kept = (
+    jnp.zeros(num_rows, bool)
+    .at[jnp.where(first, parent, num_rows).reshape(-1)]
+    .set(True, mode="drop")
+  )
   dropped = active & ~kept
 
   dst = jnp.where(child_of, child, num_rows).reshape(-1)
-  put = lambda a, values: a.at[dst].set(values.reshape((-1,) + a.shape[1:]),
-                                        mode="drop")
+  put = lambda a, values: a.at[dst].set(values.reshape((-1,) + a.shape[1:]), mode="drop")
   beams = beams.replace(
-      score=put(beams.score, score), index=put(beams.index, beam_rank),
-      tokens=put(beams.tokens, cand_tokens),
-      steps=jnp.where(live, length, beams.steps), done=beams.done | finished)
+    score=put(beams.score, score),
+    index=put(beams.index, beam_rank),
+    tokens=put(beams.tokens, cand_tokens),
+    steps=jnp.where(live, length, beams.steps),
+    done=beams.done | finished,
+  )
   moves = BeamMoves(
-      fork_parents=jnp.where(forks, parent, -1).reshape(-1),
-      fork_children=jnp.where(forks, child, -1).reshape(-1),
-      dropped=dropped,
-      seq_ids=put(jnp.where(dropped, -1, seq_ids), child),
-      last_token=put(last_token, token),
-      num_generated=put(num_generated, lengths),
-      finished=finished)
+    fork_parents=jnp.where(forks, parent, -1).reshape(-1),
+    fork_children=jnp.where(forks, child, -1).reshape(-1),
+    dropped=dropped,
+    seq_ids=put(jnp.where(dropped, -1, seq_ids), child),
+    last_token=put(last_token, token),
+    num_generated=put(num_generated, lengths),
+    finished=finished,
+  )
   return beams, moves

@@ -14,10 +14,15 @@ from paged_jax.engine.params import SamplingParams
 
 
 def _as_prompt_list(prompts) -> list:
-  if isinstance(prompts, str) or (
-      isinstance(prompts, np.ndarray) and prompts.ndim == 1) or (
-          isinstance(prompts, Sequence) and prompts
-          and all(isinstance(t, (int, np.integer)) for t in prompts)):
+  if (
+    isinstance(prompts, str)
+    or (isinstance(prompts, np.ndarray) and prompts.ndim == 1)
+    or (
+      isinstance(prompts, Sequence)
+      and prompts
+      and all(isinstance(t, (int, np.integer)) for t in prompts)
+    )
+  ):
     return [prompts]
   return list(prompts)
 
@@ -39,14 +44,16 @@ class LLM:
       `num_decode_steps`, `max_logprobs`, `seed`).
   """
 
-  def __init__(self, model, tokenizer, cache_config: CacheConfig,
-               **engine_kwargs):
+  def __init__(self, model, tokenizer, cache_config: CacheConfig, **engine_kwargs):
     self.engine = LLMEngine(model, tokenizer, cache_config, **engine_kwargs)
     self._next_id = 0
 
-  def generate(self, prompts, params: SamplingParams
-               | Sequence[SamplingParams] | None = None, progress: bool = False
-               ) -> list[RequestOutput]:
+  def generate(
+    self,
+    prompts,
+    params: SamplingParams | Sequence[SamplingParams] | None = None,
+    progress: bool = False,
+  ) -> list[RequestOutput]:
     """Generates for every prompt.
 
     Args:
@@ -65,8 +72,7 @@ class LLM:
     if isinstance(params, SamplingParams):
       params = [params] * len(prompts)
     if len(params) != len(prompts):
-      raise ValueError(f"params: {len(params)} given for {len(prompts)} "
-                       "prompts")
+      raise ValueError(f"params: {len(params)} given for {len(prompts)} prompts")
     ids = [str(self._next_id + i) for i in range(len(prompts))]
     self._next_id += len(prompts)
     engine = self.engine

@@ -8,15 +8,12 @@ import jax
 import numpy as np
 
 from paged_jax import sharding
-
 from paged_jax.config import CacheConfig
-from paged_jax.engine.outputs import (CompletionOutput, GenerationStats,
-                                      RequestOutput)
+from paged_jax.engine.outputs import CompletionOutput, GenerationStats, RequestOutput
 from paged_jax.engine.params import SamplingParams
 from paged_jax.engine.protocol import check_model
 from paged_jax.engine.runner import ModelRunner
-from paged_jax.engine.scheduler import (PREEMPTION_MODES, Scheduler, Sequence,
-                                        SequenceGroup)
+from paged_jax.engine.scheduler import PREEMPTION_MODES, Scheduler, Sequence, SequenceGroup
 
 MAX_STOP_TOKENS = 8
 
@@ -62,50 +59,71 @@ class LLMEngine:
       an argument out of range.
   """
 
-  def __init__(self, model, tokenizer, cache_config: CacheConfig, *,
-               max_num_seqs: int | None = None,
-               max_num_batched_tokens: int = 512,
-               preemption_mode: str = "recompute", kv_cache_dtype=None,
-               mesh=None, num_decode_steps: int = 8, max_logprobs: int = 5,
-               max_beam_width: int = 4,
-               seed: int = 0, key: jax.Array | None = None):
+  def __init__(
+    self,
+    model,
+    tokenizer,
+    cache_config: CacheConfig,
+    *,
+    max_num_seqs: int | None = None,
+    max_num_batched_tokens: int = 512,
+    preemption_mode: str = "recompute",
+    kv_cache_dtype=None,
+    mesh=None,
+    num_decode_steps: int = 8,
+    max_logprobs: int = 5,
+    max_beam_width: int = 4,
+    seed: int = 0,
+    key: jax.Array | None = None,
+  ):
     check_model(model)
     if not isinstance(cache_config, CacheConfig):
-      raise TypeError("cache_config must be a pj.CacheConfig, got "
-                      f"{type(cache_config).__name__}")
-    max_num_seqs = cache_config.max_seqs if max_num_seqs is None else (
-        max_num_seqs)
+      raise TypeError(f"cache_config must be a pj.CacheConfig, got {type(cache_config).__name__}")
+    max_num_seqs = cache_config.max_seqs if max_num_seqs is None else (max_num_seqs)
     for name, value, low, high in (
-        ("max_num_seqs", max_num_seqs, 1, cache_config.max_seqs),
-        ("max_num_batched_tokens", max_num_batched_tokens, 1, None),
-        ("num_decode_steps", num_decode_steps, 1, None),
-        ("max_logprobs", max_logprobs, 0, None),
-        ("max_beam_width", max_beam_width, 1, None)):
-      if (isinstance(value, bool) or not isinstance(value, int) or value < low
-          or (high is not None and value > high)):
+      ("max_num_seqs", max_num_seqs, 1, cache_config.max_seqs),
+      ("max_num_batched_tokens", max_num_batched_tokens, 1, None),
+      ("num_decode_steps", num_decode_steps, 1, None),
+      ("max_logprobs", max_logprobs, 0, None),
+      ("max_beam_width", max_beam_width, 1, None),
+    ):
+      if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < low
+        or (high is not None and value > high)
+      ):
         bound = f"in {low}..{high}" if high is not None else f">= {low}"
         raise ValueError(f"{name} must be an int {bound}, got {value!r}")
     if preemption_mode not in PREEMPTION_MODES:
-      raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
-                       f"got {preemption_mode!r}")
+      raise ValueError(
+        f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}"
+      )
     if mesh is not None:
       sharding.check_axes(mesh)
     self.model_config = model.config
     self.tokenizer = tokenizer
     self.cfg = cache_config
-    self.eos_token_id = None if tokenizer is None else getattr(
-        tokenizer, "eos_token_id", getattr(tokenizer, "eos_id", None))
+    self.eos_token_id = (
+      None
+      if tokenizer is None
+      else getattr(tokenizer, "eos_token_id", getattr(tokenizer, "eos_id", None))
+    )
     self.num_decode_steps = num_decode_steps
     self.max_logprobs = max_logprobs
-    self.runner = ModelRunner(model, cache_config, mesh=mesh,
-                              kv_cache_dtype=kv_cache_dtype,
-                              num_logprobs=max_logprobs,
-                              stop_width=MAX_STOP_TOKENS,
-                              max_beam_width=max_beam_width)
+    self.runner = ModelRunner(
+      model,
+      cache_config,
+      mesh=mesh,
+      kv_cache_dtype=kv_cache_dtype,
+      num_logprobs=max_logprobs,
+      stop_width=MAX_STOP_TOKENS,
+      max_beam_width=max_beam_width,
+    )
     self.schedulers = [
-        Scheduler(self.runner, max_num_seqs, max_num_batched_tokens,
-                  preemption_mode, shard)
-        for shard in range(self.runner.num_shards)]
+      Scheduler(self.runner, max_num_seqs, max_num_batched_tokens, preemption_mode, shard)
+      for shard in range(self.runner.num_shards)
+    ]
     self._loads = np.zeros(self.runner.num_shards, np.int64)
     self._key = jax.random.key(seed) if key is None else key
     self._groups: dict[str, SequenceGroup] = {}
@@ -116,8 +134,7 @@ class LLMEngine:
     self.timing = dict(rounds=0, wall_s=0.0, device_s=0.0)
 
   # Requests.
-  def admission_error(self, num_prompt_tokens: int,
-                      params: SamplingParams) -> str | None:
+  def admission_error(self, num_prompt_tokens: int, params: SamplingParams) -> str | None:
     """Why a prompt of this length with `params` can never be served, or None.
 
     Checked before any step: the sequence slots, the model's positions and
@@ -132,15 +149,16 @@ class LLMEngine:
       return f"n={n} sequences exceed max_num_seqs={max_num_seqs}"
     if params.use_beam_search:
       if 2 * n - 1 > cfg.max_seqs:
-        return (f"{n} beams need {2 * n - 1} sequence slots, the cache has "
-                f"max_seqs={cfg.max_seqs}")
+        return f"{n} beams need {2 * n - 1} sequence slots, the cache has max_seqs={cfg.max_seqs}"
       if num_prompt_tokens < 2:
         return "beam search needs a prompt of at least 2 tokens"
     if num_prompt_tokens >= max_len:
-      return (f"a prompt of {num_prompt_tokens} tokens leaves no room for new "
-              f"tokens in {max_len} positions (model max_seq_len="
-              f"{self.model_config.max_seq_len}, block table "
-              f"{cfg.max_tokens_per_seq} tokens)")
+      return (
+        f"a prompt of {num_prompt_tokens} tokens leaves no room for new "
+        f"tokens in {max_len} positions (model max_seq_len="
+        f"{self.model_config.max_seq_len}, block table "
+        f"{cfg.max_tokens_per_seq} tokens)"
+      )
     limit = self._limit(num_prompt_tokens, params)
     per_seq = cfg.blocks_for(num_prompt_tokens + limit - 1)
     if cfg.sliding_window is not None:
@@ -149,11 +167,12 @@ class LLMEngine:
     needed = per_seq + (n - 1) * (per_seq - shared)
     prompt_blocks = cfg.blocks_for(num_prompt_tokens)
     available = cfg.num_gpu_blocks
-    if needed > available or (
-        prompt_blocks > cfg.num_gpu_blocks - cfg.watermark_blocks):
-      return (f"needs {needed} GPU blocks (n={n} x ({num_prompt_tokens} prompt "
-              f"+ {limit} new tokens) in blocks of {cfg.block_size}), the "
-              f"cache has {available} (watermark {cfg.watermark_blocks})")
+    if needed > available or (prompt_blocks > cfg.num_gpu_blocks - cfg.watermark_blocks):
+      return (
+        f"needs {needed} GPU blocks (n={n} x ({num_prompt_tokens} prompt "
+        f"+ {limit} new tokens) in blocks of {cfg.block_size}), the "
+        f"cache has {available} (watermark {cfg.watermark_blocks})"
+      )
     return None
 
   def _max_len(self) -> int:
@@ -168,17 +187,16 @@ class LLMEngine:
         raise ValueError("a text prompt needs a tokenizer; pass token ids")
       return prompt, np.asarray(self.tokenizer.encode(prompt), np.int32)
     ids = np.asarray(prompt)
-    if ids.ndim != 1 or ids.size < 1 or not np.issubdtype(ids.dtype,
-                                                          np.integer):
-      raise ValueError("prompt must be a str or a non-empty 1-D int array, "
-                       f"got {ids.dtype}{list(ids.shape)}")
+    if ids.ndim != 1 or ids.size < 1 or not np.issubdtype(ids.dtype, np.integer):
+      raise ValueError(
+        f"prompt must be a str or a non-empty 1-D int array, got {ids.dtype}{list(ids.shape)}"
+      )
     vocab = self.model_config.vocab_size
     if ids.min() < 0 or ids.max() >= vocab:
       raise ValueError(f"prompt has token ids outside 0..{vocab - 1}")
     return None, ids.astype(np.int32)
 
-  def add_request(self, request_id: str, prompt, params: SamplingParams
-                  | None = None) -> None:
+  def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
     """Queues a request; a prompt that can never fit finishes at the next
     step with finish reason "error" and the reason in `RequestOutput.error`.
 
@@ -196,28 +214,39 @@ class LLMEngine:
     if request_id in self._groups:
       raise ValueError(f"request_id {request_id!r} is already in use")
     if params.use_beam_search and params.n > self.runner.max_beam_width:
-      raise ValueError(f"n={params.n} beams exceed max_beam_width="
-                       f"{self.runner.max_beam_width}")
+      raise ValueError(f"n={params.n} beams exceed max_beam_width={self.runner.max_beam_width}")
     if params.logprobs is not None and params.logprobs > self.max_logprobs:
-      raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs="
-                       f"{self.max_logprobs}")
+      raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={self.max_logprobs}")
     if params.stop and self.tokenizer is None:
       raise ValueError("stop strings need a tokenizer")
     text, ids = self._encode(prompt)
-    stop_ids = tuple(dict.fromkeys(params.stop_token_ids + (
-        () if params.ignore_eos or self.eos_token_id is None
-        else (self.eos_token_id,))))
+    stop_ids = tuple(
+      dict.fromkeys(
+        params.stop_token_ids
+        + (() if params.ignore_eos or self.eos_token_id is None else (self.eos_token_id,))
+      )
+    )
     if len(stop_ids) > MAX_STOP_TOKENS:
-      raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKENS} with EOS, "
-                       f"got {len(stop_ids)}")
-    key = (jax.random.key(params.seed) if params.seed is not None
-           else jax.random.fold_in(self._key, self._arrivals))
-    seqs = [Sequence(index=j, key_data=np.asarray(jax.random.key_data(
-        jax.random.fold_in(key, j)))) for j in range(params.n)]
+      raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKENS} with EOS, got {len(stop_ids)}")
+    key = (
+      jax.random.key(params.seed)
+      if params.seed is not None
+      else jax.random.fold_in(self._key, self._arrivals)
+    )
+    seqs = [
+      Sequence(index=j, key_data=np.asarray(jax.random.key_data(jax.random.fold_in(key, j))))
+      for j in range(params.n)
+    ]
     group = SequenceGroup(
-        request_id=request_id, prompt=text, prompt_token_ids=ids,
-        params=params, arrival=self._arrivals,
-        limit=self._limit(ids.size, params), stop_ids=stop_ids, seqs=seqs)
+      request_id=request_id,
+      prompt=text,
+      prompt_token_ids=ids,
+      params=params,
+      arrival=self._arrivals,
+      limit=self._limit(ids.size, params),
+      stop_ids=stop_ids,
+      seqs=seqs,
+    )
     self._arrivals += 1
     self._groups[request_id] = group
     error = self.admission_error(ids.size, params)
@@ -243,8 +272,7 @@ class LLMEngine:
     self._pending.append(self._output(group))
 
   def has_unfinished_requests(self) -> bool:
-    return bool(self._pending) or any(s.has_unfinished()
-                                      for s in self.schedulers)
+    return bool(self._pending) or any(s.has_unfinished() for s in self.schedulers)
 
   def _finish(self, group: SequenceGroup, reason: str) -> None:
     for seq in group.live():
@@ -281,8 +309,7 @@ class LLMEngine:
       if group.finished:
         self.schedulers[group.shard].running.remove(group)
         self._retire(group)
-      if group.finished or (group.params.output_kind != "final"
-                            and not group.beam):
+      if group.finished or (group.params.output_kind != "final" and not group.beam):
         outputs.append(self._output(group))
     self.timing["rounds"] += 1
     self.timing["wall_s"] += time.perf_counter() - start
@@ -303,15 +330,14 @@ class LLMEngine:
         completed.append((row, group, seq, group.fresh))
         if group.fresh and not group.beam:
           samples += [(row, s.slot) for s in group.live()]
-    draws = self._timed(runner.prefill,
-                        [(s.slot, t, start) for _, s, t, start in chunks],
-                        samples)
-    runner.mark_computed([s.slot for _, s, _, _ in chunks],
-                         [s.num_computed for _, s, _, _ in chunks])
+    draws = self._timed(runner.prefill, [(s.slot, t, start) for _, s, t, start in chunks], samples)
+    runner.mark_computed(
+      [s.slot for _, s, _, _ in chunks], [s.num_computed for _, s, _, _ in chunks]
+    )
     cursor = 0
-    for row, group, seq, fresh in completed:
+    for _, group, seq, fresh in completed:
       seq.prefill = None
-      if group.beam:   # the prompt's last token starts the first beam step
+      if group.beam:  # the prompt's last token starts the first beam step
         runner.start(seq.slot, int(group.prompt_token_ids[-1]), 0)
         continue
       if not fresh:
@@ -321,10 +347,15 @@ class LLMEngine:
       for child in live[1:]:
         runner.fork(seq.slot, child.slot)
       for sample in live:
-        self._append(group, sample, draws.tokens[cursor:cursor + 1],
-                     draws.logprob[cursor:cursor + 1],
-                     draws.top_ids[cursor:cursor + 1],
-                     draws.top_logprobs[cursor:cursor + 1], device_freed=False)
+        self._append(
+          group,
+          sample,
+          draws.tokens[cursor : cursor + 1],
+          draws.logprob[cursor : cursor + 1],
+          draws.top_ids[cursor : cursor + 1],
+          draws.top_logprobs[cursor : cursor + 1],
+          device_freed=False,
+        )
         cursor += 1
         if not sample.finished:
           runner.start(sample.slot, sample.token_ids[-1], 1)
@@ -334,22 +365,33 @@ class LLMEngine:
     runner = self.runner
     stop_on_finish = any(s.waiting or s.swapped for s in self.schedulers)
     running = [g for s in self.schedulers for g in s.running]
-    slots_before = {s.slot: (g, s) for g in running
-                    if not g.beam for s in g.live() if s.slot >= 0
-                    and runner.seq_ids[s.slot] >= 0}
+    slots_before = {
+      s.slot: (g, s)
+      for g in running
+      if not g.beam
+      for s in g.live()
+      if s.slot >= 0 and runner.seq_ids[s.slot] >= 0
+    }
     draws, counts, finished, out_of_blocks = self._timed(
-        runner.decode, self.num_decode_steps, stop_on_finish)
+      runner.decode, self.num_decode_steps, stop_on_finish
+    )
     for slot, (group, seq) in slots_before.items():
       count = int(counts[slot])
       if count:
-        self._append(group, seq, draws.tokens[slot, :count],
-                     draws.logprob[slot, :count], draws.top_ids[slot, :count],
-                     draws.top_logprobs[slot, :count],
-                     device_freed=bool(finished[slot]))
+        self._append(
+          group,
+          seq,
+          draws.tokens[slot, :count],
+          draws.logprob[slot, :count],
+          draws.top_ids[slot, :count],
+          draws.top_logprobs[slot, :count],
+          device_freed=bool(finished[slot]),
+        )
         touched[group.request_id] = group
       if finished[slot] and not seq.finished:
-        raise RuntimeError(f"seq {slot} of request {group.request_id!r} "
-                           "stopped on the device but not on the host")
+        raise RuntimeError(
+          f"seq {slot} of request {group.request_id!r} stopped on the device but not on the host"
+        )
     done = runner.beams_done()
     for group in running:
       if group.beam and group.beam_slots and done[group.beam_slots[0]]:
@@ -371,8 +413,17 @@ class LLMEngine:
       self._generated_tokens += len(tokens)
     self.schedulers[group.shard].release_group(group)
 
-  def _append(self, group: SequenceGroup, seq: Sequence, tokens, logprob,
-              top_ids, top_logprobs, *, device_freed: bool) -> None:
+  def _append(
+    self,
+    group: SequenceGroup,
+    seq: Sequence,
+    tokens,
+    logprob,
+    top_ids,
+    top_logprobs,
+    *,
+    device_freed: bool,
+  ) -> None:
     """Adds drawn tokens to `seq`; finishes it on a stop token, its limit or
     a stop string, and frees its blocks if the device did not."""
     old_tokens, old_text = len(seq.token_ids), len(seq.text)
@@ -381,8 +432,7 @@ class LLMEngine:
       seq.token_ids.append(token)
       seq.token_logprobs.append(float(logprob[t]))
       if k is not None:
-        alternatives = {int(i): float(v) for i, v in zip(top_ids[t, :k],
-                                                          top_logprobs[t, :k])}
+        alternatives = {int(i): float(v) for i, v in zip(top_ids[t, :k], top_logprobs[t, :k])}
         alternatives[token] = float(logprob[t])
         seq.logprobs.append(alternatives)
       if token in group.stop_ids:
@@ -402,8 +452,7 @@ class LLMEngine:
 
   def _decode_text(self, seq: Sequence, upto: int | None = None) -> str:
     ids = seq.token_ids[:upto]
-    if seq.finish_reason == "stop" and isinstance(seq.stop_reason, int) and (
-        upto is None):
+    if seq.finish_reason == "stop" and isinstance(seq.stop_reason, int) and (upto is None):
       ids = ids[:-1]
     return self.tokenizer.decode(ids)
 
@@ -434,7 +483,7 @@ class LLMEngine:
       return seq.text
     text = seq.text.rstrip("\ufffd")
     hold = max(map(len, group.params.stop), default=1) - 1
-    return text[:len(text) - hold] if hold else text
+    return text[: len(text) - hold] if hold else text
 
   def _output(self, group: SequenceGroup) -> RequestOutput:
     delta = group.params.output_kind == "delta"
@@ -443,21 +492,31 @@ class LLMEngine:
       text = self._visible_text(group, seq)
       ids, logprobs = seq.token_ids, seq.logprobs
       if delta:
-        text = text[seq.sent_text:]
-        ids, logprobs = ids[seq.sent_tokens:], logprobs[seq.sent_tokens:]
+        text = text[seq.sent_text :]
+        ids, logprobs = ids[seq.sent_tokens :], logprobs[seq.sent_tokens :]
         seq.sent_text += len(text)
         seq.sent_tokens += len(ids)
-      completions.append(CompletionOutput(
-          index=seq.index, text=text, token_ids=list(ids),
+      completions.append(
+        CompletionOutput(
+          index=seq.index,
+          text=text,
+          token_ids=list(ids),
           cumulative_logprob=float(sum(seq.token_logprobs))
-          if seq.cumulative_logprob is None else seq.cumulative_logprob,
-          logprobs=list(logprobs) if group.params.logprobs is not None
-          else None, finish_reason=seq.finish_reason,
-          stop_reason=seq.stop_reason))
+          if seq.cumulative_logprob is None
+          else seq.cumulative_logprob,
+          logprobs=list(logprobs) if group.params.logprobs is not None else None,
+          finish_reason=seq.finish_reason,
+          stop_reason=seq.stop_reason,
+        )
+      )
     return RequestOutput(
-        request_id=group.request_id, prompt=group.prompt,
-        prompt_token_ids=group.prompt_token_ids, outputs=completions,
-        finished=group.finished, error=group.error)
+      request_id=group.request_id,
+      prompt=group.prompt,
+      prompt_token_ids=group.prompt_token_ids,
+      outputs=completions,
+      finished=group.finished,
+      error=group.error,
+    )
 
   # Introspection.
   @property
@@ -465,8 +524,9 @@ class LLMEngine:
     """The block manager's state (for `pj.check_invariants` and queries) of
     an engine with one data shard; see `shard_state`."""
     if self.runner.num_shards > 1:
-      raise ValueError(f"the engine has {self.runner.num_shards} data shards:"
-                       " use engine.shard_state(shard)")
+      raise ValueError(
+        f"the engine has {self.runner.num_shards} data shards: use engine.shard_state(shard)"
+      )
     return self.runner.shard_state(0)
 
   def shard_state(self, shard: int):
@@ -475,23 +535,22 @@ class LLMEngine:
 
   def num_free_gpu_blocks(self) -> int:
     """Free GPU blocks of all data shards."""
-    return sum(self.runner.num_free_gpu_blocks(shard)
-               for shard in range(self.runner.num_shards))
+    return sum(self.runner.num_free_gpu_blocks(shard) for shard in range(self.runner.num_shards))
 
   @property
   def stats(self) -> GenerationStats:
     """Counters of everything served so far (see `GenerationStats`)."""
     counters = self.runner.counters
     return GenerationStats(
-        generated_tokens=self._generated_tokens,
-        prompt_tokens=self._prompt_tokens,
-        prefill_tokens=sum(s.prefill_tokens for s in self.schedulers),
-        decode_steps=counters["decode_steps"],
-        loop_launches=counters["loop_launches"],
-        peak_blocks=counters["peak_blocks"],
-        kv_slot_utilization=counters["utilization_sum"]
-        / max(counters["decode_steps"], 1),
-        prefix_cache_hit_rate=self.runner.prefix_cache_hit_rate(),
-        cow_copies=counters["cow_copies"],
-        preemptions=sum(s.num_preemptions for s in self.schedulers),
-        swaps=counters["swaps"])
+      generated_tokens=self._generated_tokens,
+      prompt_tokens=self._prompt_tokens,
+      prefill_tokens=sum(s.prefill_tokens for s in self.schedulers),
+      decode_steps=counters["decode_steps"],
+      loop_launches=counters["loop_launches"],
+      peak_blocks=counters["peak_blocks"],
+      kv_slot_utilization=counters["utilization_sum"] / max(counters["decode_steps"], 1),
+      prefix_cache_hit_rate=self.runner.prefix_cache_hit_rate(),
+      cow_copies=counters["cow_copies"],
+      preemptions=sum(s.num_preemptions for s in self.schedulers),
+      swaps=counters["swaps"],
+    )

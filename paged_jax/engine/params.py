@@ -70,24 +70,22 @@ class SamplingParams:
     if self.max_new_tokens is not None:
       set_("max_tokens", self.max_new_tokens)
     self._require_int("n", 1)
-    self._require_int("max_tokens", 1, hint=" (max_new_tokens)"
-                      if self.max_new_tokens is not None else "")
+    self._require_int(
+      "max_tokens", 1, hint=" (max_new_tokens)" if self.max_new_tokens is not None else ""
+    )
     self._require_int("top_k", 0)
     if self.seed is not None:
       self._require_int("seed", 0)
     if self.logprobs is not None:
       self._require_int("logprobs", 0)
-    if not (isinstance(self.temperature, (int, float))
-            and self.temperature >= 0.0):
+    if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0.0):
       raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
     if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
     if not isinstance(self.length_penalty, (int, float)):
-      raise ValueError(
-          f"length_penalty must be a number, got {self.length_penalty!r}")
+      raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
     if self.output_kind not in OUTPUT_KINDS:
-      raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got "
-                       f"{self.output_kind!r}")
+      raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
     stop = self.stop
     stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
     if not all(isinstance(s, str) and s for s in stop):
@@ -97,18 +95,15 @@ class SamplingParams:
     if self.eos_id is not None:
       ids += (self.eos_id,)
     if not all(_is_int(i) and i >= 0 for i in ids):
-      raise ValueError(
-          f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
+      raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
     set_("stop_token_ids", ids)
     if self.use_beam_search and self.temperature != 0.0:
-      raise ValueError("temperature must be 0 with use_beam_search, got "
-                       f"{self.temperature}")
+      raise ValueError(f"temperature must be 0 with use_beam_search, got {self.temperature}")
 
   def _require_int(self, name: str, minimum: int, hint: str = "") -> None:
     value = getattr(self, name)
     if not _is_int(value) or value < minimum:
-      raise ValueError(
-          f"{name}{hint} must be an int >= {minimum}, got {value!r}")
+      raise ValueError(f"{name}{hint} must be an int >= {minimum}, got {value!r}")
 
   @property
   def greedy(self) -> bool:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from flax import nnx
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
-CONFIG_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "vocab_size",
-                 "max_seq_len", "dtype")
+CONFIG_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_seq_len", "dtype")
 
 
 class ModelConfig(Protocol):
@@ -46,9 +45,9 @@ class ModelProtocol(Protocol):
 
   config: ModelConfig
 
-  def __call__(self, tokens: jax.Array, positions: jax.Array,
-               cache: Any) -> tuple[jax.Array, Any]:
-    ...
+  def __call__(
+    self, tokens: jax.Array, positions: jax.Array, cache: Any
+  ) -> tuple[jax.Array, Any]: ...
 
 
 def check_model(model) -> None:
@@ -60,23 +59,22 @@ def check_model(model) -> None:
       not a dtype).
   """
   if not isinstance(model, nnx.Module) or not callable(model):
-    raise TypeError("model must be a callable flax.nnx.Module, got "
-                    f"{type(model).__name__}")
+    raise TypeError(f"model must be a callable flax.nnx.Module, got {type(model).__name__}")
   config = getattr(model, "config", None)
   if config is None:
-    raise TypeError(f"{type(model).__name__} has no `config`; the engine "
-                    f"reads {', '.join(CONFIG_FIELDS)} from it")
+    raise TypeError(
+      f"{type(model).__name__} has no `config`; the engine reads {', '.join(CONFIG_FIELDS)} from it"
+    )
   missing = [name for name in CONFIG_FIELDS if not hasattr(config, name)]
   if missing:
-    raise ValueError(f"model.config lacks {', '.join(missing)} (the engine "
-                     f"needs {', '.join(CONFIG_FIELDS)})")
+    raise ValueError(
+      f"model.config lacks {', '.join(missing)} (the engine needs {', '.join(CONFIG_FIELDS)})"
+    )
   for name in CONFIG_FIELDS[:-1]:
     value = getattr(config, name)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-      raise ValueError(f"model.config.{name} must be a positive int, got "
-                       f"{value!r}")
+      raise ValueError(f"model.config.{name} must be a positive int, got {value!r}")
   try:
     jnp.dtype(config.dtype)
   except TypeError as err:
-    raise ValueError(f"model.config.dtype must be a dtype, got "
-                     f"{config.dtype!r}") from err
+    raise ValueError(f"model.config.dtype must be a dtype, got {config.dtype!r}") from err

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import functools
 
-from flax import nnx
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from paged_jax import kv_cache as kv_ops
+from paged_jax import sharding
 from paged_jax.block_manager import manager
 from paged_jax.block_manager.manager import BlockSpaceManager
 from paged_jax.block_manager.state import EMPTY, BlockManagerState
@@ -36,8 +38,6 @@ from paged_jax.config import AllocStatus, CacheConfig, Status
 from paged_jax.engine import beam
 from paged_jax.engine.sampling import Draw, RowParams, is_stop, sample_rows
 from paged_jax.kv_cache import KVCache
-from paged_jax import kv_cache as kv_ops
-from paged_jax import sharding
 
 
 @flax.struct.dataclass
@@ -46,13 +46,13 @@ class _Loop:
 
   state: BlockManagerState  # one per data shard (leading axis)
   kv: KVCache
-  seq_ids: jax.Array        # int32[R], -1 where not running
-  last_token: jax.Array     # int32[R], sampled, not yet in the cache
+  seq_ids: jax.Array  # int32[R], -1 where not running
+  last_token: jax.Array  # int32[R], sampled, not yet in the cache
   num_generated: jax.Array  # int32[R], tokens sampled so far
-  limit: jax.Array          # int32[R], tokens to sample at most
-  beams: beam.Beams         # beam-search state of the rows in beam groups
-  draws: Draw               # [R, num_steps] tokens of this launch
-  step: jax.Array           # steps of this launch
+  limit: jax.Array  # int32[R], tokens to sample at most
+  beams: beam.Beams  # beam-search state of the rows in beam groups
+  draws: Draw  # [R, num_steps] tokens of this launch
+  step: jax.Array  # steps of this launch
   out_of_blocks: jax.Array  # bool[D], the shards that ran out
   finished_any: jax.Array
   cow_copies: jax.Array
@@ -80,8 +80,7 @@ def _copy_blocks(kv: KVCache, plans):
   return sharding.copy_blocks(kv, plans)
 
 
-def _decode_step(graphdef, params_state, rows: RowParams, with_beams: bool,
-                 loop: _Loop) -> _Loop:
+def _decode_step(graphdef, params_state, rows: RowParams, with_beams: bool, loop: _Loop) -> _Loop:
   """One decode step of every running row, or the shards out of blocks.
 
   `with_beams` (static) compiles the beam-search step in; without it, no
@@ -95,31 +94,36 @@ def _decode_step(graphdef, params_state, rows: RowParams, with_beams: bool,
   shaped = lambda a: a.reshape(num_shards, -1, *a.shape[1:])
   flat = lambda a: a.reshape(-1, *a.shape[2:])
   state, plan = jax.vmap(bm.append_slots)(
-      loop.state, local, shaped(loop.last_token[:, None]),
-      shaped(running.astype(jnp.int32)))
+    loop.state, local, shaped(loop.last_token[:, None]), shaped(running.astype(jnp.int32))
+  )
 
   def advance(_):
     kv = _copy_blocks(loop.kv, plan)
     num_tokens = flat(jax.vmap(bm.get_num_tokens)(state, local))
     slot_mapping = jax.vmap(functools.partial(bm.get_slot_mapping, width=1))(
-        state, local, shaped(running.astype(jnp.int32)))
+      state, local, shaped(running.astype(jnp.int32))
+    )
     cache = sharding.paged_cache(
-        kv=kv, block_tables=flat(jax.vmap(bm.get_block_tables)(state, local)),
-        slot_mapping=flat(slot_mapping))
+      kv=kv,
+      block_tables=flat(jax.vmap(bm.get_block_tables)(state, local)),
+      slot_mapping=flat(slot_mapping),
+    )
     positions = jnp.where(running, num_tokens - 1, -1)[:, None]
     model = nnx.merge(graphdef, params_state)
-    logits, cache = model(sharding.split_rows(loop.last_token[:, None], kv),
-                          sharding.split_rows(positions, kv), cache)
+    logits, cache = model(
+      sharding.split_rows(loop.last_token[:, None], kv), sharding.split_rows(positions, kv), cache
+    )
     num_logprobs = loop.draws.top_ids.shape[-1]
     draw = sample_rows(logits[:, 0], rows, loop.num_generated, num_logprobs)
     column = jnp.where(running, loop.step, loop.draws.tokens.shape[1])
     draws = jax.tree.map(
-        lambda out, new: out.at[jnp.arange(out.shape[0]), column].set(
-            new, mode="drop"), loop.draws, draw)
+      lambda out, new: out.at[jnp.arange(out.shape[0]), column].set(new, mode="drop"),
+      loop.draws,
+      draw,
+    )
     sampled = running & (loop.beams.leader < 0)
     num_generated = loop.num_generated + sampled
-    done = sampled & ((num_generated >= loop.limit)
-                      | is_stop(draw.tokens, rows.stop_ids))
+    done = sampled & ((num_generated >= loop.limit) | is_stop(draw.tokens, rows.stop_ids))
     used = cfg.num_gpu_blocks - jax.vmap(bm.num_free_gpu_blocks)(state)
     held = jnp.sum(num_tokens)
     seq_ids = jnp.where(done, -1, loop.seq_ids)
@@ -129,66 +133,104 @@ def _decode_step(graphdef, params_state, rows: RowParams, with_beams: bool,
 
     def beam_step(_):
       beams, moves = beam.step(
-          loop.beams, jax.nn.log_softmax(logits[:, 0].astype(jnp.float32)),
-          running, rows.stop_ids, loop.limit, seq_ids, last_token,
-          num_generated)
+        loop.beams,
+        jax.nn.log_softmax(logits[:, 0].astype(jnp.float32)),
+        running,
+        rows.stop_ids,
+        loop.limit,
+        seq_ids,
+        last_token,
+        num_generated,
+      )
       per = s // num_shards
       forked, _ = jax.vmap(bm.fork_each)(
-          state, _pairs_per_shard(moves.fork_parents, num_shards, per),
-          _pairs_per_shard(moves.fork_children, num_shards, per))
+        state,
+        _pairs_per_shard(moves.fork_parents, num_shards, per),
+        _pairs_per_shard(moves.fork_children, num_shards, per),
+      )
       return forked, beams, moves
 
     def no_beams(_):
-      return state, loop.beams, beam.BeamMoves(
+      return (
+        state,
+        loop.beams,
+        beam.BeamMoves(
           fork_parents=jnp.full(num_pairs, -1),
           fork_children=jnp.full(num_pairs, -1),
-          dropped=jnp.zeros(s, bool), seq_ids=seq_ids, last_token=last_token,
-          num_generated=num_generated, finished=jnp.zeros(s, bool))
+          dropped=jnp.zeros(s, bool),
+          seq_ids=seq_ids,
+          last_token=last_token,
+          num_generated=num_generated,
+          finished=jnp.zeros(s, bool),
+        ),
+      )
 
-    forked, beams, moves = jax.lax.cond(
-        jnp.any(running & (loop.beams.leader >= 0)), beam_step, no_beams,
-        None) if with_beams else no_beams(None)
-    freed, _ = jax.vmap(bm.free)(forked, _per_shard(
-        jnp.where(done | moves.dropped, loop.seq_ids, -1), num_shards))
+    forked, beams, moves = (
+      jax.lax.cond(jnp.any(running & (loop.beams.leader >= 0)), beam_step, no_beams, None)
+      if with_beams
+      else no_beams(None)
+    )
+    freed, _ = jax.vmap(bm.free)(
+      forked, _per_shard(jnp.where(done | moves.dropped, loop.seq_ids, -1), num_shards)
+    )
     return loop.replace(
-        state=freed, kv=cache.kv, seq_ids=moves.seq_ids,
-        last_token=moves.last_token, num_generated=moves.num_generated,
-        beams=beams, draws=draws, step=loop.step + 1,
-        finished_any=loop.finished_any | jnp.any(done)
-        | jnp.any(moves.finished),
-        cow_copies=loop.cow_copies + jnp.sum(plan.count),
-        peak_blocks=jnp.maximum(loop.peak_blocks, jnp.max(used)),
-        utilization_sum=loop.utilization_sum
-        + held / jnp.maximum(jnp.sum(used) * cfg.block_size, 1))
+      state=freed,
+      kv=cache.kv,
+      seq_ids=moves.seq_ids,
+      last_token=moves.last_token,
+      num_generated=moves.num_generated,
+      beams=beams,
+      draws=draws,
+      step=loop.step + 1,
+      finished_any=loop.finished_any | jnp.any(done) | jnp.any(moves.finished),
+      cow_copies=loop.cow_copies + jnp.sum(plan.count),
+      peak_blocks=jnp.maximum(loop.peak_blocks, jnp.max(used)),
+      utilization_sum=loop.utilization_sum + held / jnp.maximum(jnp.sum(used) * cfg.block_size, 1),
+    )
 
   out_of_blocks = plan.status != Status.OK
-  return jax.lax.cond(~jnp.any(out_of_blocks), advance,
-                      lambda _: loop.replace(out_of_blocks=out_of_blocks),
-                      None)
+  return jax.lax.cond(
+    ~jnp.any(out_of_blocks), advance, lambda _: loop.replace(out_of_blocks=out_of_blocks), None
+  )
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=(3,))
-def _decode_loop(graphdef, params_state, rows: RowParams, loop: _Loop,
-                 stop_on_finish, with_beams: bool) -> _Loop:
+def _decode_loop(
+  graphdef, params_state, rows: RowParams, loop: _Loop, stop_on_finish, with_beams: bool
+) -> _Loop:
   """Decodes until no row runs, a shard runs out of blocks, the launch's
   steps are done, or (if asked) a row finishes."""
   num_steps = loop.draws.tokens.shape[1]
 
   def keep_going(loop):
-    return (jnp.any(loop.seq_ids >= 0) & ~jnp.any(loop.out_of_blocks)
-            & (loop.step < num_steps) & ~(stop_on_finish & loop.finished_any))
+    return (
+      jnp.any(loop.seq_ids >= 0)
+      & ~jnp.any(loop.out_of_blocks)
+      & (loop.step < num_steps)
+      & ~(stop_on_finish & loop.finished_any)
+    )
 
   loop = jax.lax.while_loop(
-      keep_going,
-      functools.partial(_decode_step, graphdef, params_state, rows,
-                        with_beams), loop)
+    keep_going, functools.partial(_decode_step, graphdef, params_state, rows, with_beams), loop
+  )
   kv = loop.kv
   return sharding.replicate(loop.replace(kv=None), kv).replace(kv=kv)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 9, 10), donate_argnums=(2,))
-def _prefill(graphdef, params_state, kv, states, tokens, positions, local,
-             chunk_of, rows, num_logprobs, block_size):
+def _prefill(
+  graphdef,
+  params_state,
+  kv,
+  states,
+  tokens,
+  positions,
+  local,
+  chunk_of,
+  rows,
+  num_logprobs,
+  block_size,
+):
   """Runs prompt chunks, then draws token 0 of sequences from their logits.
 
   Rows of `tokens` and `positions` are chunks (padding has position -1),
@@ -198,14 +240,14 @@ def _prefill(graphdef, params_state, kv, states, tokens, positions, local,
   """
   tables = jax.vmap(manager.get_block_tables)(states, local)
   tables = tables.reshape(-1, tables.shape[-1])
-  blocks = jnp.take_along_axis(tables, jnp.maximum(positions, 0) // block_size,
-                               axis=1)
-  slots = jnp.where((positions >= 0) & (blocks >= 0),
-                    blocks * block_size + positions % block_size, -1)
+  blocks = jnp.take_along_axis(tables, jnp.maximum(positions, 0) // block_size, axis=1)
+  slots = jnp.where(
+    (positions >= 0) & (blocks >= 0), blocks * block_size + positions % block_size, -1
+  )
   cache = sharding.paged_cache(kv=kv, block_tables=tables, slot_mapping=slots)
   logits, cache = nnx.merge(graphdef, params_state)(
-      sharding.split_rows(tokens, kv), sharding.split_rows(positions, kv),
-      cache)
+    sharding.split_rows(tokens, kv), sharding.split_rows(positions, kv), cache
+  )
   last = jnp.maximum(jnp.sum(positions >= 0, axis=1) - 1, 0)
   last_logits = logits[chunk_of, last[chunk_of]]
   index = jnp.zeros(chunk_of.shape, jnp.int32)
@@ -229,14 +271,12 @@ def _read_shard(op, states, shard, *args):
 
 
 def _mark_computed(state, seq_ids, num_computed_tokens):
-  return manager.mark_blocks_as_computed(state, seq_ids,
-                                         num_computed_tokens), None
+  return manager.mark_blocks_as_computed(state, seq_ids, num_computed_tokens), None
 
 
 _start_beams = jax.jit(beam.Beams.start)
 _clear_beams = jax.jit(beam.Beams.clear)
-_hit_counts = jax.jit(lambda states: (jnp.sum(states.num_hits),
-                                      jnp.sum(states.num_lookups)))
+_hit_counts = jax.jit(lambda states: (jnp.sum(states.num_hits), jnp.sum(states.num_lookups)))
 
 
 def bucket(size: int, minimum: int = 1) -> int:
@@ -261,48 +301,58 @@ class ModelRunner:
       (static: it sizes the beam state).
   """
 
-  def __init__(self, model, cfg: CacheConfig, *, kv_cache_dtype=None,
-               num_logprobs: int = 0, stop_width: int = 4, mesh=None,
-               max_beam_width: int = 4):
+  def __init__(
+    self,
+    model,
+    cfg: CacheConfig,
+    *,
+    kv_cache_dtype=None,
+    num_logprobs: int = 0,
+    stop_width: int = 4,
+    mesh=None,
+    max_beam_width: int = 4,
+  ):
     self.cfg = cfg
     self.bm = BlockSpaceManager(cfg)
     mc = model.config
     dtype = jnp.dtype(mc.dtype if kv_cache_dtype is None else kv_cache_dtype)
     if mesh is None:
       self.num_shards = 1
-      self.kv = KVCache.create(cfg, mc.num_layers, mc.num_kv_heads,
-                               mc.head_dim, dtype=dtype)
+      self.kv = KVCache.create(cfg, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype=dtype)
       replicated = self.kv.k[0].sharding
     else:
       self.num_shards = mesh.shape["data"]
       model = sharding.shard_model(model, mesh)
-      self.kv = sharding.create_kv_cache(cfg, mc.num_layers, mc.num_kv_heads,
-                                         mc.head_dim, dtype, mesh)
-      replicated = jax.sharding.NamedSharding(mesh,
-                                              jax.sharding.PartitionSpec())
+      self.kv = sharding.create_kv_cache(
+        cfg, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, mesh
+      )
+      replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     self.graphdef, self.params = nnx.split(model)
     # The states live where the pages do, so that every jitted call sees
     # the same input shardings before and after its first run (one compile).
-    self.state = jax.device_put(sharding.init_states(self.bm, self.num_shards),
-                                replicated)
+    self.state = jax.device_put(sharding.init_states(self.bm, self.num_shards), replicated)
     s = self.num_shards * cfg.max_seqs
-    self.beams = jax.device_put(beam.Beams.create(
-        s, max_beam_width, cfg.max_tokens_per_seq), replicated)
+    self.beams = jax.device_put(
+      beam.Beams.create(s, max_beam_width, cfg.max_tokens_per_seq), replicated
+    )
     self.max_beam_width = max_beam_width
     self.in_beam_group = np.zeros(s, bool)
     self.num_logprobs, self.stop_width = num_logprobs, stop_width
     key_words = jax.random.key_data(jax.random.key(0)).shape[-1]
     self.rows = RowParams(
-        temperature=np.zeros(s, np.float32), top_k=np.zeros(s, np.int32),
-        top_p=np.ones(s, np.float32), key_data=np.zeros((s, key_words),
-                                                        np.uint32),
-        stop_ids=np.full((s, stop_width), -1, np.int32))
+      temperature=np.zeros(s, np.float32),
+      top_k=np.zeros(s, np.int32),
+      top_p=np.ones(s, np.float32),
+      key_data=np.zeros((s, key_words), np.uint32),
+      stop_ids=np.full((s, stop_width), -1, np.int32),
+    )
     self.seq_ids = np.full(s, -1, np.int32)
     self.last_token = np.zeros(s, np.int32)
     self.num_generated = np.zeros(s, np.int32)
     self.limit = np.zeros(s, np.int32)
-    self.counters = dict(cow_copies=0, peak_blocks=0, utilization_sum=0.0,
-                         decode_steps=0, loop_launches=0, swaps=0)
+    self.counters = dict(
+      cow_copies=0, peak_blocks=0, utilization_sum=0.0, decode_steps=0, loop_launches=0, swaps=0
+    )
 
   # Shards.
   def shard_slots(self, shard: int) -> range:
@@ -323,12 +373,10 @@ class ModelRunner:
 
   # Queries the scheduler asks.
   def can_allocate(self, num_tokens: int, shard: int = 0) -> AllocStatus:
-    return AllocStatus(int(_read_shard(manager.can_allocate, self.state,
-                                       shard, num_tokens)))
+    return AllocStatus(int(_read_shard(manager.can_allocate, self.state, shard, num_tokens)))
 
   def num_free_gpu_blocks(self, shard: int = 0) -> int:
-    return int(_read_shard(BlockSpaceManager.num_free_gpu_blocks, self.state,
-                           shard))
+    return int(_read_shard(BlockSpaceManager.num_free_gpu_blocks, self.state, shard))
 
   def num_running(self, shard: int = 0) -> int:
     """Rows of `shard` that decode."""
@@ -340,18 +388,26 @@ class ModelRunner:
 
   def can_swap_in(self, slots) -> AllocStatus:
     shard, local = self._local(slots)
-    return AllocStatus(int(_read_shard(manager.can_swap_in, self.state,
-                                       shard, local)))
+    return AllocStatus(int(_read_shard(manager.can_swap_in, self.state, shard, local)))
 
   # Rows.
-  def set_row(self, slot: int, *, temperature: float, top_k: int,
-              top_p: float, key_data: np.ndarray, stop_ids, limit: int):
+  def set_row(
+    self,
+    slot: int,
+    *,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    key_data: np.ndarray,
+    stop_ids,
+    limit: int,
+  ):
     """Gives `slot` a request's sampling parameters and token limit."""
     rows = self.rows
     rows.temperature[slot], rows.top_k[slot] = temperature, top_k
     rows.top_p[slot], rows.key_data[slot] = top_p, key_data
     rows.stop_ids[slot] = -1
-    rows.stop_ids[slot, :len(stop_ids)] = stop_ids
+    rows.stop_ids[slot, : len(stop_ids)] = stop_ids
     self.limit[slot] = limit
 
   def start(self, slot: int, last_token: int, num_generated: int):
@@ -369,8 +425,7 @@ class ModelRunner:
   # Beam groups.
   def start_beams(self, slots, width: int, length_penalty: float) -> None:
     """Makes `slots` (leader first) a beam group of `width` beams."""
-    self.beams = _start_beams(self.beams, np.asarray(slots, np.int32), width,
-                              length_penalty)
+    self.beams = _start_beams(self.beams, np.asarray(slots, np.int32), width, length_penalty)
     self.in_beam_group[np.asarray(slots)] = True
 
   def clear_beams(self, slots) -> None:
@@ -385,9 +440,11 @@ class ModelRunner:
     """The best `count` finished hypotheses of a group, best first:
     `(tokens, cumulative logprob, stopped)` triples."""
     b = jax.device_get(jax.tree.map(lambda a: a[leader], self.beams))
-    return [(b.hyp_tokens[i, :b.hyp_len[i]].tolist(), float(b.hyp_logprob[i]),
-             bool(b.hyp_stopped[i])) for i in range(count)
-            if b.hyp_score[i] > -np.inf]
+    return [
+      (b.hyp_tokens[i, : b.hyp_len[i]].tolist(), float(b.hyp_logprob[i]), bool(b.hyp_stopped[i]))
+      for i in range(count)
+      if b.hyp_score[i] > -np.inf
+    ]
 
   def held(self, slots) -> list[int]:
     """The slots among `slots` that hold a block table (on either device)."""
@@ -410,12 +467,12 @@ class ModelRunner:
     """Allocates `tokens` into `slot`; returns how many are already computed
     (prefix-cache hits whose K/V an earlier prefill wrote)."""
     padded = np.zeros(self.cfg.max_tokens_per_seq, np.int32)
-    padded[:tokens.size] = tokens
-    shard, result = self._update(manager.allocate, [slot], padded,
-                                 tokens.size)
+    padded[: tokens.size] = tokens
+    shard, result = self._update(manager.allocate, [slot], padded, tokens.size)
     self._check(result, f"allocate of {tokens.size} tokens into seq {slot}")
-    _, computed_blocks = _read_shard(manager.get_common_computed_block_ids,
-                                     self.state, shard, self._local([slot])[1])
+    _, computed_blocks = _read_shard(
+      manager.get_common_computed_block_ids, self.state, shard, self._local([slot])[1]
+    )
     return int(computed_blocks) * self.cfg.block_size
 
   def mark_computed(self, slots, num_computed) -> None:
@@ -428,8 +485,7 @@ class ModelRunner:
 
   def fork(self, parent: int, child: int) -> None:
     shard, (local_parent, local_child) = self._local([parent, child])
-    self.state, result = _on_shard(manager.fork, self.state, shard,
-                                   local_parent, local_child)
+    self.state, result = _on_shard(manager.fork, self.state, shard, local_parent, local_child)
     self._check(result, f"fork of seq {parent} into seq {child}")
 
   def free(self, slots) -> None:
@@ -443,15 +499,17 @@ class ModelRunner:
     shard, plan = self._update(BlockSpaceManager.swap_out, slots)
     self.stop(slots)
     self._check(plan, f"swap out of seqs {list(slots)}")
-    self.kv = kv_ops.swap_out(self.kv, sharding.shard_plan(
-        plan, shard, self.cfg.num_gpu_blocks, self.cfg.num_cpu_blocks))
+    self.kv = kv_ops.swap_out(
+      self.kv, sharding.shard_plan(plan, shard, self.cfg.num_gpu_blocks, self.cfg.num_cpu_blocks)
+    )
     self.counters["swaps"] += int(plan.count)
 
   def swap_in(self, slots) -> None:
     shard, plan = self._update(BlockSpaceManager.swap_in, slots)
     self._check(plan, f"swap in of seqs {list(slots)}")
-    self.kv = kv_ops.swap_in(self.kv, sharding.shard_plan(
-        plan, shard, self.cfg.num_cpu_blocks, self.cfg.num_gpu_blocks))
+    self.kv = kv_ops.swap_in(
+      self.kv, sharding.shard_plan(plan, shard, self.cfg.num_cpu_blocks, self.cfg.num_gpu_blocks)
+    )
     self.counters["swaps"] += int(plan.count)
 
   # Model calls.
@@ -478,36 +536,57 @@ class ModelRunner:
     row_of = []
     for shard, (slot, chunk, start) in zip(shard_of, chunks):
       row = shard * per_row + filled[shard]
-      tokens[row, :chunk.size] = chunk
-      positions[row, :chunk.size] = np.arange(start, start + chunk.size)
+      tokens[row, : chunk.size] = chunk
+      positions[row, : chunk.size] = np.arange(start, start + chunk.size)
       local[shard, filled[shard]] = slot % per_shard
       filled[shard] += 1
       row_of.append(row)
-    num_draws = d * per_shard   # one compile, whatever the samples
+    num_draws = d * per_shard  # one compile, whatever the samples
     chunk_of = np.zeros(num_draws, np.int32)
     sample_slots = np.zeros(num_draws, np.int32)
     for i, (chunk, slot) in enumerate(samples):
       chunk_of[i], sample_slots[i] = row_of[chunk], slot
     rows = jax.tree.map(lambda a: a[sample_slots], self.rows)
-    draw, self.kv = _prefill(self.graphdef, self.params, self.kv, self.state,
-                             tokens, positions, local, chunk_of, rows,
-                             self.num_logprobs, self.cfg.block_size)
-    return jax.tree.map(lambda a: np.asarray(a)[:len(samples)], draw)
+    draw, self.kv = _prefill(
+      self.graphdef,
+      self.params,
+      self.kv,
+      self.state,
+      tokens,
+      positions,
+      local,
+      chunk_of,
+      rows,
+      self.num_logprobs,
+      self.cfg.block_size,
+    )
+    return jax.tree.map(lambda a: np.asarray(a)[: len(samples)], draw)
 
   def decode_carry(self, num_steps: int) -> _Loop:
     """The decode loop's carry for a launch of up to `num_steps` steps."""
     s, k = self.seq_ids.shape[0], self.num_logprobs
-    draws = Draw(tokens=jnp.zeros((s, num_steps), jnp.int32),
-                 logprob=jnp.zeros((s, num_steps), jnp.float32),
-                 top_ids=jnp.zeros((s, num_steps, k), jnp.int32),
-                 top_logprobs=jnp.zeros((s, num_steps, k), jnp.float32))
+    draws = Draw(
+      tokens=jnp.zeros((s, num_steps), jnp.int32),
+      logprob=jnp.zeros((s, num_steps), jnp.float32),
+      top_ids=jnp.zeros((s, num_steps, k), jnp.int32),
+      top_logprobs=jnp.zeros((s, num_steps, k), jnp.float32),
+    )
     return _Loop(
-        state=self.state, kv=self.kv, seq_ids=self.seq_ids,
-        last_token=self.last_token, num_generated=self.num_generated,
-        limit=self.limit, beams=self.beams, draws=draws, step=jnp.int32(0),
-        out_of_blocks=jnp.zeros(self.num_shards, bool),
-        finished_any=jnp.array(False), cow_copies=jnp.int32(0),
-        peak_blocks=jnp.int32(0), utilization_sum=jnp.float32(0.0))
+      state=self.state,
+      kv=self.kv,
+      seq_ids=self.seq_ids,
+      last_token=self.last_token,
+      num_generated=self.num_generated,
+      limit=self.limit,
+      beams=self.beams,
+      draws=draws,
+      step=jnp.int32(0),
+      out_of_blocks=jnp.zeros(self.num_shards, bool),
+      finished_any=jnp.array(False),
+      cow_copies=jnp.int32(0),
+      peak_blocks=jnp.int32(0),
+      utilization_sum=jnp.float32(0.0),
+    )
 
   def decode(self, num_steps: int, stop_on_finish: bool):
     """Runs up to `num_steps` decode steps of the running rows.
@@ -523,22 +602,26 @@ class ModelRunner:
     loop = self.decode_carry(num_steps)
     # The beam step compiles only once a beam group runs.
     with_beams = bool(np.any(self.in_beam_group & running))
-    loop = _decode_loop(self.graphdef, self.params, self.rows, loop,
-                        jnp.array(stop_on_finish), with_beams)
+    loop = _decode_loop(
+      self.graphdef, self.params, self.rows, loop, jnp.array(stop_on_finish), with_beams
+    )
     self.state, self.kv, self.beams = loop.state, loop.kv, loop.beams
     self.seq_ids = np.array(loop.seq_ids)
     self.last_token = np.array(loop.last_token)
     self.num_generated = np.array(loop.num_generated)
     counters = self.counters
     counters["cow_copies"] += int(loop.cow_copies)
-    counters["peak_blocks"] = max(counters["peak_blocks"],
-                                  int(loop.peak_blocks))
+    counters["peak_blocks"] = max(counters["peak_blocks"], int(loop.peak_blocks))
     counters["utilization_sum"] += float(loop.utilization_sum)
     counters["decode_steps"] += int(loop.step)
     counters["loop_launches"] += 1
     finished = running & (self.seq_ids < 0)
-    return (jax.tree.map(np.asarray, loop.draws), self.num_generated - before,
-            finished, np.array(loop.out_of_blocks))
+    return (
+      jax.tree.map(np.asarray, loop.draws),
+      self.num_generated - before,
+      finished,
+      np.array(loop.out_of_blocks),
+    )
 
   def prefix_cache_hit_rate(self) -> float:
     """Hits over lookups of every shard's prefix cache (-1 when disabled)."""

@@ -48,19 +48,16 @@ def _filtered(logits: jax.Array, top_k: jax.Array, top_p: jax.Array):
   """Sets the tokens outside each row's top-k and top-p nucleus to -inf."""
   ordered = -jnp.sort(-logits, axis=-1)
   vocab = logits.shape[-1]
-  kth = jnp.take_along_axis(
-      ordered, jnp.clip(top_k - 1, 0, vocab - 1)[:, None], axis=-1)
+  kth = jnp.take_along_axis(ordered, jnp.clip(top_k - 1, 0, vocab - 1)[:, None], axis=-1)
   kth = jnp.where(top_k[:, None] > 0, kth, -jnp.inf)
   ordered = jnp.where(ordered < kth, -jnp.inf, ordered)
   probs = jax.nn.softmax(ordered, axis=-1)
   before = jnp.cumsum(probs, axis=-1) - probs
-  cutoff = jnp.min(jnp.where(before < top_p[:, None], ordered, jnp.inf),
-                   axis=-1, keepdims=True)
+  cutoff = jnp.min(jnp.where(before < top_p[:, None], ordered, jnp.inf), axis=-1, keepdims=True)
   return jnp.where(logits < jnp.maximum(kth, cutoff), -jnp.inf, logits)
 
 
-def sample_rows(logits: jax.Array, params: RowParams, index: jax.Array,
-                num_logprobs: int) -> Draw:
+def sample_rows(logits: jax.Array, params: RowParams, index: jax.Array, num_logprobs: int) -> Draw:
   """Draws one token per row.
 
   Args:
@@ -81,13 +78,15 @@ def sample_rows(logits: jax.Array, params: RowParams, index: jax.Array,
   def draw(_):
     scaled = logits / jnp.where(greedy, 1.0, params.temperature)[:, None]
     truncating = ~greedy & ((params.top_k > 0) | (params.top_p < 1.0))
-    filtered = jax.lax.cond(   # the vocabulary sort only when a row needs it
-        jnp.any(truncating),
-        lambda x: jnp.where(truncating[:, None],
-                            _filtered(x, params.top_k, params.top_p), x),
-        lambda x: x, scaled)
-    keys = jax.vmap(lambda data, i: jax.random.fold_in(
-        jax.random.wrap_key_data(data), i))(params.key_data, index)
+    filtered = jax.lax.cond(  # the vocabulary sort only when a row needs it
+      jnp.any(truncating),
+      lambda x: jnp.where(truncating[:, None], _filtered(x, params.top_k, params.top_p), x),
+      lambda x: x,
+      scaled,
+    )
+    keys = jax.vmap(lambda data, i: jax.random.fold_in(jax.random.wrap_key_data(data), i))(
+      params.key_data, index
+    )
     return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
 
   argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -95,8 +94,9 @@ def sample_rows(logits: jax.Array, params: RowParams, index: jax.Array,
   tokens = jnp.where(greedy, argmax, drawn)
   logprob = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
   top_logprobs, top_ids = jax.lax.top_k(logprobs, num_logprobs)
-  return Draw(tokens=tokens, logprob=logprob, top_ids=top_ids.astype(jnp.int32),
-              top_logprobs=top_logprobs)
+  return Draw(
+    tokens=tokens, logprob=logprob, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs
+  )
 
 
 def is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:

@@ -33,19 +33,19 @@ class Sequence:
   """One sequence of a group, as the host tracks it."""
 
   index: int
-  key_data: np.ndarray    # the sequence's PRNG key (raw words)
+  key_data: np.ndarray  # the sequence's PRNG key (raw words)
   slot: int = -1
   token_ids: list[int] = dataclasses.field(default_factory=list)
   token_logprobs: list[float] = dataclasses.field(default_factory=list)
-  cumulative_logprob: float | None = None   # a beam's, read from the device
+  cumulative_logprob: float | None = None  # a beam's, read from the device
   logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
   finish_reason: str | None = None
   stop_reason: int | str | None = None
   text: str = ""
-  sent_text: int = 0      # characters already streamed (delta outputs)
-  sent_tokens: int = 0    # tokens already streamed (delta outputs)
+  sent_text: int = 0  # characters already streamed (delta outputs)
+  sent_tokens: int = 0  # tokens already streamed (delta outputs)
   prefill: np.ndarray | None = None  # tokens to put in the cache on admission
-  num_computed: int = 0   # tokens of `prefill` in the cache
+  num_computed: int = 0  # tokens of `prefill` in the cache
 
   @property
   def finished(self) -> bool:
@@ -54,8 +54,7 @@ class Sequence:
   @property
   def allocated(self) -> bool:
     """Whether the sequence holds a table in its slot."""
-    return self.slot >= 0 and (self.prefill is not None
-                               or bool(self.token_ids))
+    return self.slot >= 0 and (self.prefill is not None or bool(self.token_ids))
 
 
 @dataclasses.dataclass
@@ -67,13 +66,13 @@ class SequenceGroup:
   prompt_token_ids: np.ndarray
   params: SamplingParams
   arrival: int
-  limit: int              # tokens each sequence draws at most
+  limit: int  # tokens each sequence draws at most
   stop_ids: tuple[int, ...]
   seqs: list[Sequence]
   error: str | None = None
   beam_slots: list[int] = dataclasses.field(default_factory=list)
-  shard: int = 0          # the data shard that serves it
-  load: int = 0           # tokens it adds to its shard's load
+  shard: int = 0  # the data shard that serves it
+  load: int = 0  # tokens it adds to its shard's load
 
   @property
   def beam(self) -> bool:
@@ -119,9 +118,14 @@ class Scheduler:
       (one scheduler per shard).
   """
 
-  def __init__(self, runner: ModelRunner, max_num_seqs: int,
-               max_num_batched_tokens: int, preemption_mode: str,
-               shard: int = 0):
+  def __init__(
+    self,
+    runner: ModelRunner,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    preemption_mode: str,
+    shard: int = 0,
+  ):
     self.runner = runner
     self.shard = shard
     self.max_num_seqs = max_num_seqs
@@ -197,16 +201,16 @@ class Scheduler:
     for group in self.running:
       budget = self._plan_chunks(group, budget, chunks)
     failed = []
-    while (self.waiting and not self.swapped and budget > 0
-           and not preempted):
+    while self.waiting and not self.swapped and budget > 0 and not preempted:
       group = self.waiting[0]
       status = self._admissible(group)
       if status == AllocStatus.NEVER:
         self.waiting.popleft()
         group.error = group.error or (
-            f"request {group.request_id!r} cannot be admitted: it needs more "
-            f"blocks or sequence slots than the cache has with nothing else "
-            f"running ({self.runner.cfg})")
+          f"request {group.request_id!r} cannot be admitted: it needs more "
+          f"blocks or sequence slots than the cache has with nothing else "
+          f"running ({self.runner.cfg})"
+        )
         failed.append(group)
         continue
       if status == AllocStatus.LATER:
@@ -222,19 +226,16 @@ class Scheduler:
   def _admissible(self, group: SequenceGroup) -> AllocStatus:
     live = group.live()
     cfg = self.runner.cfg
-    seqs_ok = (self.num_running_seqs() + len(live) <= self.max_num_seqs
-               and group.num_slots() <= len(self.free_slots))
+    seqs_ok = self.num_running_seqs() + len(live) <= self.max_num_seqs and group.num_slots() <= len(
+      self.free_slots
+    )
     if group.fresh:
-      status = self.runner.can_allocate(group.prompt_token_ids.size,
-                                        self.shard)
+      status = self.runner.can_allocate(group.prompt_token_ids.size, self.shard)
     else:
-      needed = sum(cfg.blocks_for(len(group.prompt_token_ids)
-                                  + len(s.token_ids) - 1) for s in live)
-      if cfg.enable_prefix_caching:   # the prompt's full blocks are shared
-        needed -= (len(live) - 1) * (len(group.prompt_token_ids)
-                                     // cfg.block_size)
-      free = (self.runner.num_free_gpu_blocks(self.shard)
-              - cfg.watermark_blocks)
+      needed = sum(cfg.blocks_for(len(group.prompt_token_ids) + len(s.token_ids) - 1) for s in live)
+      if cfg.enable_prefix_caching:  # the prompt's full blocks are shared
+        needed -= (len(live) - 1) * (len(group.prompt_token_ids) // cfg.block_size)
+      free = self.runner.num_free_gpu_blocks(self.shard) - cfg.watermark_blocks
       status = AllocStatus.OK if needed <= free else AllocStatus.LATER
     if status == AllocStatus.OK and not seqs_ok:
       status = AllocStatus.LATER
@@ -251,10 +252,15 @@ class Scheduler:
     params = group.params
     for seq, slot in zip(live, self._take_slots(len(live))):
       seq.slot = slot
-      self.runner.set_row(slot, temperature=params.temperature,
-                          top_k=params.top_k, top_p=params.top_p,
-                          key_data=seq.key_data, stop_ids=group.stop_ids,
-                          limit=group.limit)
+      self.runner.set_row(
+        slot,
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        key_data=seq.key_data,
+        stop_ids=group.stop_ids,
+        limit=group.limit,
+      )
     if group.fresh:
       leader = live[0]
       leader.prefill = group.prompt_token_ids
@@ -262,8 +268,8 @@ class Scheduler:
     else:
       for seq in live:
         seq.prefill = np.concatenate(
-            [group.prompt_token_ids, np.asarray(seq.token_ids[:-1],
-                                                np.int32)])
+          [group.prompt_token_ids, np.asarray(seq.token_ids[:-1], np.int32)]
+        )
         seq.num_computed = self.runner.allocate(seq.slot, seq.prefill)
     self.running.append(group)
 
@@ -273,11 +279,16 @@ class Scheduler:
     the first beams)."""
     slots = self._take_slots(group.num_slots())
     for slot in slots:
-      self.runner.set_row(slot, temperature=0.0, top_k=0, top_p=1.0,
-                          key_data=group.seqs[0].key_data,
-                          stop_ids=group.stop_ids, limit=group.limit)
-    self.runner.start_beams(slots, group.params.n,
-                            group.params.length_penalty)
+      self.runner.set_row(
+        slot,
+        temperature=0.0,
+        top_k=0,
+        top_p=1.0,
+        key_data=group.seqs[0].key_data,
+        stop_ids=group.stop_ids,
+        limit=group.limit,
+      )
+    self.runner.start_beams(slots, group.params.n, group.params.length_penalty)
     group.beam_slots = slots
     leader = group.seqs[0]
     leader.slot = slots[0]
@@ -291,7 +302,7 @@ class Scheduler:
         continue
       count = min(seq.prefill.size - seq.num_computed, budget)
       start = seq.num_computed
-      chunks.append((group, seq, seq.prefill[start:start + count], start))
+      chunks.append((group, seq, seq.prefill[start : start + count], start))
       self.prefill_tokens += count
       budget -= count
     return budget
@@ -303,8 +314,10 @@ class Scheduler:
     while self.swapped:
       group = self.swapped[0]
       slots = self._held(group)
-      if (self.num_running_seqs() + len(group.live()) > self.max_num_seqs
-          or self.runner.can_swap_in(slots) != AllocStatus.OK):
+      if (
+        self.num_running_seqs() + len(group.live()) > self.max_num_seqs
+        or self.runner.can_swap_in(slots) != AllocStatus.OK
+      ):
         return
       self.swapped.popleft()
       self.runner.swap_in(slots)
@@ -331,10 +344,11 @@ class Scheduler:
     candidates = [g for g in self.running if not g.finished]
     if len(candidates) < 2:
       raise RuntimeError(
-          f"request {candidates[0].request_id!r} ran out of GPU blocks with "
-          f"nothing else running ({self.runner.num_free_gpu_blocks(self.shard)}"
-          " free of "
-          f"{self.runner.cfg.num_gpu_blocks})")
+        f"request {candidates[0].request_id!r} ran out of GPU blocks with "
+        f"nothing else running ({self.runner.num_free_gpu_blocks(self.shard)}"
+        " free of "
+        f"{self.runner.cfg.num_gpu_blocks})"
+      )
     group = max(candidates, key=lambda g: g.arrival)
     self.running.remove(group)
     self.num_preemptions += 1
@@ -352,9 +366,10 @@ class Scheduler:
       return group
     if group.beam and decoding:
       raise RuntimeError(
-          f"beam-search request {group.request_id!r} must be preempted but "
-          f"the host pool ({self.runner.cfg.num_cpu_blocks} CPU blocks) cannot "
-          "hold its beams; give the cache more num_cpu_blocks")
+        f"beam-search request {group.request_id!r} must be preempted but "
+        f"the host pool ({self.runner.cfg.num_cpu_blocks} CPU blocks) cannot "
+        "hold its beams; give the cache more num_cpu_blocks"
+      )
     if slots:
       self.runner.free(slots)
     self.release_group(group)

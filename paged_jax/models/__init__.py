@@ -1,25 +1,24 @@
 """Flax NNX models that run on the dense or the paged KV cache."""
 
-from paged_jax.models.checkpoints import load_pretrained
 from paged_jax.models.cache import DenseCache, KVCacheBackend
+from paged_jax.models.checkpoints import load_pretrained
 from paged_jax.models.llama import Llama, LlamaConfig, init_dense_cache
 from paged_jax.models.paged import PagedCache
-from paged_jax.models.pretrained import (load_model, load_tiny, save_model,
-                                         tiny_corpus)
+from paged_jax.models.pretrained import load_model, load_tiny, save_model, tiny_corpus
 from paged_jax.models.tokenizer import ByteTokenizer, PretrainedTokenizer
 
 __all__ = [
-    "ByteTokenizer",
-    "DenseCache",
-    "KVCacheBackend",
-    "Llama",
-    "LlamaConfig",
-    "PagedCache",
-    "PretrainedTokenizer",
-    "init_dense_cache",
-    "load_model",
-    "load_pretrained",
-    "load_tiny",
-    "save_model",
-    "tiny_corpus",
+  "ByteTokenizer",
+  "DenseCache",
+  "KVCacheBackend",
+  "Llama",
+  "LlamaConfig",
+  "PagedCache",
+  "PretrainedTokenizer",
+  "init_dense_cache",
+  "load_model",
+  "load_pretrained",
+  "load_tiny",
+  "save_model",
+  "tiny_corpus",
 ]

@@ -26,14 +26,14 @@ class KVCacheBackend(Protocol):
   """What the attention layer needs from a KV cache."""
 
   def attend(
-      self,
-      layer: int,
-      q: jax.Array,
-      k: jax.Array,
-      v: jax.Array,
-      positions: jax.Array,
-      *,
-      sm_scale: float,
+    self,
+    layer: int,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    positions: jax.Array,
+    *,
+    sm_scale: float,
   ) -> tuple[jax.Array, KVCacheBackend]:
     """Stores `layer`'s new keys and values, then attends over the context.
 
@@ -70,14 +70,14 @@ class DenseCache:
 
   @classmethod
   def create(
-      cls,
-      *,
-      num_layers: int,
-      batch_size: int,
-      max_len: int,
-      num_kv_heads: int,
-      head_dim: int,
-      dtype: jnp.dtype = jnp.float32,
+    cls,
+    *,
+    num_layers: int,
+    batch_size: int,
+    max_len: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: jnp.dtype = jnp.float32,
   ) -> DenseCache:
     """Allocates an empty cache.
 
@@ -95,8 +95,13 @@ class DenseCache:
     Raises:
       ValueError: if a size is not a positive int.
     """
-    sizes = dict(num_layers=num_layers, batch_size=batch_size, max_len=max_len,
-                 num_kv_heads=num_kv_heads, head_dim=head_dim)
+    sizes = dict(
+      num_layers=num_layers,
+      batch_size=batch_size,
+      max_len=max_len,
+      num_kv_heads=num_kv_heads,
+      head_dim=head_dim,
+    )
     for name, value in sizes.items():
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -113,15 +118,15 @@ class DenseCache:
     return self.k[0].shape[1]
 
   def attend(
-      self,
-      layer: int,
-      q: jax.Array,
-      k: jax.Array,
-      v: jax.Array,
-      positions: jax.Array,
-      *,
-      sm_scale: float,
-      sliding_window: int | None = None,
+    self,
+    layer: int,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    positions: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
   ) -> tuple[jax.Array, DenseCache]:
     """See `KVCacheBackend.attend`; `sliding_window` as in `masked_attention`.
 
@@ -134,30 +139,35 @@ class DenseCache:
         match the cache.
     """
     if not 0 <= layer < self.num_layers:
-      raise ValueError(
-          f"layer {layer} out of range for a cache of {self.num_layers} layers")
+      raise ValueError(f"layer {layer} out of range for a cache of {self.num_layers} layers")
     cache_k, cache_v = self.k[layer], self.v[layer]
     batch, _, num_kv_heads, head_dim = cache_k.shape
     if k.shape[0] != batch or k.shape[2:] != (num_kv_heads, head_dim):
       raise ValueError(
-          f"keys of shape {k.shape} do not fit a cache of batch {batch}, "
-          f"{num_kv_heads} kv heads and head_dim {head_dim}")
+        f"keys of shape {k.shape} do not fit a cache of batch {batch}, "
+        f"{num_kv_heads} kv heads and head_dim {head_dim}"
+      )
     rows = jnp.arange(batch)[:, None]
     columns = jnp.where(positions >= 0, positions, self.max_len)
-    cache_k = cache_k.at[rows, columns].set(k.astype(cache_k.dtype),
-                                            mode="drop")
-    cache_v = cache_v.at[rows, columns].set(v.astype(cache_v.dtype),
-                                            mode="drop")
+    cache_k = cache_k.at[rows, columns].set(k.astype(cache_k.dtype), mode="drop")
+    cache_v = cache_v.at[rows, columns].set(v.astype(cache_v.dtype), mode="drop")
     cache_positions = jnp.broadcast_to(
-        jnp.arange(self.max_len, dtype=jnp.int32), (batch, self.max_len))
-    out = layers.masked_attention(q, cache_k.astype(q.dtype),
-                                  cache_v.astype(q.dtype), positions,
-                                  cache_positions, sm_scale=sm_scale,
-                                  sliding_window=sliding_window)
-    new_cache = self.replace(k=_replace_at(self.k, layer, cache_k),
-                             v=_replace_at(self.v, layer, cache_v))
+      jnp.arange(self.max_len, dtype=jnp.int32), (batch, self.max_len)
+    )
+    out = layers.masked_attention(
+      q,
+      cache_k.astype(q.dtype),
+      cache_v.astype(q.dtype),
+      positions,
+      cache_positions,
+      sm_scale=sm_scale,
+      sliding_window=sliding_window,
+    )
+    new_cache = self.replace(
+      k=_replace_at(self.k, layer, cache_k), v=_replace_at(self.v, layer, cache_v)
+    )
     return out, new_cache
 
 
 def _replace_at(items: tuple, index: int, value) -> tuple:
-  return items[:index] + (value,) + items[index + 1:]
+  return items[:index] + (value,) + items[index + 1 :]

@@ -37,13 +37,16 @@ class Llama3RopeScaling:
   original_max_position_embeddings: int
 
   def __post_init__(self):
-    if not (self.factor >= 1.0 and
-            0.0 < self.low_freq_factor < self.high_freq_factor and
-            self.original_max_position_embeddings >= 1):
+    if not (
+      self.factor >= 1.0
+      and 0.0 < self.low_freq_factor < self.high_freq_factor
+      and self.original_max_position_embeddings >= 1
+    ):
       raise ValueError(
-          "llama3 rope scaling needs factor >= 1, 0 < low_freq_factor < "
-          f"high_freq_factor and original_max_position_embeddings >= 1, "
-          f"got {self}")
+        "llama3 rope scaling needs factor >= 1, 0 < low_freq_factor < "
+        f"high_freq_factor and original_max_position_embeddings >= 1, "
+        f"got {self}"
+      )
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -63,7 +66,7 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 
 
 def rope_inverse_frequencies(
-    head_dim: int, theta: float, scaling: Llama3RopeScaling | None = None
+  head_dim: int, theta: float, scaling: Llama3RopeScaling | None = None
 ) -> jax.Array:
   """Rotation speed of each of the `head_dim // 2` RoPE feature pairs.
 
@@ -76,19 +79,21 @@ def rope_inverse_frequencies(
     float32 `[head_dim // 2]`, from 1 down to about `1 / theta`.
   """
   exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
-  inv_freq = 1.0 / (theta ** exponents)
+  inv_freq = 1.0 / (theta**exponents)
   if scaling is None:
     return inv_freq
   context = scaling.original_max_position_embeddings
   wavelength = 2.0 * math.pi / inv_freq
-  smooth = ((context / wavelength - scaling.low_freq_factor)
-            / (scaling.high_freq_factor - scaling.low_freq_factor))
+  smooth = (context / wavelength - scaling.low_freq_factor) / (
+    scaling.high_freq_factor - scaling.low_freq_factor
+  )
   smooth = jnp.clip(smooth, 0.0, 1.0)
   return (1.0 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float,
-               scaling: Llama3RopeScaling | None = None) -> jax.Array:
+def apply_rope(
+  x: jax.Array, positions: jax.Array, theta: float, scaling: Llama3RopeScaling | None = None
+) -> jax.Array:
   """Rotates query or key heads by their absolute positions (rotate-half).
 
   Feature `i` of the first half of a head is paired with feature `i` of the
@@ -105,26 +110,26 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float,
     The rotated array, same shape and dtype as `x`.
   """
   head_dim = x.shape[-1]
-  angles = (jnp.maximum(positions, 0).astype(jnp.float32)[..., None]
-            * rope_inverse_frequencies(head_dim, theta, scaling))
+  angles = jnp.maximum(positions, 0).astype(jnp.float32)[..., None] * rope_inverse_frequencies(
+    head_dim, theta, scaling
+  )
   cos = jnp.cos(angles)[:, :, None, :]
   sin = jnp.sin(angles)[:, :, None, :]
   x32 = x.astype(jnp.float32)
   first, second = jnp.split(x32, 2, axis=-1)
-  rotated = jnp.concatenate(
-      [first * cos - second * sin, second * cos + first * sin], axis=-1)
+  rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
   return rotated.astype(x.dtype)
 
 
 def masked_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    q_positions: jax.Array,
-    k_positions: jax.Array,
-    *,
-    sm_scale: float,
-    sliding_window: int | None = None,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  q_positions: jax.Array,
+  k_positions: jax.Array,
+  *,
+  sm_scale: float,
+  sliding_window: int | None = None,
 ) -> jax.Array:
   """Grouped-query attention where a query sees keys at positions <= its own.
 
@@ -148,22 +153,20 @@ def masked_attention(
   """
   batch, q_tokens, num_q_heads, head_dim = q.shape
   num_kv_heads = k.shape[2]
-  grouped_q = q.reshape(batch, q_tokens, num_kv_heads,
-                        num_q_heads // num_kv_heads, head_dim)
-  logits = jnp.einsum("bqhgd,bkhd->bhgqk", grouped_q, k,
-                      preferred_element_type=jnp.float32) * sm_scale
-  visible = ((k_positions[:, None, :] <= q_positions[:, :, None])
-             & (k_positions[:, None, :] >= 0))
+  grouped_q = q.reshape(batch, q_tokens, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+  logits = (
+    jnp.einsum("bqhgd,bkhd->bhgqk", grouped_q, k, preferred_element_type=jnp.float32) * sm_scale
+  )
+  visible = (k_positions[:, None, :] <= q_positions[:, :, None]) & (k_positions[:, None, :] >= 0)
   if sliding_window is not None:
-    visible &= (k_positions[:, None, :]
-                > q_positions[:, :, None] - sliding_window)
-  logits = jnp.where(visible[:, None, None], logits,
-                     jnp.finfo(jnp.float32).min)
+    visible &= k_positions[:, None, :] > q_positions[:, :, None] - sliding_window
+  logits = jnp.where(visible[:, None, None], logits, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(logits, axis=-1)
   # Zero values no query may read, so stale or NaN cache entries stay out.
   read_by_some_query = jnp.any(visible, axis=1)[:, :, None, None]
   v = jnp.where(read_by_some_query, v, jnp.zeros((), v.dtype))
-  out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v,
-                   preferred_element_type=jnp.float32)
+  out = jnp.einsum(
+    "bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32
+  )
   out = jnp.where((q_positions >= 0)[:, :, None, None, None], out, 0.0)
   return out.reshape(batch, q_tokens, num_q_heads, head_dim).astype(q.dtype)

@@ -19,9 +19,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from flax import nnx
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from paged_jax.models import layers
 from paged_jax.models.cache import DenseCache, KVCacheBackend
@@ -78,15 +78,23 @@ class LlamaConfig:
   sliding_window: int | None = None
 
   def __post_init__(self):
-    for name in ("vocab_size", "num_layers", "num_q_heads", "num_kv_heads",
-                 "head_dim", "hidden", "mlp_hidden", "max_seq_len"):
+    for name in (
+      "vocab_size",
+      "num_layers",
+      "num_q_heads",
+      "num_kv_heads",
+      "head_dim",
+      "hidden",
+      "mlp_hidden",
+      "max_seq_len",
+    ):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     if self.num_q_heads % self.num_kv_heads:
       raise ValueError(
-          f"num_q_heads ({self.num_q_heads}) must be a multiple of "
-          f"num_kv_heads ({self.num_kv_heads})")
+        f"num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+      )
     if self.head_dim % 2:
       raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
     if not self.rope_theta > 1.0:
@@ -97,17 +105,16 @@ class LlamaConfig:
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
     window = self.sliding_window
-    if window is not None and (isinstance(window, bool) or
-                               not isinstance(window, int) or window < 1):
-      raise ValueError(
-          f"sliding_window must be a positive int or None, got {window!r}")
+    if window is not None and (
+      isinstance(window, bool) or not isinstance(window, int) or window < 1
+    ):
+      raise ValueError(f"sliding_window must be a positive int or None, got {window!r}")
     if isinstance(self.rope_scaling, dict):
-      object.__setattr__(self, "rope_scaling",
-                         Llama3RopeScaling(**self.rope_scaling))
+      object.__setattr__(self, "rope_scaling", Llama3RopeScaling(**self.rope_scaling))
     if not isinstance(self.rope_scaling, (Llama3RopeScaling, type(None))):
       raise ValueError(
-          f"rope_scaling must be a Llama3RopeScaling or None, got "
-          f"{self.rope_scaling!r}")
+        f"rope_scaling must be a Llama3RopeScaling or None, got {self.rope_scaling!r}"
+      )
     for name in ("dtype", "param_dtype"):
       value = getattr(self, name)
       dtype_name = value if isinstance(value, str) else jnp.dtype(value).name
@@ -125,7 +132,7 @@ class LlamaConfig:
 
   @property
   def sm_scale(self) -> float:
-    return self.head_dim ** -0.5
+    return self.head_dim**-0.5
 
   def to_dict(self) -> dict[str, Any]:
     """The fields as a JSON-ready dict."""
@@ -142,8 +149,9 @@ class LlamaConfig:
     unknown = sorted(set(fields) - known)
     if unknown:
       raise ValueError(f"unknown LlamaConfig fields: {unknown}")
-    required = {field.name for field in dataclasses.fields(cls)
-                if field.default is dataclasses.MISSING}
+    required = {
+      field.name for field in dataclasses.fields(cls) if field.default is dataclasses.MISSING
+    }
     missing = sorted(required - set(fields))
     if missing:
       raise ValueError(f"missing LlamaConfig fields: {missing}")
@@ -151,7 +159,7 @@ class LlamaConfig:
 
 
 def init_dense_cache(
-    config: LlamaConfig, batch_size: int, max_len: int | None = None
+  config: LlamaConfig, batch_size: int, max_len: int | None = None
 ) -> DenseCache:
   """An empty `DenseCache` shaped for `config`.
 
@@ -164,10 +172,13 @@ def init_dense_cache(
     A zero-filled cache in the model's compute dtype.
   """
   return DenseCache.create(
-      num_layers=config.num_layers, batch_size=batch_size,
-      max_len=config.max_seq_len if max_len is None else max_len,
-      num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-      dtype=config.compute_dtype)
+    num_layers=config.num_layers,
+    batch_size=batch_size,
+    max_len=config.max_seq_len if max_len is None else max_len,
+    num_kv_heads=config.num_kv_heads,
+    head_dim=config.head_dim,
+    dtype=config.compute_dtype,
+  )
 
 
 class RMSNorm(nnx.Module):
@@ -181,11 +192,22 @@ class RMSNorm(nnx.Module):
     return layers.rms_norm(x, self.scale[...], self.eps)
 
 
-def _linear(in_features: int, out_features: int, config: LlamaConfig,
-            rngs: nnx.Rngs, *, use_bias: bool = False) -> nnx.Linear:
-  return nnx.Linear(in_features, out_features, use_bias=use_bias,
-                    dtype=config.compute_dtype,
-                    param_dtype=config.parameter_dtype, rngs=rngs)
+def _linear(
+  in_features: int,
+  out_features: int,
+  config: LlamaConfig,
+  rngs: nnx.Rngs,
+  *,
+  use_bias: bool = False,
+) -> nnx.Linear:
+  return nnx.Linear(
+    in_features,
+    out_features,
+    use_bias=use_bias,
+    dtype=config.compute_dtype,
+    param_dtype=config.parameter_dtype,
+    rngs=rngs,
+  )
 
 
 def _norm(dim: int, config: LlamaConfig) -> RMSNorm:
@@ -209,7 +231,7 @@ class Attention(nnx.Module):
     self.k_norm = _norm(config.head_dim, config) if config.qk_norm else None
 
   def __call__(
-      self, x: jax.Array, positions: jax.Array, cache: KVCacheBackend | None
+    self, x: jax.Array, positions: jax.Array, cache: KVCacheBackend | None
   ) -> tuple[jax.Array, KVCacheBackend | None]:
     """Attends from `x` `[batch, tokens, hidden]` at `positions`.
 
@@ -228,14 +250,15 @@ class Attention(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     q = layers.apply_rope(q, positions, config.rope_theta, config.rope_scaling)
     k = layers.apply_rope(k, positions, config.rope_theta, config.rope_scaling)
-    window = ({} if config.sliding_window is None
-              else {"sliding_window": config.sliding_window})
+    window = {} if config.sliding_window is None else {"sliding_window": config.sliding_window}
     if cache is None:
-      out = layers.masked_attention(q, k, v, positions, positions,
-                                    sm_scale=config.sm_scale, **window)
+      out = layers.masked_attention(
+        q, k, v, positions, positions, sm_scale=config.sm_scale, **window
+      )
     else:
-      out, cache = cache.attend(self.layer_index, q, k, v, positions,
-                                sm_scale=config.sm_scale, **window)
+      out, cache = cache.attend(
+        self.layer_index, q, k, v, positions, sm_scale=config.sm_scale, **window
+      )
     return self.o_proj(out.reshape(batch, tokens, -1)), cache
 
 
@@ -261,7 +284,7 @@ class DecoderBlock(nnx.Module):
     self.mlp = SwiGLU(config, rngs=rngs)
 
   def __call__(
-      self, x: jax.Array, positions: jax.Array, cache: KVCacheBackend | None
+    self, x: jax.Array, positions: jax.Array, cache: KVCacheBackend | None
   ) -> tuple[jax.Array, KVCacheBackend | None]:
     attended, cache = self.attention(self.attention_norm(x), positions, cache)
     x = x + attended
@@ -273,22 +296,25 @@ class Llama(nnx.Module):
 
   def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
     self.config = config
-    self.embed = nnx.Embed(config.vocab_size, config.hidden,
-                           dtype=config.compute_dtype,
-                           param_dtype=config.parameter_dtype,
-                           embedding_init=nnx.initializers.normal(0.02),
-                           rngs=rngs)
-    self.blocks = nnx.List(
-        [DecoderBlock(config, i, rngs=rngs) for i in range(config.num_layers)])
+    self.embed = nnx.Embed(
+      config.vocab_size,
+      config.hidden,
+      dtype=config.compute_dtype,
+      param_dtype=config.parameter_dtype,
+      embedding_init=nnx.initializers.normal(0.02),
+      rngs=rngs,
+    )
+    self.blocks = nnx.List([DecoderBlock(config, i, rngs=rngs) for i in range(config.num_layers)])
     self.final_norm = _norm(config.hidden, config)
-    self.lm_head = (None if config.tie_embeddings else
-                    _linear(config.hidden, config.vocab_size, config, rngs))
+    self.lm_head = (
+      None if config.tie_embeddings else _linear(config.hidden, config.vocab_size, config, rngs)
+    )
 
   def __call__(
-      self,
-      tokens: jax.Array,
-      positions: jax.Array | None = None,
-      cache: KVCacheBackend | None = None,
+    self,
+    tokens: jax.Array,
+    positions: jax.Array | None = None,
+    cache: KVCacheBackend | None = None,
   ) -> tuple[jax.Array, KVCacheBackend | None]:
     """Next-token logits for every input token.
 
@@ -310,16 +336,13 @@ class Llama(nnx.Module):
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
       raise ValueError(
-          f"tokens must be an int array [batch, tokens], got {tokens.dtype}"
-          f"{list(tokens.shape)}")
+        f"tokens must be an int array [batch, tokens], got {tokens.dtype}{list(tokens.shape)}"
+      )
     if positions is None:
-      positions = jnp.broadcast_to(
-          jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+      positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     positions = jnp.asarray(positions)
     if positions.shape != tokens.shape:
-      raise ValueError(
-          f"positions shape {positions.shape} must equal tokens shape "
-          f"{tokens.shape}")
+      raise ValueError(f"positions shape {positions.shape} must equal tokens shape {tokens.shape}")
     positions = positions.astype(jnp.int32)
     x = self.embed(tokens)
     for block in self.blocks:

@@ -34,15 +34,15 @@ class PagedCache:
   slot_mapping: jax.Array
 
   def attend(
-      self,
-      layer: int,
-      q: jax.Array,
-      k: jax.Array,
-      v: jax.Array,
-      positions: jax.Array,
-      *,
-      sm_scale: float,
-      sliding_window: int | None = None,
+    self,
+    layer: int,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    positions: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
   ) -> tuple[jax.Array, PagedCache]:
     """See `KVCacheBackend.attend`.
 
@@ -57,23 +57,25 @@ class PagedCache:
     """
     if sliding_window is not None:
       raise ValueError(
-          f"PagedCache does not serve sliding-window models yet (window "
-          f"{sliding_window}): their prefill would read blocks the manager "
-          f"dropped; use DenseCache")
+        f"PagedCache does not serve sliding-window models yet (window "
+        f"{sliding_window}): their prefill would read blocks the manager "
+        f"dropped; use DenseCache"
+      )
     if self.slot_mapping.shape != k.shape[:2]:
       raise ValueError(
-          f"slot_mapping shape {self.slot_mapping.shape} must be "
-          f"[batch, tokens] = {k.shape[:2]}")
+        f"slot_mapping shape {self.slot_mapping.shape} must be [batch, tokens] = {k.shape[:2]}"
+      )
     kv = write_kv(self.kv, layer, k, v, self.slot_mapping)
     lengths = (jnp.max(positions, axis=1) + 1).astype(jnp.int32)
     k_pages, v_pages = kv.k[layer], kv.v[layer]
     scales = kv.scales(layer)
     if positions.shape[1] == 1:
-      out = paged_attention(q[:, 0], k_pages, v_pages, self.block_tables,
-                            lengths, sm_scale=sm_scale, **scales)[:, None]
+      out = paged_attention(
+        q[:, 0], k_pages, v_pages, self.block_tables, lengths, sm_scale=sm_scale, **scales
+      )[:, None]
     else:
       query_lens = jnp.sum(positions >= 0, axis=1).astype(jnp.int32)
-      out = paged_prefill_attention(q, k_pages, v_pages, self.block_tables,
-                                    lengths, query_lens, sm_scale=sm_scale,
-                                    **scales)
+      out = paged_prefill_attention(
+        q, k_pages, v_pages, self.block_tables, lengths, query_lens, sm_scale=sm_scale, **scales
+      )
     return out, self.replace(kv=kv)

@@ -12,11 +12,10 @@ import importlib.resources
 import json
 import pathlib
 
-from flax import nnx
-from flax import serialization
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx, serialization
 
 from paged_jax.models.llama import Llama, LlamaConfig
 
@@ -24,8 +23,9 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "weights.msgpack"
 
 
-def save_model(model: Llama, directory: str | pathlib.Path, *,
-               weights_dtype: jnp.dtype = jnp.bfloat16) -> None:
+def save_model(
+  model: Llama, directory: str | pathlib.Path, *, weights_dtype: jnp.dtype = jnp.bfloat16
+) -> None:
   """Writes `model`'s config and parameters into `directory`.
 
   Args:
@@ -37,10 +37,8 @@ def save_model(model: Llama, directory: str | pathlib.Path, *,
   directory.mkdir(parents=True, exist_ok=True)
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   params = jax.tree.map(lambda x: np.asarray(x.astype(weights_dtype)), params)
-  (directory / CONFIG_FILE).write_text(
-      json.dumps(model.config.to_dict(), indent=2) + "\n")
-  (directory / WEIGHTS_FILE).write_bytes(
-      serialization.msgpack_serialize(params))
+  (directory / CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+  (directory / WEIGHTS_FILE).write_bytes(serialization.msgpack_serialize(params))
 
 
 def load_model(directory: str | pathlib.Path) -> Llama:
@@ -61,10 +59,8 @@ def load_model(directory: str | pathlib.Path) -> Llama:
   for name in (CONFIG_FILE, WEIGHTS_FILE):
     if not (directory / name).is_file():
       raise FileNotFoundError(f"no {name} in model directory {directory}")
-  config = LlamaConfig.from_dict(
-      json.loads((directory / CONFIG_FILE).read_text()))
-  stored = serialization.msgpack_restore(
-      (directory / WEIGHTS_FILE).read_bytes())
+  config = LlamaConfig.from_dict(json.loads((directory / CONFIG_FILE).read_text()))
+  stored = serialization.msgpack_restore((directory / WEIGHTS_FILE).read_bytes())
   abstract_model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
   graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
   params = _checked_params(nnx.to_pure_dict(abstract_params), stored)
@@ -98,8 +94,7 @@ def tiny_corpus() -> str:
 
 
 def _assets_dir() -> pathlib.Path:
-  return pathlib.Path(str(importlib.resources.files("paged_jax.models")
-                          / "assets"))
+  return pathlib.Path(str(importlib.resources.files("paged_jax.models") / "assets"))
 
 
 def _checked_params(expected: dict, stored: dict) -> dict:
@@ -109,17 +104,14 @@ def _checked_params(expected: dict, stored: dict) -> dict:
   missing = sorted(set(expected_flat) - set(stored_flat))
   unexpected = sorted(set(stored_flat) - set(expected_flat))
   if missing or unexpected:
-    raise ValueError(f"weights do not match the config: missing {missing}, "
-                     f"unexpected {unexpected}")
+    raise ValueError(f"weights do not match the config: missing {missing}, unexpected {unexpected}")
   for path, spec in expected_flat.items():
     shape = tuple(np.shape(stored_flat[path]))
     if shape != tuple(spec.shape):
-      raise ValueError(f"parameter {path} has shape {shape}, the config needs "
-                       f"{tuple(spec.shape)}")
+      raise ValueError(f"parameter {path} has shape {shape}, the config needs {tuple(spec.shape)}")
   return jax.tree_util.tree_map_with_path(
-      lambda path, spec: jnp.asarray(stored_flat[_path_string(path)],
-                                     dtype=spec.dtype),
-      expected)
+    lambda path, spec: jnp.asarray(stored_flat[_path_string(path)], dtype=spec.dtype), expected
+  )
 
 
 def _flatten(tree: dict) -> dict:

@@ -10,10 +10,10 @@ renders chat templates with jinja2 the way transformers does. Both have
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 import datetime
 import functools
 import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jinja2
@@ -46,8 +46,7 @@ class ByteTokenizer:
     """Raises: ValueError, always: there is no chat template."""
     raise ValueError("ByteTokenizer has no chat template")
 
-  def encode(self, text: str, *, add_bos: bool = False,
-             add_eos: bool = False) -> np.ndarray:
+  def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> np.ndarray:
     """Token ids of `text`.
 
     Args:
@@ -66,8 +65,7 @@ class ByteTokenizer:
     ids = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
     prefix = [self.bos_id] if add_bos else []
     suffix = [self.eos_id] if add_eos else []
-    return np.concatenate([np.asarray(prefix, np.int32), ids,
-                           np.asarray(suffix, np.int32)])
+    return np.concatenate([np.asarray(prefix, np.int32), ids, np.asarray(suffix, np.int32)])
 
   def decode(self, ids: Sequence[int] | np.ndarray) -> str:
     """Text of `ids`, leaving out BOS and EOS.
@@ -105,9 +103,14 @@ class PretrainedTokenizer:
     chat_template: jinja2 source of the chat template, or None.
   """
 
-  def __init__(self, tokenizer: tokenizers.Tokenizer, *,
-               bos_token: str | None = None, eos_token: str | None = None,
-               chat_template: str | None = None):
+  def __init__(
+    self,
+    tokenizer: tokenizers.Tokenizer,
+    *,
+    bos_token: str | None = None,
+    eos_token: str | None = None,
+    chat_template: str | None = None,
+  ):
     """Wraps `tokenizer`.
 
     Raises:
@@ -149,11 +152,9 @@ class PretrainedTokenizer:
     """
     if not isinstance(text, str):
       raise ValueError(f"text must be a str, got {type(text).__name__}")
-    return self.tokenizer.encode(
-        text, add_special_tokens=add_special_tokens).ids
+    return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-  def decode(self, ids: Sequence[int] | np.ndarray, *,
-             skip_special_tokens: bool = True) -> str:
+  def decode(self, ids: Sequence[int] | np.ndarray, *, skip_special_tokens: bool = True) -> str:
     """Text of `ids`.
 
     Args:
@@ -167,12 +168,11 @@ class PretrainedTokenizer:
       ValueError: if an id is outside `0 .. vocab_size - 1`.
     """
     ids = checked_ids(ids, self.vocab_size)
-    return self.tokenizer.decode(ids.tolist(),
-                                 skip_special_tokens=skip_special_tokens)
+    return self.tokenizer.decode(ids.tolist(), skip_special_tokens=skip_special_tokens)
 
-  def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
-                          add_generation_prompt: bool = False,
-                          **variables) -> str:
+  def apply_chat_template(
+    self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False, **variables
+  ) -> str:
     """Renders a conversation with the model's chat template.
 
     As transformers does: jinja2 in a sandbox with `trim_blocks` and
@@ -198,13 +198,17 @@ class PretrainedTokenizer:
       raise ValueError("this tokenizer has no chat template")
     template = _compiled_template(self.chat_template)
     return template.render(
-        messages=list(messages), add_generation_prompt=add_generation_prompt,
-        bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-        **variables)
+      messages=list(messages),
+      add_generation_prompt=add_generation_prompt,
+      bos_token=self.bos_token or "",
+      eos_token=self.eos_token or "",
+      **variables,
+    )
 
   @classmethod
-  def from_files(cls, tokenizer_json: str, tokenizer_config: str | None = None,
-                 chat_template: str | None = None) -> PretrainedTokenizer:
+  def from_files(
+    cls, tokenizer_json: str, tokenizer_config: str | None = None, chat_template: str | None = None
+  ) -> PretrainedTokenizer:
     """Builds the tokenizer of a Hugging Face model folder.
 
     Args:
@@ -233,13 +237,17 @@ class PretrainedTokenizer:
     if chat_template is not None:
       with open(chat_template, encoding="utf-8") as file:
         template = file.read()
-    return cls(tokenizer, bos_token=_token_text(settings.get("bos_token")),
-               eos_token=_token_text(settings.get("eos_token")),
-               chat_template=template)
+    return cls(
+      tokenizer,
+      bos_token=_token_text(settings.get("bos_token")),
+      eos_token=_token_text(settings.get("eos_token")),
+      chat_template=template,
+    )
 
   @classmethod
-  def from_gguf_fields(cls, fields: Mapping[str, Any],
-                       source: str = "GGUF file") -> PretrainedTokenizer:
+  def from_gguf_fields(
+    cls, fields: Mapping[str, Any], source: str = "GGUF file"
+  ) -> PretrainedTokenizer:
     """Builds the tokenizer stored in a GGUF file's metadata.
 
     Only BPE vocabularies (`tokenizer.ggml.model` "gpt2", as SmolLM2, Qwen
@@ -261,26 +269,27 @@ class PretrainedTokenizer:
     kind = fields.get("tokenizer.ggml.model")
     if kind != "gpt2":
       raise ValueError(
-          f"{source}: tokenizer.ggml.model {kind!r} is not supported "
-          "(only 'gpt2' BPE vocabularies)")
+        f"{source}: tokenizer.ggml.model {kind!r} is not supported (only 'gpt2' BPE vocabularies)"
+      )
     for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
       if key not in fields:
         raise ValueError(f"{source}: no {key} field")
     tokens = list(fields["tokenizer.ggml.tokens"])
-    merges = [tuple(merge.split(" ", 1))
-              for merge in fields["tokenizer.ggml.merges"]]
+    merges = [tuple(merge.split(" ", 1)) for merge in fields["tokenizer.ggml.merges"]]
     model = tokenizers.models.BPE(
-        {token: index for index, token in enumerate(tokens)}, merges,
-        fuse_unk=False)
+      {token: index for index, token in enumerate(tokens)}, merges, fuse_unk=False
+    )
     tokenizer = tokenizers.Tokenizer(model)
-    tokenizer.pre_tokenizer = _gguf_pre_tokenizer(
-        fields.get("tokenizer.ggml.pre"))
+    tokenizer.pre_tokenizer = _gguf_pre_tokenizer(fields.get("tokenizer.ggml.pre"))
     tokenizer.decoder = tokenizers.decoders.ByteLevel()
     token_types = fields.get("tokenizer.ggml.token_type", [])
-    tokenizer.add_special_tokens([
+    tokenizer.add_special_tokens(
+      [
         tokenizers.AddedToken(tokens[index], special=True, normalized=False)
         for index, token_type in enumerate(token_types)
-        if token_type in (_GGUF_CONTROL, _GGUF_USER_DEFINED)])
+        if token_type in (_GGUF_CONTROL, _GGUF_USER_DEFINED)
+      ]
+    )
     template = fields.get("tokenizer.chat_template")
 
     def token(key):
@@ -292,16 +301,21 @@ class PretrainedTokenizer:
       if template is not None and candidate in template and candidate in tokens:
         eos = candidate
         break
-    return cls(tokenizer, bos_token=token("tokenizer.ggml.bos_token_id"),
-               eos_token=eos, chat_template=template)
+    return cls(
+      tokenizer,
+      bos_token=token("tokenizer.ggml.bos_token_id"),
+      eos_token=eos,
+      chat_template=template,
+    )
 
 
 def _gguf_pre_tokenizer(pre: str | None) -> tokenizers.pre_tokenizers.PreTokenizer:
   """The pre-tokenizer llama.cpp's `tokenizer.ggml.pre` names."""
   byte_level = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-  if pre == "smollm":   # SmolLM: digits one by one, then GPT-2's split
-    return tokenizers.pre_tokenizers.Sequence([
-        tokenizers.pre_tokenizers.Digits(individual_digits=True), byte_level])
+  if pre == "smollm":  # SmolLM: digits one by one, then GPT-2's split
+    return tokenizers.pre_tokenizers.Sequence(
+      [tokenizers.pre_tokenizers.Digits(individual_digits=True), byte_level]
+    )
   return byte_level
 
 
@@ -330,17 +344,17 @@ def _strftime_now(format_string: str) -> str:
   return datetime.datetime.now().strftime(format_string)
 
 
-def _tojson(value, ensure_ascii=False, indent=None, separators=None,
-            sort_keys=False) -> str:
-  return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                    separators=separators, sort_keys=sort_keys)
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+  return json.dumps(
+    value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+  )
 
 
 @functools.lru_cache(maxsize=16)
 def _compiled_template(source: str) -> jinja2.Template:
   environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
-      trim_blocks=True, lstrip_blocks=True,
-      extensions=[jinja2.ext.loopcontrols])
+    trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+  )
   environment.filters["tojson"] = _tojson
   environment.globals["raise_exception"] = _raise_exception
   environment.globals["strftime_now"] = _strftime_now

@@ -15,16 +15,25 @@ position ``lengths[b] - 1``. A query that sees no key gives zeros.
 
 from __future__ import annotations
 
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import quantization
 
 
-def check_attention_args(q, k_pages, v_pages, block_tables, lengths, *,
-                         query_rank: int = 3, k_scales=None, v_scales=None,
-                         kernel: str = "paged attention") -> None:
+def check_attention_args(
+  q,
+  k_pages,
+  v_pages,
+  block_tables,
+  lengths,
+  *,
+  query_rank: int = 3,
+  k_scales=None,
+  v_scales=None,
+  kernel: str = "paged attention",
+) -> None:
   """Raises ValueError unless shapes and dtypes describe one paged attention.
 
   Args:
@@ -40,43 +49,50 @@ def check_attention_args(q, k_pages, v_pages, block_tables, lengths, *,
     v_scales: same as ``k_scales``, for ``v_pages``.
     kernel: the implementation's name, for the messages.
   """
-  layout = {3: "[batch, num_q_heads, head_dim]",
-            4: "[batch, num_queries, num_q_heads, head_dim]"}[query_rank]
+  layout = {3: "[batch, num_q_heads, head_dim]", 4: "[batch, num_queries, num_q_heads, head_dim]"}[
+    query_rank
+  ]
   pages = "[num_kv_heads, num_blocks, block_size, head_dim]"
   for name, value, expected in (
-      ("q", q, layout), ("k_pages", k_pages, pages), ("v_pages", v_pages, pages),
-      ("block_tables", block_tables, "int32[batch, max_blocks_per_seq]"),
-      ("lengths", lengths, "int32[batch]")):
+    ("q", q, layout),
+    ("k_pages", k_pages, pages),
+    ("v_pages", v_pages, pages),
+    ("block_tables", block_tables, "int32[batch, max_blocks_per_seq]"),
+    ("lengths", lengths, "int32[batch]"),
+  ):
     require_array(name, value, expected)
   if q.ndim != query_rank:
     raise ValueError(f"q must be {layout}, got shape {q.shape}")
   if k_pages.ndim != 4:
-    raise ValueError("k_pages must be [num_kv_heads, num_blocks, block_size, "
-                     f"head_dim], got shape {k_pages.shape}")
+    raise ValueError(
+      f"k_pages must be [num_kv_heads, num_blocks, block_size, head_dim], got shape {k_pages.shape}"
+    )
   if v_pages.shape != k_pages.shape:
-    raise ValueError(f"v_pages shape {v_pages.shape} differs from k_pages "
-                     f"shape {k_pages.shape}")
-  quantization.check_scales(k_pages, v_pages, k_scales, v_scales,
-                            kernel=kernel)
+    raise ValueError(f"v_pages shape {v_pages.shape} differs from k_pages shape {k_pages.shape}")
+  quantization.check_scales(k_pages, v_pages, k_scales, v_scales, kernel=kernel)
   if k_scales is None and not q.dtype == k_pages.dtype == v_pages.dtype:
-    raise ValueError(f"q, k_pages and v_pages must share one dtype, got "
-                     f"{q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
+    raise ValueError(
+      f"q, k_pages and v_pages must share one dtype, got "
+      f"{q.dtype}, {k_pages.dtype}, {v_pages.dtype}"
+    )
   if not jnp.issubdtype(q.dtype, jnp.floating):
     raise ValueError(f"q must be a float array, got {q.dtype}")
   batch, num_q_heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
   num_kv_heads = k_pages.shape[0]
   if num_q_heads % num_kv_heads:
-    raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of "
-                     f"num_kv_heads ({num_kv_heads})")
+    raise ValueError(
+      f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+    )
   if k_pages.shape[-1] != head_dim:
-    raise ValueError(f"head_dim of q ({head_dim}) differs from head_dim of "
-                     f"the pages ({k_pages.shape[-1]})")
+    raise ValueError(
+      f"head_dim of q ({head_dim}) differs from head_dim of the pages ({k_pages.shape[-1]})"
+    )
   if block_tables.ndim != 2 or block_tables.shape[0] != batch:
-    raise ValueError(f"block_tables must be [batch={batch}, "
-                     f"max_blocks_per_seq], got shape {block_tables.shape}")
+    raise ValueError(
+      f"block_tables must be [batch={batch}, max_blocks_per_seq], got shape {block_tables.shape}"
+    )
   if lengths.shape != (batch,):
-    raise ValueError(f"lengths must be [batch={batch}], got shape "
-                     f"{lengths.shape}")
+    raise ValueError(f"lengths must be [batch={batch}], got shape {lengths.shape}")
   for name, array in (("block_tables", block_tables), ("lengths", lengths)):
     if array.dtype != jnp.int32:
       raise ValueError(f"{name} must be int32, got {array.dtype}")
@@ -92,11 +108,13 @@ def require_array(name: str, value, expected: str) -> None:
   """
   if hasattr(value, "shape") and hasattr(value, "dtype"):
     return
-  if isinstance(value, (tuple, list)) and value and all(
-      hasattr(item, "shape") for item in value):
-    hint = (f"a {type(value).__name__} of {len(value)} arrays; pass one "
-            "layer's pages, e.g. cache.k[layer]" if name.endswith("_pages")
-            else f"a {type(value).__name__} of {len(value)} arrays")
+  if isinstance(value, (tuple, list)) and value and all(hasattr(item, "shape") for item in value):
+    hint = (
+      f"a {type(value).__name__} of {len(value)} arrays; pass one "
+      "layer's pages, e.g. cache.k[layer]"
+      if name.endswith("_pages")
+      else f"a {type(value).__name__} of {len(value)} arrays"
+    )
   else:
     hint = f"a {type(value).__name__}"
     if isinstance(value, (tuple, list)):
@@ -117,14 +135,12 @@ def check_attention_options(sm_scale, soft_cap, sliding_window) -> None:
   if soft_cap is not None and not soft_cap > 0:
     raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
   if sliding_window is not None and (
-      isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
-      or sliding_window < 1):
-    raise ValueError(
-        f"sliding_window must be an int >= 1, got {sliding_window!r}")
+    isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
+  ):
+    raise ValueError(f"sliding_window must be an int >= 1, got {sliding_window!r}")
 
 
-def check_block_tables(block_tables, lengths, num_blocks: int,
-                       block_size: int) -> None:
+def check_block_tables(block_tables, lengths, num_blocks: int, block_size: int) -> None:
   """Host-side check of concrete tables and lengths (the checked path).
 
   Args:
@@ -144,28 +160,32 @@ def check_block_tables(block_tables, lengths, num_blocks: int,
   capacity = tables.shape[1] * block_size
   for seq, length in enumerate(lengths):
     if not 0 <= length <= capacity:
-      raise ValueError(f"sequence {seq}: length {length} is outside 0.."
-                       f"{capacity} (max_blocks_per_seq * block_size)")
+      raise ValueError(
+        f"sequence {seq}: length {length} is outside 0.."
+        f"{capacity} (max_blocks_per_seq * block_size)"
+      )
   bad = np.argwhere((tables < -1) | (tables >= num_blocks))
   if bad.size:
     seq, entry = bad[0]
     raise ValueError(
-        f"sequence {seq}: block_tables[{seq}, {entry}] = {tables[seq, entry]} "
-        f"is out of range for {num_blocks} blocks (-1 marks no block)")
+      f"sequence {seq}: block_tables[{seq}, {entry}] = {tables[seq, entry]} "
+      f"is out of range for {num_blocks} blocks (-1 marks no block)"
+    )
   for seq, length in enumerate(lengths):
     last = (length - 1) // block_size
     if length > 0 and tables[seq, last] < 0:
       held = tables[seq][tables[seq] >= 0].tolist()
       raise ValueError(
-          f"sequence {seq}: length {length} runs past the blocks it holds: "
-          f"its last token (position {length - 1}) needs "
-          f"block_tables[{seq}, {last}], which is -1; the row holds blocks "
-          f"{held}")
+        f"sequence {seq}: length {length} runs past the blocks it holds: "
+        f"its last token (position {length - 1}) needs "
+        f"block_tables[{seq}, {last}], which is -1; the row holds blocks "
+        f"{held}"
+      )
 
 
 def default_sm_scale(head_dim: int, sm_scale: float | None) -> float:
   """Returns ``sm_scale``, or ``1 / sqrt(head_dim)`` when it is None."""
-  return float(sm_scale) if sm_scale is not None else head_dim ** -0.5
+  return float(sm_scale) if sm_scale is not None else head_dim**-0.5
 
 
 def apply_soft_cap(logits, soft_cap: float | None):

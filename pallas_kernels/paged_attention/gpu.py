@@ -21,10 +21,10 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
-import jax.numpy as jnp
 
 from pallas_kernels.paged_attention import common
 
@@ -35,14 +35,22 @@ _NAME = "paged_attention_gpu"
 _MIN_FP8_CAPABILITY = (8, 9)
 
 
-def paged_attention(q, k_pages, v_pages, block_tables, lengths, *,
-                    sm_scale: float | None = None,
-                    soft_cap: float | None = None,
-                    sliding_window: int | None = None,
-                    pages_per_step: int | None = None,
-                    num_splits: int | None = None,
-                    k_scales=None, v_scales=None,
-                    interpret: bool = False):
+def paged_attention(
+  q,
+  k_pages,
+  v_pages,
+  block_tables,
+  lengths,
+  *,
+  sm_scale: float | None = None,
+  soft_cap: float | None = None,
+  sliding_window: int | None = None,
+  pages_per_step: int | None = None,
+  num_splits: int | None = None,
+  k_scales=None,
+  v_scales=None,
+  interpret: bool = False,
+):
   """Decode attention over a paged KV cache (one query token per sequence).
 
   Args:
@@ -71,9 +79,9 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *,
     ValueError: for bad shapes or dtypes, untileable sizes, or fp8 pages on
       a GPU older than compute capability 8.9.
   """
-  common.check_attention_args(q, k_pages, v_pages, block_tables, lengths,
-                              k_scales=k_scales, v_scales=v_scales,
-                              kernel=_NAME)
+  common.check_attention_args(
+    q, k_pages, v_pages, block_tables, lengths, k_scales=k_scales, v_scales=v_scales, kernel=_NAME
+  )
   if not interpret and k_pages.dtype == jnp.float8_e4m3fn:
     check_fp8_capability(jax.devices()[0])
   common.check_attention_options(sm_scale, soft_cap, sliding_window)
@@ -84,13 +92,15 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *,
   _check_power_of_two("head_dim", head_dim)
   if pages_per_step is None:
     pages_per_step = min(
-        max(_TOKENS_PER_STEP // block_size, 1),
-        max(pl.next_power_of_2(max_blocks), _MIN_DOT_SIZE // block_size))
+      max(_TOKENS_PER_STEP // block_size, 1),
+      max(pl.next_power_of_2(max_blocks), _MIN_DOT_SIZE // block_size),
+    )
   _check_power_of_two("pages_per_step", pages_per_step)
   if pages_per_step * block_size < _MIN_DOT_SIZE:
     raise ValueError(
-        f"pages_per_step * block_size must be >= {_MIN_DOT_SIZE} (a tensor-"
-        f"core dot), got {pages_per_step} * {block_size}")
+      f"pages_per_step * block_size must be >= {_MIN_DOT_SIZE} (a tensor-"
+      f"core dot), got {pages_per_step} * {block_size}"
+    )
   steps = pl.cdiv(max_blocks, pages_per_step)
   if num_splits is None:
     num_splits = max(1, min(steps, _TARGET_PROGRAMS // (batch * num_kv_heads)))
@@ -103,56 +113,64 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *,
   grouped_q = q.reshape(batch, num_kv_heads, group, head_dim)
   grouped_q = jnp.pad(grouped_q, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
   split_tables = jnp.pad(
-      block_tables,
-      ((0, 0), (0, num_splits * pages_per_split - max_blocks)),
-      constant_values=-1).reshape(batch, num_splits, pages_per_split)
+    block_tables, ((0, 0), (0, num_splits * pages_per_split - max_blocks)), constant_values=-1
+  ).reshape(batch, num_splits, pages_per_split)
 
   quantized = k_scales is not None
   kernel = functools.partial(
-      _decode_kernel,
-      sm_scale=common.default_sm_scale(head_dim, sm_scale),
-      soft_cap=soft_cap, sliding_window=sliding_window,
-      pages_per_step=pages_per_step, quantized=quantized)
-  page_spec = pl.BlockSpec((None, *k_pages.shape[1:]),
-                           lambda b, h, s: (h, 0, 0, 0))
-  scale_spec = pl.BlockSpec((None, *k_pages.shape[1:3]),
-                            lambda b, h, s: (h, 0, 0))
+    _decode_kernel,
+    sm_scale=common.default_sm_scale(head_dim, sm_scale),
+    soft_cap=soft_cap,
+    sliding_window=sliding_window,
+    pages_per_step=pages_per_step,
+    quantized=quantized,
+  )
+  page_spec = pl.BlockSpec((None, *k_pages.shape[1:]), lambda b, h, s: (h, 0, 0, 0))
+  scale_spec = pl.BlockSpec((None, *k_pages.shape[1:3]), lambda b, h, s: (h, 0, 0))
   scale_args = (k_scales, v_scales) if quantized else ()
   partial_shape = (batch, num_kv_heads, num_splits, rows)
   acc, row_max, row_sum = pl.pallas_call(
-      kernel,
-      grid=(batch, num_kv_heads, num_splits),
-      in_specs=[
-          pl.BlockSpec(lengths.shape, lambda b, h, s: (0,)),
-          pl.BlockSpec((None, None, pages_per_split),
-                       lambda b, h, s: (b, s, 0)),
-          pl.BlockSpec((None, None, rows, head_dim),
-                       lambda b, h, s: (b, h, 0, 0)),
-          page_spec,
-          page_spec,
-      ] + [scale_spec] * len(scale_args),
-      out_specs=[
-          pl.BlockSpec((None, None, None, rows, head_dim),
-                       lambda b, h, s: (b, h, s, 0, 0)),
-          pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
-          pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
-      ],
-      out_shape=[
-          jax.ShapeDtypeStruct((*partial_shape, head_dim), jnp.float32),
-          jax.ShapeDtypeStruct(partial_shape, jnp.float32),
-          jax.ShapeDtypeStruct(partial_shape, jnp.float32),
-      ],
-      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
-      interpret=interpret,
-      name="paged_attention_gpu",
+    kernel,
+    grid=(batch, num_kv_heads, num_splits),
+    in_specs=[
+      pl.BlockSpec(lengths.shape, lambda b, h, s: (0,)),
+      pl.BlockSpec((None, None, pages_per_split), lambda b, h, s: (b, s, 0)),
+      pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),
+      page_spec,
+      page_spec,
+    ]
+    + [scale_spec] * len(scale_args),
+    out_specs=[
+      pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
+      pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
+      pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
+    ],
+    out_shape=[
+      jax.ShapeDtypeStruct((*partial_shape, head_dim), jnp.float32),
+      jax.ShapeDtypeStruct(partial_shape, jnp.float32),
+      jax.ShapeDtypeStruct(partial_shape, jnp.float32),
+    ],
+    compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+    interpret=interpret,
+    name="paged_attention_gpu",
   )(lengths, split_tables, grouped_q, k_pages, v_pages, *scale_args)
   out = _merge_splits(acc, row_max, row_sum)[:, :, :group]
   return out.reshape(q.shape).astype(q.dtype)
 
 
-def _decode_kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, *refs,
-                   sm_scale, soft_cap, sliding_window, pages_per_step,
-                   quantized):
+def _decode_kernel(
+  lengths_ref,
+  tables_ref,
+  q_ref,
+  k_ref,
+  v_ref,
+  *refs,
+  sm_scale,
+  soft_cap,
+  sliding_window,
+  pages_per_step,
+  quantized,
+):
   """One (sequence, KV head, split): unnormalized output, row max, row sum."""
   if quantized:
     k_scale_ref, v_scale_ref, acc_ref, max_ref, sum_ref = refs
@@ -167,8 +185,7 @@ def _decode_kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, *refs,
   split_start = split * pages_per_split * block_size
   split_stop = split_start + pages_per_split * block_size
   first_step = jnp.maximum(first_visible - split_start, 0) // step_tokens
-  stop_step = pl.cdiv(jnp.clip(length, split_start, split_stop) - split_start,
-                      step_tokens)
+  stop_step = pl.cdiv(jnp.clip(length, split_start, split_stop) - split_start, step_tokens)
   q = q_ref[...]
   token = lax.broadcasted_iota(jnp.int32, (step_tokens,), 0)
 
@@ -180,8 +197,7 @@ def _decode_kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, *refs,
     values = v_ref[safe_pages].reshape(step_tokens, -1).astype(q.dtype)
     page_of_token = tables_ref[index * pages_per_step + token // block_size]
     position = split_start + index * step_tokens + token
-    visible = ((page_of_token >= 0) & (position < length)
-               & (position >= first_visible))
+    visible = (page_of_token >= 0) & (position < length) & (position >= first_visible)
     logits = jnp.dot(q, keys.T, preferred_element_type=jnp.float32) * sm_scale
     if quantized:
       logits *= k_scale_ref[safe_pages].reshape(step_tokens)[None, :]
@@ -196,14 +212,16 @@ def _decode_kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, *refs,
       v_scale = v_scale_ref[safe_pages].reshape(step_tokens)
       value_weights = weights * jnp.where(visible, v_scale, 0.0)[None, :]
     acc = rescale[:, None] * acc + jnp.dot(
-        value_weights.astype(values.dtype), values,
-        preferred_element_type=jnp.float32)
+      value_weights.astype(values.dtype), values, preferred_element_type=jnp.float32
+    )
     return acc, new_max, rescale * row_sum + jnp.sum(weights, axis=1)
 
   rows, head_dim = q.shape
-  init = (jnp.zeros((rows, head_dim), jnp.float32),
-          jnp.full((rows,), jnp.finfo(jnp.float32).min, jnp.float32),
-          jnp.zeros((rows,), jnp.float32))
+  init = (
+    jnp.zeros((rows, head_dim), jnp.float32),
+    jnp.full((rows,), jnp.finfo(jnp.float32).min, jnp.float32),
+    jnp.zeros((rows,), jnp.float32),
+  )
   acc, row_max, row_sum = lax.fori_loop(first_step, stop_step, step, init)
   acc_ref[...] = acc
   max_ref[...] = row_max
@@ -223,16 +241,15 @@ def check_fp8_capability(device) -> None:
   """Raises ValueError on a CUDA ``device`` older than sm 8.9 (no fp8e4nv)."""
   if getattr(device, "compute_capability", None) is None:
     return
-  capability = tuple(
-      int(part) for part in str(device.compute_capability).split("."))
+  capability = tuple(int(part) for part in str(device.compute_capability).split("."))
   if capability < _MIN_FP8_CAPABILITY:
     raise ValueError(
-        f"{_NAME} cannot serve float8_e4m3fn pages on compute capability "
-        f"{device.compute_capability} (needs 8.9 or newer); use an int8 "
-        "cache")
+      f"{_NAME} cannot serve float8_e4m3fn pages on compute capability "
+      f"{device.compute_capability} (needs 8.9 or newer); use an int8 "
+      "cache"
+    )
 
 
 def _check_power_of_two(name: str, value: int) -> None:
   if value < 1 or value & (value - 1):
-    raise ValueError(f"{name} must be a power of two for the GPU kernel, got "
-                     f"{value}")
+    raise ValueError(f"{name} must be a power of two for the GPU kernel, got {value}")

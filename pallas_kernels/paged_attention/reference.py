@@ -18,11 +18,19 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 _NAME = "paged_attention_reference"
 
 
-def paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, *,
-                              sm_scale: float | None = None,
-                              soft_cap: float | None = None,
-                              sliding_window: int | None = None,
-                              k_scales=None, v_scales=None):
+def paged_attention_reference(
+  q,
+  k_pages,
+  v_pages,
+  block_tables,
+  lengths,
+  *,
+  sm_scale: float | None = None,
+  soft_cap: float | None = None,
+  sliding_window: int | None = None,
+  k_scales=None,
+  v_scales=None,
+):
   """Decode attention: one new query token per sequence.
 
   Args:
@@ -43,22 +51,39 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, *,
     ``[batch, num_q_heads, head_dim]`` in ``q.dtype``; zeros where
     ``lengths`` is 0.
   """
-  common.check_attention_args(q, k_pages, v_pages, block_tables, lengths,
-                              k_scales=k_scales, v_scales=v_scales,
-                              kernel=_NAME)
+  common.check_attention_args(
+    q, k_pages, v_pages, block_tables, lengths, k_scales=k_scales, v_scales=v_scales, kernel=_NAME
+  )
   out = paged_prefill_attention_reference(
-      q[:, None], k_pages, v_pages, block_tables, lengths,
-      jnp.minimum(lengths, 1), sm_scale=sm_scale, soft_cap=soft_cap,
-      sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales)
+    q[:, None],
+    k_pages,
+    v_pages,
+    block_tables,
+    lengths,
+    jnp.minimum(lengths, 1),
+    sm_scale=sm_scale,
+    soft_cap=soft_cap,
+    sliding_window=sliding_window,
+    k_scales=k_scales,
+    v_scales=v_scales,
+  )
   return out[:, 0]
 
 
-def paged_prefill_attention_reference(q, k_pages, v_pages, block_tables,
-                                      lengths, query_lens, *,
-                                      sm_scale: float | None = None,
-                                      soft_cap: float | None = None,
-                                      sliding_window: int | None = None,
-                                      k_scales=None, v_scales=None):
+def paged_prefill_attention_reference(
+  q,
+  k_pages,
+  v_pages,
+  block_tables,
+  lengths,
+  query_lens,
+  *,
+  sm_scale: float | None = None,
+  soft_cap: float | None = None,
+  sliding_window: int | None = None,
+  k_scales=None,
+  v_scales=None,
+):
   """Causal attention of new tokens to their paged context (prefill, chunks).
 
   The new tokens' K/V are already written into the pages. Row ``i`` of
@@ -84,48 +109,58 @@ def paged_prefill_attention_reference(q, k_pages, v_pages, block_tables,
     ``[batch, num_queries, num_q_heads, head_dim]`` in ``q.dtype``; padding
     rows are zeros.
   """
-  common.check_attention_args(q, k_pages, v_pages, block_tables, lengths,
-                              query_rank=4, k_scales=k_scales,
-                              v_scales=v_scales, kernel=_NAME)
+  common.check_attention_args(
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    lengths,
+    query_rank=4,
+    k_scales=k_scales,
+    v_scales=v_scales,
+    kernel=_NAME,
+  )
   common.check_attention_options(sm_scale, soft_cap, sliding_window)
   if query_lens.shape != lengths.shape or query_lens.dtype != jnp.int32:
-    raise ValueError(f"query_lens must be int32{list(lengths.shape)}, got "
-                     f"{query_lens.dtype}{list(query_lens.shape)}")
+    raise ValueError(
+      f"query_lens must be int32{list(lengths.shape)}, got "
+      f"{query_lens.dtype}{list(query_lens.shape)}"
+    )
   batch, num_queries, num_q_heads, head_dim = q.shape
   num_kv_heads, _, block_size, _ = k_pages.shape
   group = num_q_heads // num_kv_heads
   scale = common.default_sm_scale(head_dim, sm_scale)
 
   keys, values, key_in_context = _gather_context(
-      k_pages, v_pages, block_tables, lengths, k_scales, v_scales)
+    k_pages, v_pages, block_tables, lengths, k_scales, v_scales
+  )
   key_pos = jnp.arange(keys.shape[2], dtype=jnp.int32)
-  query_pos = (lengths - query_lens)[:, None] + jnp.arange(
-      num_queries, dtype=jnp.int32)
-  visible = key_in_context[:, None, :] & (
-      key_pos[None, None, :] <= query_pos[..., None])
+  query_pos = (lengths - query_lens)[:, None] + jnp.arange(num_queries, dtype=jnp.int32)
+  visible = key_in_context[:, None, :] & (key_pos[None, None, :] <= query_pos[..., None])
   if sliding_window is not None:
     visible &= key_pos[None, None, :] > query_pos[..., None] - sliding_window
   is_query = jnp.arange(num_queries) < query_lens[:, None]
   visible &= is_query[..., None]
 
   grouped_q = q.reshape(batch, num_queries, num_kv_heads, group, head_dim)
-  logits = jnp.einsum("btkgd,kbsd->bkgts", grouped_q, keys,
-                      preferred_element_type=jnp.float32, precision=_HIGHEST)
+  logits = jnp.einsum(
+    "btkgd,kbsd->bkgts", grouped_q, keys, preferred_element_type=jnp.float32, precision=_HIGHEST
+  )
   logits = common.apply_soft_cap(logits * scale, soft_cap)
   logits = jnp.where(visible[:, None, None], logits, -jnp.inf)
   row_max = jnp.max(logits, axis=-1, keepdims=True)
   weights = jnp.exp(logits - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
   denominator = jnp.sum(weights, axis=-1, keepdims=True)
-  out = jnp.einsum("bkgts,kbsd->bkgtd", weights, values,
-                   preferred_element_type=jnp.float32, precision=_HIGHEST)
+  out = jnp.einsum(
+    "bkgts,kbsd->bkgtd", weights, values, preferred_element_type=jnp.float32, precision=_HIGHEST
+  )
   # Rows with no visible key give zeros; a NaN read inside the context stays NaN.
   out = jnp.where(denominator == 0, 0.0, out / jnp.where(denominator == 0, 1.0, denominator))
   out = jnp.moveaxis(out, 3, 1).reshape(q.shape)
   return out.astype(q.dtype)
 
 
-def _gather_context(k_pages, v_pages, block_tables, lengths, k_scales,
-                    v_scales):
+def _gather_context(k_pages, v_pages, block_tables, lengths, k_scales, v_scales):
   """Gathers each sequence's pages into contiguous keys and values.
 
   Quantized pages (scales not None) are dequantized to float32.
@@ -143,17 +178,14 @@ def _gather_context(k_pages, v_pages, block_tables, lengths, k_scales,
   safe_tables = jnp.where(has_block, block_tables, 0)
   context = max_blocks * block_size
   key_pos = jnp.arange(context, dtype=jnp.int32)
-  key_in_context = jnp.repeat(has_block, block_size, axis=1) & (
-      key_pos[None, :] < lengths[:, None])
+  key_in_context = jnp.repeat(has_block, block_size, axis=1) & (key_pos[None, :] < lengths[:, None])
 
   def gather(pages, scales):
-    pages = pages[:, safe_tables].reshape(num_kv_heads, batch, context,
-                                          head_dim)
+    pages = pages[:, safe_tables].reshape(num_kv_heads, batch, context, head_dim)
     if scales is None:
       return pages
     scales = scales[:, safe_tables].reshape(num_kv_heads, batch, context)
     return quantization.dequantize(pages, scales)
 
-  values = jnp.where(key_in_context[None, :, :, None],
-                     gather(v_pages, v_scales), 0)
+  values = jnp.where(key_in_context[None, :, :, None], gather(v_pages, v_scales), 0)
   return gather(k_pages, k_scales), values, key_in_context

@@ -16,10 +16,10 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-import jax.numpy as jnp
 
 from pallas_kernels.paged_attention import common
 
@@ -28,13 +28,21 @@ _SUBLANES = 8
 _NAME = "paged_attention_tpu"
 
 
-def paged_attention(q, k_pages, v_pages, block_tables, lengths, *,
-                    sm_scale: float | None = None,
-                    soft_cap: float | None = None,
-                    sliding_window: int | None = None,
-                    pages_per_step: int | None = None,
-                    k_scales=None, v_scales=None,
-                    interpret: bool = False):
+def paged_attention(
+  q,
+  k_pages,
+  v_pages,
+  block_tables,
+  lengths,
+  *,
+  sm_scale: float | None = None,
+  soft_cap: float | None = None,
+  sliding_window: int | None = None,
+  pages_per_step: int | None = None,
+  k_scales=None,
+  v_scales=None,
+  interpret: bool = False,
+):
   """Decode attention over a paged KV cache (one query token per sequence).
 
   Args:
@@ -57,9 +65,9 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *,
     ``[batch, num_q_heads, head_dim]`` in ``q.dtype``; zeros where
     ``lengths`` is 0.
   """
-  common.check_attention_args(q, k_pages, v_pages, block_tables, lengths,
-                              k_scales=k_scales, v_scales=v_scales,
-                              kernel=_NAME)
+  common.check_attention_args(
+    q, k_pages, v_pages, block_tables, lengths, k_scales=k_scales, v_scales=v_scales, kernel=_NAME
+  )
   common.check_attention_options(sm_scale, soft_cap, sliding_window)
   batch, num_q_heads, head_dim = q.shape
   num_kv_heads, _, block_size, _ = k_pages.shape
@@ -67,19 +75,18 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *,
   if pages_per_step is None:
     pages_per_step = min(max(_TOKENS_PER_STEP // block_size, 1), max_blocks)
   if not isinstance(pages_per_step, int) or pages_per_step < 1:
-    raise ValueError(
-        f"pages_per_step must be an int >= 1, got {pages_per_step!r}")
+    raise ValueError(f"pages_per_step must be an int >= 1, got {pages_per_step!r}")
   padded_blocks = pl.cdiv(max_blocks, pages_per_step) * pages_per_step
-  flat_tables = jnp.pad(block_tables, ((0, 0), (0, padded_blocks - max_blocks)),
-                        constant_values=-1).reshape(-1)
+  flat_tables = jnp.pad(
+    block_tables, ((0, 0), (0, padded_blocks - max_blocks)), constant_values=-1
+  ).reshape(-1)
 
   group = num_q_heads // num_kv_heads
   if group % _SUBLANES:
     # A [group, 1, head_dim] block keeps Mosaic from tiling a short group dim
     # by 8 sublanes; float32 avoids packed-dtype layouts on that path.
     kernel_q = q.reshape(batch, num_q_heads, 1, head_dim).astype(jnp.float32)
-    q_spec = pl.BlockSpec((None, group, None, head_dim),
-                          lambda b, h, *_: (b, h, 0, 0))
+    q_spec = pl.BlockSpec((None, group, None, head_dim), lambda b, h, *_: (b, h, 0, 0))
   else:
     kernel_q = q
     q_spec = pl.BlockSpec((None, group, head_dim), lambda b, h, *_: (b, h, 0))
@@ -89,47 +96,70 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *,
   scale_args = (k_scales, v_scales) if quantized else ()
   scale_buffers = [pltpu.VMEM(buffer_shape[:3], jnp.float32)] * len(scale_args)
   kernel = functools.partial(
-      _decode_kernel,
-      sm_scale=common.default_sm_scale(head_dim, sm_scale),
-      soft_cap=soft_cap, sliding_window=sliding_window,
-      pages_per_step=pages_per_step, blocks_per_seq=padded_blocks,
-      quantized=quantized)
+    _decode_kernel,
+    sm_scale=common.default_sm_scale(head_dim, sm_scale),
+    soft_cap=soft_cap,
+    sliding_window=sliding_window,
+    pages_per_step=pages_per_step,
+    blocks_per_seq=padded_blocks,
+    quantized=quantized,
+  )
   out = pl.pallas_call(
-      kernel,
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=2,
-          grid=(batch, num_kv_heads),
-          in_specs=[
-              q_spec,
-              pl.BlockSpec(memory_space=pl.ANY),
-              pl.BlockSpec(memory_space=pl.ANY),
-          ] + [pl.BlockSpec(memory_space=pl.ANY)] * len(scale_args),
-          out_specs=q_spec,
-          scratch_shapes=[
-              pltpu.VMEM(buffer_shape, k_pages.dtype),
-              pltpu.VMEM(buffer_shape, v_pages.dtype),
-              *scale_buffers,
-              pltpu.SemaphoreType.DMA((2,)),
-              pltpu.SemaphoreType.DMA((2,)),
-          ]),
-      out_shape=jax.ShapeDtypeStruct(kernel_q.shape, kernel_q.dtype),
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel")),
-      interpret=pltpu.InterpretParams() if interpret else False,
-      name="paged_attention_tpu",
+    kernel,
+    grid_spec=pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=2,
+      grid=(batch, num_kv_heads),
+      in_specs=[
+        q_spec,
+        pl.BlockSpec(memory_space=pl.ANY),
+        pl.BlockSpec(memory_space=pl.ANY),
+      ]
+      + [pl.BlockSpec(memory_space=pl.ANY)] * len(scale_args),
+      out_specs=q_spec,
+      scratch_shapes=[
+        pltpu.VMEM(buffer_shape, k_pages.dtype),
+        pltpu.VMEM(buffer_shape, v_pages.dtype),
+        *scale_buffers,
+        pltpu.SemaphoreType.DMA((2,)),
+        pltpu.SemaphoreType.DMA((2,)),
+      ],
+    ),
+    out_shape=jax.ShapeDtypeStruct(kernel_q.shape, kernel_q.dtype),
+    compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+    interpret=pltpu.InterpretParams() if interpret else False,
+    name="paged_attention_tpu",
   )(lengths, flat_tables, kernel_q, k_pages, v_pages, *scale_args)
   return out.reshape(q.shape).astype(q.dtype)
 
 
-def _decode_kernel(lengths_ref, tables_ref, q_ref, k_hbm, v_hbm, *refs,
-                   sm_scale, soft_cap, sliding_window, pages_per_step,
-                   blocks_per_seq, quantized):
+def _decode_kernel(
+  lengths_ref,
+  tables_ref,
+  q_ref,
+  k_hbm,
+  v_hbm,
+  *refs,
+  sm_scale,
+  soft_cap,
+  sliding_window,
+  pages_per_step,
+  blocks_per_seq,
+  quantized,
+):
   """One (sequence, KV head): the normalized output of its query heads."""
   if quantized:
-    (k_scale_hbm, v_scale_hbm, o_ref, k_buffer, v_buffer, k_scale_buffer,
-     v_scale_buffer, k_sems, v_sems) = refs
-    scale_streams = ((k_scale_hbm, k_scale_buffer, k_sems),
-                     (v_scale_hbm, v_scale_buffer, v_sems))
+    (
+      k_scale_hbm,
+      v_scale_hbm,
+      o_ref,
+      k_buffer,
+      v_buffer,
+      k_scale_buffer,
+      v_scale_buffer,
+      k_sems,
+      v_sems,
+    ) = refs
+    scale_streams = ((k_scale_hbm, k_scale_buffer, k_sems), (v_scale_hbm, v_scale_buffer, v_sems))
   else:
     o_ref, k_buffer, v_buffer, k_sems, v_sems = refs
     scale_streams = ()
@@ -143,17 +173,20 @@ def _decode_kernel(lengths_ref, tables_ref, q_ref, k_hbm, v_hbm, *refs,
   stop_step = lax.div(length + step_tokens - 1, step_tokens)
 
   def table_entry(step, page):
-    return tables_ref[batch_index * blocks_per_seq + step * pages_per_step
-                      + page]
+    return tables_ref[batch_index * blocks_per_seq + step * pages_per_step + page]
 
   def page_copies(step, slot):
     copies = []
     for page in range(pages_per_step):
       block = jnp.maximum(table_entry(step, page), 0)
-      for hbm, buffer, sems in ((k_hbm, k_buffer, k_sems),
-                                (v_hbm, v_buffer, v_sems), *scale_streams):
-        copies.append(pltpu.make_async_copy(
-            hbm.at[head, block], buffer.at[slot, page], sems.at[slot]))
+      for hbm, buffer, sems in (
+        (k_hbm, k_buffer, k_sems),
+        (v_hbm, v_buffer, v_sems),
+        *scale_streams,
+      ):
+        copies.append(
+          pltpu.make_async_copy(hbm.at[head, block], buffer.at[slot, page], sems.at[slot])
+        )
     return copies
 
   def start_loading(step, slot):
@@ -187,8 +220,7 @@ def _decode_kernel(lengths_ref, tables_ref, q_ref, k_hbm, v_hbm, *refs,
     for copy in page_copies(index, slot):
       copy.wait()
     keys = k_buffer[slot].astype(jnp.float32).reshape(step_tokens, head_dim)
-    logits = jnp.einsum("gd,td->gt", q, keys,
-                        preferred_element_type=jnp.float32) * sm_scale
+    logits = jnp.einsum("gd,td->gt", q, keys, preferred_element_type=jnp.float32) * sm_scale
     if quantized:
       logits *= k_scale_buffer[slot].reshape(1, step_tokens)
     logits = common.apply_soft_cap(logits, soft_cap)
@@ -200,15 +232,17 @@ def _decode_kernel(lengths_ref, tables_ref, q_ref, k_hbm, v_hbm, *refs,
     if quantized:
       values *= v_scale_buffer[slot].reshape(step_tokens, 1)
     values = jnp.where(visible(index, (step_tokens, 1), 0), values, 0.0)
-    acc = rescale * acc + jnp.einsum("gt,td->gd", weights, values,
-                                     preferred_element_type=jnp.float32)
-    return acc, new_max, rescale * row_sum + jnp.sum(weights, axis=1,
-                                                    keepdims=True)
+    acc = rescale * acc + jnp.einsum(
+      "gt,td->gd", weights, values, preferred_element_type=jnp.float32
+    )
+    return acc, new_max, rescale * row_sum + jnp.sum(weights, axis=1, keepdims=True)
 
   rows = q.shape[0]
-  init = (jnp.zeros((rows, head_dim), jnp.float32),
-          jnp.full((rows, 1), jnp.finfo(jnp.float32).min, jnp.float32),
-          jnp.zeros((rows, 1), jnp.float32))
+  init = (
+    jnp.zeros((rows, head_dim), jnp.float32),
+    jnp.full((rows, 1), jnp.finfo(jnp.float32).min, jnp.float32),
+    jnp.zeros((rows, 1), jnp.float32),
+  )
   acc, _, row_sum = lax.fori_loop(first_step, stop_step, step, init)
   out = jnp.where(row_sum > 0, acc / jnp.maximum(row_sum, 1e-30), 0.0)
   o_ref[...] = out.reshape(o_ref.shape).astype(o_ref.dtype)

@@ -128,8 +128,7 @@ class LRUEvictor:
     blocks: the blocks in the evictor by block number.
   """
 
-  blocks: dict[int, PhysicalTokenBlock] = dataclasses.field(
-      default_factory=dict)
+  blocks: dict[int, PhysicalTokenBlock] = dataclasses.field(default_factory=dict)
 
   def __contains__(self, block_number: int) -> bool:
     return block_number in self.blocks
@@ -195,8 +194,7 @@ class CachedBlockAllocator:
     self.blocks = _fresh_blocks(self.num_blocks)
 
   def num_free(self) -> int:
-    return (self.num_blocks - self.num_used) + len(self.released) + len(
-        self.evictor)
+    return (self.num_blocks - self.num_used) + len(self.released) + len(self.evictor)
 
   def lookup(self, identity: Identity) -> int | None:
     """Returns the block registered with ``identity``, or None."""
@@ -248,8 +246,7 @@ class CachedBlockAllocator:
         self.evictor.add(block)
     return status
 
-  def register(self, block_number: int, identity: Identity,
-               num_hashed_tokens: int) -> None:
+  def register(self, block_number: int, identity: Identity, num_hashed_tokens: int) -> None:
     """Gives a held block without content the identity of its full prefix."""
     block = self.blocks[block_number]
     block.identity = identity

@@ -20,11 +20,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import numbers
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from paged_jax.config import AllocStatus, CacheConfig, Status
-from tests.reference.allocators import CachedBlockAllocator, Identity
-from tests.reference.allocators import UncachedBlockAllocator
+from tests.reference.allocators import CachedBlockAllocator, Identity, UncachedBlockAllocator
 
 Pool = UncachedBlockAllocator | CachedBlockAllocator
 Plan = list[tuple[int, int]]
@@ -94,8 +93,7 @@ class ReferenceBlockSpaceManager:
       return AllocStatus.NEVER
     return self._admission(required)
 
-  def can_append_slots(self, seq_ids: Sequence[int],
-                       num_lookahead_slots: int = 0) -> bool:
+  def can_append_slots(self, seq_ids: Sequence[int], num_lookahead_slots: int = 0) -> bool:
     """Whether one new token per sequence (plus lookahead) surely fits.
 
     False for a group that ``append_slots`` would refuse for an argument or
@@ -118,8 +116,7 @@ class ReferenceBlockSpaceManager:
     num_blocks = len(self._distinct_blocks(_non_padding(seq_ids), "gpu"))
     return num_blocks <= self.num_free_cpu_blocks()
 
-  def can_swap_in(self, seq_ids: Sequence[int],
-                  num_lookahead_slots: int = 0) -> AllocStatus:
+  def can_swap_in(self, seq_ids: Sequence[int], num_lookahead_slots: int = 0) -> AllocStatus:
     """Whether the group's CPU blocks (plus growth) fit on the GPU.
 
     NEVER for a group that ``swap_in`` would refuse for an argument or device
@@ -137,8 +134,9 @@ class ReferenceBlockSpaceManager:
 
   # Mutating calls.
 
-  def allocate(self, seq_ids: Sequence[int], token_ids: Sequence[int],
-               num_tokens: int, salt: int = 0) -> Status:
+  def allocate(
+    self, seq_ids: Sequence[int], token_ids: Sequence[int], num_tokens: int, salt: int = 0
+  ) -> Status:
     """Gives every sequence of a group the same table for one prompt.
 
     Args:
@@ -151,8 +149,7 @@ class ReferenceBlockSpaceManager:
       The call's status.
     """
     group = _non_padding(seq_ids)
-    if (_ids_invalid(seq_ids, self.cfg.max_seqs) or num_tokens < 0 or
-        num_tokens > len(token_ids)):
+    if _ids_invalid(seq_ids, self.cfg.max_seqs) or num_tokens < 0 or num_tokens > len(token_ids):
       return Status.INVALID_ARGUMENT
     if any(self._state.seqs[seq_id] is not None for seq_id in group):
       return Status.ALREADY_ALLOCATED
@@ -161,20 +158,23 @@ class ReferenceBlockSpaceManager:
     if not group:
       return Status.OK
     tokens = list(token_ids[:num_tokens])
-    status, _ = self._atomically(
-        lambda: (self._allocate(group, tokens, salt), []))
+    status, _ = self._atomically(lambda: (self._allocate(group, tokens, salt), []))
     return status
 
-  def allocate_counting_hits(self, seq_ids: Sequence[int], token_ids: Sequence[int],
-                             num_tokens: int, salt: int = 0) -> tuple[Status, int]:
+  def allocate_counting_hits(
+    self, seq_ids: Sequence[int], token_ids: Sequence[int], num_tokens: int, salt: int = 0
+  ) -> tuple[Status, int]:
     """``allocate``, and how many prompt blocks it found in the prefix cache."""
     hits = self._state.hits
     status = self.allocate(seq_ids, token_ids, num_tokens, salt)
     return status, self._state.hits - hits
 
   def append_slots(
-      self, seq_ids: Sequence[int], new_token_ids: Sequence[Sequence[int]],
-      num_new: Sequence[int], num_lookahead_slots: int = 0
+    self,
+    seq_ids: Sequence[int],
+    new_token_ids: Sequence[Sequence[int]],
+    num_new: Sequence[int],
+    num_lookahead_slots: int = 0,
   ) -> tuple[Status, Plan]:
     """Makes room for each row's new tokens and lookahead slots.
 
@@ -194,25 +194,32 @@ class ReferenceBlockSpaceManager:
     _check_lookahead(num_lookahead_slots)
     _check_rows(seq_ids, new_token_ids=new_token_ids, num_new=num_new)
     if _ids_invalid(seq_ids, self.cfg.max_seqs) or any(
-        not 0 <= num_new[i] <= len(new_token_ids[i])
-        for i, seq_id in enumerate(seq_ids) if seq_id != PADDING):
+      not 0 <= num_new[i] <= len(new_token_ids[i])
+      for i, seq_id in enumerate(seq_ids)
+      if seq_id != PADDING
+    ):
       return Status.INVALID_ARGUMENT, []
-    rows = [(seq_id, list(new_token_ids[i][:num_new[i]]))
-            for i, seq_id in enumerate(seq_ids) if seq_id != PADDING]
+    rows = [
+      (seq_id, list(new_token_ids[i][: num_new[i]]))
+      for i, seq_id in enumerate(seq_ids)
+      if seq_id != PADDING
+    ]
     status = self._slot_status([seq_id for seq_id, _ in rows], device="gpu")
     if status != Status.OK:
       return status, []
     for seq_id, new in rows:
       total = len(self._state.seqs[seq_id].tokens) + len(new)
-      if self.cfg.blocks_for(total + num_lookahead_slots) > (
-          self.cfg.max_blocks_per_seq):
+      if self.cfg.blocks_for(total + num_lookahead_slots) > (self.cfg.max_blocks_per_seq):
         return Status.TABLE_FULL, []
     return self._atomically(lambda: self._append(rows, num_lookahead_slots))
 
   def fork(self, parent_id: int, child_id: int) -> Status:
     """Gives the child the parent's table, tokens, salt and device."""
-    if (not _in_range(parent_id, self.cfg.max_seqs) or
-        not _in_range(child_id, self.cfg.max_seqs) or parent_id == child_id):
+    if (
+      not _in_range(parent_id, self.cfg.max_seqs)
+      or not _in_range(child_id, self.cfg.max_seqs)
+      or parent_id == child_id
+    ):
       return Status.INVALID_ARGUMENT
     parent = self._state.seqs[parent_id]
     if parent is None:
@@ -258,8 +265,7 @@ class ReferenceBlockSpaceManager:
 
     A no-op without prefix caching, for an empty slot or an id out of range.
     """
-    if not self.cfg.enable_prefix_caching or not _in_range(
-        seq_id, self.cfg.max_seqs):
+    if not self.cfg.enable_prefix_caching or not _in_range(seq_id, self.cfg.max_seqs):
       return
     seq = self._state.seqs[seq_id]
     if seq is None:
@@ -267,8 +273,9 @@ class ReferenceBlockSpaceManager:
     for block_number in _live(seq.table):
       self._state.pools[seq.device].touch(block_number, now)
 
-  def mark_blocks_as_computed(self, seq_ids: Sequence[int],
-                              num_computed_tokens: Sequence[int] | int) -> None:
+  def mark_blocks_as_computed(
+    self, seq_ids: Sequence[int], num_computed_tokens: Sequence[int] | int
+  ) -> None:
     """Marks the blocks of each GPU sequence's computed tokens as computed.
 
     Args:
@@ -283,8 +290,7 @@ class ReferenceBlockSpaceManager:
     _check_rows(seq_ids, num_computed_tokens=num_computed_tokens)
     self._query_group(seq_ids)
     if any(count < 0 for count in num_computed_tokens):
-      raise ValueError(
-          f"num_computed_tokens must be >= 0, got {list(num_computed_tokens)}")
+      raise ValueError(f"num_computed_tokens must be >= 0, got {list(num_computed_tokens)}")
     if not self.cfg.enable_prefix_caching:
       return
     for seq_id, count in zip(seq_ids, num_computed_tokens):
@@ -312,8 +318,7 @@ class ReferenceBlockSpaceManager:
       if seq is None or seq.device != "gpu" or not seq.tokens:
         return []
       last = (len(seq.tokens) - 1) // self.cfg.block_size
-      lists.append(
-          [b for b in _live(seq.table[:last]) if pool.blocks[b].computed])
+      lists.append([b for b in _live(seq.table[:last]) if pool.blocks[b].computed])
     return _common_prefix(lists)
 
   # Read-only views.
@@ -331,8 +336,9 @@ class ReferenceBlockSpaceManager:
     seq = self._state.seqs[seq_id]
     return len(seq.tokens) if seq is not None else 0
 
-  def get_slot_mapping(self, seq_ids: Sequence[int], num_new: Sequence[int],
-                       width: int) -> list[list[int]]:
+  def get_slot_mapping(
+    self, seq_ids: Sequence[int], num_new: Sequence[int], width: int
+  ) -> list[list[int]]:
     """Cache slots of each row's last ``num_new`` tokens.
 
     Args:
@@ -353,8 +359,8 @@ class ReferenceBlockSpaceManager:
     self._query_group(seq_ids)
     if width < 0 or any(count < 0 for count in num_new):
       raise ValueError(
-          f"width and num_new must be >= 0, got width={width}, "
-          f"num_new={list(num_new)}")
+        f"width and num_new must be >= 0, got width={width}, num_new={list(num_new)}"
+      )
     mapping = []
     for seq_id, count in zip(seq_ids, num_new):
       seq = self._state.seqs[seq_id] if seq_id != PADDING else None
@@ -396,18 +402,16 @@ class ReferenceBlockSpaceManager:
   # Internals.
 
   def _initial_state(self) -> _State:
-    pool_type = (CachedBlockAllocator if self.cfg.enable_prefix_caching else
-                 UncachedBlockAllocator)
+    pool_type = CachedBlockAllocator if self.cfg.enable_prefix_caching else UncachedBlockAllocator
     return _State(
-        pools={
-            "gpu": pool_type(self.cfg.num_gpu_blocks),
-            "cpu": pool_type(self.cfg.num_cpu_blocks),
-        },
-        seqs=[None] * self.cfg.max_seqs,
+      pools={
+        "gpu": pool_type(self.cfg.num_gpu_blocks),
+        "cpu": pool_type(self.cfg.num_cpu_blocks),
+      },
+      seqs=[None] * self.cfg.max_seqs,
     )
 
-  def _atomically(
-      self, call: Callable[[], tuple[Status, Plan]]) -> tuple[Status, Plan]:
+  def _atomically(self, call: Callable[[], tuple[Status, Plan]]) -> tuple[Status, Plan]:
     """Runs ``call``; restores the state it found unless it returns OK."""
     saved = copy.deepcopy(self._state)
     status, plan = call()
@@ -426,14 +430,17 @@ class ReferenceBlockSpaceManager:
     """The non-padding ids of a host query; ValueError if any is bad."""
     if _ids_invalid(seq_ids, self.cfg.max_seqs):
       raise ValueError(
-          f"seq_ids must be distinct ids in 0..{self.cfg.max_seqs - 1} or -1 "
-          f"(padding), got {list(seq_ids)}")
+        f"seq_ids must be distinct ids in 0..{self.cfg.max_seqs - 1} or -1 "
+        f"(padding), got {list(seq_ids)}"
+      )
     return _non_padding(seq_ids)
 
   def _refuses(self, seq_ids: Sequence[int], device: str) -> bool:
     """Whether an op on ``device`` refuses the group with an argument or device error."""
-    return (_ids_invalid(seq_ids, self.cfg.max_seqs) or
-            self._slot_status(_non_padding(seq_ids), device) != Status.OK)
+    return (
+      _ids_invalid(seq_ids, self.cfg.max_seqs)
+      or self._slot_status(_non_padding(seq_ids), device) != Status.OK
+    )
 
   def _slot_status(self, group: list[int], device: str | None) -> Status:
     """NOT_ALLOCATED, else WRONG_DEVICE (unless ``device`` is None), else OK."""
@@ -447,11 +454,10 @@ class ReferenceBlockSpaceManager:
   def _is_dead(self, j: int, num_tokens: int) -> bool:
     """Whether block ``j`` of ``num_tokens`` tokens has left the window."""
     window = self.cfg.sliding_window
-    return window is not None and (j + 1) * self.cfg.block_size <= (
-        num_tokens - window)
+    return window is not None and (j + 1) * self.cfg.block_size <= (num_tokens - window)
 
   def _identity(self, seq: _Sequence, tokens: list[int], j: int) -> Identity:
-    return (seq.salt, tuple(tokens[:(j + 1) * self.cfg.block_size]))
+    return (seq.salt, tuple(tokens[: (j + 1) * self.cfg.block_size]))
 
   def _look_up(self, identity: Identity) -> int | None:
     """Counts one GPU lookup; returns the registered block or None."""
@@ -484,28 +490,26 @@ class ReferenceBlockSpaceManager:
   def _slot(self, seq: _Sequence, position: int) -> int:
     window = self.cfg.sliding_window
     block_number = seq.table[position // self.cfg.block_size]
-    if block_number == PADDING or (window is not None and
-                                   position < len(seq.tokens) - window):
+    if block_number == PADDING or (window is not None and position < len(seq.tokens) - window):
       return PADDING
     return block_number * self.cfg.block_size + position % self.cfg.block_size
 
-  def _allocate(self, group: list[int], tokens: list[int],
-                salt: int) -> Status:
+  def _allocate(self, group: list[int], tokens: list[int], salt: int) -> Status:
     """Phases of ``allocate``: lookups, takes, registration."""
     pool = self._state.pools["gpu"]
     num_tokens = len(tokens)
     num_full = num_tokens // self.cfg.block_size
     caching = self.cfg.enable_prefix_caching
-    template = _Sequence([PADDING] * self.cfg.blocks_for(num_tokens), tokens,
-                         salt, "gpu")
+    template = _Sequence([PADDING] * self.cfg.blocks_for(num_tokens), tokens, salt, "gpu")
     table = template.table
     for j in range(num_full if caching else 0):
       hit = self._look_up(self._identity(template, tokens, j))
       if hit is not None:
         pool.add_reference(hit, len(group))
         table[j] = hit
-    misses = [j for j in range(len(table))
-              if table[j] == PADDING and not self._is_dead(j, num_tokens)]
+    misses = [
+      j for j in range(len(table)) if table[j] == PADDING and not self._is_dead(j, num_tokens)
+    ]
     if len(misses) > pool.num_free():
       return Status.OUT_OF_BLOCKS
     for j in misses:
@@ -513,15 +517,19 @@ class ReferenceBlockSpaceManager:
       pool.add_reference(table[j], len(group))
     for j in misses:
       if caching and j < num_full:
-        pool.register(table[j], self._identity(template, tokens, j),
-                      (j + 1) * self.cfg.block_size)
+        pool.register(table[j], self._identity(template, tokens, j), (j + 1) * self.cfg.block_size)
     for seq_id in group:
       self._state.seqs[seq_id] = copy.deepcopy(template)
     return Status.OK
 
-  def _plan_row(self, row: int, seq: _Sequence, tokens: list[int],
-                num_lookahead_slots: int,
-                owners: dict[Identity, tuple[int, int]]) -> list[_Entry]:
+  def _plan_row(
+    self,
+    row: int,
+    seq: _Sequence,
+    tokens: list[int],
+    num_lookahead_slots: int,
+    owners: dict[Identity, tuple[int, int]],
+  ) -> list[_Entry]:
     """Phase 1 for one row: the entries it changes, with its lookups.
 
     Args:
@@ -538,18 +546,17 @@ class ReferenceBlockSpaceManager:
     block_size = self.cfg.block_size
     num_before, num_after = len(seq.tokens), len(tokens)
     first_landing = num_before // block_size
-    last_landing = (self.cfg.blocks_for(num_after) - 1
-                    if num_after > num_before else first_landing - 1)
-    length = max(len(seq.table),
-                 self.cfg.blocks_for(num_after + num_lookahead_slots))
+    last_landing = (
+      self.cfg.blocks_for(num_after) - 1 if num_after > num_before else first_landing - 1
+    )
+    length = max(len(seq.table), self.cfg.blocks_for(num_after + num_lookahead_slots))
     entries = []
     for j in range(first_landing, length):
       held = seq.table[j] if j < len(seq.table) else PADDING
       if self._is_dead(j, num_after) or (j > last_landing and held != PADDING):
         continue
       entry = _Entry(j, "take" if held == PADDING else "in_place", held)
-      if (self.cfg.enable_prefix_caching and j <= last_landing and
-          (j + 1) * block_size <= num_after):
+      if self.cfg.enable_prefix_caching and j <= last_landing and (j + 1) * block_size <= num_after:
         entry.identity = self._identity(seq, tokens, j)
         entry.hit_block = self._look_up(entry.identity)
         if entry.hit_block is not None:
@@ -563,8 +570,7 @@ class ReferenceBlockSpaceManager:
       entries.append(entry)
     return entries
 
-  def _decide_copies(self, plans: list[list[_Entry]],
-                     ref_counts: list[int]) -> None:
+  def _decide_copies(self, plans: list[list[_Entry]], ref_counts: list[int]) -> None:
     """Phase 2: which writes into held blocks copy-on-write.
 
     Of the writers of a block, hits and shares leave it; if every holder of
@@ -581,8 +587,9 @@ class ReferenceBlockSpaceManager:
       for entry in stay[:-1] if everyone_writes else stay:
         entry.action = "copy"
 
-  def _append(self, rows: list[tuple[int, list[int]]],
-              num_lookahead_slots: int) -> tuple[Status, Plan]:
+  def _append(
+    self, rows: list[tuple[int, list[int]]], num_lookahead_slots: int
+  ) -> tuple[Status, Plan]:
     """Phases of ``append_slots`` for the non-padding rows, in array order."""
     pool = self._state.pools["gpu"]
     ref_counts = self.ref_counts("gpu")
@@ -590,12 +597,11 @@ class ReferenceBlockSpaceManager:
     tokens = [seq.tokens + new for seq, (_, new) in zip(seqs, rows)]
     owners = {}
     plans = [
-        self._plan_row(row, seq, row_tokens, num_lookahead_slots, owners)
-        for row, (seq, row_tokens) in enumerate(zip(seqs, tokens))
+      self._plan_row(row, seq, row_tokens, num_lookahead_slots, owners)
+      for row, (seq, row_tokens) in enumerate(zip(seqs, tokens))
     ]
     self._decide_copies(plans, ref_counts)
-    takes = sum(entry.action in ("take", "copy")
-                for entries in plans for entry in entries)
+    takes = sum(entry.action in ("take", "copy") for entries in plans for entry in entries)
     if takes > pool.num_free():
       return Status.OUT_OF_BLOCKS, []
     tables = [_grown(seq.table, entries) for seq, entries in zip(seqs, plans)]
@@ -626,14 +632,14 @@ class ReferenceBlockSpaceManager:
     for table, entries in zip(tables, plans):
       for entry in entries:
         if entry.identity is not None and entry.action not in ("hit", "share"):
-          pool.register(table[entry.j], entry.identity,
-                        (entry.j + 1) * self.cfg.block_size)
+          pool.register(table[entry.j], entry.identity, (entry.j + 1) * self.cfg.block_size)
     for seq, table, row_tokens in zip(seqs, tables, tokens):
       seq.table, seq.tokens = table, row_tokens
     return Status.OK, copy_plan
 
-  def _swap(self, seq_ids: Sequence[int], source: str, destination: str,
-            exhausted: Status) -> tuple[Status, Plan]:
+  def _swap(
+    self, seq_ids: Sequence[int], source: str, destination: str, exhausted: Status
+  ) -> tuple[Status, Plan]:
     """Checks a swap and runs it atomically."""
     if _ids_invalid(seq_ids, self.cfg.max_seqs):
       return Status.INVALID_ARGUMENT, []
@@ -641,11 +647,11 @@ class ReferenceBlockSpaceManager:
     status = self._slot_status(group, device=source)
     if status != Status.OK:
       return status, []
-    return self._atomically(
-        lambda: self._move(group, source, destination, exhausted))
+    return self._atomically(lambda: self._move(group, source, destination, exhausted))
 
-  def _move(self, group: list[int], source: str, destination: str,
-            exhausted: Status) -> tuple[Status, Plan]:
+  def _move(
+    self, group: list[int], source: str, destination: str, exhausted: Status
+  ) -> tuple[Status, Plan]:
     """Phases of a swap.
 
     Lookups and takes in the destination pool, releases in the source pool,
@@ -663,8 +669,7 @@ class ReferenceBlockSpaceManager:
     for block_number, identity in identities.items():
       if identity is None:
         continue
-      hit = (self._look_up(identity) if destination == "gpu" else
-             destination_pool.lookup(identity))
+      hit = self._look_up(identity) if destination == "gpu" else destination_pool.lookup(identity)
       if hit is not None:
         destination_pool.add_reference(hit, uses[block_number])
         moved[block_number] = hit
@@ -681,8 +686,7 @@ class ReferenceBlockSpaceManager:
         self._release(source_pool, block_number)
     for b in misses:
       if identities[b] is not None:
-        destination_pool.register(moved[b], identities[b],
-                                  source_pool.blocks[b].num_hashed_tokens)
+        destination_pool.register(moved[b], identities[b], source_pool.blocks[b].num_hashed_tokens)
     for seq in seqs:
       seq.table = [moved.get(b, PADDING) for b in seq.table]
       seq.device = destination
@@ -710,8 +714,7 @@ def _in_range(seq_id: int, max_seqs: int) -> bool:
 def _ids_invalid(seq_ids: Sequence[int], max_seqs: int) -> bool:
   """Whether an id is out of range (and not padding) or named twice."""
   group = _non_padding(seq_ids)
-  return (any(not _in_range(seq_id, max_seqs) for seq_id in group) or
-          len(set(group)) != len(group))
+  return any(not _in_range(seq_id, max_seqs) for seq_id in group) or len(set(group)) != len(group)
 
 
 def _check_id(seq_id: int, max_seqs: int) -> None:
@@ -726,16 +729,14 @@ def _check_device(device: str) -> None:
 
 def _check_lookahead(num_lookahead_slots: int) -> None:
   if num_lookahead_slots < 0:
-    raise ValueError(
-        f"num_lookahead_slots must be >= 0, got {num_lookahead_slots}")
+    raise ValueError(f"num_lookahead_slots must be >= 0, got {num_lookahead_slots}")
 
 
 def _check_rows(seq_ids: Sequence[int], **per_row: Sequence) -> None:
   """ValueError unless every per-row argument has one item per id."""
   for name, values in per_row.items():
     if len(values) != len(seq_ids):
-      raise ValueError(
-          f"{name} has {len(values)} rows but seq_ids has {len(seq_ids)}")
+      raise ValueError(f"{name} has {len(values)} rows but seq_ids has {len(seq_ids)}")
 
 
 def _common_prefix(lists: list[list[int]]) -> list[int]:
@@ -744,8 +745,7 @@ def _common_prefix(lists: list[list[int]]) -> list[int]:
   prefix = lists[0]
   for other in lists[1:]:
     length = 0
-    while (length < min(len(prefix), len(other)) and
-           prefix[length] == other[length]):
+    while length < min(len(prefix), len(other)) and prefix[length] == other[length]:
       length += 1
     prefix = prefix[:length]
   return prefix
