@@ -2,12 +2,14 @@
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import paged_jax as pj
+from paged_jax.block_manager import manager
 
 pytestmark = pytest.mark.usefixtures("quick_compiles")
 
@@ -223,10 +225,6 @@ CASES = [
 ]
 
 
-def _same(a, b):
-  return jax.tree.all(jax.tree.map(lambda x, y: bool(jnp.array_equal(x, y)), a, b))
-
-
 @pytest.mark.parametrize(
   "name, prepare, method, args, status, error, words", CASES, ids=[c[0] for c in CASES]
 )
@@ -234,9 +232,12 @@ def test_bad_input(base_state, name, prepare, method, args, status, error, words
   state = prepare(base_state) if prepare else base_state
   new_state, result = jax.jit(getattr(BM, method))(state, *args)
   assert pj.Status(int(result.status)) == status, name
-  assert _same(new_state, state), "a failed call must return its state unchanged"
-  if hasattr(result, "count"):
-    assert int(result.count) == 0 and bool(jnp.all(result.src == -1))
+  chex.assert_trees_all_equal(new_state, state)  # a failed call returns its state unchanged
+  if hasattr(result, "count"):  # and an empty plan
+    empty = jnp.full(result.src.shape, -1, jnp.int32)
+    chex.assert_trees_all_equal(
+      result, result.replace(src=empty, dst=empty, count=jnp.zeros((), jnp.int32))
+    )
   with pytest.raises(error, match=words):
     getattr(CHECKED, method)(state, *args)
   pj.check_invariants(state)
@@ -370,3 +371,32 @@ def test_results_show_their_status_by_name(base_state):
   )
   _, plan = jax.jit(BM.append_slots)(base_state, ids(0), ONES, jnp.ones(2, jnp.int32))
   assert repr(plan).endswith("count=Array(0, dtype=int32), status=Status.OK)")
+
+
+def test_results_have_static_shapes_and_int32_leaves(base_state):
+  """Plans hold B * (ceil(K / block_size) + 1) copy pairs and B * max_blocks_per_seq swap pairs."""
+  new_tokens = jnp.ones((2, 5), jnp.int32)  # K = 5: ceil(5 / 4) + 1 = 3 pairs per row
+  state, cow = BM.append_slots(base_state, ids(0), new_tokens, jnp.array([5, 0], jnp.int32))
+  chex.assert_shape([cow.src, cow.dst, cow.count, cow.status], [(6,), (6,), (), ()])
+  _, swap = BM.swap_in(state, ids(1))
+  chex.assert_shape([swap.src, swap.dst, swap.count, swap.status], [(8,), (8,), (), ()])
+  _, forked = BM.fork(state, jnp.int32(0), jnp.int32(2))
+  _, allocated = BM.allocate(state, ids(3), TOKENS, 5)
+  chex.assert_type(jax.tree.leaves([cow, swap, forked, allocated]), jnp.int32)
+  chex.assert_shape(BM.get_block_tables(state, ids(0, 1)), (2, CFG.max_blocks_per_seq))
+  chex.assert_shape(BM.get_slot_mapping(state, ids(0, 1), jnp.array([3, 1]), width=3), (2, 3))
+  chex.assert_type(BM.get_num_tokens(state, ids(0, 1)), jnp.int32)
+
+
+def test_every_op_is_one_function_under_three_names():
+  """`manager.op`, `BlockSpaceManager.op` and `bm.op` are the same `op(state, ...)`."""
+  ops = [
+    name
+    for name in manager.__all__
+    if name not in ("BlockSpaceManager", "init_state", "jit_op", "static_args")
+  ]
+  assert {"allocate", "fork_each", "swap_out", "swap_in", "num_free_gpu_blocks"} <= set(ops)
+  for name in ops:
+    op = getattr(manager, name)
+    assert getattr(pj.BlockSpaceManager, name) is op and getattr(BM, name) is op, name
+  assert int(pj.BlockSpaceManager.num_free_cpu_blocks(BM.init())) == CFG.num_cpu_blocks

@@ -1,6 +1,7 @@
 """`fork_each`, the batched fork beam search uses: it equals one `fork` per
 pair (itself checked against the reference), and refuses bad pairs whole."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +22,7 @@ CFG = pj.CacheConfig(
 BM = pj.BlockSpaceManager(CFG)
 fork_each = jax.jit(BM.fork_each)
 fork = jax.jit(BM.fork)
+CHECKED = pj.checked(BM)
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +38,6 @@ def state():
   return state
 
 
-def _same(a, b):
-  return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-
-
 def test_equals_one_fork_per_pair(state):
   parents = np.array([1, -1, 1, 0, 2], np.int32)  # slot 1 forks twice
   children = np.array([4, -1, 7, 3, 6], np.int32)
@@ -50,25 +48,51 @@ def test_equals_one_fork_per_pair(state):
     if parent >= 0:
       one_by_one, result = fork(one_by_one, parent, child)
       assert int(result.status) == pj.Status.OK
-  assert _same(batched, one_by_one)
+  chex.assert_trees_all_equal(batched, one_by_one)
   pj.check_invariants(batched)
 
 
-@pytest.mark.parametrize(
-  "parents, children, status",
-  [
-    ([0, 1], [3, 3], pj.Status.INVALID_ARGUMENT),  # a child twice
-    ([0, 3], [3, 4], pj.Status.INVALID_ARGUMENT),  # a child is a parent
-    ([0, -1], [3, 4], pj.Status.INVALID_ARGUMENT),  # padding on one side
-    ([0, 8], [3, 4], pj.Status.INVALID_ARGUMENT),  # out of range
-    ([0, 5], [3, 4], pj.Status.NOT_ALLOCATED),  # an empty parent
-    ([0, 1], [3, 2], pj.Status.ALREADY_ALLOCATED),  # a held child
-  ],
-)
-def test_a_bad_pair_refuses_the_call_and_changes_nothing(state, parents, children, status):
+BAD_PAIRS = [
+  # parents, children, status, exception of pj.checked, words in its message
+  ([0, 1], [3, 3], pj.Status.INVALID_ARGUMENT, pj.InvalidArgumentError, "seq 3 is a child twice"),
+  ([0, 3], [3, 4], pj.Status.INVALID_ARGUMENT, pj.InvalidArgumentError, "seq 3 is both"),
+  ([0, -1], [3, 4], pj.Status.INVALID_ARGUMENT, pj.InvalidArgumentError, "child 4"),
+  ([0, 8], [3, 4], pj.Status.INVALID_ARGUMENT, pj.InvalidArgumentError, "seq id 8 is outside"),
+  ([0, 5], [3, 4], pj.Status.NOT_ALLOCATED, pj.NotAllocatedError, "seq 5 is not allocated"),
+  ([0, 1], [3, 2], pj.Status.ALREADY_ALLOCATED, pj.AlreadyAllocatedError, "seq 2 is already"),
+]
+BAD_PAIR_IDS = [
+  "a child twice",
+  "a child is a parent",
+  "padding on one side",
+  "out of range",
+  "an empty parent",
+  "a held child",
+]
+
+
+@pytest.mark.parametrize("parents, children, status, error, words", BAD_PAIRS, ids=BAD_PAIR_IDS)
+def test_a_bad_pair_refuses_the_call_and_changes_nothing(
+  state, parents, children, status, error, words
+):
   new, result = fork_each(state, np.array(parents, np.int32), np.array(children, np.int32))
   assert pj.Status(int(result.status)) == status
-  assert _same(new, state)
+  chex.assert_trees_all_equal(new, state)
+
+
+@pytest.mark.parametrize("parents, children, status, error, words", BAD_PAIRS, ids=BAD_PAIR_IDS)
+def test_checked_fork_each_raises_naming_the_sequence(
+  state, parents, children, status, error, words
+):
+  with pytest.raises(error, match=words):
+    CHECKED.fork_each(state, np.array(parents, np.int32), np.array(children, np.int32))
+
+
+def test_checked_fork_each_returns_the_new_state(state):
+  parents, children = np.array([1, 1], np.int32), np.array([4, 5], np.int32)
+  new, result = CHECKED.fork_each(state, parents, children)
+  assert pj.Status(int(result.status)) == pj.Status.OK
+  chex.assert_trees_all_equal(new, fork_each(state, parents, children)[0])
 
 
 def test_scalar_fork_still_refuses_minus_one(state):

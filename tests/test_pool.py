@@ -1,5 +1,6 @@
 """The pool layer: DOUBLE_FREE when a block is released more often than it is held."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,7 +36,7 @@ def test_release_of_an_unreferenced_block_is_double_free():
   pool = init_pool(4, pj.CacheConfig(block_size=4, num_gpu_blocks=4))
   new, status = _release(pool, jnp.array([2]))
   assert pj.Status(int(status)) == pj.Status.DOUBLE_FREE
-  assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), new, pool))
+  chex.assert_trees_all_equal(new, pool)
 
 
 def test_releasing_more_than_held_is_double_free_and_changes_nothing():
@@ -45,7 +46,7 @@ def test_releasing_more_than_held_is_double_free_and_changes_nothing():
     events = jnp.array([blocks[0], blocks[1], blocks[0], blocks[0]], jnp.int32)
     new, status = _release(pool, events)
     assert pj.Status(int(status)) == pj.Status.DOUBLE_FREE
-    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), new, pool))
+    chex.assert_trees_all_equal(new, pool)
 
 
 def test_releasing_every_reference_frees_the_blocks():

@@ -1,5 +1,6 @@
 """Prefix-cache building blocks: prompt hashing, pools without blocks."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,15 +22,13 @@ def test_prompt_hashes_match_the_rolling_hash_at_block_ends():
       jnp.array([[0, 0, 1, 1]], jnp.uint32), tokens[None], jnp.array([count])
     )
     ends, prompt_rolling = prompt_hashes(tokens, jnp.int32(count), block_size)
+    chex.assert_shape([ends, prompt_rolling], [(length // block_size, 2), (4,)])
+    chex.assert_type([ends, prompt_rolling], jnp.uint32)
     full = count // block_size
     np.testing.assert_array_equal(
       np.asarray(ends[:full]), np.asarray(prefix[0, block_size - 1 :: block_size][:full])
     )
     np.testing.assert_array_equal(np.asarray(prompt_rolling), np.asarray(rolling[0]))
-
-
-def _same_state(a, b) -> bool:
-  return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 def _cached_manager(num_gpu_blocks: int, num_cpu_blocks: int):
@@ -55,7 +54,8 @@ def test_caching_without_swap_space():
   assert res.status == pj.Status.OK and res.num_hit_blocks == 0
   state = jax.jit(bm.access_all_blocks_in_seq)(state, 0, 5)
   after, plan = jax.jit(bm.swap_out)(state, jnp.array([0]))
-  assert plan.status == pj.Status.SWAP_SPACE_EXHAUSTED and _same_state(after, state)
+  assert plan.status == pj.Status.SWAP_SPACE_EXHAUSTED
+  chex.assert_trees_all_equal(after, state)
   state, _ = jax.jit(bm.free)(state, jnp.array([0]))
   state, res = allocate(state, jnp.array([1]), tokens, 8)
   assert res.status == pj.Status.OK and res.num_hit_blocks == 2

@@ -269,7 +269,7 @@ def test_batched_states_match_one_state_per_shard():
     mine = jax.tree.map(lambda x, s=shard: x[s], states)
     for got, want in zip(jax.tree.leaves(mine), jax.tree.leaves(one)):
       np.testing.assert_array_equal(got, want)
-  free = jax.vmap(manager.BlockSpaceManager.num_free_gpu_blocks)(states)
+  free = jax.vmap(manager.num_free_gpu_blocks)(states)
   np.testing.assert_array_equal(free, [14, 12, 15])
 
 

@@ -1,10 +1,10 @@
 """vLLM 0.6.x block-manager unit tests, replayed against every manager.
 
-The scenarios come from vLLM's ``tests/core/test_block_manager.py`` (v1 block
-manager) and ``tests/prefix_caching/test_prefix_caching.py``. vLLM drives a
-``SequenceGroup``; here a sequence is a slot id and its new tokens are passed
-to ``append_slots``. Where vLLM's scenario relies on behaviour docs/semantics.md
-changes on purpose, the test says how it was adapted.
+The scenarios come from vLLM 0.6's unit tests of its block manager and of
+its prefix caching. vLLM drives a ``SequenceGroup``; here a sequence is a slot
+id and its new tokens are passed to ``append_slots``. Where vLLM's scenario
+relies on behaviour docs/semantics.md changes on purpose, the test says how it
+was adapted.
 """
 
 import pytest

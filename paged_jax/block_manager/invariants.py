@@ -30,13 +30,15 @@ def check_invariants(state: BlockManagerState) -> None:
 
 
 def _check_pool(name: str, pool: Pool, tables: np.ndarray) -> None:
-  n = pool.num_blocks
+  num_blocks = pool.num_blocks
   ref = np.asarray(pool.ref_count)
-  _require(np.all((tables >= -1) & (tables < n)), f"{name} table entries are -1 or a block number")
+  _require(
+    np.all((tables >= -1) & (tables < num_blocks)), f"{name} table entries are -1 or a block number"
+  )
   for row in tables:
     held = row[row >= 0]
     _require(len(set(held.tolist())) == len(held), f"a {name} table holds each block at most once")
-  refs = np.bincount(tables[tables >= 0].ravel(), minlength=n)
+  refs = np.bincount(tables[tables >= 0].ravel(), minlength=num_blocks)
   bad = np.nonzero(refs != ref)[0]
   _require(
     bad.size == 0,
@@ -45,40 +47,42 @@ def _check_pool(name: str, pool: Pool, tables: np.ndarray) -> None:
   )
   next_fresh = int(pool.next_fresh)
   stack = np.asarray(pool.free_stack)[: int(pool.num_stacked)]
-  free = np.concatenate([np.arange(next_fresh, n), stack])
+  free = np.concatenate([np.arange(next_fresh, num_blocks), stack])
   _require(len(set(free.tolist())) == len(free), f"{name} free lists name each block once")
   _require(np.all(ref[free] == 0), f"{name} free blocks are unreferenced (and in no table)")
-  c = pool.content
-  if c is None:
-    _require(len(free) == n - np.count_nonzero(ref), f"{name} every unreferenced block is free")
+  content = pool.content
+  if content is None:
+    _require(
+      len(free) == num_blocks - np.count_nonzero(ref), f"{name} every unreferenced block is free"
+    )
     return
-  has = np.asarray(c.has_content)
+  has = np.asarray(content.has_content)
   _require(not np.any(has[free]), f"{name} blocks on the free lists hold no content")
   evictable = has & (ref == 0)
-  _require(int(c.num_evictable) == int(evictable.sum()), f"{name} evictor count is exact")
+  _require(int(content.num_evictable) == int(evictable.sum()), f"{name} evictor count is exact")
   _require(
-    len(free) + int(evictable.sum()) == n - np.count_nonzero(ref),
+    len(free) + int(evictable.sum()) == num_blocks - np.count_nonzero(ref),
     f"{name} every unreferenced block is free or in the evictor",
   )
-  _check_hash_table(name, c, has)
+  _check_hash_table(name, content, has)
 
 
-def _check_hash_table(name, c, has) -> None:
-  buckets = np.asarray(c.buckets)
-  nxt = np.asarray(c.next_in_bucket)
-  home = np.asarray(_bucket_of(c.hash, buckets.shape[0]))
-  prev = np.asarray(c.prev_in_bucket)
+def _check_hash_table(name, content, has) -> None:
+  buckets = np.asarray(content.buckets)
+  next_in_bucket = np.asarray(content.next_in_bucket)
+  home = np.asarray(_bucket_of(content.hash, buckets.shape[0]))
+  prev_in_bucket = np.asarray(content.prev_in_bucket)
   seen = np.zeros(has.shape[0], bool)
-  for b, head in enumerate(buckets):
-    node, before = int(head), -2 - b
+  for bucket, head in enumerate(buckets):
+    node, before = int(head), -2 - bucket
     while node >= 0:
       _require(
-        has[node] and not seen[node] and home[node] == b,
+        has[node] and not seen[node] and home[node] == bucket,
         f"{name} hash chains hold each cached block once, in its bucket",
       )
-      _require(prev[node] == before, f"{name} hash chains are doubly linked")
+      _require(prev_in_bucket[node] == before, f"{name} hash chains are doubly linked")
       seen[node] = True
-      node, before = int(nxt[node]), node
+      node, before = int(next_in_bucket[node]), node
   _require(np.array_equal(seen, has), f"{name} every cached block is in the hash table")
 
 

@@ -144,12 +144,12 @@ def _eviction_order(pool: Pool, pinned: jax.Array, capacity: int) -> jax.Array:
   counts on each key in turn (a few dozen passes over the pool), and only
   they are sorted.
   """
-  c = pool.content
-  n = pool.num_blocks
-  evictable = c.has_content & (pool.ref_count == 0) & ~(scatter_count(pinned, n) > 0)
-  keys = (c.last_accessed, -c.num_hashed_tokens, c.release_time)
+  content = pool.content
+  num_blocks = pool.num_blocks
+  evictable = content.has_content & (pool.ref_count == 0) & ~(scatter_count(pinned, num_blocks) > 0)
+  keys = (content.last_accessed, -content.num_hashed_tokens, content.release_time)
   need = jnp.minimum(count_true(evictable), capacity)
-  chosen = jnp.zeros(n, bool)  # blocks before the threshold key
+  chosen = jnp.zeros(num_blocks, bool)  # blocks before the threshold key
   tied = evictable  # blocks equal to it on the keys so far
   for key in keys:
     threshold = _smallest_reaching(key, tied, need)
@@ -160,10 +160,12 @@ def _eviction_order(pool: Pool, pinned: jax.Array, capacity: int) -> jax.Array:
   chosen |= tied & (need > 0)  # the one block at the threshold itself
   slot = masked(running_count(chosen) - 1, chosen, capacity)
   victims = (
-    jnp.full(capacity, n, jnp.int32).at[slot].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
+    jnp.full(capacity, num_blocks, jnp.int32)
+    .at[slot]
+    .set(jnp.arange(num_blocks, dtype=jnp.int32), mode="drop")
   )
   big = jnp.int32(_INT_MAX)
-  valid = victims < n
+  valid = victims < num_blocks
   candidates = tuple(jnp.where(valid, take(key, victims), big) for key in keys)
   *_, order = lax.sort(candidates + (jnp.where(valid, victims, big),), num_keys=3)
   return jnp.where(order < big, order, NO_BLOCK)
@@ -244,10 +246,12 @@ def release_pushes(pool: Pool, events: jax.Array, final_ref: jax.Array) -> jax.A
     events: int32[E] blocks released, in release order (-1 skipped).
     final_ref: int32[N] reference counts after the whole call.
   """
-  n = pool.num_blocks
+  num_blocks = pool.num_blocks
   pos = jnp.arange(events.shape[0], dtype=jnp.int32)
   valid = events >= 0
-  last = jnp.full(n, -1, jnp.int32).at[masked(events, valid, n)].max(pos, mode="drop")
+  last = (
+    jnp.full(num_blocks, -1, jnp.int32).at[masked(events, valid, num_blocks)].max(pos, mode="drop")
+  )
   return valid & (take(last, events) == pos) & (take(final_ref, events) == 0)
 
 
@@ -276,15 +280,15 @@ def commit_pool(
   Returns:
     (new pool, pushed bool[E]: release events that freed their block).
   """
-  n = pool.num_blocks
+  num_blocks = pool.num_blocks
   weight = jnp.broadcast_to(jnp.asarray(gain_weight, jnp.int32), gains.shape)
-  ref = pool.ref_count.at[masked(gains, (gains >= 0) & ok, n)].add(weight, mode="drop")
-  fresh_used = jnp.minimum(num_takes, n - pool.next_fresh)
+  ref = pool.ref_count.at[masked(gains, (gains >= 0) & ok, num_blocks)].add(weight, mode="drop")
+  fresh_used = jnp.minimum(num_takes, num_blocks - pool.next_fresh)
   stack_used = jnp.minimum(num_takes - fresh_used, pool.num_stacked)
   base = pool.num_stacked - stack_used
 
   def push_released(ref):
-    ref = ref.at[masked(releases, (releases >= 0) & ok, n)].add(-1, mode="drop")
+    ref = ref.at[masked(releases, (releases >= 0) & ok, num_blocks)].add(-1, mode="drop")
     pushed = release_pushes(pool, releases, ref) & ok
     has_content = (
       take(pool.content.has_content, releases)
@@ -293,7 +297,9 @@ def commit_pool(
     )
     to_stack = pushed & ~has_content
     stack_rank = running_count(to_stack) - 1
-    stack = pool.free_stack.at[masked(base + stack_rank, to_stack, n)].set(releases, mode="drop")
+    stack = pool.free_stack.at[masked(base + stack_rank, to_stack, num_blocks)].set(
+      releases, mode="drop"
+    )
     return ref, pushed, stack, base + jnp.sum(to_stack)
 
   def nothing_released(ref):

@@ -132,7 +132,7 @@ def bucket_of(hashes: jax.Array, num_buckets: int) -> jax.Array:
 
 
 def lookup_chains(
-  c: ContentIndex | None,
+  content: ContentIndex | None,
   hashes: jax.Array,
   tokens: jax.Array,
   salt: jax.Array,
@@ -152,7 +152,7 @@ def lookup_chains(
   its chain (a hash collision): it walks on, and the rest is verified again.
 
   Args:
-    c: the pool's content index (None: no hits).
+    content: the pool's content index (None: no hits).
     hashes: uint32[R, L, 2] identity hashes.
     tokens: int32[R, L, block_size] each block's own tokens.
     salt: int32[R].
@@ -163,16 +163,16 @@ def lookup_chains(
     (hit bool[R, L], block int32[R, L], -1 where no hit).
   """
   num_levels = hashes.shape[1]
-  if c is None:  # a pool without blocks
+  if content is None:  # a pool without blocks
     return jnp.zeros(valid.shape, bool), jnp.full(valid.shape, NO_BLOCK, jnp.int32)
   level = jnp.arange(num_levels)[None, :]
 
   def walking(cursor):
-    return valid & (cursor >= 0) & jnp.any(take(c.hash, cursor) != hashes, axis=-1)
+    return valid & (cursor >= 0) & jnp.any(take(content.hash, cursor) != hashes, axis=-1)
 
   def step(carry):
     cursor, walk = carry
-    cursor = jnp.where(walk, take(c.next_in_bucket, cursor), cursor)
+    cursor = jnp.where(walk, take(content.next_in_bucket, cursor), cursor)
     return cursor, walking(cursor)
 
   def seek(cursor):
@@ -183,21 +183,25 @@ def lookup_chains(
     """(first level of each row that is not a verified hit, cursors to walk on)."""
     safe = jnp.maximum(cursor, 0)
     key_ok = (
-      (cursor >= 0) & (c.salt[safe] == salt[:, None]) & jnp.all(c.tokens[safe] == tokens, axis=-1)
+      (cursor >= 0)
+      & (content.salt[safe] == salt[:, None])
+      & jnp.all(content.tokens[safe] == tokens, axis=-1)
     )
     expected = jnp.concatenate(
       [parent0[:, None], jnp.where(key_ok, cursor, NO_BLOCK)[:, :-1]], axis=1
     )
-    bad = valid & ~(key_ok & (c.parent[safe] == expected))
+    bad = valid & ~(key_ok & (content.parent[safe] == expected))
     first_bad = jnp.min(jnp.where(bad, level, num_levels), axis=1, keepdims=True)
     return first_bad, (level == first_bad) & (cursor >= 0)
 
   def walk_on(carry):
     cursor, _, retry = carry
-    cursor = seek(jnp.where(retry, take(c.next_in_bucket, cursor), cursor))
+    cursor = seek(jnp.where(retry, take(content.next_in_bucket, cursor), cursor))
     return (cursor, *verify(cursor))
 
-  start = seek(jnp.where(valid, c.buckets[bucket_of(hashes, c.buckets.shape[0])], NO_BLOCK))
+  start = seek(
+    jnp.where(valid, content.buckets[bucket_of(hashes, content.buckets.shape[0])], NO_BLOCK)
+  )
   cursor, first_bad, _ = lax.while_loop(
     lambda carry: jnp.any(carry[2]), walk_on, (start, *verify(start))
   )
@@ -207,9 +211,11 @@ def lookup_chains(
 
 def _round_winner(slot: jax.Array, pending: jax.Array, size: int) -> jax.Array:
   """int32[E]: for each entry, the lowest-index pending entry of its slot (E if none)."""
-  e = slot.shape[0]
-  index = jnp.arange(e, dtype=jnp.int32)
-  first = jnp.full(size, e, jnp.int32).at[masked(slot, pending, size)].min(index, mode="drop")
+  num_entries = slot.shape[0]
+  index = jnp.arange(num_entries, dtype=jnp.int32)
+  first = (
+    jnp.full(size, num_entries, jnp.int32).at[masked(slot, pending, size)].min(index, mode="drop")
+  )
   return first[slot]
 
 
@@ -235,15 +241,15 @@ def first_equal(hashes: jax.Array, equal_fn, valid: jax.Array) -> jax.Array:
   Returns:
     int32[E] representative index.
   """
-  e = hashes.shape[0]
-  index = jnp.arange(e, dtype=jnp.int32)
+  num_entries = hashes.shape[0]
+  index = jnp.arange(num_entries, dtype=jnp.int32)
   slot, size = _scratch_slots(hashes)
 
   def body(carry):
     rep, pending = carry
     won = _round_winner(slot, pending, size)
-    cand = jnp.minimum(won, e - 1)
-    equal = pending & (won < e) & equal_fn(cand, index)
+    cand = jnp.minimum(won, num_entries - 1)
+    equal = pending & (won < num_entries) & equal_fn(cand, index)
     return jnp.where(equal, cand, rep), pending & ~equal
 
   rep, _ = lax.while_loop(lambda carry: jnp.any(carry[1]), body, (index, valid))
@@ -260,7 +266,7 @@ def head_bucket(mark: jax.Array) -> jax.Array:
   return -2 - mark
 
 
-def unlink(c: ContentIndex, blocks: jax.Array) -> ContentIndex:
+def unlink(content: ContentIndex, blocks: jax.Array) -> ContentIndex:
   """Removes blocks (with content, distinct, -1 skipped) from the hash table.
 
   The chains are doubly linked, so this is a few scatters over `blocks`: each
@@ -268,10 +274,10 @@ def unlink(c: ContentIndex, blocks: jax.Array) -> ContentIndex:
   head, which the first block's `head_mark` names) to the node after it.
   Their content and computed flags are cleared.
   """
-  n = c.has_content.shape[0]
-  t = c.buckets.shape[0]
+  num_blocks = content.has_content.shape[0]
+  num_buckets = content.buckets.shape[0]
   live = blocks >= 0
-  has = c.has_content.at[masked(blocks, live, n)].set(False, mode="drop")
+  has = content.has_content.at[masked(blocks, live, num_blocks)].set(False, mode="drop")
   removed = lambda ptr: (ptr >= 0) & ~take(has, ptr, True)
 
   def walk(links):
@@ -280,27 +286,27 @@ def unlink(c: ContentIndex, blocks: jax.Array) -> ContentIndex:
 
     return lambda start: lax.while_loop(lambda ptr: jnp.any(removed(ptr)), body, start)
 
-  before = walk(c.prev_in_bucket)(take(c.prev_in_bucket, blocks, NO_BLOCK))
-  after = walk(c.next_in_bucket)(take(c.next_in_bucket, blocks, NO_BLOCK))
-  next_in_bucket = c.next_in_bucket.at[masked(before, live & (before >= 0), n)].set(
+  before = walk(content.prev_in_bucket)(take(content.prev_in_bucket, blocks, NO_BLOCK))
+  after = walk(content.next_in_bucket)(take(content.next_in_bucket, blocks, NO_BLOCK))
+  next_in_bucket = content.next_in_bucket.at[masked(before, live & (before >= 0), num_blocks)].set(
     after, mode="drop"
   )
-  buckets = c.buckets.at[masked(head_bucket(before), live & (before < 0), t)].set(
+  buckets = content.buckets.at[masked(head_bucket(before), live & (before < 0), num_buckets)].set(
     after, mode="drop"
   )
-  prev_in_bucket = c.prev_in_bucket.at[masked(after, live & (after >= 0), n)].set(
+  prev_in_bucket = content.prev_in_bucket.at[masked(after, live & (after >= 0), num_blocks)].set(
     before, mode="drop"
   )
-  return c.replace(
+  return content.replace(
     has_content=has,
     next_in_bucket=next_in_bucket,
     buckets=buckets,
     prev_in_bucket=prev_in_bucket,
-    computed=c.computed.at[masked(blocks, live, n)].set(False, mode="drop"),
+    computed=content.computed.at[masked(blocks, live, num_blocks)].set(False, mode="drop"),
   )
 
 
-def insert(c: ContentIndex, blocks: jax.Array, hashes: jax.Array) -> ContentIndex:
+def insert(content: ContentIndex, blocks: jax.Array, hashes: jax.Array) -> ContentIndex:
   """Links blocks (-1 skipped; distinct, not in the table) at the heads of their buckets.
 
   As if inserted in rounds, one block per bucket at a time (the lowest index
@@ -308,22 +314,23 @@ def insert(c: ContentIndex, blocks: jax.Array, hashes: jax.Array) -> ContentInde
   The rounds run on small per-block and scratch arrays only; the hash table
   is written once, after them. No sort.
   """
-  t = c.buckets.shape[0]
-  n = c.next_in_bucket.shape[0]
-  bucket = bucket_of(hashes, t)
+  num_buckets = content.buckets.shape[0]
+  num_blocks = content.next_in_bucket.shape[0]
+  bucket = bucket_of(hashes, num_buckets)
   _, size = _scratch_slots(hashes)
   slot = bucket & (size - 1)  # a bucket's blocks share a slot: one of them per round
 
-  e = blocks.shape[0]
-  index = jnp.arange(e, dtype=jnp.int32)
+  num_entries = blocks.shape[0]
+  index = jnp.arange(num_entries, dtype=jnp.int32)
 
   def body(carry):
     pending, head, link, superseded = carry
     won = _round_winner(slot, pending, size)
     winner = pending & (won == index)
     link = jnp.where(winner, head, link)
-    other = jnp.minimum(won, e - 1)
-    bucket_won = ~winner & (won < e) & (bucket[other] == bucket)  # another block of my bucket
+    other = jnp.minimum(won, num_entries - 1)
+    # Another block of my bucket won this round.
+    bucket_won = ~winner & (won < num_entries) & (bucket[other] == bucket)
     return (
       pending & ~winner,
       jnp.where(bucket_won, blocks[other], head),
@@ -337,17 +344,21 @@ def insert(c: ContentIndex, blocks: jax.Array, hashes: jax.Array) -> ContentInde
     body,
     (
       valid,
-      take(c.buckets, bucket, NO_BLOCK),
+      take(content.buckets, bucket, NO_BLOCK),
       jnp.full(blocks.shape, NO_BLOCK, jnp.int32),
       jnp.zeros(blocks.shape, bool),
     ),
   )
-  at_blocks = masked(blocks, valid, n)
-  prev_in_bucket = c.prev_in_bucket.at[at_blocks].set(head_mark(bucket), mode="drop")
-  return c.replace(
-    buckets=c.buckets.at[masked(bucket, valid & ~superseded, t)].set(blocks, mode="drop"),
-    next_in_bucket=c.next_in_bucket.at[at_blocks].set(link, mode="drop"),
-    prev_in_bucket=prev_in_bucket.at[masked(link, valid & (link >= 0), n)].set(blocks, mode="drop"),
+  at_blocks = masked(blocks, valid, num_blocks)
+  prev_in_bucket = content.prev_in_bucket.at[at_blocks].set(head_mark(bucket), mode="drop")
+  return content.replace(
+    buckets=content.buckets.at[masked(bucket, valid & ~superseded, num_buckets)].set(
+      blocks, mode="drop"
+    ),
+    next_in_bucket=content.next_in_bucket.at[at_blocks].set(link, mode="drop"),
+    prev_in_bucket=prev_in_bucket.at[masked(link, valid & (link >= 0), num_blocks)].set(
+      blocks, mode="drop"
+    ),
   )
 
 
@@ -395,40 +406,42 @@ def commit_content(
   taken, evicted, revived = takes.blocks, takes.evicted, takes.revived
   taken_valid = takes.valid()
   reg = registrations
-  c = pool.content
-  n = pool.num_blocks
+  content = pool.content
+  num_blocks = pool.num_blocks
   num_evicted = jnp.sum(taken_valid & evicted)
   taken_ok = taken_valid & ok
   evicted_blocks = jnp.where(taken_valid & evicted & ok, taken, NO_BLOCK)
-  c = lax.cond(jnp.any(evicted_blocks >= 0), unlink, lambda c, _: c, c, evicted_blocks)
-  take_idx = masked(taken, taken_ok, n)
-  c = c.replace(
-    last_accessed=c.last_accessed.at[take_idx].set(-1, mode="drop"),
-    computed=c.computed.at[take_idx].set(False, mode="drop"),
+  content = lax.cond(
+    jnp.any(evicted_blocks >= 0), unlink, lambda content, _: content, content, evicted_blocks
   )
-  to_evictor = pushed & take(c.has_content, releases) & ok
+  take_idx = masked(taken, taken_ok, num_blocks)
+  content = content.replace(
+    last_accessed=content.last_accessed.at[take_idx].set(-1, mode="drop"),
+    computed=content.computed.at[take_idx].set(False, mode="drop"),
+  )
+  to_evictor = pushed & take(content.has_content, releases) & ok
   rel_rank = running_count(to_evictor) - 1
-  c = c.replace(
-    release_time=c.release_time.at[masked(releases, to_evictor, n)].set(
-      c.release_clock + rel_rank, mode="drop"
+  content = content.replace(
+    release_time=content.release_time.at[masked(releases, to_evictor, num_blocks)].set(
+      content.release_clock + rel_rank, mode="drop"
     )
   )
   reg_ok = (reg.blocks >= 0) & ok
-  idx = masked(reg.blocks, reg_ok, n)
-  c = c.replace(
-    has_content=c.has_content.at[idx].set(True, mode="drop"),
-    hash=c.hash.at[idx].set(reg.hash, mode="drop"),
-    parent=c.parent.at[idx].set(reg.parent, mode="drop"),
-    salt=c.salt.at[idx].set(reg.salt, mode="drop"),
-    tokens=c.tokens.at[idx].set(reg.tokens, mode="drop"),
-    num_hashed_tokens=c.num_hashed_tokens.at[idx].set(reg.num_hashed_tokens, mode="drop"),
+  idx = masked(reg.blocks, reg_ok, num_blocks)
+  content = content.replace(
+    has_content=content.has_content.at[idx].set(True, mode="drop"),
+    hash=content.hash.at[idx].set(reg.hash, mode="drop"),
+    parent=content.parent.at[idx].set(reg.parent, mode="drop"),
+    salt=content.salt.at[idx].set(reg.salt, mode="drop"),
+    tokens=content.tokens.at[idx].set(reg.tokens, mode="drop"),
+    num_hashed_tokens=content.num_hashed_tokens.at[idx].set(reg.num_hashed_tokens, mode="drop"),
   )
-  c = insert(c, jnp.where(reg_ok, reg.blocks, NO_BLOCK), reg.hash)
+  content = insert(content, jnp.where(reg_ok, reg.blocks, NO_BLOCK), reg.hash)
   pushed_to_evictor = jnp.sum(to_evictor)
-  c = c.replace(
-    release_clock=c.release_clock + pushed_to_evictor,
+  content = content.replace(
+    release_clock=content.release_clock + pushed_to_evictor,
     num_evictable=jnp.where(
-      ok, c.num_evictable - revived - num_evicted + pushed_to_evictor, c.num_evictable
+      ok, content.num_evictable - revived - num_evicted + pushed_to_evictor, content.num_evictable
     ),
   )
-  return pool.replace(content=c)
+  return pool.replace(content=content)

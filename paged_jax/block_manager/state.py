@@ -53,7 +53,7 @@ class Pool:
   `next_fresh + 1`, ...), then the `free_stack` (last released first), then
   eviction of unreferenced blocks with content (cached pools only). The
   uncached pool starts with every block on the stack ``[0, ..., N-1]`` and no
-  never-used counter, which is vLLM's v1 UncachedBlockAllocator.
+  never-used counter, which is the uncached allocator of vLLM 0.6's block manager.
   """
 
   ref_count: jax.Array  # int32[N]
@@ -179,26 +179,25 @@ def init_pool(num_blocks: int, cfg: CacheConfig) -> Pool:
       next_fresh=i32(num_blocks),
       content=None,
     )
-  n = num_blocks
   content = ContentIndex(
-    has_content=jnp.zeros(n, bool),
-    hash=jnp.zeros((n, 2), jnp.uint32),
-    parent=jnp.full(n, NO_BLOCK, jnp.int32),
-    salt=jnp.zeros(n, jnp.int32),
-    tokens=jnp.zeros((n, cfg.block_size), jnp.int32),
-    num_hashed_tokens=jnp.zeros(n, jnp.int32),
-    last_accessed=jnp.full(n, -1, jnp.int32),
-    release_time=jnp.zeros(n, jnp.int32),
-    computed=jnp.zeros(n, bool),
-    buckets=jnp.full(hash_table_size(n), NO_BLOCK, jnp.int32),
-    next_in_bucket=jnp.full(n, NO_BLOCK, jnp.int32),
-    prev_in_bucket=jnp.full(n, NO_BLOCK, jnp.int32),
+    has_content=jnp.zeros(num_blocks, bool),
+    hash=jnp.zeros((num_blocks, 2), jnp.uint32),
+    parent=jnp.full(num_blocks, NO_BLOCK, jnp.int32),
+    salt=jnp.zeros(num_blocks, jnp.int32),
+    tokens=jnp.zeros((num_blocks, cfg.block_size), jnp.int32),
+    num_hashed_tokens=jnp.zeros(num_blocks, jnp.int32),
+    last_accessed=jnp.full(num_blocks, -1, jnp.int32),
+    release_time=jnp.zeros(num_blocks, jnp.int32),
+    computed=jnp.zeros(num_blocks, bool),
+    buckets=jnp.full(hash_table_size(num_blocks), NO_BLOCK, jnp.int32),
+    next_in_bucket=jnp.full(num_blocks, NO_BLOCK, jnp.int32),
+    prev_in_bucket=jnp.full(num_blocks, NO_BLOCK, jnp.int32),
     release_clock=i32(0),
     num_evictable=i32(0),
   )
   return Pool(
-    ref_count=jnp.zeros(n, jnp.int32),
-    free_stack=jnp.full(n, NO_BLOCK, jnp.int32),
+    ref_count=jnp.zeros(num_blocks, jnp.int32),
+    free_stack=jnp.full(num_blocks, NO_BLOCK, jnp.int32),
     num_stacked=i32(0),
     next_fresh=i32(0),
     content=content,
@@ -207,19 +206,19 @@ def init_pool(num_blocks: int, cfg: CacheConfig) -> Pool:
 
 def init_state(cfg: CacheConfig) -> BlockManagerState:
   """An empty manager: every slot empty, every block free."""
-  s, m = cfg.max_seqs, cfg.max_blocks_per_seq
+  max_seqs, max_blocks = cfg.max_seqs, cfg.max_blocks_per_seq
   seq_hash = None
   if cfg.enable_prefix_caching:
     seq_hash = SeqHashState(
-      rolling=jnp.tile(jnp.array([0, 0, 1, 1], jnp.uint32), (s, 1)),
-      tail_tokens=jnp.zeros((s, cfg.block_size), jnp.int32),
+      rolling=jnp.tile(jnp.array([0, 0, 1, 1], jnp.uint32), (max_seqs, 1)),
+      tail_tokens=jnp.zeros((max_seqs, cfg.block_size), jnp.int32),
     )
   return BlockManagerState(
     cfg=cfg,
-    tables=jnp.full((s, m), NO_BLOCK, jnp.int32),
-    num_tokens=jnp.zeros(s, jnp.int32),
-    device=jnp.zeros(s, jnp.int32),
-    salt=jnp.zeros(s, jnp.int32),
+    tables=jnp.full((max_seqs, max_blocks), NO_BLOCK, jnp.int32),
+    num_tokens=jnp.zeros(max_seqs, jnp.int32),
+    device=jnp.zeros(max_seqs, jnp.int32),
+    salt=jnp.zeros(max_seqs, jnp.int32),
     seq_hash=seq_hash,
     gpu=init_pool(cfg.num_gpu_blocks, cfg),
     cpu=init_pool(cfg.num_cpu_blocks, cfg),

@@ -1,9 +1,9 @@
 """Plain-Python block pools of the reference block manager.
 
-The objects follow a reading of vLLM's ``block_manager_v1.py``
-(``PhysicalTokenBlock``, ``UncachedBlockAllocator``, ``CachedBlockAllocator``,
-``LRUEvictor``) with the exact pool rules of docs/semantics.md. They are
-deliberately simple: lists, dicts and linear scans.
+The objects follow a reading of vLLM 0.6's block manager (its physical
+blocks, uncached and cached allocators and LRU evictor) with the exact pool
+rules of docs/semantics.md. They are deliberately simple: lists, dicts and
+linear scans.
 
 A pool hands blocks out with ``take`` (ref count 0, no content) and the caller
 then adds one reference per block table that holds the block, so a block's ref
