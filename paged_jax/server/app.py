@@ -111,7 +111,9 @@ def _validation_message(err: ValidationError) -> tuple[str, str | None]:
     return f"{param}: must be {UNION_FIELDS[param]}", param
   path = ".".join(part for part in location if "[" not in part)
   message = first["msg"].removeprefix("Value error, ")
-  return (f"{path}: {message}" if path else message), param
+  if not path or message.startswith(path):
+    return message, param
+  return f"{path}: {message}", param
 
 
 async def _parse(request: Request, model: type[BaseModel]):
@@ -173,11 +175,15 @@ class Server:
     self.tokenizer = tokenizer
     self.settings = settings
     self.metrics = metrics
-    self.client: EngineClient | None = None
+    self._client: EngineClient | None = None
     self.shutting_down = False
 
-  def attach(self, loop: asyncio.AbstractEventLoop) -> None:
-    self.client = EngineClient(self.engine_thread, loop)
+  @property
+  def client(self) -> EngineClient:
+    """The engine's client on the running event loop (made on first use)."""
+    if self._client is None:
+      self._client = EngineClient(self.engine_thread, asyncio.get_running_loop())
+    return self._client
 
   # Validation.
   def check_model(self, name: str | None) -> None:
@@ -651,6 +657,9 @@ def _event_stream(events: AsyncIterator[BaseModel], include_usage: bool) -> Stre
     except APIError as err:
       yield _sse(err.body())
       return
+    except Exception as err:  # noqa: BLE001 - the headers are sent: end with an error event
+      yield _sse(_internal_error(err).body())
+      return
     finally:
       await events.aclose()
     yield "data: [DONE]\n\n"
@@ -691,16 +700,33 @@ async def _wait_for_disconnect(request: Request) -> None:
       return
 
 
+def _internal_error(err: Exception) -> APIError:
+  logger.error("request failed", exc_info=err)
+  return APIError(
+    f"internal error: {type(err).__name__}: {err}", status=500, kind="internal_server_error"
+  )
+
+
+def _guarded(handler):
+  """`handler` answering its `APIError`s with OpenAI's error body, and any
+  other exception with a 500 (the server keeps serving)."""
+
+  async def route(request: Request) -> Response:
+    try:
+      return await handler(request)
+    except APIError as err:
+      return err.response()
+    except Exception as err:  # noqa: BLE001 - one request's failure stays its own
+      return _internal_error(err).response()
+
+  route.__name__ = handler.__name__
+  return route
+
+
 def build_app(engine, tokenizer, settings: ServerSettings, metrics: ServerMetrics) -> FastAPI:
   """The FastAPI app serving `engine` (see `Server` for the arguments)."""
   server = Server(engine, tokenizer, settings, metrics)
-
-  @contextlib.asynccontextmanager
-  async def lifespan(app: FastAPI):
-    server.attach(asyncio.get_running_loop())
-    yield
-
-  app = FastAPI(title="paged_jax", lifespan=lifespan)
+  app = FastAPI(title="paged_jax")
   app.state.server = server
 
   @app.middleware("http")
@@ -714,17 +740,6 @@ def build_app(engine, tokenizer, settings: ServerSettings, metrics: ServerMetric
           kind="authentication_error",
         ).response()
     return await call_next(request)
-
-  @app.exception_handler(APIError)
-  async def api_error(request: Request, err: APIError):
-    return err.response()
-
-  @app.exception_handler(Exception)
-  async def unexpected_error(request: Request, err: Exception):
-    logger.exception("request %s %s failed", request.method, request.url.path)
-    return APIError(
-      f"internal error: {type(err).__name__}: {err}", status=500, kind="internal_server_error"
-    ).response()
 
   @app.get("/health")
   async def health():
@@ -740,20 +755,12 @@ def build_app(engine, tokenizer, settings: ServerSettings, metrics: ServerMetric
   async def models():
     return server.models()
 
-  @app.post("/v1/completions")
-  async def completions(request: Request):
-    return await server.completions(request)
-
-  @app.post("/v1/chat/completions")
-  async def chat_completions(request: Request):
-    return await server.chat_completions(request)
-
-  @app.post("/tokenize")
-  async def tokenize(request: Request):
-    return await server.tokenize(request)
-
-  @app.post("/detokenize")
-  async def detokenize(request: Request):
-    return await server.detokenize(request)
+  for path, handler in (
+    ("/v1/completions", server.completions),
+    ("/v1/chat/completions", server.chat_completions),
+    ("/tokenize", server.tokenize),
+    ("/detokenize", server.detokenize),
+  ):
+    app.add_api_route(path, _guarded(handler), methods=["POST"])
 
   return app

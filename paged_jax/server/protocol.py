@@ -121,12 +121,16 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class TokenizeRequest(_Request):
-  """`POST /tokenize`: a `prompt`, or chat `messages` to render first."""
+  """`POST /tokenize`: a `prompt`, or chat `messages` to render first.
+
+  `add_special_tokens` defaults to False, which is how completions encode a
+  text prompt, so the ids are those the model sees.
+  """
 
   model: str | None = None
   prompt: str | None = None
   messages: list[ChatMessage] | None = None
-  add_special_tokens: bool = True
+  add_special_tokens: bool = False
   add_generation_prompt: bool = True
 
 
