@@ -380,6 +380,7 @@ BAD_COMPLETIONS = [
   (dict(prompt="x", stop_token_ids=[999]), "stop_token_ids", "outside the vocabulary"),
   (dict(prompt="x", use_beam_search=True, n=5), "n", "at most 4 beams"),
   (dict(prompt="x", use_beam_search=True, temperature=0.5), "temperature", "use_beam_search"),
+  (dict(prompt="x", use_beam_search=True, logprobs=1), "logprobs", "use_beam_search"),
   (dict(prompt="x", presence_penalty=0.5), "presence_penalty", "not supported"),
   (dict(prompt="x", stream_options={"include_usage": "yes"}), "stream_options", "valid boolean"),
 ]

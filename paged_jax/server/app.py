@@ -267,6 +267,8 @@ class Server:
     """
     if body.top_k is not None and body.top_k < -1:
       raise APIError(f"top_k: must be -1, 0 (all tokens) or >= 1, got {body.top_k}", "top_k")
+    if body.use_beam_search and logprobs is not None:
+      raise APIError("logprobs: not available with use_beam_search", "logprobs")
     temperature = body.temperature
     if temperature is None:
       temperature = 0.0 if body.use_beam_search else 1.0
