@@ -425,6 +425,23 @@ def test_api_key_is_needed_except_for_health_and_metrics(tiny):
     unauthorized.models.list()
 
 
+@pytest.mark.parametrize(
+  "argv, message",
+  [
+    (["--max-model-len", "1000"], "--max-model-len 1000 exceeds the tiny model's 128 positions"),
+    (["--preemption-mode", "swap"], "--preemption-mode swap needs --swap-space > 0"),
+    (["--max-logprobs", "-1"], "--max-logprobs must be >= 0"),
+    (["--num-gpu-blocks-override", "0"], "--num-gpu-blocks-override: must be >= 1"),
+  ],
+)
+def test_bad_serve_options_exit_before_listening(argv, message, capsys):
+  from paged_jax.__main__ import main
+
+  with pytest.raises(SystemExit) as exit_info:
+    main(["serve", "--model", "tiny", *argv])
+  assert message in str(exit_info.value.code) + capsys.readouterr().err
+
+
 # An unexpected error stays in its request: an app over a stub engine.
 
 

@@ -233,12 +233,17 @@ def run(args) -> int:
 
   logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
   if args.max_logprobs < 0:
-    raise SystemExit(f"--max-logprobs must be >= 0, got {args.max_logprobs}")
+    raise SystemExit(
+      f"python -m paged_jax serve: error: --max-logprobs must be >= 0, got {args.max_logprobs}"
+    )
   name = args.served_model_name or args.model
   metrics = ServerMetrics(name)
   thread = EngineThread(engine_builder(args), metrics, max_top_logprobs=args.max_logprobs)
   logger.info("loading %s and warming up", args.model)
-  thread.start()
+  try:
+    thread.start()
+  except (FileNotFoundError, ValueError) as err:
+    raise SystemExit(f"python -m paged_jax serve: error: {err}") from None
   built = thread.built
   config = built.engine.model_config
   tokenizer = built.engine.tokenizer
