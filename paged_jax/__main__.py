@@ -1,4 +1,4 @@
-"""`python -m paged_jax demo|trace`: serve a model, or replay a trace.
+"""`python -m paged_jax demo|trace|serve`: run a model, replay a trace, or serve over HTTP.
 
 `demo` serves a batch of requests on the paged cache and reports throughput
 and paging statistics. With a pretrained model (SmolLM2-135M-Instruct by
@@ -6,7 +6,8 @@ default) the requests are chat conversations that share a system prompt;
 with `--model tiny` (the shipped byte-level toy) they are dictionary
 headwords, every other one after a shared prefix. Every fourth request asks
 for 4 samples. `trace` replays a simulated serving trace through the block
-manager alone.
+manager alone. `serve` serves a model over an OpenAI-compatible HTTP API
+(see `paged_jax.server`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 import time
 
 from paged_jax.config import CacheConfig
+from paged_jax.server import cli as serve_cli
 
 SYSTEM_PREFIX = "The following are definitions from The Devil's Dictionary by Ambrose Bierce.\n\n"
 HEADWORDS = (
@@ -106,6 +108,7 @@ def _parser() -> argparse.ArgumentParser:
   trace.add_argument("--max-seqs", type=_positive, default=32)
   trace.add_argument("--seed", type=int, default=0)
   trace.add_argument("--json", action="store_true", help="print machine-readable JSON")
+  serve_cli.add_parser(sub)
   return parser
 
 
@@ -289,6 +292,8 @@ def main(argv=None) -> int:
   if args.command == "trace":
     run_trace(args, parser)
     return 0
+  if args.command == "serve":
+    return serve_cli.run(args)
   if args.num_cpu_blocks < 0:
     parser.error(f"--num-cpu-blocks must be >= 0, got {args.num_cpu_blocks}")
   report = run_demo(args, parser)

@@ -28,7 +28,8 @@ from paged_jax.__main__ import main
     ),
     (["demo", "--dtype", "int8"], "--dtype: invalid choice"),
     (["trace", "--num-gpu-blocks", "4"], "cannot hold one 2048-token request"),
-    (["serve"], "invalid choice: 'serve'"),
+    (["serve", "--port", "x"], "--port: invalid int value"),
+    (["serve", "--preemption-mode", "drop"], "--preemption-mode: invalid choice"),
   ],
 )
 def test_bad_options_exit_with_code_2_and_a_message(argv, message, capsys):

@@ -1,0 +1,290 @@
+"""`python -m paged_jax serve`: the OpenAI-compatible HTTP server.
+
+Flags carry `vllm serve`'s names where the feature exists. The port opens
+only after the model is loaded and one request has run through the engine
+(warm-up); Ctrl-C or SIGTERM aborts the requests in flight, closes their
+streams and stops the engine thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import math
+import pathlib
+import signal
+import threading
+
+DEFAULT_CPU_KV_CACHE_GIB = 1.0
+MAX_BEAM_WIDTH = 4
+KV_CACHE_DTYPES = {
+  "auto": None,
+  "int8": "int8",
+  "fp8": "float8_e4m3fn",
+  "fp8_e4m3": "float8_e4m3fn",
+}
+
+logger = logging.getLogger("paged_jax.server")
+
+
+def _positive(text: str) -> int:
+  value = int(text)
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+  return value
+
+
+def _fraction(text: str) -> float:
+  value = float(text)
+  if not 0 < value <= 1:
+    raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+  return value
+
+
+def _non_negative(text: str) -> float:
+  value = float(text)
+  if not (math.isfinite(value) and value >= 0):
+    raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+  return value
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+  """Adds the `serve` subcommand to an `add_subparsers` result."""
+  serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+  serve.add_argument(
+    "--model",
+    default="smollm2-135m-instruct",
+    help="a Hugging Face folder, a .gguf file, a model name or 'tiny' (the shipped toy model)",
+  )
+  serve.add_argument("--host", default="127.0.0.1")
+  serve.add_argument("--port", type=int, default=8000)
+  serve.add_argument(
+    "--served-model-name", default=None, help="the name in requests (default: --model)"
+  )
+  serve.add_argument(
+    "--dtype",
+    default="auto",
+    choices=("auto", "float32", "bfloat16", "float16"),
+    help="weights and compute of a pretrained model; auto: float32 on CPU, else bfloat16",
+  )
+  serve.add_argument("--max-model-len", type=_positive, default=None, help="default: the model's")
+  serve.add_argument("--max-num-seqs", type=_positive, default=32)
+  serve.add_argument("--max-num-batched-tokens", type=_positive, default=512)
+  serve.add_argument("--block-size", type=_positive, default=16)
+  serve.add_argument("--num-gpu-blocks-override", type=_positive, default=None)
+  serve.add_argument(
+    "--gpu-memory-utilization",
+    type=_fraction,
+    default=0.9,
+    help="fraction of device memory for weights and KV blocks (devices that report memory)",
+  )
+  serve.add_argument(
+    "--cpu-kv-cache-space",
+    type=_non_negative,
+    default=DEFAULT_CPU_KV_CACHE_GIB,
+    help="GiB of KV blocks on a device that reports no memory (CPU), at most what "
+    "--max-num-seqs full-length sequences need",
+  )
+  serve.add_argument(
+    "--swap-space", type=_non_negative, default=0.0, help="GiB of host memory for swapped blocks"
+  )
+  serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+  serve.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
+  serve.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), default="auto")
+  serve.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1)
+  serve.add_argument("--data-parallel-size", "-dp", type=_positive, default=1)
+  serve.add_argument("--api-key", default=None)
+  serve.add_argument("--max-logprobs", type=int, default=20)
+  serve.add_argument("--seed", type=int, default=0)
+  serve.add_argument("--log-level", default="info")
+  return serve
+
+
+def _load(args):
+  """`(model, tokenizer)` that `--model` names."""
+  from paged_jax.models import load_pretrained, pretrained
+  from paged_jax.models.tokenizer import ByteTokenizer
+
+  if args.model == "tiny":
+    model = pretrained.load_tiny()
+    if args.max_model_len is not None and args.max_model_len > model.config.max_seq_len:
+      raise ValueError(
+        f"--max-model-len {args.max_model_len} exceeds the tiny model's "
+        f"{model.config.max_seq_len} positions"
+      )
+    return model, ByteTokenizer()
+  if (pathlib.Path(args.model) / pretrained.WEIGHTS_FILE).is_file():
+    return pretrained.load_model(args.model), ByteTokenizer()
+  dtype = args.dtype
+  if dtype == "auto":
+    import jax
+
+    dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+  return load_pretrained(args.model, dtype=dtype, max_seq_len=args.max_model_len)
+
+
+def _num_gpu_blocks(args, model, block_bytes: int, max_model_len: int) -> int:
+  """`--num-gpu-blocks-override`, or what the device memory (CPU: the
+  `--cpu-kv-cache-space`) holds."""
+  import jax
+  from flax import nnx
+
+  import paged_jax as pj
+
+  if args.num_gpu_blocks_override is not None:
+    return args.num_gpu_blocks_override
+  try:
+    memory = pj.device_memory_bytes()
+  except ValueError:
+    full = args.max_num_seqs * math.ceil(max_model_len / args.block_size)
+    return max(1, min(full, int(args.cpu_kv_cache_space * 2**30) // block_bytes))
+  weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+  weights //= args.tensor_parallel_size
+  return pj.num_gpu_blocks_for_memory(
+    memory, block_bytes, utilization=args.gpu_memory_utilization, reserved_bytes=weights
+  )
+
+
+def engine_builder(args):
+  """The engine thread's `build` for `args` (it loads the model there)."""
+  from paged_jax.server.engine_thread import BuiltEngine
+
+  def build() -> BuiltEngine:
+    import jax.numpy as jnp
+
+    import paged_jax as pj
+    from paged_jax import sharding
+
+    model, tokenizer = _load(args)
+    config = model.config
+    max_model_len = min(args.max_model_len or config.max_seq_len, config.max_seq_len)
+    kv_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype]
+    tp, dp = args.tensor_parallel_size, args.data_parallel_size
+    block_bytes = pj.bytes_per_block(
+      block_size=args.block_size,
+      num_layers=config.num_layers,
+      num_kv_heads=sharding.stored_kv_heads(config.num_kv_heads, tp) // tp,
+      head_dim=config.head_dim,
+      dtype=jnp.dtype(kv_dtype or config.dtype),
+    )
+    num_cpu_blocks = pj.num_cpu_blocks_for_swap_space(args.swap_space, block_bytes)
+    if args.preemption_mode == "swap" and num_cpu_blocks == 0:
+      raise ValueError("--preemption-mode swap needs --swap-space > 0")
+    cache_config = pj.CacheConfig(
+      block_size=args.block_size,
+      num_gpu_blocks=_num_gpu_blocks(args, model, block_bytes, max_model_len),
+      num_cpu_blocks=num_cpu_blocks,
+      max_seqs=args.max_num_seqs,
+      max_blocks_per_seq=math.ceil(max_model_len / args.block_size),
+      enable_prefix_caching=args.enable_prefix_caching,
+    )
+    mesh = sharding.make_mesh(data=dp, model=tp) if tp * dp > 1 else None
+    engine = pj.LLMEngine(
+      model,
+      tokenizer,
+      cache_config,
+      max_num_batched_tokens=args.max_num_batched_tokens,
+      preemption_mode=args.preemption_mode,
+      kv_cache_dtype=kv_dtype,
+      mesh=mesh,
+      max_logprobs=args.max_logprobs,
+      max_beam_width=MAX_BEAM_WIDTH,
+      seed=args.seed,
+    )
+    return BuiltEngine(engine, model, cache_config, num_data_shards=dp)
+
+  return build
+
+
+def _uvicorn_server(config, on_exit):
+  """uvicorn's server, whose SIGINT and SIGTERM handler first calls `on_exit`
+  and which returns normally after a signal (uvicorn re-raises it)."""
+  import uvicorn
+
+  class Server(uvicorn.Server):
+    def handle_exit(self, sig, frame) -> None:
+      on_exit()
+      super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+      if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+      handled = (signal.SIGINT, signal.SIGTERM)
+      original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+      try:
+        yield
+      finally:
+        for sig, handler in original.items():
+          signal.signal(sig, handler)
+
+  return Server(config)
+
+
+def run(args) -> int:
+  """Loads, warms up, then serves until Ctrl-C or SIGTERM."""
+  import uvicorn
+
+  from paged_jax.server.app import ServerSettings, build_app
+  from paged_jax.server.engine_thread import EngineThread
+  from paged_jax.server.metrics import ServerMetrics
+
+  logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+  if args.max_logprobs < 0:
+    raise SystemExit(
+      f"python -m paged_jax serve: error: --max-logprobs must be >= 0, got {args.max_logprobs}"
+    )
+  name = args.served_model_name or args.model
+  metrics = ServerMetrics(name)
+  thread = EngineThread(engine_builder(args), metrics, max_top_logprobs=args.max_logprobs)
+  logger.info("loading %s and warming up", args.model)
+  try:
+    thread.start()
+  except (FileNotFoundError, ValueError) as err:
+    raise SystemExit(f"python -m paged_jax serve: error: {err}") from None
+  built = thread.built
+  config = built.engine.model_config
+  tokenizer = built.engine.tokenizer
+  settings = ServerSettings(
+    served_model_name=name,
+    model_source=args.model,
+    max_model_len=min(args.max_model_len or config.max_seq_len, config.max_seq_len),
+    vocab_size=min(config.vocab_size, tokenizer.vocab_size),
+    max_num_seqs=args.max_num_seqs,
+    max_logprobs=args.max_logprobs,
+    max_beam_width=MAX_BEAM_WIDTH,
+    block_size=args.block_size,
+    num_gpu_blocks=built.cache_config.num_gpu_blocks,
+    api_key=args.api_key,
+  )
+  app = build_app(thread, tokenizer, settings, metrics)
+
+  def on_exit() -> None:
+    app.state.server.shutting_down = True
+    thread.request_stop()
+
+  server = _uvicorn_server(
+    uvicorn.Config(
+      app,
+      host=args.host,
+      port=args.port,
+      log_level=args.log_level,
+      timeout_graceful_shutdown=5,
+    ),
+    on_exit,
+  )
+  logger.info(
+    "serving %s on http://%s:%d (%d KV blocks of %d tokens)",
+    name,
+    args.host,
+    args.port,
+    built.num_gpu_blocks,
+    args.block_size,
+  )
+  try:
+    server.run()
+  finally:
+    thread.stop()
+  return 0
