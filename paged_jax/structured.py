@@ -283,7 +283,14 @@ def _decoder_to_bytes(decoder: Mapping[str, Any]):
   kinds = {decoder.get("type")} | {step.get("type") for step in decoder.get("decoders", ())}
   if "ByteLevel" in kinds:
     alphabet = _byte_level_alphabet()
-    return lambda text: bytes(alphabet[char] for char in text)
+
+    def byte_level(text: str) -> bytes:
+      try:
+        return bytes(alphabet[char] for char in text)
+      except KeyError as err:
+        raise ValueError(f"token {text!r} is not in the byte-level alphabet") from err
+
+    return byte_level
   if "ByteFallback" in kinds or "Metaspace" in kinds:
 
     def sentencepiece(text: str) -> bytes:
