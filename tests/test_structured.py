@@ -183,6 +183,15 @@ def test_choices_are_escaped_literals():
   assert not re.fullmatch(choice.to_regex(), "axb")
 
 
+def test_json_object_nests_two_levels_with_the_given_whitespace():
+  pattern = pj.StructuredOutputsParams(json_object=True, whitespace_pattern="[ \n]*").to_regex()
+  assert re.fullmatch(pattern, '{\n  "a": [1, "x", null],\n  "b": {"c": true}\n}')
+  assert not re.fullmatch(pattern, '{"a": {"b": {}}}')  # three levels
+  assert not re.fullmatch(pattern, "[1]")  # not an object
+  with pytest.raises(ValueError, match="depth must be at least 1, got 0"):
+    st.json_object_regex(0, " ")
+
+
 # Compilation.
 
 
