@@ -33,7 +33,8 @@ class Draw:
 
   Attributes:
     tokens: int32 `[rows]`.
-    logprob: float32 `[rows]`, the token's log-probability under the model.
+    logprob: float32 `[rows]`, the token's log-probability under the model
+      (under the masked distribution when `sample_rows` has a `logit_mask`).
     top_ids: int32 `[rows, k]`, the `k` most likely tokens.
     top_logprobs: float32 `[rows, k]`, their log-probabilities.
   """
