@@ -30,7 +30,7 @@ from paged_jax.engine import (
   RequestOutput,
   SamplingParams,
 )
-from paged_jax.generate import Request, generate, generate_dense, sample_tokens
+from paged_jax.generate import Request, generate
 from paged_jax.kv_cache import KVCache, copy_blocks, swap_in, swap_out, write_kv
 from paged_jax.kv_memory import (
   bytes_per_block,
@@ -38,6 +38,7 @@ from paged_jax.kv_memory import (
   num_cpu_blocks_for_swap_space,
   num_gpu_blocks_for_memory,
 )
+from paged_jax.models.dense import generate_dense, sample_tokens
 
 __all__ = [
   "AllocStatus",
