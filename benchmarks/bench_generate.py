@@ -21,8 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import paged_jax as pj
-from paged_jax.generate import Request, SamplingParams, generate, generate_dense
+from paged_jax.generate import Request, SamplingParams, generate
 from paged_jax.models import load_tiny
+from paged_jax.models.dense import generate_dense
 
 
 def ragged_prompts(batch: int, seed: int) -> list[np.ndarray]:
@@ -73,7 +74,7 @@ def main():
   model = load_tiny()
   max_len = model.config.max_seq_len
   prompts = ragged_prompts(args.batch, args.seed)
-  sampling = SamplingParams(max_new_tokens=args.new_tokens)
+  sampling = SamplingParams(max_tokens=args.new_tokens)
   key = jax.random.key(args.seed)
   cfg = pj.CacheConfig(
     block_size=args.block_size,

@@ -75,7 +75,7 @@ def decode_tokens_per_second(model, prompts, new_tokens: int, repeats: int) -> d
     max_seqs=len(prompts),
     max_blocks_per_seq=blocks,
   )
-  sampling = pj.SamplingParams(max_new_tokens=new_tokens)
+  sampling = pj.SamplingParams(max_tokens=new_tokens)
   requests = [pj.Request(p) for p in prompts]
   rates = {}
   for dtype in DTYPES:

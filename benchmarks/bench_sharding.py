@@ -12,7 +12,7 @@ they show the layout and the overhead, not a speed-up. On GPUs or TPUs the
 script uses the real devices.
 
   python benchmarks/bench_sharding.py [--model DIR] [--requests N]
-      [--prompt-len N] [--max-new-tokens N] [--cpu-devices N]
+      [--prompt-len N] [--max-tokens N] [--cpu-devices N]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def parse_args():
   parser.add_argument("--model", help="a saved model folder (default: tiny)")
   parser.add_argument("--requests", type=int, default=8)
   parser.add_argument("--prompt-len", type=int, default=24)
-  parser.add_argument("--max-new-tokens", type=int, default=32)
+  parser.add_argument("--max-tokens", type=int, default=32)
   parser.add_argument("--cpu-devices", type=int, default=8)
   return parser.parse_args()
 
@@ -91,7 +91,7 @@ def main() -> None:
     for _ in range(ARGS.requests)
   ]
   block_size = 16
-  per_seq = -(-(ARGS.prompt_len + ARGS.max_new_tokens) // block_size)
+  per_seq = -(-(ARGS.prompt_len + ARGS.max_tokens) // block_size)
   cfg = pj.CacheConfig(
     block_size=block_size,
     num_gpu_blocks=ARGS.requests * per_seq + 8,
@@ -99,13 +99,13 @@ def main() -> None:
     max_seqs=ARGS.requests,
     max_blocks_per_seq=per_seq,
   )
-  sampling = pj.SamplingParams(max_new_tokens=ARGS.max_new_tokens)
+  sampling = pj.SamplingParams(max_tokens=ARGS.max_tokens)
   devices = jax.devices()
   print(
     f"{len(devices)} x {devices[0].platform} devices; "
     f"{config.num_layers} layers, {config.num_q_heads} q / "
     f"{config.num_kv_heads} kv heads; {ARGS.requests} requests of "
-    f"{ARGS.prompt_len} + {ARGS.max_new_tokens} tokens"
+    f"{ARGS.prompt_len} + {ARGS.max_tokens} tokens"
   )
   single = pj.KVCache.create(
     cfg, config.num_layers, config.num_kv_heads, config.head_dim, dtype=config.compute_dtype
@@ -128,8 +128,13 @@ def main() -> None:
     if not usable(shape, config, len(devices)):
       continue
     mesh = sharding.make_mesh(*shape)
-    kv = sharding.create_kv_cache(
-      cfg, config.num_layers, config.num_kv_heads, config.head_dim, config.compute_dtype, mesh
+    kv = pj.KVCache.create(
+      cfg,
+      config.num_layers,
+      config.num_kv_heads,
+      config.head_dim,
+      dtype=config.compute_dtype,
+      mesh=mesh,
     )
     cache_bytes = per_device_bytes(kv.k + kv.v)
     weight_bytes = per_device_bytes(

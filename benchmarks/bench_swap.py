@@ -29,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks.sizes import parse_size_args  # pylint: disable=g-import-not-at-top
-from paged_jax import kv_cache  # pylint: disable=g-import-not-at-top
+from paged_jax import kv_cache, kv_memory  # pylint: disable=g-import-not-at-top
 from paged_jax.config import CacheConfig  # pylint: disable=g-import-not-at-top
 
 
@@ -101,7 +101,7 @@ def main():
   cache = kv_cache.KVCache.create(
     cfg, sizes.num_layers, sizes.num_kv_heads, sizes.head_dim, sizes.dtype
   )
-  block_bytes = kv_cache.bytes_per_block(
+  block_bytes = kv_memory.bytes_per_block(
     block_size=sizes.block_size,
     num_layers=sizes.num_layers,
     num_kv_heads=sizes.num_kv_heads,

@@ -29,18 +29,15 @@ from paged_jax.engine import (
   RequestOutput,
   SamplingParams,
 )
-from paged_jax.generate import Request, generate, generate_dense, sample_tokens
-from paged_jax.kv_cache import (
-  KVCache,
+from paged_jax.generate import Request, generate
+from paged_jax.kv_cache import KVCache, copy_blocks, swap_in, swap_out, write_kv
+from paged_jax.kv_memory import (
   bytes_per_block,
-  copy_blocks,
   device_memory_bytes,
   num_cpu_blocks_for_swap_space,
   num_gpu_blocks_for_memory,
-  swap_in,
-  swap_out,
-  write_kv,
 )
+from paged_jax.models.dense import generate_dense, sample_tokens
 from paged_jax.structured import StructuredOutputsParams
 
 __all__ = [

@@ -1,13 +1,13 @@
 """`python -m paged_jax demo|trace|serve`: run a model, replay a trace, or serve over HTTP.
 
-`demo` serves a batch of requests on the paged cache and reports throughput
-and paging statistics. With a pretrained model (SmolLM2-135M-Instruct by
-default) the requests are chat conversations that share a system prompt;
-with `--model tiny` (the shipped byte-level toy) they are dictionary
-headwords, every other one after a shared prefix. Every fourth request asks
-for 4 samples. `trace` replays a simulated serving trace through the block
-manager alone. `serve` serves a model over an OpenAI-compatible HTTP API
-(see `paged_jax.server`).
+`demo` serves a batch of requests with `pj.LLM` on the paged cache and
+reports throughput and paging statistics. With a pretrained model
+(SmolLM2-135M-Instruct by default) the requests are chat conversations that
+share a system prompt; with `--model tiny` (the shipped byte-level toy) they
+are dictionary headwords, every other one after a shared prefix. Every
+fourth request asks for 4 samples. `trace` replays a simulated serving
+trace through the block manager alone. `serve` serves a model over an
+OpenAI-compatible HTTP API (see `paged_jax.server`).
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m paged_jax")
   sub = parser.add_subparsers(dest="command", required=True)
   demo = sub.add_parser(
-    "demo", help="serve a batch of requests with the tiny model on the paged cache"
+    "demo",
+    help=f"serve a batch of requests on the paged cache ({DEFAULT_MODEL} unless --model says)",
   )
   demo.add_argument(
     "--num-requests",
@@ -84,7 +85,9 @@ def _parser() -> argparse.ArgumentParser:
   demo.add_argument("--num-gpu-blocks", type=_positive, default=96)
   demo.add_argument("--num-cpu-blocks", type=int, default=64)
   demo.add_argument("--max-seqs", type=_positive, default=32)
-  demo.add_argument("--max-new-tokens", type=_positive, default=40)
+  demo.add_argument(
+    "--max-tokens", type=_positive, default=40, help="tokens generated per sequence at most"
+  )
   demo.add_argument("--seed", type=int, default=0)
   demo.add_argument(
     "--model",
@@ -113,7 +116,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def demo_requests(num_requests: int, seed: int, tokenizer=None):
-  """The demo's requests and the text that shows each prompt.
+  """The demo's prompts as token ids, the samples each asks for, and the text
+  that shows each prompt.
 
   With `tokenizer` None (the tiny model), headwords of which every other one
   follows the shared system prefix; else chat conversations, all with the
@@ -121,11 +125,10 @@ def demo_requests(num_requests: int, seed: int, tokenizer=None):
   """
   import numpy as np
 
-  from paged_jax.generate import Request
   from paged_jax.models.tokenizer import ByteTokenizer
 
   rng = np.random.default_rng(seed)
-  requests, shown = [], []
+  prompts, counts, shown = [], [], []
   for index in range(num_requests):
     if tokenizer is None:
       word = HEADWORDS[rng.integers(len(HEADWORDS))]
@@ -138,9 +141,10 @@ def demo_requests(num_requests: int, seed: int, tokenizer=None):
         add_generation_prompt=True,
       )
       ids = tokenizer.encode(text)
-    requests.append(Request(np.asarray(ids, np.int32), n=4 if index % 4 == 1 else 1))
+    prompts.append(np.asarray(ids, np.int32))
+    counts.append(4 if index % 4 == 1 else 1)
     shown.append(shown_text)
-  return requests, shown
+  return prompts, counts, shown
 
 
 def load_demo_model(name: str, dtype: str, max_seq_len: int):
@@ -156,11 +160,10 @@ def load_demo_model(name: str, dtype: str, max_seq_len: int):
 
 
 def run_demo(args, parser) -> dict:
-  """Serves the demo batch; returns the report."""
-  import jax
-  from tqdm import tqdm
+  """Serves the demo batch with `pj.LLM`; returns the report."""
+  import dataclasses
 
-  from paged_jax.generate import SamplingParams, generate
+  from paged_jax.engine import LLM, SamplingParams
   from paged_jax.models.tokenizer import ByteTokenizer
 
   try:
@@ -186,32 +189,40 @@ def run_demo(args, parser) -> dict:
       f"{args.block_size} cannot hold one {max_len}-token sequence"
     )
   num_requests = args.num_requests or (32 if tokenizer is None else 8)
-  requests, shown = demo_requests(num_requests, args.seed, tokenizer)
-  if max(r.n for r in requests) > args.max_seqs:
+  prompts, counts, shown = demo_requests(num_requests, args.seed, tokenizer)
+  if max(counts) > args.max_seqs:
     parser.error(f"--max-seqs {args.max_seqs} is below the 4 samples some requests ask for")
-  longest = max(r.prompt.size for r in requests)
   sampling = SamplingParams(
-    max_new_tokens=min(args.max_new_tokens, max_len - longest),
+    max_tokens=args.max_tokens,
     temperature=0.8 if tokenizer is None else 0.6,
     top_k=40,
     top_p=1.0 if tokenizer is None else 0.9,
-    eos_id=(tokenizer or ByteTokenizer()).eos_token_id,
   )
-  total = sum(r.n for r in requests)
+  params = [dataclasses.replace(sampling, n=n) for n in counts]
+  # Whole prompts in one round, preemption by swap; the tokenizer's EOS stops.
+  llm = LLM(
+    model,
+    tokenizer or ByteTokenizer(),
+    cfg,
+    preemption_mode="swap",
+    max_num_batched_tokens=cfg.max_seqs * cfg.max_tokens_per_seq,
+    seed=args.seed,
+  )
+  for index, (prompt, p) in enumerate(zip(prompts, params)):
+    error = llm.engine.admission_error(prompt.size, p)
+    if error is not None:
+      parser.error(f"request {index}: {error}")
   start = time.perf_counter()
-  with tqdm(total=total, unit="seq", disable=args.json, file=sys.stderr) as bar:
-    outputs, stats = generate(
-      model, requests, cfg, sampling, jax.random.key(args.seed), progress=bar.update
-    )
+  outputs = llm.generate(prompts, params, progress=not args.json)
   seconds = time.perf_counter() - start
-  tokenizer = tokenizer or ByteTokenizer()
+  stats = llm.engine.stats
   samples = [
-    dict(prompt=shown[i], outputs=[tokenizer.decode(o).strip() for o in outputs[i]])
-    for i in range(min(3, len(requests)))
+    dict(prompt=shown[i], outputs=[o.text.strip() for o in outputs[i].outputs])
+    for i in range(min(3, len(prompts)))
   ]
   return dict(
-    requests=len(requests),
-    sequences=total,
+    requests=len(prompts),
+    sequences=sum(counts),
     generated_tokens=stats.generated_tokens,
     seconds=round(seconds, 3),
     tokens_per_s=round(stats.generated_tokens / seconds, 1),

@@ -14,6 +14,14 @@ in place, touching only the slots and blocks it names:
   memory: one gather, one transfer, one scatter for all layers. They are
   jitted here with the cache donated.
 
+``KVCache.create(..., mesh=mesh)`` splits a cache over a ``("data",
+"model")`` mesh (see ``paged_jax.sharding``): heads over "model", every data
+shard's blocks side by side over "data". ``copy_blocks`` then copies on each
+device under ``jax.shard_map``, from its data shard's plan; the swaps serve
+it as they are, given a shard's plan in the whole cache's block ids
+(``sharding.shard_plan``). Dtypes, host memory kinds and sizing are in
+``paged_jax.kv_memory``.
+
 A cache created with ``dtype=jnp.int8`` or ``jnp.float8_e4m3fn`` is
 quantized: beside each layer's pages it keeps float32 scales ``k_scale``,
 ``v_scale`` ``[num_kv_heads, num_blocks, block_size]``, one per token and KV
@@ -46,8 +54,8 @@ patterns, so the host side of a swap is in place on every backend.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -56,14 +64,12 @@ from flax import struct
 from jax import lax
 from jax.experimental.compute_on import compute_on
 
+from paged_jax import sharding
 from paged_jax.attention import check_block_size, is_concrete, select_kernel
+from paged_jax.kv_memory import check_cache_dtype, host_memory_kind
 from pallas_kernels import copy_blocks as copy_blocks_kernels
 from pallas_kernels import quantization
 from pallas_kernels import write_kv as write_kv_kernels
-
-_GIB = 1 << 30
-FLOAT_DTYPES = tuple(map(jnp.dtype, (jnp.float32, jnp.bfloat16, jnp.float16)))
-QUANTIZED_DTYPES = quantization.QUANTIZED_DTYPES
 
 
 @struct.dataclass
@@ -112,25 +118,39 @@ class KVCache:
     dtype=jnp.bfloat16,
     *,
     device: jax.Device | None = None,
+    mesh: jax.sharding.Mesh | None = None,
   ) -> KVCache:
-    """Allocates a zeroed cache for ``cfg``.
+    """Allocates a zeroed cache for ``cfg``, on one device or over a mesh.
+
+    On a ``("data", "model")`` mesh every data shard gets ``cfg``'s blocks:
+    pages are ``[stored_kv_heads, data * num_gpu_blocks, block_size,
+    head_dim]`` (host pages likewise with ``num_cpu_blocks``), placed by
+    ``sharding.PAGES``: heads over ``"model"``, blocks over ``"data"`` (data
+    shard ``d`` owns blocks ``d * num_gpu_blocks ..``). With fewer KV heads
+    than model shards each head is stored ``model // num_kv_heads`` times
+    (``sharding.stored_kv_heads``), so every device holds one.
 
     Args:
       cfg: a ``CacheConfig`` (``block_size``, ``num_gpu_blocks``,
-        ``num_cpu_blocks``).
+        ``num_cpu_blocks``), of one data shard on a mesh.
       num_layers: attention layers.
-      num_kv_heads: KV heads per layer.
+      num_kv_heads: the model's KV heads per layer.
       head_dim: size of one head.
       dtype: element type of the pages: float32, bfloat16 or float16, or
         int8 / float8_e4m3fn for a quantized cache with float32 scales.
-      device: the accelerator; None for ``jax.devices()[0]``.
+      device: the accelerator; None for ``jax.devices()[0]`` (without a
+        mesh).
+      mesh: a ``("data", "model")`` mesh of any axis types; None for one
+        device.
 
     Returns:
-      The new cache.
+      The new cache; on a mesh its ``mesh`` is that mesh (Auto axes).
 
     Raises:
-      ValueError: for a size below 1, an unsupported dtype, or a block size
-        that no attention kernel of the device serves (`check_block_size`).
+      ValueError: for a size below 1, an unsupported dtype, a block size
+        that no attention kernel of the device serves (`check_block_size`),
+        both a device and a mesh, a mesh without the axes, or KV heads and a
+        model axis that do not divide one another.
     """
     for name, value in (
       ("num_layers", num_layers),
@@ -140,12 +160,25 @@ class KVCache:
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     dtype = check_cache_dtype(dtype)
-    device = jax.devices()[0] if device is None else device
+    if mesh is None:
+      device = jax.devices()[0] if device is None else device
+      # NamedSharding (not SingleDeviceSharding) carries the memory kind into
+      # traced types, which host-side gathers and scatters need under jit.
+      one_device = jax.sharding.Mesh(np.asarray([device]), ("device",))
+      device_sharding = jax.sharding.NamedSharding(one_device, jax.sharding.PartitionSpec())
+    else:
+      if device is not None:
+        raise ValueError("pass a device or a mesh, not both")
+      mesh = sharding.serving_mesh(mesh)
+      device = mesh.devices.flat[0]
+      tp, data = mesh.shape["model"], mesh.shape["data"]
+      sharding.check_kv_heads(num_kv_heads, tp)
+      num_kv_heads = sharding.stored_kv_heads(num_kv_heads, tp)
+      device_sharding = jax.sharding.NamedSharding(mesh, sharding.PAGES)
+      cfg = dataclasses.replace(
+        cfg, num_gpu_blocks=data * cfg.num_gpu_blocks, num_cpu_blocks=data * cfg.num_cpu_blocks
+      )
     check_block_size(cfg.block_size, device.platform)
-    # NamedSharding (not SingleDeviceSharding) carries the memory kind into
-    # traced types, which host-side gathers and scatters need under jit.
-    mesh = jax.sharding.Mesh(np.asarray([device]), ("device",))
-    device_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     host_kind = host_memory_kind(device)
     host_sharding = device_sharding.with_memory_kind(host_kind) if host_kind else device_sharding
     return cls.zeros(cfg, num_layers, num_kv_heads, head_dim, dtype, device_sharding, host_sharding)
@@ -163,8 +196,8 @@ class KVCache:
   ) -> KVCache:
     """A zeroed cache placed by the given shardings (heads on axis 0).
 
-    ``create`` places it on one device; ``paged_jax.sharding`` splits the
-    heads over a mesh. ``dtype`` is checked by ``create``.
+    ``create`` places it on one device or over a mesh; ``dtype`` is checked
+    there.
     """
     page = (cfg.block_size, head_dim)
     device_shape = (num_kv_heads, cfg.num_gpu_blocks, *page)
@@ -202,6 +235,29 @@ class KVCache:
   @property
   def num_layers(self) -> int:
     return len(self.k)
+
+  @property
+  def mesh(self) -> jax.sharding.Mesh | None:
+    """The ``("data", "model")`` mesh the cache is split over; None for a
+    one-device cache."""
+    mesh = getattr(self.device_sharding, "mesh", None)
+    if mesh is not None and tuple(mesh.axis_names) == sharding.AXES:
+      return mesh
+    return None
+
+  @property
+  def num_data_shards(self) -> int:
+    """Data shards whose blocks the cache holds side by side (1 off a mesh)."""
+    return 1 if self.mesh is None else self.mesh.shape["data"]
+
+  def device_part(self) -> KVCache:
+    """The device pages (and scales) only, no host pages: what a step runs
+    on each device under ``jax.shard_map``."""
+    return self.replace(k_host=(), v_host=(), k_scale_host=None, v_scale_host=None)
+
+  def with_device_part(self, part: KVCache) -> KVCache:
+    """The cache with its device pages (and scales) from ``part``."""
+    return self.replace(k=part.k, v=part.v, k_scale=part.k_scale, v_scale=part.v_scale)
 
   @property
   def dtype(self) -> jnp.dtype:
@@ -263,25 +319,6 @@ def _nbytes(*groups) -> int:
   return sum(a.size * a.dtype.itemsize for group in groups if group for a in group)
 
 
-def check_cache_dtype(dtype) -> jnp.dtype:
-  """Returns ``dtype`` as a ``jnp.dtype`` if a KV cache can hold it.
-
-  Raises:
-    ValueError: unless float32, bfloat16, float16, int8 or float8_e4m3fn.
-  """
-  try:
-    dtype = jnp.dtype(dtype)
-  except TypeError as error:
-    raise ValueError(f"not a dtype: {dtype!r}") from error
-  if dtype not in FLOAT_DTYPES + QUANTIZED_DTYPES:
-    raise ValueError(
-      f"KV cache dtype {dtype} is not supported; use one of "
-      f"{[str(d) for d in FLOAT_DTYPES]} or, quantized with scales, "
-      f"{[str(d) for d in QUANTIZED_DTYPES]}"
-    )
-  return dtype
-
-
 def write_kv(cache: KVCache, layer: int, k, v, slot_mapping, *, impl: str = "auto") -> KVCache:
   """Writes new tokens' keys and values of one layer into their slots.
 
@@ -338,28 +375,56 @@ def write_kv(cache: KVCache, layer: int, k, v, slot_mapping, *, impl: str = "aut
 def copy_blocks(cache: KVCache, plan, *, impl: str = "auto") -> KVCache:
   """Executes a CopyPlan (copy-on-write) on every layer's K and V in one call.
 
-  A quantized cache's scales are copied with their blocks.
+  A quantized cache's scales are copied with their blocks. On a cache over a
+  mesh each device copies its heads of its data shard's blocks (under
+  ``jax.shard_map``) from that shard's plan.
 
   Args:
     cache: the cache (donate it under jit).
     plan: ``src``, ``dst`` (device blocks) and ``count``; entry ``i <
-      count`` copies block ``src[i]`` to ``dst[i]``.
+      count`` copies block ``src[i]`` to ``dst[i]``. The plans of a cache's
+      data shards come batched on a leading axis, each in its shard's own
+      block ids: ``src``, ``dst`` ``[data, K]`` and ``count`` ``[data]`` (as
+      ``jax.vmap`` of the manager's ``append_slots`` gives them; ``data`` is
+      1 for a one-device cache). A cache of one data shard also takes one
+      plan.
     impl: ``"auto"``, ``"pallas"`` or ``"reference"``.
 
   Returns:
     The cache with the blocks copied.
+
+  Raises:
+    ValueError: for a plan of the wrong shape or dtype (one plan for a cache
+      of several data shards), or a concrete plan out of range.
   """
-  src, dst, count = _plan_arrays(plan)
+  src, dst, count = _shard_plans(plan, cache.num_data_shards)
   if is_concrete(src, dst, count):
-    check_plan(
-      src,
-      dst,
-      count,
-      num_src_blocks=cache.num_gpu_blocks,
-      num_dst_blocks=cache.num_gpu_blocks,
-      name="copy plan",
-      disjoint=True,
-    )
+    blocks = cache.num_gpu_blocks // cache.num_data_shards
+    for shard in range(cache.num_data_shards):
+      check_plan(
+        src[shard],
+        dst[shard],
+        count[shard],
+        num_src_blocks=blocks,
+        num_dst_blocks=blocks,
+        name="copy plan",
+        disjoint=True,
+      )
+  mesh = cache.mesh
+  if mesh is None:
+    return _copy_blocks(cache, src[0], dst[0], count[0], impl)
+  device = cache.device_part()
+  pages = jax.tree.map(lambda _: sharding.PAGES, device)
+  shards = sharding.P("data")
+  local = lambda part, src, dst, count: _copy_blocks(part, src[0], dst[0], count[0], impl)
+  copied = sharding.per_device(local, mesh, (pages, shards, shards, shards), pages)(
+    device, src, dst, count
+  )
+  return cache.with_device_part(copied)
+
+
+def _copy_blocks(cache: KVCache, src, dst, count, impl: str) -> KVCache:
+  """``copy_blocks`` of one plan on the cache's (or one device's) pages."""
   pages = cache.k + cache.v
   kernel = select_kernel(impl, tile_sizes=(cache.block_size, cache.head_dim))
   if kernel is None:
@@ -630,130 +695,39 @@ def check_slot_mapping(slot_mapping, num_slots: int) -> None:
     )
 
 
-def host_memory_kind(device: jax.Device) -> str | None:
-  """The memory kind for swap pages on ``device``: ``"pinned_host"``.
-
-  Falls back, with one warning per backend, to ``"unpinned_host"`` or to
-  device memory (None) where the backend lacks pinned host memory.
-  """
-  kinds = tuple(memory.kind for memory in device.addressable_memories())
-  return pick_host_memory_kind(kinds, device.platform)
-
-
-@functools.cache
-def pick_host_memory_kind(kinds: tuple[str, ...], platform: str) -> str | None:
-  """Picks the host memory kind from ``kinds``; warns (once) on a fallback.
-
-  Args:
-    kinds: the memory kinds a device offers.
-    platform: the backend's name, for the warning.
-
-  Returns:
-    ``"pinned_host"``, else ``"unpinned_host"``, else None (device memory).
-  """
-  if "pinned_host" in kinds:
-    return "pinned_host"
-  fallback = "unpinned_host" if "unpinned_host" in kinds else None
-  warnings.warn(
-    f"{platform} offers no 'pinned_host' memory (it has {list(kinds)}); "
-    f"KV swap space falls back to {fallback or 'device'} memory",
-    RuntimeWarning,
-    stacklevel=3,
-  )
-  return fallback
+def _shard_plans(plan, num_shards: int):
+  """``src``, ``dst`` ``[num_shards, K]`` and ``count`` ``[num_shards]`` of
+  one plan (one shard) or of the plans of ``num_shards`` data shards."""
+  if jnp.ndim(plan.src) == 1:
+    if num_shards > 1:
+      raise ValueError(
+        f"a cache of {num_shards} data shards needs one copy plan per shard "
+        f"([{num_shards}, K] src and dst), got {jnp.shape(plan.src)}"
+      )
+    return tuple(a[None] for a in _plan_arrays(plan))
+  return _plan_arrays(plan, (num_shards,))
 
 
-def bytes_per_block(
-  *, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype
-) -> int:
-  """Bytes one block number occupies across all layers' K and V.
-
-  A quantized dtype (int8, float8_e4m3fn) adds its float32 scales: each
-  token's row of ``head_dim`` bytes costs ``head_dim + 4`` bytes, so int8
-  holds ``2 * head_dim / (head_dim + 4)`` times the tokens of bfloat16
-  (1.94x at head_dim 128, 1.88x at 64).
-  """
-  dtype = check_cache_dtype(dtype)
-  row_bytes = head_dim * dtype.itemsize
-  if quantization.is_quantized(dtype):
-    row_bytes += quantization.SCALE_DTYPE.itemsize
-  return 2 * num_layers * num_kv_heads * block_size * row_bytes
-
-
-def num_gpu_blocks_for_memory(
-  memory_bytes: int, block_bytes: int, *, utilization: float = 0.9, reserved_bytes: int = 0
-) -> int:
-  """Device blocks that fit a memory budget, like vLLM's gpu_memory_utilization.
-
-  Args:
-    memory_bytes: the device's memory (see ``device_memory_bytes``).
-    block_bytes: ``bytes_per_block(...)``.
-    utilization: fraction of ``memory_bytes`` this process may use.
-    reserved_bytes: bytes kept for weights and activations.
-
-  Returns:
-    ``floor((memory_bytes * utilization - reserved_bytes) / block_bytes)``.
-  """
-  if not 0 < utilization <= 1:
-    raise ValueError(f"utilization must be in (0, 1], got {utilization}")
-  if block_bytes < 1 or memory_bytes < 0 or reserved_bytes < 0:
-    raise ValueError(
-      f"need block_bytes >= 1 and non-negative memory_bytes and "
-      f"reserved_bytes, got {block_bytes}, {memory_bytes}, {reserved_bytes}"
-    )
-  budget = int(memory_bytes * utilization) - reserved_bytes
-  blocks = budget // block_bytes
-  if blocks < 1:
-    raise ValueError(
-      f"no room for KV blocks: {memory_bytes} bytes * utilization "
-      f"{utilization} - {reserved_bytes} reserved < one block of "
-      f"{block_bytes} bytes"
-    )
-  return blocks
-
-
-def num_cpu_blocks_for_swap_space(swap_space_gib: float, block_bytes: int) -> int:
-  """Host blocks that fit ``swap_space_gib`` GiB, like vLLM's swap_space.
-
-  Args:
-    swap_space_gib: host memory for swapped-out blocks, in GiB.
-    block_bytes: ``bytes_per_block(...)``.
-
-  Returns:
-    ``floor(swap_space_gib * 2**30 / block_bytes)``.
-  """
-  if swap_space_gib < 0 or block_bytes < 1:
-    raise ValueError(
-      f"need swap_space_gib >= 0 and block_bytes >= 1, got {swap_space_gib}, {block_bytes}"
-    )
-  return int(swap_space_gib * _GIB) // block_bytes
-
-
-def device_memory_bytes(device: jax.Device | None = None) -> int:
-  """Total memory of ``device`` as its runtime reports it (GPU, TPU).
-
-  Raises:
-    ValueError: where the backend reports no memory limit (CPU).
-  """
-  device = jax.devices()[0] if device is None else device
-  stats = device.memory_stats() or {}
-  if "bytes_limit" not in stats:
-    raise ValueError(
-      f"{device.platform} device {device.id} reports no memory limit; pass memory_bytes explicitly"
-    )
-  return int(stats["bytes_limit"])
-
-
-def _plan_arrays(plan):
+def _plan_arrays(plan, shards: tuple[int, ...] = ()):
+  """The plan's arrays, checked to be int32 ``src``, ``dst`` ``[*shards,
+  capacity]`` and ``count`` ``[*shards]``."""
   src, dst = jnp.asarray(plan.src), jnp.asarray(plan.dst)
   count = jnp.asarray(plan.count)
+  rows = "".join(f"{size}, " for size in shards)
   for name, array in (("src", src), ("dst", dst)):
-    if array.ndim != 1 or array.dtype != jnp.int32:
-      raise ValueError(f"plan.{name} must be int32[capacity], got {array.dtype}{list(array.shape)}")
+    if (
+      array.ndim != len(shards) + 1
+      or array.shape[: len(shards)] != shards
+      or array.dtype != jnp.int32
+    ):
+      raise ValueError(
+        f"plan.{name} must be int32[{rows}capacity], got {array.dtype}{list(array.shape)}"
+      )
   if src.shape != dst.shape:
     raise ValueError(f"plan.src {src.shape} and plan.dst {dst.shape} differ")
-  if count.shape != () or count.dtype != jnp.int32:
-    raise ValueError(f"plan.count must be an int32 scalar, got {count.dtype}{list(count.shape)}")
+  if count.shape != shards or count.dtype != jnp.int32:
+    kind = f"int32[{rows[:-2]}]" if shards else "an int32 scalar"
+    raise ValueError(f"plan.count must be {kind}, got {count.dtype}{list(count.shape)}")
   return src, dst, count
 
 

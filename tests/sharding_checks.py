@@ -19,14 +19,18 @@ from paged_jax import kv_cache as kv_ops
 from paged_jax import sharding
 from paged_jax.block_manager import manager
 from paged_jax.engine import runner as runner_lib
-from paged_jax.models import load_tiny
+from paged_jax.models import LlamaConfig, load_tiny
+from paged_jax.models.paged import paged_cache
 
 MESHES = ((1, 2), (1, 4), (2, 2), (2, 4), (8, 1))
+# Built with jax.make_mesh, whose axes are Explicit (JAX 0.10 and later); the
+# others with sharding.make_mesh (Auto axes).
+JAX_MESHES = ((1, 2), (2, 4))
 NUM_GPU_BLOCKS = 48  # distinctive, to find cache-sized arrays in the HLO
 CFG = pj.CacheConfig(
   block_size=8, num_gpu_blocks=NUM_GPU_BLOCKS, num_cpu_blocks=16, max_seqs=4, max_blocks_per_seq=8
 )
-SAMPLING = pj.SamplingParams(max_new_tokens=6)
+SAMPLING = pj.SamplingParams(max_tokens=6)
 # A collective's result: one shape, or a tuple of them (combined ops).
 COLLECTIVE = re.compile(
   r"= (\([^)]*\)|\S+) (all-gather|all-to-all|collective-permute|all-reduce"
@@ -45,7 +49,7 @@ def tokens_of(outputs) -> list[list[int]]:
 
 @functools.partial(jax.jit, static_argnums=0)
 def _forward(graphdef, params, kv, tokens, positions, tables, slots):
-  cache = sharding.paged_cache(kv=kv, block_tables=tables, slot_mapping=slots)
+  cache = paged_cache(kv=kv, block_tables=tables, slot_mapping=slots)
   logits, cache = nnx.merge(graphdef, params)(tokens, positions, cache)
   return logits, cache.kv
 
@@ -68,8 +72,13 @@ def logits_of(model, mesh) -> list[list[float]]:
     )
   else:
     model = sharding.shard_model(model, mesh)
-    kv = sharding.create_kv_cache(
-      CFG, config.num_layers, config.num_kv_heads, config.head_dim, config.compute_dtype, mesh
+    kv = pj.KVCache.create(
+      CFG,
+      config.num_layers,
+      config.num_kv_heads,
+      config.head_dim,
+      dtype=config.compute_dtype,
+      mesh=mesh,
     )
   graphdef, params = nnx.split(model)
   width = 16
@@ -185,7 +194,7 @@ def ops_match(mesh, dtype="float32") -> bool:
     CFG, num_gpu_blocks=data * NUM_GPU_BLOCKS, num_cpu_blocks=data * CFG.num_cpu_blocks
   )
   one = pj.KVCache.create(all_blocks, 2, heads, head_dim, dtype=dtype)
-  many = sharding.create_kv_cache(CFG, 2, heads, head_dim, dtype, mesh)
+  many = pj.KVCache.create(CFG, 2, heads, head_dim, dtype=dtype, mesh=mesh)
   shape, host_shape = one.k[0].shape, one.k_host[0].shape
   if one.quantized:
     pages = [rng.integers(-127, 128, shape).astype(np.int8) for _ in range(4)]
@@ -240,11 +249,11 @@ def ops_match(mesh, dtype="float32") -> bool:
     src=np.arange(8, dtype=np.int32), dst=blocks[0, 20:28], count=np.int32(7), status=np.int32(0)
   )
   results = []
-  for cache, copy, plan in (
-    (fill(one), pj.copy_blocks, one_cow),
-    (fill(many), sharding.copy_blocks, cow),
+  for cache, plan in (
+    (fill(one), one_cow),
+    (fill(many), cow),
   ):
-    cache = pj.swap_in(pj.swap_out(copy(cache, plan), out), back)
+    cache = pj.swap_in(pj.swap_out(pj.copy_blocks(cache, plan), out), back)
     results.append([np.asarray(a) for a in jax.tree.leaves(cache)])
   return all(np.array_equal(a, b, equal_nan=True) for a, b in zip(*results))
 
@@ -328,7 +337,7 @@ def serve_features(model, mesh, kv_cache_dtype=None) -> dict:
       src=np.zeros(2, np.int32), dst=np.ones(2, np.int32), count=np.int32(1), status=np.int32(0)
     )
     try:
-      sharding.copy_blocks(engine.runner.kv, plan)
+      pj.copy_blocks(engine.runner.kv, plan)
     except ValueError as err:
       errors["copy_plan"] = str(err)
     try:
@@ -351,6 +360,53 @@ def serve_features(model, mesh, kv_cache_dtype=None) -> dict:
   }
 
 
+def head_errors() -> dict[str, str]:
+  """What a model of 6 query heads and 2 KV heads meets on a (1, 4) mesh: its
+  KV heads fit (each stored twice), its query heads do not split over 4."""
+  config = LlamaConfig(
+    vocab_size=16, num_layers=1, num_q_heads=6, num_kv_heads=2, head_dim=8, hidden=16, mlp_hidden=16
+  )
+  model = pj.models.Llama(config, rngs=nnx.Rngs(0))
+  mesh = sharding.make_mesh(1, 4)
+  kv = pj.KVCache.create(CFG, 1, 2, 8, dtype="float32", mesh=mesh)
+  errors = {"stored_kv_heads": str(kv.num_kv_heads)}
+  tables = np.zeros((1, CFG.max_blocks_per_seq), np.int32)
+  graphdef, params = nnx.split(model)
+  try:  # the weights whole, the cache split: attention checks the heads
+    _forward(
+      graphdef,
+      params,
+      kv,
+      np.ones((1, 1), np.int32),
+      np.zeros((1, 1), np.int32),
+      tables,
+      tables[:, :1],
+    )
+  except ValueError as err:
+    errors["attend"] = str(err)
+  try:
+    pj.LLMEngine(model, None, CFG, mesh=mesh)
+  except ValueError as err:
+    errors["engine"] = str(err)
+  return errors
+
+
+def mesh_of(shape) -> jax.sharding.Mesh:
+  """A ``("data", "model")`` mesh of ``shape`` from the constructor
+  ``JAX_MESHES`` picks for it."""
+  if shape in JAX_MESHES:
+    return jax.make_mesh(shape, sharding.AXES)
+  return sharding.make_mesh(*shape)
+
+
+def llm_tokens(model, mesh) -> list[list[int]]:
+  """Greedy tokens of ``requests()`` through ``pj.LLM`` on ``mesh``."""
+  llm = pj.LLM(model, None, CFG, mesh=mesh)
+  return [
+    out.outputs[0].token_ids for out in llm.generate([r.prompt for r in requests()], SAMPLING)
+  ]
+
+
 def single_process(out: str) -> None:
   model = load_tiny()
   reqs = requests()
@@ -361,18 +417,23 @@ def single_process(out: str) -> None:
     a.nbytes for a in jax.tree.leaves(nnx.state(model, nnx.Param))
   )
   for shape in MESHES:
-    mesh = sharding.make_mesh(*shape)
+    mesh = mesh_of(shape)
     name = f"{shape[0]}x{shape[1]}"
-    outputs, _ = pj.generate(model, reqs, CFG, SAMPLING, jax.random.key(0), mesh=mesh)
+    if shape == (1, 2):  # the engine's offline form, as a user calls it
+      tokens = llm_tokens(model, mesh)
+    else:
+      tokens = tokens_of(pj.generate(model, reqs, CFG, SAMPLING, jax.random.key(0), mesh=mesh)[0])
     result[name] = {
-      "tokens": tokens_of(outputs),
-      "bytes": device_bytes(sharding.create_kv_cache(CFG, 4, 2, 32, "float32", mesh)),
+      "axis_types": [str(axis) for axis in mesh.axis_types],
+      "tokens": tokens,
+      "bytes": device_bytes(pj.KVCache.create(CFG, 4, 2, 32, dtype="float32", mesh=mesh)),
       "weight_bytes": weight_bytes(model, mesh),
     }
     if shape in ((1, 2), (2, 2), (2, 4)):  # 2 rows: one per data shard
       result[name]["logits"] = logits_of(model, mesh)
     if shape == (8, 1):  # a tensor-parallel-free row, off device 0
       result[name]["logits"] = logits_of(model, row_mesh(mesh, 7))
+  result["head_errors"] = head_errors()
   result["features_reference"] = serve_features(model, None)
   result["features_2x2"] = serve_features(model, sharding.make_mesh(2, 2))
   result["ops_match"] = ops_match(sharding.make_mesh(2, 2))
@@ -387,7 +448,7 @@ def single_process(out: str) -> None:
     )[0]
   )
   result["int8_2x2_bytes"] = device_bytes(
-    sharding.create_kv_cache(CFG, 4, 2, 32, "int8", int8_mesh)
+    pj.KVCache.create(CFG, 4, 2, 32, dtype="int8", mesh=int8_mesh)
   )
   result["int8_unsharded_bytes"] = device_bytes(pj.KVCache.create(CFG, 4, 2, 32, dtype="int8"))
   for shape in ((1, 2), (1, 4), (2, 2)):

@@ -22,6 +22,8 @@ from paged_jax.__main__ import main
     (["demo", "--model", "tiny", "--num-gpu-blocks", "2"], "cannot hold one 128-token sequence"),
     (["demo", "--num-cpu-blocks", "-1"], "--num-cpu-blocks must be >= 0"),
     (["demo", "--model", "tiny", "--max-seqs", "2"], "--max-seqs 2 is below the 4 samples"),
+    # 4 samples of 9 prompt + 40 new tokens need 12 blocks of 16.
+    (["demo", "--model", "tiny", "--num-gpu-blocks", "8"], "request 1: needs 12 GPU blocks"),
     (
       ["demo", "--model", "/nonexistent/model"],
       "--model: '/nonexistent/model' is neither a model folder",
@@ -50,7 +52,7 @@ def test_demo_json_report():
       "tiny",
       "--num-requests",
       "2",
-      "--max-new-tokens",
+      "--max-tokens",
       "4",
       "--json",
     ],

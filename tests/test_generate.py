@@ -10,7 +10,8 @@ from flax import nnx
 
 import paged_jax as pj
 from paged_jax import models
-from paged_jax.generate import Request, SamplingParams, generate, generate_dense, sample_tokens
+from paged_jax.generate import Request, SamplingParams, generate
+from paged_jax.models.dense import generate_dense, sample_tokens
 from paged_jax.models.paged import PagedCache
 
 pytestmark = pytest.mark.usefixtures("quick_compiles")
@@ -26,7 +27,7 @@ CONFIG = models.LlamaConfig(
   max_seq_len=64,
   tie_embeddings=False,
 )
-GREEDY = SamplingParams(max_new_tokens=8)
+GREEDY = SamplingParams(max_tokens=8)
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +140,7 @@ def test_greedy_paged_tokens_equal_dense(model, requests, dense_outputs, prefix_
 
 def test_eos_stops_a_sequence(model, requests, dense_outputs):
   eos = int(dense_outputs[0][2])
-  sampling = SamplingParams(max_new_tokens=8, eos_id=eos)
+  sampling = SamplingParams(max_tokens=8, stop_token_ids=[eos])
   cfg = pj.CacheConfig(
     block_size=4, num_gpu_blocks=64, num_cpu_blocks=0, max_seqs=4, max_blocks_per_seq=12
   )
@@ -184,7 +185,7 @@ def test_top_p_samples_stay_in_the_nucleus(random_logits):
 @pytest.mark.parametrize(
   "kwargs, message",
   [
-    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(max_tokens=0), "max_tokens"),
     (dict(temperature=-1.0), "temperature"),
     (dict(top_k=-2), "top_k"),
     (dict(top_p=0.0), "top_p"),

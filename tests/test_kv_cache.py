@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax import attention, kv_cache
+from paged_jax import attention, kv_cache, kv_memory
 from paged_jax.config import CacheConfig
 from pallas_kernels.paged_attention import (
   gpu,
@@ -90,29 +90,29 @@ def test_create_rejects_bad_sizes(kwargs):
 
 def test_sizing_follows_vllm_formulas():
   llama3_8b = dict(block_size=16, num_layers=32, num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16)
-  block = kv_cache.bytes_per_block(**llama3_8b)
+  block = kv_memory.bytes_per_block(**llama3_8b)
   assert block == 2 * 32 * 8 * 16 * 128 * 2  # K and V, bf16: 2 MiB
   gib = 1 << 30
   # (80 GiB * 0.9 - 16 GiB) / 2 MiB = 56 GiB / 2 MiB
   assert (
-    kv_cache.num_gpu_blocks_for_memory(80 * gib, block, utilization=0.9, reserved_bytes=16 * gib)
+    kv_memory.num_gpu_blocks_for_memory(80 * gib, block, utilization=0.9, reserved_bytes=16 * gib)
     == 28672
   )
-  assert kv_cache.num_gpu_blocks_for_memory(block * 10 + 1, block, utilization=1.0) == 10
-  assert kv_cache.num_cpu_blocks_for_swap_space(4, block) == 2048
-  assert kv_cache.num_cpu_blocks_for_swap_space(0, block) == 0
+  assert kv_memory.num_gpu_blocks_for_memory(block * 10 + 1, block, utilization=1.0) == 10
+  assert kv_memory.num_cpu_blocks_for_swap_space(4, block) == 2048
+  assert kv_memory.num_cpu_blocks_for_swap_space(0, block) == 0
 
 
 @pytest.mark.parametrize(
   "call,message",
   [
-    (lambda: kv_cache.num_gpu_blocks_for_memory(1 << 30, 1, utilization=0.0), "utilization"),
-    (lambda: kv_cache.num_gpu_blocks_for_memory(1 << 30, 1, utilization=1.5), "utilization"),
-    (lambda: kv_cache.num_gpu_blocks_for_memory(100, 64, reserved_bytes=50), "no room"),
-    (lambda: kv_cache.num_gpu_blocks_for_memory(-1, 64), "non-negative"),
-    (lambda: kv_cache.num_cpu_blocks_for_swap_space(-1, 64), "swap_space_gib"),
-    (lambda: kv_cache.num_cpu_blocks_for_swap_space(1, 0), "block_bytes"),
-    (lambda: kv_cache.device_memory_bytes(jax.devices("cpu")[0]), "reports no memory limit"),
+    (lambda: kv_memory.num_gpu_blocks_for_memory(1 << 30, 1, utilization=0.0), "utilization"),
+    (lambda: kv_memory.num_gpu_blocks_for_memory(1 << 30, 1, utilization=1.5), "utilization"),
+    (lambda: kv_memory.num_gpu_blocks_for_memory(100, 64, reserved_bytes=50), "no room"),
+    (lambda: kv_memory.num_gpu_blocks_for_memory(-1, 64), "non-negative"),
+    (lambda: kv_memory.num_cpu_blocks_for_swap_space(-1, 64), "swap_space_gib"),
+    (lambda: kv_memory.num_cpu_blocks_for_swap_space(1, 0), "block_bytes"),
+    (lambda: kv_memory.device_memory_bytes(jax.devices("cpu")[0]), "reports no memory limit"),
   ],
 )
 def test_sizing_errors(call, message):
@@ -125,17 +125,17 @@ def test_sizing_errors(call, message):
 )
 def test_host_memory_fallback_warns_once(kinds, expected):
   with pytest.warns(RuntimeWarning, match="no 'pinned_host' memory"):
-    assert kv_cache.pick_host_memory_kind(kinds, "testbackend") == expected
+    assert kv_memory.pick_host_memory_kind(kinds, "testbackend") == expected
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    assert kv_cache.pick_host_memory_kind(kinds, "testbackend") == expected
+    assert kv_memory.pick_host_memory_kind(kinds, "testbackend") == expected
 
 
 def test_pinned_host_is_picked_without_warning():
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     assert (
-      kv_cache.pick_host_memory_kind(("device", "pinned_host", "unpinned_host"), "cpu")
+      kv_memory.pick_host_memory_kind(("device", "pinned_host", "unpinned_host"), "cpu")
       == "pinned_host"
     )
 

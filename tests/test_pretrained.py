@@ -768,7 +768,8 @@ def test_smollm2_scores_english_like_a_language_model(smollm2):
 
 def test_smollm2_paged_and_dense_greedy_decoding_agree(smollm2):
   from paged_jax.config import CacheConfig
-  from paged_jax.generate import Request, SamplingParams, generate, generate_dense
+  from paged_jax.generate import Request, SamplingParams, generate
+  from paged_jax.models.dense import generate_dense
 
   model, tokenizer = smollm2
   prompt = np.asarray(
@@ -779,7 +780,7 @@ def test_smollm2_paged_and_dense_greedy_decoding_agree(smollm2):
     ),
     np.int32,
   )
-  greedy = SamplingParams(max_new_tokens=32, temperature=0.0)
+  greedy = SamplingParams(max_tokens=32, temperature=0.0)
   cfg = CacheConfig(
     block_size=16, num_gpu_blocks=16, num_cpu_blocks=0, max_seqs=1, max_blocks_per_seq=16
   )

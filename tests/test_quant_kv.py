@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import paged_jax as pj
-from paged_jax import kv_cache
+from paged_jax import kv_cache, kv_memory
 from paged_jax.config import CacheConfig
 from paged_jax.models import checkpoints, kv_accuracy
 from paged_jax.models.pretrained import load_tiny, tiny_corpus
@@ -125,7 +125,7 @@ def test_create_allocates_scales_beside_the_pages(dtype):
       assert s.shape == shape and s.dtype == jnp.float32
       assert s.sharding.memory_kind == sharding.memory_kind
   assert cache.k_host[0].dtype == jnp.uint8
-  block_bytes = kv_cache.bytes_per_block(
+  block_bytes = kv_memory.bytes_per_block(
     block_size=CFG.block_size,
     num_layers=LAYERS,
     num_kv_heads=KV_HEADS,
@@ -146,12 +146,12 @@ def test_float_cache_has_no_scales():
 
 def test_int8_holds_1_9x_the_blocks_of_bfloat16_at_head_dim_128():
   def blocks(dtype, head_dim):
-    block_bytes = kv_cache.bytes_per_block(
+    block_bytes = kv_memory.bytes_per_block(
       block_size=16, num_layers=32, num_kv_heads=8, head_dim=head_dim, dtype=dtype
     )
     return (
-      kv_cache.num_gpu_blocks_for_memory(80 << 30, block_bytes),
-      kv_cache.num_cpu_blocks_for_swap_space(4, block_bytes),
+      kv_memory.num_gpu_blocks_for_memory(80 << 30, block_bytes),
+      kv_memory.num_cpu_blocks_for_swap_space(4, block_bytes),
     )
 
   for head_dim, ratio in ((128, 2 * 128 / 132), (64, 2 * 64 / 68)):
@@ -167,7 +167,7 @@ def test_create_rejects_unsupported_dtypes(dtype):
   with pytest.raises(ValueError, match=f"KV cache dtype {dtype} is not supported"):
     kv_cache.KVCache.create(CFG, LAYERS, KV_HEADS, HEAD_DIM, dtype=dtype)
   with pytest.raises(ValueError, match="is not supported"):
-    kv_cache.bytes_per_block(block_size=8, num_layers=1, num_kv_heads=1, head_dim=8, dtype=dtype)
+    kv_memory.bytes_per_block(block_size=8, num_layers=1, num_kv_heads=1, head_dim=8, dtype=dtype)
 
 
 # write_kv, copy_blocks, swaps.
@@ -302,7 +302,7 @@ def test_generate_passes_kv_cache_dtype_to_the_cache():
       load_tiny(),
       [np.arange(4, dtype=np.int32)],
       CFG,
-      pj.SamplingParams(max_new_tokens=2),
+      pj.SamplingParams(max_tokens=2),
       jax.random.key(0),
       kv_cache_dtype=jnp.int16,
     )

@@ -2,7 +2,9 @@
 
 The mesh checks run in subprocesses (tests/sharding_worker.py) with forced
 host devices, so the rest of the suite keeps one device: one process with 8
-devices for the meshes (1, 2), (1, 4), (2, 2), (2, 4), (8, 1), and two
+devices for the meshes (1, 2), (1, 4), (2, 2), (2, 4), (8, 1) (two of them
+built by ``jax.make_mesh``, whose axes are Explicit, the rest by
+``sharding.make_mesh``), and two
 processes of 4 devices on localhost for one (2, 4) mesh over both (its data
 shards one per process, in one program).
 """
@@ -24,7 +26,9 @@ from flax import nnx
 import paged_jax as pj
 from paged_jax import sharding
 from paged_jax.block_manager import manager
+from paged_jax.block_manager.state import init_states
 from paged_jax.models import LlamaConfig
+from paged_jax.models.paged import ShardedPagedCache, paged_cache
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MESHES = ("1x2", "1x4", "2x2", "2x4", "8x1")
@@ -67,6 +71,25 @@ def meshes(tmp_path_factory, worker_id):
 def test_every_mesh_gives_the_single_device_tokens(meshes):
   for name in MESHES:
     assert meshes[name]["tokens"] == meshes["reference"], name
+
+
+def test_meshes_of_explicit_axes_serve_as_auto_ones_do(meshes):
+  # jax.make_mesh's Explicit axes once failed deep inside generate (a
+  # sharding constraint on Explicit axes); 1x2 serves through pj.LLM.
+  for name in ("1x2", "2x4"):
+    assert meshes[name]["axis_types"] == ["Explicit", "Explicit"], name
+    assert meshes[name]["tokens"] == meshes["reference"], name
+  assert meshes["2x2"]["axis_types"] == ["Auto", "Auto"]
+
+
+def test_query_heads_that_do_not_split_are_named(meshes):
+  # 6 query heads, 2 KV heads on a (1, 4) mesh: the cache stores each KV
+  # head twice, and the query heads are checked where they are known.
+  errors = meshes["head_errors"]
+  assert errors["stored_kv_heads"] == "4"
+  message = "num_q_heads (6) must be a multiple of the model axis (4)"
+  assert message in errors["attend"]
+  assert message in errors["engine"]
 
 
 def test_every_layout_gives_the_single_device_logits(meshes):
@@ -207,7 +230,24 @@ def test_heads_must_split_over_the_model_axis():
     block_size=4, num_gpu_blocks=4, num_cpu_blocks=0, max_seqs=1, max_blocks_per_seq=2
   )
   with pytest.raises(ValueError, match="mesh axes must be"):
-    sharding.create_kv_cache(cfg, 1, 2, 8, "float32", wrong)
+    pj.KVCache.create(cfg, 1, 2, 8, dtype="float32", mesh=wrong)
+  with pytest.raises(ValueError, match="a device or a mesh, not both"):
+    pj.KVCache.create(cfg, 1, 2, 8, device=jax.devices()[0], mesh=sharding.make_mesh(1, 1))
+
+
+def test_a_mesh_of_explicit_axes_is_served_with_auto_axes():
+  explicit = jax.make_mesh((1, 1), sharding.AXES)
+  assert explicit.axis_types == (jax.sharding.AxisType.Explicit,) * 2
+  auto = sharding.serving_mesh(explicit)
+  assert auto.axis_types == (jax.sharding.AxisType.Auto,) * 2
+  assert auto.devices.tolist() == explicit.devices.tolist()
+  assert sharding.serving_mesh(auto) is auto
+  cfg = pj.CacheConfig(
+    block_size=4, num_gpu_blocks=4, num_cpu_blocks=0, max_seqs=1, max_blocks_per_seq=2
+  )
+  cache = pj.KVCache.create(cfg, 1, 2, 8, dtype="float32", mesh=explicit)
+  assert cache.mesh == auto
+  assert cache.k[0].sharding.spec == sharding.PAGES
 
 
 @pytest.mark.parametrize(
@@ -257,7 +297,7 @@ def test_batched_states_match_one_state_per_shard():
     block_size=4, num_gpu_blocks=16, num_cpu_blocks=4, max_seqs=4, max_blocks_per_seq=4
   )
   bm = pj.BlockSpaceManager(cfg)
-  states = sharding.init_states(bm, 3)
+  states = init_states(cfg, 3)
   lengths = np.array([5, 13, 1], np.int32)
   tokens = np.arange(3 * 16, dtype=np.int32).reshape(3, 16)
   seq_ids = np.array([[0], [2], [1]], np.int32)
@@ -290,12 +330,15 @@ def test_sharded_copy_checks_a_concrete_plan():
   cfg = pj.CacheConfig(
     block_size=4, num_gpu_blocks=4, num_cpu_blocks=2, max_seqs=1, max_blocks_per_seq=2
   )
-  cache = sharding.create_kv_cache(cfg, 1, 2, 8, "float32", sharding.make_mesh(1, 1))
+  cache = pj.KVCache.create(cfg, 1, 2, 8, dtype="float32", mesh=sharding.make_mesh(1, 1))
   bad = pj.CopyPlan(
     src=np.array([0], np.int32), dst=np.array([4], np.int32), count=np.int32(1), status=np.int32(0)
   )
   with pytest.raises(ValueError, match="dst block 4 is out of range 0..3"):
-    sharding.copy_blocks(cache, bad)
+    pj.copy_blocks(cache, bad)
+  batched = jax.tree.map(lambda a: np.stack([a, a]), bad)  # two shards' plans, one shard
+  with pytest.raises(ValueError, match=r"plan.src must be int32\[1, capacity\], got int32\[2, 1\]"):
+    pj.copy_blocks(cache, batched)
   with pytest.raises(ValueError, match="swap_out plan entry 0: dst block 4"):
     pj.swap_out(cache, bad)
   with pytest.raises(ValueError, match="swap_in plan entry 0: src block 2 is out of range 0..1"):
@@ -317,3 +360,26 @@ def test_an_engine_rejects_a_mesh_without_the_axes():
   )
   with pytest.raises(ValueError, match="mesh axes must be"):
     pj.LLMEngine(pj.models.load_tiny(), None, cfg, mesh=wrong)
+
+
+def test_the_sharded_cache_refuses_a_sliding_window_model():
+  # As the one-device PagedCache does (it once failed with a TypeError).
+  config = LlamaConfig(
+    vocab_size=16,
+    num_layers=1,
+    num_q_heads=2,
+    num_kv_heads=1,
+    head_dim=4,
+    hidden=8,
+    mlp_hidden=16,
+    sliding_window=3,
+  )
+  windowed = pj.models.Llama(config, rngs=nnx.Rngs(0))
+  cfg = pj.CacheConfig(
+    block_size=4, num_gpu_blocks=4, num_cpu_blocks=0, max_seqs=1, max_blocks_per_seq=2
+  )
+  kv = pj.KVCache.create(cfg, 1, 1, 4, dtype="float32", mesh=sharding.make_mesh(1, 1))
+  cache = paged_cache(kv, np.zeros((1, 2), np.int32), np.zeros((1, 1), np.int32))
+  assert isinstance(cache, ShardedPagedCache)
+  with pytest.raises(ValueError, match="does not serve sliding-window models"):
+    windowed(np.ones((1, 1), np.int32), np.zeros((1, 1), np.int32), cache)

@@ -227,6 +227,21 @@ def init_state(cfg: CacheConfig) -> BlockManagerState:
   )
 
 
+def init_states(cfg: CacheConfig, num_shards: int) -> BlockManagerState:
+  """One empty manager state per data shard, stacked on a leading axis.
+
+  ``jax.vmap`` of a manager operation then runs it on every shard at once.
+
+  Args:
+    cfg: the cache configuration of one shard.
+    num_shards: data shards.
+
+  Returns:
+    A ``BlockManagerState`` whose arrays have a leading ``num_shards`` axis.
+  """
+  return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_shards, *x.shape)), init_state(cfg))
+
+
 def first_failure(*checks: tuple[Status, jax.Array]) -> jax.Array:
   """The status of the first failing check (in the order given), else OK."""
   status = jnp.int32(Status.OK)

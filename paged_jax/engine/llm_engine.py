@@ -100,7 +100,7 @@ class LLMEngine:
         f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}"
       )
     if mesh is not None:
-      sharding.check_axes(mesh)
+      mesh = sharding.serving_mesh(mesh)
     self.model_config = model.config
     self.tokenizer = tokenizer
     self.cfg = cache_config

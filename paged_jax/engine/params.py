@@ -43,9 +43,6 @@ class SamplingParams:
     output_kind: what a streamed `RequestOutput` carries: "cumulative" (all
       text so far), "delta" (only what is new) or "final" (nothing until the
       request finishes).
-    max_new_tokens: alias of `max_tokens` (the name `pj.generate` used).
-    eos_id: a stop token added to `stop_token_ids` (the name `pj.generate`
-      used).
     structured_outputs: a constraint on the output (a JSON schema, a regex
       or a list of choices; see `paged_jax.structured`), or None.
 
@@ -66,18 +63,12 @@ class SamplingParams:
   use_beam_search: bool = False
   length_penalty: float = 1.0
   output_kind: str = "cumulative"
-  max_new_tokens: int | None = None
-  eos_id: int | None = None
   structured_outputs: StructuredOutputsParams | None = None
 
   def __post_init__(self):
     set_ = lambda name, value: object.__setattr__(self, name, value)
-    if self.max_new_tokens is not None:
-      set_("max_tokens", self.max_new_tokens)
     self._require_int("n", 1)
-    self._require_int(
-      "max_tokens", 1, hint=" (max_new_tokens)" if self.max_new_tokens is not None else ""
-    )
+    self._require_int("max_tokens", 1)
     self._require_int("top_k", 0)
     if self.seed is not None:
       self._require_int("seed", 0)
@@ -97,8 +88,6 @@ class SamplingParams:
       raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
     set_("stop", tuple(stop))
     ids = tuple(self.stop_token_ids or ())
-    if self.eos_id is not None:
-      ids += (self.eos_id,)
     if not all(_is_int(i) and i >= 0 for i in ids):
       raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
     set_("stop_token_ids", ids)
@@ -112,10 +101,10 @@ class SamplingParams:
     if self.use_beam_search and self.temperature != 0.0:
       raise ValueError(f"temperature must be 0 with use_beam_search, got {self.temperature}")
 
-  def _require_int(self, name: str, minimum: int, hint: str = "") -> None:
+  def _require_int(self, name: str, minimum: int) -> None:
     value = getattr(self, name)
     if not _is_int(value) or value < minimum:
-      raise ValueError(f"{name}{hint} must be an int >= {minimum}, got {value!r}")
+      raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
   @property
   def greedy(self) -> bool:

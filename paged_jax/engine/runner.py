@@ -33,11 +33,12 @@ from paged_jax import kv_cache as kv_ops
 from paged_jax import sharding
 from paged_jax.block_manager import manager
 from paged_jax.block_manager.manager import BlockSpaceManager
-from paged_jax.block_manager.state import EMPTY, BlockManagerState
+from paged_jax.block_manager.state import EMPTY, BlockManagerState, init_states
 from paged_jax.config import AllocStatus, CacheConfig, Status
 from paged_jax.engine import beam
 from paged_jax.engine.sampling import Draw, RowParams, is_stop, sample_rows
 from paged_jax.kv_cache import KVCache
+from paged_jax.models.paged import paged_cache
 
 
 @flax.struct.dataclass
@@ -73,13 +74,6 @@ def _pairs_per_shard(ids: jax.Array, num_shards: int, per: int) -> jax.Array:
   return jnp.where(mine, ids % per, -1)
 
 
-def _copy_blocks(kv: KVCache, plans):
-  """Executes every shard's copy-on-write plan (plans batched `[D, ...]`)."""
-  if sharding.cache_mesh(kv) is None:
-    return kv_ops.copy_blocks(kv, jax.tree.map(lambda a: a[0], plans))
-  return sharding.copy_blocks(kv, plans)
-
-
 def _decode_step(graphdef, params_state, rows: RowParams, with_beams: bool, loop: _Loop) -> _Loop:
   """One decode step of every running row, or the shards out of blocks.
 
@@ -98,12 +92,12 @@ def _decode_step(graphdef, params_state, rows: RowParams, with_beams: bool, loop
   )
 
   def advance(_):
-    kv = _copy_blocks(loop.kv, plan)
+    kv = kv_ops.copy_blocks(loop.kv, plan)
     num_tokens = flat(jax.vmap(bm.get_num_tokens)(state, local))
     slot_mapping = jax.vmap(functools.partial(bm.get_slot_mapping, width=1))(
       state, local, shaped(running.astype(jnp.int32))
     )
-    cache = sharding.paged_cache(
+    cache = paged_cache(
       kv=kv,
       block_tables=flat(jax.vmap(bm.get_block_tables)(state, local)),
       slot_mapping=flat(slot_mapping),
@@ -244,7 +238,7 @@ def _prefill(
   slots = jnp.where(
     (positions >= 0) & (blocks >= 0), blocks * block_size + positions % block_size, -1
   )
-  cache = sharding.paged_cache(kv=kv, block_tables=tables, slot_mapping=slots)
+  cache = paged_cache(kv=kv, block_tables=tables, slot_mapping=slots)
   logits, cache = nnx.merge(graphdef, params_state)(
     sharding.split_rows(tokens, kv), sharding.split_rows(positions, kv), cache
   )
@@ -323,14 +317,14 @@ class ModelRunner:
     else:
       self.num_shards = mesh.shape["data"]
       model = sharding.shard_model(model, mesh)
-      self.kv = sharding.create_kv_cache(
-        cfg, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, mesh
+      self.kv = KVCache.create(
+        cfg, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype=dtype, mesh=mesh
       )
       replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     self.graphdef, self.params = nnx.split(model)
     # The states live where the pages do, so that every jitted call sees
     # the same input shardings before and after its first run (one compile).
-    self.state = jax.device_put(sharding.init_states(self.bm, self.num_shards), replicated)
+    self.state = jax.device_put(init_states(cfg, self.num_shards), replicated)
     s = self.num_shards * cfg.max_seqs
     self.beams = jax.device_put(
       beam.Beams.create(s, max_beam_width, cfg.max_tokens_per_seq), replicated

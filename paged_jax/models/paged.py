@@ -6,6 +6,11 @@ into the slots the block manager planned, then attends over the sequence's
 pages through its block table. With a quantized `KVCache` (int8 or fp8
 pages) `write_kv` quantizes the new rows and attention reads the layer's
 scales with its pages.
+
+On a cache split over a mesh (`KVCache.create(..., mesh=mesh)`),
+`ShardedPagedCache` runs the same writes and attention on every device, on
+its data shard's rows and blocks and its model shard's heads;
+`paged_cache` picks the backend for a cache.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from paged_jax import sharding
 from paged_jax.attention import paged_attention, paged_prefill_attention
 from paged_jax.kv_cache import KVCache, write_kv
 
@@ -55,12 +61,7 @@ class PagedCache:
         a sliding-window model: prefill here reads the prompt's keys from the
         pages, and the manager drops the blocks that left the window.
     """
-    if sliding_window is not None:
-      raise ValueError(
-        f"PagedCache does not serve sliding-window models yet (window "
-        f"{sliding_window}): their prefill would read blocks the manager "
-        f"dropped; use DenseCache"
-      )
+    _refuse_sliding_window(sliding_window)
     if self.slot_mapping.shape != k.shape[:2]:
       raise ValueError(
         f"slot_mapping shape {self.slot_mapping.shape} must be [batch, tokens] = {k.shape[:2]}"
@@ -79,3 +80,66 @@ class PagedCache:
         q, k_pages, v_pages, self.block_tables, lengths, query_lens, sm_scale=sm_scale, **scales
       )
     return out, self.replace(kv=kv)
+
+
+def _refuse_sliding_window(sliding_window: int | None) -> None:
+  if sliding_window is not None:
+    raise ValueError(
+      f"PagedCache does not serve sliding-window models yet (window "
+      f"{sliding_window}): their prefill would read blocks the manager "
+      f"dropped; use DenseCache"
+    )
+
+
+@flax.struct.dataclass
+class ShardedPagedCache(PagedCache):
+  """`PagedCache` whose writes and attention run per device: rows and
+  blocks of a data shard, heads of a model shard."""
+
+  def attend(
+    self,
+    layer: int,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    positions: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+  ) -> tuple[jax.Array, ShardedPagedCache]:
+    """See `PagedCache.attend`; rows split over "data" (grouped by shard,
+    tables in the shard's block ids), heads over "model".
+
+    Raises:
+      ValueError: as `PagedCache.attend` does, or if the query heads (of
+        `q`) or the KV heads (of `k`) do not split over the model axis.
+    """
+    _refuse_sliding_window(sliding_window)
+    mesh = self.kv.mesh
+    sharding.check_heads(q.shape[2], k.shape[2], mesh.shape["model"])
+    repeat = self.kv.num_kv_heads // k.shape[2]
+    if repeat > 1:
+      k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
+    heads = sharding.P("data", None, "model", None)
+    rows = sharding.P("data")
+    device = self.kv.device_part()
+    pages = jax.tree.map(lambda _: sharding.PAGES, device)
+
+    def local(kv, tables, slots, q, k, v, positions):
+      cache = PagedCache(kv=kv, block_tables=tables, slot_mapping=slots)
+      out, cache = cache.attend(
+        layer, q, k, v, positions, sm_scale=sm_scale, sliding_window=sliding_window
+      )
+      return out, cache.kv
+
+    out, written = sharding.per_device(
+      local, mesh, (pages, rows, rows, heads, heads, heads, rows), (heads, pages)
+    )(device, self.block_tables, self.slot_mapping, q, k, v, positions)
+    return out, self.replace(kv=self.kv.with_device_part(written))
+
+
+def paged_cache(kv: KVCache, block_tables: jax.Array, slot_mapping: jax.Array) -> PagedCache:
+  """The paged backend of one model call: per device when `kv` is on a mesh
+  (rows grouped by data shard, `rows / data` each)."""
+  cls = PagedCache if kv.mesh is None else ShardedPagedCache
+  return cls(kv=kv, block_tables=block_tables, slot_mapping=slot_mapping)
