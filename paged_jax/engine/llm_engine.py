@@ -7,7 +7,7 @@ import time
 import jax
 import numpy as np
 
-from paged_jax import sharding
+from paged_jax import compilation_cache, sharding
 from paged_jax.config import CacheConfig
 from paged_jax.engine.outputs import CompletionOutput, GenerationStats, RequestOutput
 from paged_jax.engine.params import SamplingParams
@@ -101,6 +101,7 @@ class LLMEngine:
       )
     if mesh is not None:
       mesh = sharding.serving_mesh(mesh)
+    compilation_cache.enable()  # on disk, see paged_jax.compilation_cache
     self.model_config = model.config
     self.tokenizer = tokenizer
     self.cfg = cache_config
