@@ -1,6 +1,7 @@
 """Every bad input: a status and the unchanged state under jit; a named exception on the host."""
 
 import dataclasses
+import functools
 
 import chex
 import jax
@@ -374,18 +375,25 @@ def test_results_show_their_status_by_name(base_state):
 
 
 def test_results_have_static_shapes_and_int32_leaves(base_state):
-  """Plans hold B * (ceil(K / block_size) + 1) copy pairs and B * max_blocks_per_seq swap pairs."""
+  """Plans hold B * (ceil(K / block_size) + 1) copy pairs and B * max_blocks_per_seq swap pairs.
+
+  Shapes and dtypes are static: `jax.eval_shape` traces each op without compiling it.
+  """
   new_tokens = jnp.ones((2, 5), jnp.int32)  # K = 5: ceil(5 / 4) + 1 = 3 pairs per row
-  state, cow = BM.append_slots(base_state, ids(0), new_tokens, jnp.array([5, 0], jnp.int32))
+  state, cow = jax.eval_shape(
+    BM.append_slots, base_state, ids(0), new_tokens, jnp.array([5, 0], jnp.int32)
+  )
   chex.assert_shape([cow.src, cow.dst, cow.count, cow.status], [(6,), (6,), (), ()])
-  _, swap = BM.swap_in(state, ids(1))
+  _, swap = jax.eval_shape(BM.swap_in, state, ids(1))
   chex.assert_shape([swap.src, swap.dst, swap.count, swap.status], [(8,), (8,), (), ()])
-  _, forked = BM.fork(state, jnp.int32(0), jnp.int32(2))
-  _, allocated = BM.allocate(state, ids(3), TOKENS, 5)
+  _, forked = jax.eval_shape(BM.fork, state, jnp.int32(0), jnp.int32(2))
+  _, allocated = jax.eval_shape(BM.allocate, state, ids(3), TOKENS, 5)
   chex.assert_type(jax.tree.leaves([cow, swap, forked, allocated]), jnp.int32)
-  chex.assert_shape(BM.get_block_tables(state, ids(0, 1)), (2, CFG.max_blocks_per_seq))
-  chex.assert_shape(BM.get_slot_mapping(state, ids(0, 1), jnp.array([3, 1]), width=3), (2, 3))
-  chex.assert_type(BM.get_num_tokens(state, ids(0, 1)), jnp.int32)
+  tables = jax.eval_shape(BM.get_block_tables, state, ids(0, 1))
+  chex.assert_shape(tables, (2, CFG.max_blocks_per_seq))
+  slot_mapping = functools.partial(BM.get_slot_mapping, width=3)
+  chex.assert_shape(jax.eval_shape(slot_mapping, state, ids(0, 1), jnp.array([3, 1])), (2, 3))
+  chex.assert_type(jax.eval_shape(BM.get_num_tokens, state, ids(0, 1)), jnp.int32)
 
 
 def test_every_op_is_one_function_under_three_names():

@@ -58,8 +58,8 @@ BAD_PAIRS = [
   ([0, 3], [3, 4], pj.Status.INVALID_ARGUMENT, pj.InvalidArgumentError, "seq 3 is both"),
   ([0, -1], [3, 4], pj.Status.INVALID_ARGUMENT, pj.InvalidArgumentError, "child 4"),
   ([0, 8], [3, 4], pj.Status.INVALID_ARGUMENT, pj.InvalidArgumentError, "seq id 8 is outside"),
-  ([0, 5], [3, 4], pj.Status.NOT_ALLOCATED, pj.NotAllocatedError, "seq 5 is not allocated"),
-  ([0, 1], [3, 2], pj.Status.ALREADY_ALLOCATED, pj.AlreadyAllocatedError, "seq 2 is already"),
+  ([-1, 5], [-1, 4], pj.Status.NOT_ALLOCATED, pj.NotAllocatedError, "seq 5 is not allocated"),
+  ([-1, 1], [-1, 2], pj.Status.ALREADY_ALLOCATED, pj.AlreadyAllocatedError, "seq 2 is already"),
 ]
 BAD_PAIR_IDS = [
   "a child twice",

@@ -146,11 +146,11 @@ def describe_failure(op: str, status: Status, state: BlockManagerState, args, kw
     reason = _invalid_reason(op, ids, cfg, args, kwargs, parents, children)
     return f"{op}: invalid arguments: {reason}"
   if status == Status.NOT_ALLOCATED:
-    candidates = parents if op in ("fork", "fork_each") else real
+    candidates = [seq for seq in parents if seq in real] if parents else real
     seq = next(seq for seq in candidates if device[seq] == EMPTY)
     return f"{op}: seq {seq} is not allocated (its slot is empty)"
   if status == Status.ALREADY_ALLOCATED:
-    candidates = children if op in ("fork", "fork_each") else real
+    candidates = [seq for seq in children if seq in real] if children else real
     seq = next(seq for seq in candidates if device[seq] != EMPTY)
     return f"{op}: seq {seq} is already allocated ({num_tokens[seq]} tokens)"
   if status == Status.WRONG_DEVICE:

@@ -1,5 +1,9 @@
-"""Queries of a state (can_*, tables, slot mappings, counts, the hit rate) and the
-prefix-cache bookkeeping calls that return only a new state (access times, computed marks)."""
+"""Queries of a state, and the prefix-cache bookkeeping calls that return only a state.
+
+Queries: can_*, block tables, slot mappings, token and free-block counts, the
+hit rate, the common computed blocks. Bookkeeping: access times and computed
+marks.
+"""
 
 from __future__ import annotations
 
