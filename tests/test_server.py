@@ -90,6 +90,7 @@ class RunningServer:
       env=env,
     )
     self.headers = {"Authorization": f"Bearer {API_KEY}"} if "--api-key" in args else {}
+    self.prepared = None  # what the test process computed while the server started
 
   def wait_healthy(self) -> None:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -147,9 +148,12 @@ class RunningServer:
 
 
 @contextlib.contextmanager
-def _serve(args: list[str], model: str):
+def _serve(args: list[str], model: str, while_starting=None):
+  """A healthy server; `while_starting()` runs in this process meanwhile."""
   server = RunningServer(args)
   try:
+    if while_starting is not None:
+      server.prepared = while_starting()
     server.wait_healthy()
     yield server
     server.stop_with_stream_in_flight(model)
@@ -157,9 +161,31 @@ def _serve(args: list[str], model: str):
     server.kill()
 
 
+def _offline_greedy():
+  """Offline `pj.LLM` greedy texts of 64 prompts, compiled as the server compiles."""
+  prompts = [f"{HEADWORDS[i % len(HEADWORDS)]}, n. {'ab'[i % 2] * (i // 16)}" for i in range(64)]
+  previous = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", True)
+  try:
+    cfg = pj.CacheConfig(
+      block_size=16,
+      num_gpu_blocks=96,
+      num_cpu_blocks=0,
+      max_seqs=16,
+      max_blocks_per_seq=8,
+      enable_prefix_caching=True,
+    )
+    llm = pj.LLM(load_tiny(), ByteTokenizer(), cfg, max_num_batched_tokens=256)
+    outs = llm.generate(prompts, pj.SamplingParams(max_tokens=16))
+  finally:
+    jax.config.update("jax_disable_most_optimizations", previous)
+  return prompts, [o.outputs[0].text for o in outs]
+
+
 @pytest.fixture(scope="module")
 def tiny():
-  with _serve(TINY_ARGS, "tiny") as server:
+  """The tiny server; `tiny.prepared` holds `_offline_greedy()`, computed while it starts."""
+  with _serve(TINY_ARGS, "tiny", while_starting=_offline_greedy) as server:
     yield server
 
 
@@ -271,30 +297,8 @@ def test_echo_prompt_logprobs_equal_the_models_log_softmax(tiny_client, tiny_mod
       assert math.isclose(top[token], expected[position, token_id], abs_tol=1e-4)
 
 
-@pytest.fixture(scope="module")
-def offline_greedy(tiny_model):
-  """Offline `pj.LLM` greedy texts of 64 prompts, compiled as the server compiles."""
-  prompts = [f"{HEADWORDS[i % len(HEADWORDS)]}, n. {'ab'[i % 2] * (i // 16)}" for i in range(64)]
-  previous = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
-  try:
-    cfg = pj.CacheConfig(
-      block_size=16,
-      num_gpu_blocks=96,
-      num_cpu_blocks=0,
-      max_seqs=16,
-      max_blocks_per_seq=8,
-      enable_prefix_caching=True,
-    )
-    llm = pj.LLM(tiny_model, ByteTokenizer(), cfg, max_num_batched_tokens=256)
-    outs = llm.generate(prompts, pj.SamplingParams(max_tokens=16))
-  finally:
-    jax.config.update("jax_disable_most_optimizations", previous)
-  return prompts, [o.outputs[0].text for o in outs]
-
-
-def test_64_concurrent_streams_match_offline_greedy(tiny, offline_greedy):
-  prompts, expected = offline_greedy
+def test_64_concurrent_streams_match_offline_greedy(tiny):
+  prompts, expected = tiny.prepared
   client = openai.AsyncOpenAI(base_url=f"{tiny.base_url}/v1", api_key=API_KEY, max_retries=0)
 
   async def one(prompt: str) -> str:
