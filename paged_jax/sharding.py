@@ -345,9 +345,11 @@ class ShardedPagedCache(PagedCache):
   """``PagedCache`` whose writes and attention run per device: rows and
   blocks of a data shard, heads of a model shard."""
 
-  def attend(self, layer, q, k, v, positions, *, sm_scale):
-    """See ``PagedCache.attend``; rows split over ``"data"`` (grouped by
-    shard, tables in the shard's block ids), heads over ``"model"``."""
+  def attend(self, layer, q, k, v, positions, *, sm_scale, **options):
+    """See ``PagedCache.attend`` (``options``: its ``sliding_window`` and
+    ``soft_cap``); rows split over ``"data"`` (grouped by shard, tables in
+    the shard's block ids), heads over ``"model"``."""
+    self._check_window(layer, options.get("sliding_window"), tokens=k.shape[1])
     mesh = cache_mesh(self.kv)
     repeat = self.kv.num_kv_heads // k.shape[2]
     if repeat > 1:
@@ -359,7 +361,7 @@ class ShardedPagedCache(PagedCache):
 
     def local(kv, tables, slots, q, k, v, positions):
       cache = PagedCache(kv=kv, block_tables=tables, slot_mapping=slots)
-      out, cache = cache.attend(layer, q, k, v, positions, sm_scale=sm_scale)
+      out, cache = cache.attend(layer, q, k, v, positions, sm_scale=sm_scale, **options)
       return out, cache.kv
 
     out, written = _per_shard(
@@ -368,11 +370,17 @@ class ShardedPagedCache(PagedCache):
     return out, self.replace(kv=_with_device_part(self.kv, written))
 
 
-def paged_cache(kv: KVCache, block_tables, slot_mapping) -> PagedCache:
+def paged_cache(kv: KVCache, block_tables, slot_mapping, cache_sliding_window=None) -> PagedCache:
   """The paged backend of one model call: per device when ``kv`` is sharded
-  (rows grouped by data shard, ``rows / data`` each)."""
+  (rows grouped by data shard, ``rows / data`` each); ``cache_sliding_window``
+  is the ``CacheConfig``'s window (see ``PagedCache``)."""
   cls = PagedCache if cache_mesh(kv) is None else ShardedPagedCache
-  return cls(kv=kv, block_tables=block_tables, slot_mapping=slot_mapping)
+  return cls(
+    kv=kv,
+    block_tables=block_tables,
+    slot_mapping=slot_mapping,
+    cache_sliding_window=cache_sliding_window,
+  )
 
 
 def init_states(bm, num_shards: int):

@@ -1,4 +1,4 @@
-"""The paged KV-cache backend of the Llama attention layer.
+"""The paged KV-cache backend of the decoder's attention layers.
 
 `PagedCache` adapts `paged_jax.write_kv` and the paged attention kernels to
 the `KVCacheBackend` interface: each layer scatters its new keys and values
@@ -6,6 +6,15 @@ into the slots the block manager planned, then attends over the sequence's
 pages through its block table. With a quantized `KVCache` (int8 or fp8
 pages) `write_kv` quantizes the new rows and attention reads the layer's
 scales with its pages.
+
+Sliding windows, first step: on a `CacheConfig` without a window every
+block is kept and a layer with a window masks its attention to it (the
+kernels' `sliding_window`), so windowed and hybrid models (Mistral, Qwen2's
+`max_window_layers`, Gemma 2 and 3) run with prefix caching and every other
+feature. A `CacheConfig` with a window frees the blocks that leave it; that
+cache serves only what never reads a freed block (see `PagedCache.attend`).
+The planned design, one block table per attention type, is in
+docs/semantics.md ("Sliding windows and hybrid models").
 """
 
 from __future__ import annotations
@@ -27,11 +36,14 @@ class PagedCache:
     block_tables: int32 `[batch, max_blocks_per_seq]`, -1 where no block.
     slot_mapping: int32 `[batch, tokens]`, the cache slot of each new token,
       -1 for padding.
+    cache_sliding_window: the `CacheConfig`'s `sliding_window` (static): the
+      manager frees the blocks that leave it. None: every block is kept.
   """
 
   kv: KVCache
   block_tables: jax.Array
   slot_mapping: jax.Array
+  cache_sliding_window: int | None = flax.struct.field(pytree_node=False, default=None)
 
   def attend(
     self,
@@ -43,24 +55,27 @@ class PagedCache:
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
   ) -> tuple[jax.Array, PagedCache]:
     """See `KVCacheBackend.attend`.
 
     A row's new tokens come first, padding (position -1) after them. One
     token per row runs the decode kernel, more run prefill attention over the
-    cached pages and the new tokens.
+    cached pages and the new tokens. `sliding_window` masks this layer's
+    attention to its last keys and `soft_cap` caps its logits.
+
+    On a cache whose `CacheConfig` frees blocks outside a window of `W`
+    (`cache_sliding_window`), only decode (one token per row) of a layer
+    whose window is at most `W` is served: every other call would read
+    blocks the manager may have freed.
 
     Raises:
-      ValueError: if `slot_mapping` does not match the tokens of `k`, or for
-        a sliding-window model: prefill here reads the prompt's keys from the
-        pages, and the manager drops the blocks that left the window.
+      ValueError: if `slot_mapping` does not match the tokens of `k`; on a
+        cache that frees blocks outside its window, for a call of more than
+        one token per row (prefill reads the prompt's keys from the pages)
+        or a layer whose window is None or wider than the cache's.
     """
-    if sliding_window is not None:
-      raise ValueError(
-        f"PagedCache does not serve sliding-window models yet (window "
-        f"{sliding_window}): their prefill would read blocks the manager "
-        f"dropped; use DenseCache"
-      )
+    self._check_window(layer, sliding_window, tokens=k.shape[1])
     if self.slot_mapping.shape != k.shape[:2]:
       raise ValueError(
         f"slot_mapping shape {self.slot_mapping.shape} must be [batch, tokens] = {k.shape[:2]}"
@@ -68,14 +83,35 @@ class PagedCache:
     kv = write_kv(self.kv, layer, k, v, self.slot_mapping)
     lengths = (jnp.max(positions, axis=1) + 1).astype(jnp.int32)
     k_pages, v_pages = kv.k[layer], kv.v[layer]
-    scales = kv.scales(layer)
+    options = dict(
+      sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, **kv.scales(layer)
+    )
     if positions.shape[1] == 1:
-      out = paged_attention(
-        q[:, 0], k_pages, v_pages, self.block_tables, lengths, sm_scale=sm_scale, **scales
-      )[:, None]
+      out = paged_attention(q[:, 0], k_pages, v_pages, self.block_tables, lengths, **options)[
+        :, None
+      ]
     else:
       query_lens = jnp.sum(positions >= 0, axis=1).astype(jnp.int32)
       out = paged_prefill_attention(
-        q, k_pages, v_pages, self.block_tables, lengths, query_lens, sm_scale=sm_scale, **scales
+        q, k_pages, v_pages, self.block_tables, lengths, query_lens, **options
       )
     return out, self.replace(kv=kv)
+
+  def _check_window(self, layer: int, sliding_window: int | None, *, tokens: int) -> None:
+    freed_outside = self.cache_sliding_window
+    if freed_outside is None:
+      return
+    if sliding_window is None or sliding_window > freed_outside:
+      seen = "the whole context" if sliding_window is None else f"a window of {sliding_window}"
+      raise ValueError(
+        f"layer {layer} attends to {seen}, but this cache frees the blocks outside a window "
+        f"of {freed_outside} tokens; use a CacheConfig without sliding_window (every block "
+        f"kept, each layer masks its own window)"
+      )
+    if tokens > 1:
+      raise ValueError(
+        f"a cache that frees blocks outside a window of {freed_outside} tokens serves decode "
+        f"only: prefill of {tokens} tokens per row reads the prompt's keys from pages the "
+        f"manager may have freed; use a CacheConfig without sliding_window (every block "
+        f"kept, each layer masks its own window)"
+      )
