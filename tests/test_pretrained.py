@@ -246,6 +246,10 @@ def write_hf(directory, hf, weights, tokenizer, shards=1):
 
 @pytest.fixture(scope="module")
 def bpe():
+  return train_bpe()
+
+
+def train_bpe():
   """A small byte-level BPE trained on `CORPUS`, SmolLM-style pre-tokenizer."""
   tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
   tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Sequence(
