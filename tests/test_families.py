@@ -237,6 +237,21 @@ def test_family_logits_match_the_reference(
   np.testing.assert_allclose(np.asarray(logits[0]), expected, atol=ATOL, rtol=ATOL)
 
 
+def test_a_chat_templates_end_of_turn_token_is_the_eos(tmp_path, bpe, family_weights):
+  """As Gemma's folders: `eos_token` is `<eos>`, turns end with
+  `<end_of_turn>`, and replies stop at the latter."""
+  folder = write_hf(tmp_path / "gemma2", FAMILIES["gemma2"], family_weights["gemma2"], bpe)
+  settings = json.loads((folder / "tokenizer_config.json").read_text())
+  settings["eos_token"] = "<|endoftext|>"
+  (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+  _, tokenizer = models.load_pretrained(folder, dtype="float32")
+  assert tokenizer.eos_token_id == bpe.token_to_id("<|im_end|>")
+  del settings["chat_template"]
+  (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+  _, tokenizer = models.load_pretrained(folder, dtype="float32")
+  assert tokenizer.eos_token_id == bpe.token_to_id("<|endoftext|>")
+
+
 def test_the_reference_sees_every_field_it_is_given(family_weights):
   """Each family's distinctive fields move the reference's logits, so the
   logit checks above would catch a loader that ignored them."""
