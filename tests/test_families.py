@@ -11,7 +11,10 @@ transformers 4 config the way each family's published architecture does.
 """
 
 import dataclasses
+import importlib.util
 import json
+import pathlib
+import sys
 
 import gguf
 import jax
@@ -26,6 +29,7 @@ from paged_jax.generate import SamplingParams, generate_dense
 from paged_jax.models import checkpoints
 from paged_jax.models.layers import LinearRopeScaling, Llama3RopeScaling
 from paged_jax.models.paged import PagedCache
+from tests.reference.block_manager import ReferenceBlockSpaceManager
 from tests.reference.decoder import GEMMA, inverse_frequencies, reference_logits
 from tests.test_pretrained import SPECIAL_TOKENS, _merges, train_bpe, write_hf
 
@@ -785,3 +789,26 @@ def test_config_fields_round_trip_through_a_dict():
     dataclasses.replace(config, attn_logit_softcap=0.0)
   with pytest.raises(ValueError, match="linear rope scaling needs factor >= 1"):
     dataclasses.replace(config, rope_scaling=LinearRopeScaling(0.5))
+
+
+def test_hybrid_memory_counts_the_blocks_the_manager_keeps(monkeypatch):
+  path = pathlib.Path(__file__).parent.parent / "benchmarks" / "hybrid_memory.py"
+  spec = importlib.util.spec_from_file_location("hybrid_memory", path)
+  hybrid_memory = importlib.util.module_from_spec(spec)
+  monkeypatch.setitem(sys.modules, "hybrid_memory", hybrid_memory)  # for its dataclass
+  spec.loader.exec_module(hybrid_memory)
+  for window in (3, 8, 16):
+    cfg = pj.CacheConfig(
+      block_size=4,
+      num_gpu_blocks=64,
+      num_cpu_blocks=0,
+      max_seqs=1,
+      max_blocks_per_seq=16,
+      sliding_window=window,
+    )
+    for num_tokens in (1, 5, 16, 17, 40):
+      manager = ReferenceBlockSpaceManager(cfg)
+      manager.allocate([0], list(range(num_tokens)), num_tokens)
+      kept = sum(block >= 0 for block in manager.get_block_table(0))
+      assert hybrid_memory.blocks_held(num_tokens, 4, window) == kept, (window, num_tokens)
+  assert hybrid_memory.blocks_held(40, 4, None) == 10
