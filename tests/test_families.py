@@ -812,3 +812,85 @@ def test_hybrid_memory_counts_the_blocks_the_manager_keeps(monkeypatch):
       kept = sum(block >= 0 for block in manager.get_block_table(0))
       assert hybrid_memory.blocks_held(num_tokens, 4, window) == kept, (window, num_tokens)
   assert hybrid_memory.blocks_held(40, 4, None) == 10
+
+
+def _gguf_fields(arch, **changes):
+  fields = {
+    "general.architecture": arch,
+    f"{arch}.embedding_length": 64,
+    f"{arch}.attention.head_count": 4,
+    f"{arch}.attention.head_count_kv": 2,
+    f"{arch}.attention.key_length": 8,
+    f"{arch}.block_count": 4,
+    f"{arch}.feed_forward_length": 96,
+    f"{arch}.rope.freq_base": 1e6,
+    f"{arch}.vocab_size": 300,
+    f"{arch}.attention.sliding_window": 16,
+  }
+  fields.update({f"{arch}.{key}": value for key, value in changes.items()})
+  return fields
+
+
+@pytest.mark.parametrize(
+  "fields, expected",
+  [
+    (
+      _gguf_fields("gemma2"),
+      dict(query_pre_attn_scalar=8.0, layer_types=("sliding_attention", "full_attention") * 2),
+    ),
+    # Gemma 2 27B: 46 layers, queries scaled by (hidden / heads) ** -0.5.
+    (_gguf_fields("gemma2", block_count=46), dict(query_pre_attn_scalar=16.0)),
+    (_gguf_fields("gemma3", block_count=62), dict(query_pre_attn_scalar=16.0)),
+    (
+      _gguf_fields("gemma3", **{"attention.sliding_window_pattern": [True, False, True, True]}),
+      dict(
+        layer_types=(
+          "sliding_attention",
+          "full_attention",
+          "sliding_attention",
+          "sliding_attention",
+        ),
+        local_rope_theta=10000.0,
+        sliding_window=16,
+      ),
+    ),
+    (
+      _gguf_fields("gemma3", **{"rope.freq_base_swa": 5e4, "attention.scale": 0.25}),
+      dict(local_rope_theta=5e4, query_pre_attn_scalar=16.0, layer_types=None),
+    ),
+    (
+      _gguf_fields("qwen2", **{"rope.scaling.type": "linear", "rope.scaling.factor": 4.0}),
+      dict(rope_scaling=LinearRopeScaling(4.0), attention_bias=True, sliding_window=None),
+    ),
+  ],
+)
+def test_gguf_metadata_is_read_as_llama_cpp_reads_it(fields, expected):
+  config = checkpoints.config_from_gguf(fields, dtype="float32")
+  assert {name: getattr(config, name) for name in expected} == expected
+
+
+@pytest.mark.parametrize(
+  "fields, message",
+  [
+    (
+      _gguf_fields("gemma2", **{"attention.sliding_window": None}),
+      "no gemma2.attention.sliding_window",
+    ),
+    (
+      _gguf_fields("gemma3", **{"attention.sliding_window_pattern": [True, False]}),
+      "sliding_window_pattern has 2 entries for 4 layers",
+    ),
+    (
+      _gguf_fields("llama", **{"rope.scaling.type": "yarn"}),
+      "RoPE scaling 'yarn' is not supported",
+    ),
+    (
+      _gguf_fields("qwen3", **{"attention.value_length": 16}),
+      "value heads of 16 != key heads of 8",
+    ),
+    (_gguf_fields("mistral3"), "GGUF architecture 'mistral3' is not supported"),
+  ],
+)
+def test_gguf_metadata_the_model_does_not_implement_is_refused(fields, message):
+  with pytest.raises(ValueError, match=message):
+    checkpoints.config_from_gguf(fields)
