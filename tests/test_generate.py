@@ -276,7 +276,7 @@ def test_paged_cache_rejects_a_slot_mapping_of_the_wrong_shape():
     cache.attend(0, q, k, k, jnp.zeros((2, 5), jnp.int32), sm_scale=1.0)
 
 
-def test_the_paged_cache_refuses_a_sliding_window_model():
+def test_a_cache_that_frees_blocks_outside_the_window_refuses_prefill():
   windowed = models.Llama(dataclasses.replace(CONFIG, sliding_window=5), rngs=nnx.Rngs(0))
   cfg = pj.CacheConfig(
     block_size=4,
@@ -290,7 +290,10 @@ def test_the_paged_cache_refuses_a_sliding_window_model():
     cfg, CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, dtype=jnp.float32
   )
   cache = PagedCache(
-    kv=kv, block_tables=jnp.zeros((1, 4), jnp.int32), slot_mapping=jnp.zeros((1, 1), jnp.int32)
+    kv=kv,
+    block_tables=jnp.zeros((1, 4), jnp.int32),
+    slot_mapping=jnp.zeros((1, 2), jnp.int32),
+    cache_sliding_window=cfg.sliding_window,
   )
-  with pytest.raises(ValueError, match="does not serve sliding-window models"):
-    windowed(jnp.ones((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32), cache)
+  with pytest.raises(ValueError, match="serves decode only: prefill of 2 tokens per row"):
+    windowed(jnp.ones((1, 2), jnp.int32), jnp.zeros((1, 2), jnp.int32), cache)

@@ -101,6 +101,7 @@ def _decode_step(graphdef, params_state, rows: RowParams, with_beams: bool, loop
       kv=kv,
       block_tables=flat(jax.vmap(bm.get_block_tables)(state, local)),
       slot_mapping=flat(slot_mapping),
+      cache_sliding_window=cfg.sliding_window,
     )
     positions = jnp.where(running, num_tokens - 1, -1)[:, None]
     model = nnx.merge(graphdef, params_state)
@@ -238,7 +239,9 @@ def _prefill(
   slots = jnp.where(
     (positions >= 0) & (blocks >= 0), blocks * block_size + positions % block_size, -1
   )
-  cache = paged_cache(kv=kv, block_tables=tables, slot_mapping=slots)
+  cache = paged_cache(
+    kv=kv, block_tables=tables, slot_mapping=slots, cache_sliding_window=states.cfg.sliding_window
+  )
   logits, cache = nnx.merge(graphdef, params_state)(
     sharding.split_rows(tokens, kv), sharding.split_rows(positions, kv), cache
   )

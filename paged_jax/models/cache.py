@@ -37,8 +37,10 @@ class KVCacheBackend(Protocol):
   ) -> tuple[jax.Array, KVCacheBackend]:
     """Stores `layer`'s new keys and values, then attends over the context.
 
-    A backend also takes `sliding_window`, the keys each query sees, when the
-    model's config has one; `DenseCache` serves it, `PagedCache` refuses it.
+    A backend also takes `sliding_window` (the keys each query of this layer
+    sees) and `soft_cap` (Gemma 2's attention logit cap) when the layer has
+    them; the model passes neither otherwise. `DenseCache` serves both, and
+    `PagedCache` serves them as its docstring says.
 
     Args:
       layer: static index of the decoder layer.
@@ -127,8 +129,10 @@ class DenseCache:
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
   ) -> tuple[jax.Array, DenseCache]:
-    """See `KVCacheBackend.attend`; `sliding_window` as in `masked_attention`.
+    """See `KVCacheBackend.attend`; `sliding_window` and `soft_cap` as in
+    `masked_attention`.
 
     Tokens at positions outside `0 .. max_len - 1` are not stored. A query at
     position `p` reads cache positions `0 .. p`, which the caller must have
@@ -162,6 +166,7 @@ class DenseCache:
       cache_positions,
       sm_scale=sm_scale,
       sliding_window=sliding_window,
+      soft_cap=soft_cap,
     )
     new_cache = self.replace(
       k=_replace_at(self.k, layer, cache_k), v=_replace_at(self.v, layer, cache_v)

@@ -1,4 +1,4 @@
-"""Pure building blocks of the Llama decoder: RMSNorm, RoPE, masked attention.
+"""Pure building blocks of the decoder: RMSNorm, RoPE, activations, masked attention.
 
 Every function here works on plain arrays, so the NNX modules in `llama.py` and
 the KV-cache backends in `cache.py` share one reference implementation.
@@ -49,31 +49,78 @@ class Llama3RopeScaling:
       )
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+@dataclasses.dataclass(frozen=True)
+class LinearRopeScaling:
+  """Position interpolation (`rope_type: "linear"`): every inverse frequency
+  divided by `factor` (Gemma 3's global layers).
+
+  Attributes:
+    factor: slow-down of every rotation.
+  """
+
+  factor: float
+
+  def __post_init__(self):
+    if not self.factor >= 1.0:
+      raise ValueError(f"linear rope scaling needs factor >= 1, got {self}")
+
+
+RopeScaling = Llama3RopeScaling | LinearRopeScaling
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
   """Root-mean-square normalisation over the last axis, computed in float32.
 
   Args:
     x: activations `[..., hidden]`.
     scale: learned per-feature gain `[hidden]`.
     eps: added to the mean square before the reciprocal square root.
+    offset: added to `scale` (1.0 for Gemma, whose checkpoints store
+      `gain - 1`).
 
   Returns:
     The normalised activations, in the dtype of `x`.
   """
   x32 = x.astype(jnp.float32)
   inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  return (x32 * inv_rms * scale.astype(jnp.float32)).astype(x.dtype)
+  return (x32 * inv_rms * (offset + scale.astype(jnp.float32))).astype(x.dtype)
+
+
+def activation(name: str, x: jax.Array) -> jax.Array:
+  """The gate activation of a gated MLP.
+
+  Args:
+    name: "silu" (SwiGLU: Llama, Mistral, Qwen) or "gelu_tanh" (GeGLU with
+      the tanh approximation of GELU: Gemma's `gelu_pytorch_tanh`).
+    x: gate pre-activations.
+
+  Returns:
+    The activations, in the dtype of `x`.
+  """
+  if name == "silu":
+    return jax.nn.silu(x)
+  if name == "gelu_tanh":
+    return jax.nn.gelu(x, approximate=True)
+  raise ValueError(f"activation must be one of {ACTIVATIONS}, got {name!r}")
+
+
+def apply_soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+  """`cap * tanh(x / cap)` (Gemma 2's logit soft-capping), or `x` for None."""
+  if cap is None:
+    return x
+  return cap * jnp.tanh(x / cap)
 
 
 def rope_inverse_frequencies(
-  head_dim: int, theta: float, scaling: Llama3RopeScaling | None = None
+  head_dim: int, theta: float, scaling: RopeScaling | None = None
 ) -> jax.Array:
   """Rotation speed of each of the `head_dim // 2` RoPE feature pairs.
 
   Args:
     head_dim: size of one attention head (even).
     theta: RoPE base; larger values rotate slower.
-    scaling: Llama 3 frequency scaling, or None.
+    scaling: Llama 3 or linear frequency scaling, or None.
 
   Returns:
     float32 `[head_dim // 2]`, from 1 down to about `1 / theta`.
@@ -82,6 +129,8 @@ def rope_inverse_frequencies(
   inv_freq = 1.0 / (theta**exponents)
   if scaling is None:
     return inv_freq
+  if isinstance(scaling, LinearRopeScaling):
+    return inv_freq / scaling.factor
   context = scaling.original_max_position_embeddings
   wavelength = 2.0 * math.pi / inv_freq
   smooth = (context / wavelength - scaling.low_freq_factor) / (
@@ -92,7 +141,7 @@ def rope_inverse_frequencies(
 
 
 def apply_rope(
-  x: jax.Array, positions: jax.Array, theta: float, scaling: Llama3RopeScaling | None = None
+  x: jax.Array, positions: jax.Array, theta: float, scaling: RopeScaling | None = None
 ) -> jax.Array:
   """Rotates query or key heads by their absolute positions (rotate-half).
 
@@ -104,7 +153,7 @@ def apply_rope(
     positions: int32 `[batch, tokens]`; negative entries (padding) are
       treated as position 0.
     theta: RoPE base.
-    scaling: Llama 3 frequency scaling, or None.
+    scaling: Llama 3 or linear frequency scaling, or None.
 
   Returns:
     The rotated array, same shape and dtype as `x`.
@@ -130,12 +179,14 @@ def masked_attention(
   *,
   sm_scale: float,
   sliding_window: int | None = None,
+  soft_cap: float | None = None,
 ) -> jax.Array:
   """Grouped-query attention where a query sees keys at positions <= its own.
 
   Query head `h` reads key/value head `h // (num_q_heads // num_kv_heads)`.
   With a sliding window `w`, a query at position `p` sees only the keys at
-  `p - w + 1 .. p`.
+  `p - w + 1 .. p`. With a soft cap `c`, the scaled logits become
+  `c * tanh(logits / c)` before the mask and the softmax.
 
   Args:
     q: `[batch, q_tokens, num_q_heads, head_dim]`.
@@ -145,6 +196,7 @@ def masked_attention(
     k_positions: int32 `[batch, k_tokens]`, -1 for keys never to be read.
     sm_scale: multiplier of the query-key dot products.
     sliding_window: keys each query sees (itself included), or None for all.
+    soft_cap: logit soft cap, or None.
 
   Returns:
     `[batch, q_tokens, num_q_heads, head_dim]` in the dtype of `q`; rows of
@@ -154,8 +206,9 @@ def masked_attention(
   batch, q_tokens, num_q_heads, head_dim = q.shape
   num_kv_heads = k.shape[2]
   grouped_q = q.reshape(batch, q_tokens, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-  logits = (
-    jnp.einsum("bqhgd,bkhd->bhgqk", grouped_q, k, preferred_element_type=jnp.float32) * sm_scale
+  logits = apply_soft_cap(
+    jnp.einsum("bqhgd,bkhd->bhgqk", grouped_q, k, preferred_element_type=jnp.float32) * sm_scale,
+    soft_cap,
   )
   visible = (k_positions[:, None, :] <= q_positions[:, :, None]) & (k_positions[:, None, :] >= 0)
   if sliding_window is not None:

@@ -1,9 +1,12 @@
 """A Llama-style decoder in Flax NNX with pluggable KV-cache backends.
 
 RMSNorm pre-normalisation, RoPE on absolute positions, grouped-query
-attention and a SwiGLU MLP, with the variations of the Llama 2/3, Mistral,
-Qwen2 and Qwen3 families as config fields (Llama 3 RoPE scaling, a sliding
-window, q/k/v biases, per-head q/k RMSNorm). One forward, three uses:
+attention and a gated MLP, with the variations of the Llama 2/3, Mistral,
+Qwen2, Qwen3, Gemma 2 and Gemma 3 families as config fields: Llama 3 and
+linear RoPE scaling, sliding windows on all or some layers with their own
+RoPE base, q/k/v biases, per-head q/k RMSNorm, Gemma's `1 + weight` norms,
+norms after attention and MLP, GeGLU, the query scale, logit soft-caps and
+scaled embeddings. One forward, three uses:
 
 * training: `model(tokens)`, full causal self-attention, no cache;
 * dense cache: `model(tokens, positions, cache=DenseCache)` for prefill
@@ -25,9 +28,11 @@ from flax import nnx
 
 from paged_jax.models import layers
 from paged_jax.models.cache import DenseCache, KVCacheBackend
-from paged_jax.models.layers import Llama3RopeScaling
+from paged_jax.models.layers import ACTIVATIONS, LinearRopeScaling, Llama3RopeScaling, RopeScaling
 
 _DTYPES = ("float32", "bfloat16", "float16")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+_ROPE_SCALINGS = {"llama3": Llama3RopeScaling, "linear": LinearRopeScaling}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +46,7 @@ class LlamaConfig:
     num_kv_heads: key/value heads per layer; divides `num_q_heads` (GQA).
     head_dim: features per head (even, for RoPE).
     hidden: width of the residual stream.
-    mlp_hidden: inner width of the SwiGLU MLP.
+    mlp_hidden: inner width of the gated MLP.
     rope_theta: RoPE base.
     max_seq_len: longest sequence the model is meant for (dense caches default
       to it).
@@ -53,10 +58,35 @@ class LlamaConfig:
     attention_bias: whether the q/k/v projections have biases (Qwen2).
     qk_norm: whether queries and keys get a per-head RMSNorm before RoPE
       (Qwen3).
-    rope_scaling: Llama 3 RoPE frequency scaling, or None.
-    sliding_window: keys each query attends to (itself included), or None for
-      the whole context (Mistral). A paged `CacheConfig` takes the same
-      value, so blocks that slide out of the window are freed.
+    rope_scaling: RoPE frequency scaling (`Llama3RopeScaling` or
+      `LinearRopeScaling`) of the full-attention layers, or None.
+    sliding_window: keys each query of a sliding layer attends to (itself
+      included), or None for the whole context on every layer. The paged
+      cache serves it on a `CacheConfig` without a window (every block kept,
+      attention masked); a `CacheConfig` with the same window frees the
+      blocks that left it, see `PagedCache.attend`.
+    layer_types: "full_attention" or "sliding_attention" for each layer
+      (Gemma 2 and 3, Qwen2's `max_window_layers`), or None: every layer
+      slides when `sliding_window` is set.
+    local_rope_theta: RoPE base of the sliding layers, which then rotate
+      without `rope_scaling` (Gemma 3's `rope_local_base_freq`); None: they
+      rotate as the full layers do.
+    norm_weight_offset: added to every RMSNorm gain (1.0 for Gemma, whose
+      checkpoints store `gain - 1`).
+    sandwich_norms: whether attention and MLP outputs are RMS-normalised
+      before the residual add (Gemma 2 and 3: `post_attention_layernorm`,
+      `post_feedforward_layernorm`).
+    activation: gate activation of the MLP, "silu" (SwiGLU) or "gelu_tanh"
+      (GeGLU with tanh-approximated GELU, Gemma).
+    query_pre_attn_scalar: logits are scaled by its inverse square root
+      (Gemma); None: by `head_dim ** -0.5`.
+    attn_logit_softcap: attention logits become `c * tanh(logits / c)`
+      (Gemma 2), or None.
+    final_logit_softcap: the same for the output logits, or None.
+    scale_embeddings: whether token embeddings are multiplied by
+      `sqrt(hidden)`, rounded to the compute dtype (Gemma).
+    output_bias: whether the attention output projection has a bias (Llama's
+      `attention_bias`; Qwen2 has q/k/v biases only).
   """
 
   vocab_size: int
@@ -74,8 +104,18 @@ class LlamaConfig:
   param_dtype: str = "float32"
   attention_bias: bool = False
   qk_norm: bool = False
-  rope_scaling: Llama3RopeScaling | None = None
+  rope_scaling: RopeScaling | None = None
   sliding_window: int | None = None
+  layer_types: tuple[str, ...] | None = None
+  local_rope_theta: float | None = None
+  norm_weight_offset: float = 0.0
+  sandwich_norms: bool = False
+  activation: str = "silu"
+  query_pre_attn_scalar: float | None = None
+  attn_logit_softcap: float | None = None
+  final_logit_softcap: float | None = None
+  scale_embeddings: bool = False
+  output_bias: bool = False
 
   def __post_init__(self):
     for name in (
@@ -101,7 +141,14 @@ class LlamaConfig:
       raise ValueError(f"rope_theta must be > 1, got {self.rope_theta}")
     if not self.norm_eps > 0.0:
       raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")
-    for name in ("tie_embeddings", "attention_bias", "qk_norm"):
+    for name in (
+      "tie_embeddings",
+      "attention_bias",
+      "qk_norm",
+      "sandwich_norms",
+      "scale_embeddings",
+      "output_bias",
+    ):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
     window = self.sliding_window
@@ -109,11 +156,32 @@ class LlamaConfig:
       isinstance(window, bool) or not isinstance(window, int) or window < 1
     ):
       raise ValueError(f"sliding_window must be a positive int or None, got {window!r}")
+    self._check_layer_types()
+    for name in (
+      "local_rope_theta",
+      "query_pre_attn_scalar",
+      "attn_logit_softcap",
+      "final_logit_softcap",
+    ):
+      value = getattr(self, name)
+      if value is not None and not (isinstance(value, (int, float)) and value > 0):
+        raise ValueError(f"{name} must be a positive number or None, got {value!r}")
+    if self.local_rope_theta is not None and not self.local_rope_theta > 1.0:
+      raise ValueError(f"local_rope_theta must be > 1, got {self.local_rope_theta}")
+    if self.norm_weight_offset not in (0.0, 1.0):
+      raise ValueError(f"norm_weight_offset must be 0.0 or 1.0, got {self.norm_weight_offset!r}")
+    if self.activation not in ACTIVATIONS:
+      raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
     if isinstance(self.rope_scaling, dict):
-      object.__setattr__(self, "rope_scaling", Llama3RopeScaling(**self.rope_scaling))
-    if not isinstance(self.rope_scaling, (Llama3RopeScaling, type(None))):
+      fields = dict(self.rope_scaling)
+      kind = fields.pop("rope_type", "llama3")
+      if kind not in _ROPE_SCALINGS:
+        raise ValueError(f"rope_scaling rope_type must be one of {tuple(_ROPE_SCALINGS)}")
+      object.__setattr__(self, "rope_scaling", _ROPE_SCALINGS[kind](**fields))
+    if not isinstance(self.rope_scaling, (Llama3RopeScaling, LinearRopeScaling, type(None))):
       raise ValueError(
-        f"rope_scaling must be a Llama3RopeScaling or None, got {self.rope_scaling!r}"
+        "rope_scaling must be a Llama3RopeScaling, a LinearRopeScaling or None, "
+        f"got {self.rope_scaling!r}"
       )
     for name in ("dtype", "param_dtype"):
       value = getattr(self, name)
@@ -121,6 +189,20 @@ class LlamaConfig:
       if dtype_name not in _DTYPES:
         raise ValueError(f"{name} must be one of {_DTYPES}, got {value!r}")
       object.__setattr__(self, name, dtype_name)
+
+  def _check_layer_types(self):
+    if self.layer_types is None:
+      return
+    if not isinstance(self.layer_types, (tuple, list)) or len(self.layer_types) != self.num_layers:
+      raise ValueError(
+        f"layer_types must hold one entry per layer ({self.num_layers}), got {self.layer_types!r}"
+      )
+    unknown = sorted({kind for kind in self.layer_types if kind not in LAYER_TYPES})
+    if unknown:
+      raise ValueError(f"layer_types {unknown} are not supported (supported: {LAYER_TYPES})")
+    if "sliding_attention" in self.layer_types and self.sliding_window is None:
+      raise ValueError("layer_types has sliding_attention layers but sliding_window is None")
+    object.__setattr__(self, "layer_types", tuple(self.layer_types))
 
   @property
   def compute_dtype(self) -> jnp.dtype:
@@ -132,11 +214,32 @@ class LlamaConfig:
 
   @property
   def sm_scale(self) -> float:
-    return self.head_dim**-0.5
+    scalar = self.head_dim if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar
+    return float(scalar) ** -0.5
+
+  def layer_window(self, layer: int) -> int | None:
+    """The sliding window of decoder layer `layer`, or None (full attention)."""
+    if self.layer_types is not None and self.layer_types[layer] == "full_attention":
+      return None
+    return self.sliding_window
+
+  def layer_rope(self, layer: int) -> tuple[float, RopeScaling | None]:
+    """`(theta, scaling)` of decoder layer `layer`'s RoPE."""
+    if self.local_rope_theta is not None and self.layer_window(layer) is not None:
+      return self.local_rope_theta, None
+    return self.rope_theta, self.rope_scaling
 
   def to_dict(self) -> dict[str, Any]:
-    """The fields as a JSON-ready dict."""
-    return dataclasses.asdict(self)
+    """The fields as a JSON-ready dict (`rope_scaling` tagged with its `rope_type`)."""
+    fields = dataclasses.asdict(self)
+    if self.rope_scaling is not None:
+      kind = next(
+        name for name, cls in _ROPE_SCALINGS.items() if isinstance(self.rope_scaling, cls)
+      )
+      fields["rope_scaling"] = {"rope_type": kind, **fields["rope_scaling"]}
+    if self.layer_types is not None:
+      fields["layer_types"] = list(self.layer_types)
+    return fields
 
   @classmethod
   def from_dict(cls, fields: dict[str, Any]) -> LlamaConfig:
@@ -182,14 +285,15 @@ def init_dense_cache(
 
 
 class RMSNorm(nnx.Module):
-  """RMS normalisation with a learned gain."""
+  """RMS normalisation with a learned gain (`offset + scale`)."""
 
-  def __init__(self, dim: int, *, eps: float, param_dtype=jnp.float32):
-    self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+  def __init__(self, dim: int, *, eps: float, offset: float = 0.0, param_dtype=jnp.float32):
+    self.scale = nnx.Param(jnp.full((dim,), 1.0 - offset, param_dtype))
     self.eps = eps
+    self.offset = offset
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return layers.rms_norm(x, self.scale[...], self.eps)
+    return layers.rms_norm(x, self.scale[...], self.eps, self.offset)
 
 
 def _linear(
@@ -211,7 +315,9 @@ def _linear(
 
 
 def _norm(dim: int, config: LlamaConfig) -> RMSNorm:
-  return RMSNorm(dim, eps=config.norm_eps, param_dtype=config.parameter_dtype)
+  return RMSNorm(
+    dim, eps=config.norm_eps, offset=config.norm_weight_offset, param_dtype=config.parameter_dtype
+  )
 
 
 class Attention(nnx.Module):
@@ -220,13 +326,15 @@ class Attention(nnx.Module):
   def __init__(self, config: LlamaConfig, layer_index: int, *, rngs: nnx.Rngs):
     self.config = config
     self.layer_index = layer_index
+    self.rope_theta, self.rope_scaling = config.layer_rope(layer_index)
+    self.sliding_window = config.layer_window(layer_index)
     q_width = config.num_q_heads * config.head_dim
     kv_width = config.num_kv_heads * config.head_dim
     bias = config.attention_bias
     self.q_proj = _linear(config.hidden, q_width, config, rngs, use_bias=bias)
     self.k_proj = _linear(config.hidden, kv_width, config, rngs, use_bias=bias)
     self.v_proj = _linear(config.hidden, kv_width, config, rngs, use_bias=bias)
-    self.o_proj = _linear(q_width, config.hidden, config, rngs)
+    self.o_proj = _linear(q_width, config.hidden, config, rngs, use_bias=config.output_bias)
     self.q_norm = _norm(config.head_dim, config) if config.qk_norm else None
     self.k_norm = _norm(config.head_dim, config) if config.qk_norm else None
 
@@ -248,51 +356,63 @@ class Attention(nnx.Module):
     v = self.v_proj(x).reshape(kv_shape)
     if config.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
-    q = layers.apply_rope(q, positions, config.rope_theta, config.rope_scaling)
-    k = layers.apply_rope(k, positions, config.rope_theta, config.rope_scaling)
-    window = {} if config.sliding_window is None else {"sliding_window": config.sliding_window}
+    q = layers.apply_rope(q, positions, self.rope_theta, self.rope_scaling)
+    k = layers.apply_rope(k, positions, self.rope_theta, self.rope_scaling)
+    # Only the options this layer has, so backends without them still serve it.
+    options = {"sliding_window": self.sliding_window, "soft_cap": config.attn_logit_softcap}
+    options = {name: value for name, value in options.items() if value is not None}
     if cache is None:
       out = layers.masked_attention(
-        q, k, v, positions, positions, sm_scale=config.sm_scale, **window
+        q, k, v, positions, positions, sm_scale=config.sm_scale, **options
       )
     else:
       out, cache = cache.attend(
-        self.layer_index, q, k, v, positions, sm_scale=config.sm_scale, **window
+        self.layer_index, q, k, v, positions, sm_scale=config.sm_scale, **options
       )
     return self.o_proj(out.reshape(batch, tokens, -1)), cache
 
 
-class SwiGLU(nnx.Module):
-  """Gated MLP: `down(silu(gate(x)) * up(x))`."""
+class GatedMLP(nnx.Module):
+  """Gated MLP: `down(act(gate(x)) * up(x))`, SwiGLU or GeGLU."""
 
   def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+    self.activation = config.activation
     self.gate_proj = _linear(config.hidden, config.mlp_hidden, config, rngs)
     self.up_proj = _linear(config.hidden, config.mlp_hidden, config, rngs)
     self.down_proj = _linear(config.mlp_hidden, config.hidden, config, rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    return self.down_proj(layers.activation(self.activation, self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderBlock(nnx.Module):
-  """Pre-norm residual block: attention, then MLP."""
+  """Pre-norm residual block: attention, then MLP; with `sandwich_norms` each
+  output is normalised again before its residual add (Gemma 2 and 3)."""
 
   def __init__(self, config: LlamaConfig, layer_index: int, *, rngs: nnx.Rngs):
     self.attention_norm = _norm(config.hidden, config)
     self.attention = Attention(config, layer_index, rngs=rngs)
     self.mlp_norm = _norm(config.hidden, config)
-    self.mlp = SwiGLU(config, rngs=rngs)
+    self.mlp = GatedMLP(config, rngs=rngs)
+    sandwich = config.sandwich_norms
+    self.post_attention_norm = _norm(config.hidden, config) if sandwich else None
+    self.post_mlp_norm = _norm(config.hidden, config) if sandwich else None
 
   def __call__(
     self, x: jax.Array, positions: jax.Array, cache: KVCacheBackend | None
   ) -> tuple[jax.Array, KVCacheBackend | None]:
     attended, cache = self.attention(self.attention_norm(x), positions, cache)
+    if self.post_attention_norm is not None:
+      attended = self.post_attention_norm(attended)
     x = x + attended
-    return x + self.mlp(self.mlp_norm(x)), cache
+    transformed = self.mlp(self.mlp_norm(x))
+    if self.post_mlp_norm is not None:
+      transformed = self.post_mlp_norm(transformed)
+    return x + transformed, cache
 
 
 class Llama(nnx.Module):
-  """Llama-style decoder-only language model."""
+  """Llama-style decoder-only language model (every family of `LlamaConfig`)."""
 
   def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
     self.config = config
@@ -345,8 +465,10 @@ class Llama(nnx.Module):
       raise ValueError(f"positions shape {positions.shape} must equal tokens shape {tokens.shape}")
     positions = positions.astype(jnp.int32)
     x = self.embed(tokens)
+    if self.config.scale_embeddings:
+      x = x * jnp.asarray(self.config.hidden**0.5, x.dtype)
     for block in self.blocks:
       x, cache = block(x, positions, cache)
     x = self.final_norm(x)
     logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
-    return logits.astype(jnp.float32), cache
+    return layers.apply_soft_cap(logits.astype(jnp.float32), self.config.final_logit_softcap), cache

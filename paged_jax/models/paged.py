@@ -1,4 +1,4 @@
-"""The paged KV-cache backend of the Llama attention layer.
+"""The paged KV-cache backend of the decoder's attention layers.
 
 `PagedCache` adapts `paged_jax.write_kv` and the paged attention kernels to
 the `KVCacheBackend` interface: each layer scatters its new keys and values
@@ -6,6 +6,15 @@ into the slots the block manager planned, then attends over the sequence's
 pages through its block table. With a quantized `KVCache` (int8 or fp8
 pages) `write_kv` quantizes the new rows and attention reads the layer's
 scales with its pages.
+
+Sliding windows, first step: on a `CacheConfig` without a window every
+block is kept and a layer with a window masks its attention to it (the
+kernels' `sliding_window`), so windowed and hybrid models (Mistral, Qwen2's
+`max_window_layers`, Gemma 2 and 3) run with prefix caching and every other
+feature. A `CacheConfig` with a window frees the blocks that leave it; that
+cache serves only what never reads a freed block (see `PagedCache.attend`).
+The planned design, one block table per attention type, is in
+docs/semantics.md ("Sliding windows and hybrid models").
 
 On a cache split over a mesh (`KVCache.create(..., mesh=mesh)`),
 `ShardedPagedCache` runs the same writes and attention on every device, on
@@ -33,11 +42,14 @@ class PagedCache:
     block_tables: int32 `[batch, max_blocks_per_seq]`, -1 where no block.
     slot_mapping: int32 `[batch, tokens]`, the cache slot of each new token,
       -1 for padding.
+    cache_sliding_window: the `CacheConfig`'s `sliding_window` (static): the
+      manager frees the blocks that leave it. None: every block is kept.
   """
 
   kv: KVCache
   block_tables: jax.Array
   slot_mapping: jax.Array
+  cache_sliding_window: int | None = flax.struct.field(pytree_node=False, default=None)
 
   def attend(
     self,
@@ -49,19 +61,27 @@ class PagedCache:
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
   ) -> tuple[jax.Array, PagedCache]:
     """See `KVCacheBackend.attend`.
 
     A row's new tokens come first, padding (position -1) after them. One
     token per row runs the decode kernel, more run prefill attention over the
-    cached pages and the new tokens.
+    cached pages and the new tokens. `sliding_window` masks this layer's
+    attention to its last keys and `soft_cap` caps its logits.
+
+    On a cache whose `CacheConfig` frees blocks outside a window of `W`
+    (`cache_sliding_window`), only decode (one token per row) of a layer
+    whose window is at most `W` is served: every other call would read
+    blocks the manager may have freed.
 
     Raises:
-      ValueError: if `slot_mapping` does not match the tokens of `k`, or for
-        a sliding-window model: prefill here reads the prompt's keys from the
-        pages, and the manager drops the blocks that left the window.
+      ValueError: if `slot_mapping` does not match the tokens of `k`; on a
+        cache that frees blocks outside its window, for a call of more than
+        one token per row (prefill reads the prompt's keys from the pages)
+        or a layer whose window is None or wider than the cache's.
     """
-    _refuse_sliding_window(sliding_window)
+    self._check_window(layer, sliding_window, tokens=k.shape[1])
     if self.slot_mapping.shape != k.shape[:2]:
       raise ValueError(
         f"slot_mapping shape {self.slot_mapping.shape} must be [batch, tokens] = {k.shape[:2]}"
@@ -69,26 +89,38 @@ class PagedCache:
     kv = write_kv(self.kv, layer, k, v, self.slot_mapping)
     lengths = (jnp.max(positions, axis=1) + 1).astype(jnp.int32)
     k_pages, v_pages = kv.k[layer], kv.v[layer]
-    scales = kv.scales(layer)
+    options = dict(
+      sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, **kv.scales(layer)
+    )
     if positions.shape[1] == 1:
-      out = paged_attention(
-        q[:, 0], k_pages, v_pages, self.block_tables, lengths, sm_scale=sm_scale, **scales
-      )[:, None]
+      out = paged_attention(q[:, 0], k_pages, v_pages, self.block_tables, lengths, **options)[
+        :, None
+      ]
     else:
       query_lens = jnp.sum(positions >= 0, axis=1).astype(jnp.int32)
       out = paged_prefill_attention(
-        q, k_pages, v_pages, self.block_tables, lengths, query_lens, sm_scale=sm_scale, **scales
+        q, k_pages, v_pages, self.block_tables, lengths, query_lens, **options
       )
     return out, self.replace(kv=kv)
 
-
-def _refuse_sliding_window(sliding_window: int | None) -> None:
-  if sliding_window is not None:
-    raise ValueError(
-      f"PagedCache does not serve sliding-window models yet (window "
-      f"{sliding_window}): their prefill would read blocks the manager "
-      f"dropped; use DenseCache"
-    )
+  def _check_window(self, layer: int, sliding_window: int | None, *, tokens: int) -> None:
+    freed_outside = self.cache_sliding_window
+    if freed_outside is None:
+      return
+    if sliding_window is None or sliding_window > freed_outside:
+      seen = "the whole context" if sliding_window is None else f"a window of {sliding_window}"
+      raise ValueError(
+        f"layer {layer} attends to {seen}, but this cache frees the blocks outside a window "
+        f"of {freed_outside} tokens; use a CacheConfig without sliding_window (every block "
+        f"kept, each layer masks its own window)"
+      )
+    if tokens > 1:
+      raise ValueError(
+        f"a cache that frees blocks outside a window of {freed_outside} tokens serves decode "
+        f"only: prefill of {tokens} tokens per row reads the prompt's keys from pages the "
+        f"manager may have freed; use a CacheConfig without sliding_window (every block "
+        f"kept, each layer masks its own window)"
+      )
 
 
 @flax.struct.dataclass
@@ -106,6 +138,7 @@ class ShardedPagedCache(PagedCache):
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
   ) -> tuple[jax.Array, ShardedPagedCache]:
     """See `PagedCache.attend`; rows split over "data" (grouped by shard,
     tables in the shard's block ids), heads over "model".
@@ -114,7 +147,7 @@ class ShardedPagedCache(PagedCache):
       ValueError: as `PagedCache.attend` does, or if the query heads (of
         `q`) or the KV heads (of `k`) do not split over the model axis.
     """
-    _refuse_sliding_window(sliding_window)
+    self._check_window(layer, sliding_window, tokens=k.shape[1])
     mesh = self.kv.mesh
     sharding.check_heads(q.shape[2], k.shape[2], mesh.shape["model"])
     repeat = self.kv.num_kv_heads // k.shape[2]
@@ -126,9 +159,21 @@ class ShardedPagedCache(PagedCache):
     pages = jax.tree.map(lambda _: sharding.PAGES, device)
 
     def local(kv, tables, slots, q, k, v, positions):
-      cache = PagedCache(kv=kv, block_tables=tables, slot_mapping=slots)
+      cache = PagedCache(
+        kv=kv,
+        block_tables=tables,
+        slot_mapping=slots,
+        cache_sliding_window=self.cache_sliding_window,
+      )
       out, cache = cache.attend(
-        layer, q, k, v, positions, sm_scale=sm_scale, sliding_window=sliding_window
+        layer,
+        q,
+        k,
+        v,
+        positions,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
       )
       return out, cache.kv
 
@@ -138,8 +183,16 @@ class ShardedPagedCache(PagedCache):
     return out, self.replace(kv=self.kv.with_device_part(written))
 
 
-def paged_cache(kv: KVCache, block_tables: jax.Array, slot_mapping: jax.Array) -> PagedCache:
+def paged_cache(
+  kv: KVCache, block_tables: jax.Array, slot_mapping: jax.Array, cache_sliding_window=None
+) -> PagedCache:
   """The paged backend of one model call: per device when `kv` is on a mesh
-  (rows grouped by data shard, `rows / data` each)."""
+  (rows grouped by data shard, `rows / data` each); `cache_sliding_window` is
+  the `CacheConfig`'s window (see `PagedCache`)."""
   cls = PagedCache if kv.mesh is None else ShardedPagedCache
-  return cls(kv=kv, block_tables=block_tables, slot_mapping=slot_mapping)
+  return cls(
+    kv=kv,
+    block_tables=block_tables,
+    slot_mapping=slot_mapping,
+    cache_sliding_window=cache_sliding_window,
+  )

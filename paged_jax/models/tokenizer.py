@@ -86,7 +86,7 @@ class ByteTokenizer:
     return data.decode("utf-8", errors="replace")
 
 
-# End-of-turn tokens that llama.cpp treats as ending generation; a GGUF whose
+# End-of-turn tokens that llama.cpp treats as ending generation; a model whose
 # chat template closes turns with one of them stops there.
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 # GGUF token types (llama.cpp's llama_token_type) that are special tokens.
@@ -218,6 +218,11 @@ class PretrainedTokenizer:
       chat_template: path of a `chat_template.jinja`, which wins over the
         config's template, or None.
 
+    When the chat template closes turns with an end-of-turn token
+    (`<end_of_turn>` of Gemma, `<|im_end|>`, `<|eot_id|>`, ...), that token
+    is the EOS, whatever the config's `eos_token` says: a chat reply ends
+    there (transformers lists it in `generation_config.json`).
+
     Returns:
       The tokenizer.
 
@@ -237,10 +242,11 @@ class PretrainedTokenizer:
     if chat_template is not None:
       with open(chat_template, encoding="utf-8") as file:
         template = file.read()
+    eos = _end_of_turn_or(_token_text(settings.get("eos_token")), template, tokenizer.get_vocab())
     return cls(
       tokenizer,
       bos_token=_token_text(settings.get("bos_token")),
-      eos_token=_token_text(settings.get("eos_token")),
+      eos_token=eos,
       chat_template=template,
     )
 
@@ -296,17 +302,20 @@ class PretrainedTokenizer:
       index = fields.get(key)
       return None if index is None or index >= len(tokens) else tokens[index]
 
-    eos = token("tokenizer.ggml.eos_token_id")
-    for candidate in _END_OF_TURN_TOKENS:
-      if template is not None and candidate in template and candidate in tokens:
-        eos = candidate
-        break
     return cls(
       tokenizer,
       bos_token=token("tokenizer.ggml.bos_token_id"),
-      eos_token=eos,
+      eos_token=_end_of_turn_or(token("tokenizer.ggml.eos_token_id"), template, tokens),
       chat_template=template,
     )
+
+
+def _end_of_turn_or(eos: str | None, template: str | None, vocabulary) -> str | None:
+  """The end-of-turn token the chat template closes turns with, else `eos`."""
+  for candidate in _END_OF_TURN_TOKENS:
+    if template is not None and candidate in template and candidate in vocabulary:
+      return candidate
+  return eos
 
 
 def _gguf_pre_tokenizer(pre: str | None) -> tokenizers.pre_tokenizers.PreTokenizer:

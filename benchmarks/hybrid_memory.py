@@ -1,0 +1,124 @@
+"""KV-cache bytes per sequence of Gemma 3: every block kept vs. hybrid tables.
+
+Two designs for a model whose layers mix sliding-window and global
+attention:
+
+* keep every block (what the paged cache does today on a `CacheConfig`
+  without a window): every layer holds all of the sequence's blocks and the
+  sliding layers mask their attention;
+* hybrid (the planned design, as vLLM V1's hybrid allocator does): the
+  global layers hold every block, the sliding layers only the blocks that
+  still hold one of the last `window` positions.
+
+Shapes are those of the published Gemma 3 `config.json` files (bfloat16
+K and V, 5 sliding layers to 1 global). Pure arithmetic; no model is loaded.
+
+  python benchmarks/hybrid_memory.py [--tokens 32768] [--block-size 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridShape:
+  """What sizes a hybrid model's KV cache.
+
+  Attributes:
+    name: the model.
+    num_layers: decoder layers.
+    num_kv_heads: key/value heads per layer.
+    head_dim: features per head.
+    sliding_window: keys a sliding layer's query sees.
+    pattern: every `pattern`-th layer is global, the others slide.
+  """
+
+  name: str
+  num_layers: int
+  num_kv_heads: int
+  head_dim: int
+  sliding_window: int
+  pattern: int = 6
+
+  @property
+  def num_global_layers(self) -> int:
+    return self.num_layers // self.pattern
+
+  @property
+  def num_sliding_layers(self) -> int:
+    return self.num_layers - self.num_global_layers
+
+
+GEMMA3 = (
+  HybridShape("gemma-3-1b", num_layers=26, num_kv_heads=1, head_dim=256, sliding_window=512),
+  HybridShape("gemma-3-4b", num_layers=34, num_kv_heads=4, head_dim=256, sliding_window=1024),
+  HybridShape("gemma-3-12b", num_layers=48, num_kv_heads=8, head_dim=256, sliding_window=1024),
+  HybridShape("gemma-3-27b", num_layers=62, num_kv_heads=16, head_dim=128, sliding_window=1024),
+)
+
+
+def blocks_held(num_tokens: int, block_size: int, window: int | None) -> int:
+  """Blocks one layer of a sequence of `num_tokens` holds: all of them, or
+  with a window only those holding one of its last `window` positions."""
+  if num_tokens == 0:
+    return 0
+  last = (num_tokens - 1) // block_size
+  first = 0 if window is None else max(0, (num_tokens - window) // block_size)
+  return last - first + 1
+
+
+def kv_bytes_per_sequence(
+  shape: HybridShape, num_tokens: int, *, block_size: int, hybrid: bool, dtype_bytes: int = 2
+) -> int:
+  """Bytes of K and V one sequence holds in either design.
+
+  Args:
+    shape: the model.
+    num_tokens: the sequence's length.
+    block_size: tokens per block.
+    hybrid: sliding layers hold only their window's blocks (else every
+      layer holds every block).
+    dtype_bytes: bytes per element (2: bfloat16).
+
+  Returns:
+    Bytes over all layers.
+  """
+  block_bytes = 2 * shape.num_kv_heads * block_size * shape.head_dim * dtype_bytes  # K and V
+  every_block = blocks_held(num_tokens, block_size, None)
+  window_blocks = blocks_held(num_tokens, block_size, shape.sliding_window if hybrid else None)
+  blocks = shape.num_global_layers * every_block + shape.num_sliding_layers * window_blocks
+  return blocks * block_bytes
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--tokens", type=int, default=32768)
+  parser.add_argument("--block-size", type=int, default=16)
+  args = parser.parse_args()
+  print(f"KV cache per sequence at {args.tokens} tokens, block size {args.block_size}, bfloat16\n")
+  print(
+    f"{'model':<12} {'layers':>6} {'global':>6} {'kv x dim':>9} {'window':>6} "
+    f"{'every block':>12} {'hybrid':>9} {'saved':>6}"
+  )
+  ratios = []
+  for shape in GEMMA3:
+    kept, hybrid = (
+      kv_bytes_per_sequence(shape, args.tokens, block_size=args.block_size, hybrid=windowed)
+      for windowed in (False, True)
+    )
+    ratios.append(kept / hybrid)
+    print(
+      f"{shape.name:<12} {shape.num_layers:>6} {shape.num_global_layers:>6} "
+      f"{shape.num_kv_heads:>4} x {shape.head_dim:<3} {shape.sliding_window:>6} "
+      f"{kept / 2**30:>10.2f} GiB {hybrid / 2**30:>5.2f} GiB {kept / hybrid:>5.1f}x"
+    )
+  print(
+    f"\nsummary: hybrid tables hold {min(ratios):.1f}x to {max(ratios):.1f}x less KV cache "
+    f"than keeping every block at {args.tokens} tokens"
+  )
+
+
+if __name__ == "__main__":
+  main()
