@@ -6,8 +6,6 @@ import dataclasses
 
 import numpy as np
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
-
 
 @dataclasses.dataclass
 class CompletionOutput:
@@ -35,9 +33,6 @@ class CompletionOutput:
   logprobs: list[dict[int, float]] | None
   finish_reason: str | None = None
   stop_reason: int | str | None = None
-
-  def finished(self) -> bool:
-    return self.finish_reason is not None
 
 
 @dataclasses.dataclass

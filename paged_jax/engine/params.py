@@ -104,7 +104,3 @@ class SamplingParams:
     value = getattr(self, name)
     if not _is_int(value) or value < minimum:
       raise ValueError(f"{name}{hint} must be an int >= {minimum}, got {value!r}")
-
-  @property
-  def greedy(self) -> bool:
-    return self.temperature == 0.0
