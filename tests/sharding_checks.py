@@ -151,11 +151,14 @@ def step_collectives(model, mesh) -> dict[str, list[list[str]]]:
     cache.state,
     np.zeros((data * rows, width), np.int32),
     np.zeros((data * rows, width), np.int32),
+    np.zeros(data * rows, np.int32),
+    np.full((data * rows, width), -1, np.int32),
     np.zeros((data, rows), np.int32),
     np.zeros(data * CFG.max_seqs, np.int32),
     draw_rows,
     0,
     CFG.block_size,
+    False,
   )
   plan = np.zeros(8, np.int32)
   kv = cache.kv

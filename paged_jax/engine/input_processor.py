@@ -61,6 +61,10 @@ class InputProcessor:
       raise ValueError(f"n={params.n} beams exceed max_beam_width={self.max_beam_width}")
     if params.logprobs is not None and params.logprobs > self.max_logprobs:
       raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={self.max_logprobs}")
+    if params.prompt_logprobs is not None and params.prompt_logprobs > self.max_logprobs:
+      raise ValueError(
+        f"prompt_logprobs={params.prompt_logprobs} exceeds max_logprobs={self.max_logprobs}"
+      )
     if params.stop and self.tokenizer is None:
       raise ValueError("stop strings need a tokenizer")
     text, ids = self._encode(prompt)

@@ -244,10 +244,8 @@ class LLMEngine:
     chunks = [chunk for out in rounds for chunk in out.chunks]
     if chunks:
       samples = [(row, s.slot) for row, chunk in enumerate(chunks) for s in chunk.samples]
-      draws = self._timed(
-        self.runner.prefill, [(c.seq.slot, c.tokens, c.start) for c in chunks], samples
-      )
-      touched.update(self.processor.take_prefill(chunks, draws))
+      draws, scores = self._timed(self.runner.prefill, chunks, samples)
+      touched.update(self.processor.take_prefill(chunks, draws, scores))
       for scheduler, out in zip(self.schedulers, rounds):
         self.runner.apply(scheduler.after_prefill(out))
     result = None

@@ -64,16 +64,21 @@ class OutputProcessor:
     self.generated_tokens += added
     return added
 
-  def take_prefill(self, chunks, draws) -> dict[str, SequenceGroup]:
-    """Appends the first tokens prefill drew for the chunks' samples.
+  def take_prefill(self, chunks, draws, scores) -> dict[str, SequenceGroup]:
+    """Appends the first tokens prefill drew for the chunks' samples, and the
+    prompt log-probabilities of the chunks that computed them.
 
     Args:
       chunks: the round's `PrefillChunk`s, in the order prefill ran them.
       draws: one draw per sample, in the chunks' order.
+      scores: per chunk, None or its `PromptScores` (one entry per token).
 
     Returns:
       The groups that drew, by request id.
     """
+    for chunk, score in zip(chunks, scores):
+      if score is not None:
+        _add_prompt_logprobs(chunk, score)
     touched = {}
     drawn = [(chunk.group, seq) for chunk in chunks for seq in chunk.samples]
     for i, (group, seq) in enumerate(drawn):
@@ -229,4 +234,23 @@ class OutputProcessor:
       outputs=completions,
       finished=group.finished,
       error=group.error,
+      prompt_logprobs=list(group.prompt_logprobs)
+      if group.params.prompt_logprobs is not None
+      else None,
     )
+
+
+def _add_prompt_logprobs(chunk, score) -> None:
+  """Appends a chunk's prompt log-probabilities to its group's (a chunk at
+  position 0 starts them again: a preempted prompt is prefilled anew)."""
+  group, k = chunk.group, chunk.group.params.prompt_logprobs
+  if chunk.start == 0:
+    group.prompt_logprobs = [None]
+  for i, token in enumerate(int(t) for t in chunk.next_tokens):
+    if token < 0:
+      continue
+    alternatives = {
+      int(t): float(v) for t, v in zip(score.top_ids[i, :k], score.top_logprobs[i, :k])
+    }
+    alternatives[token] = float(score.logprob[i])
+    group.prompt_logprobs.append(alternatives)

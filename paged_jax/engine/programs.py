@@ -212,7 +212,35 @@ def decode_loop(
   return sharding.replicate(loop.replace(kv=None), kv).replace(kv=kv)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 9, 10), donate_argnums=(2,))
+@flax.struct.dataclass
+class PromptScores:
+  """Log-probabilities of the prompt tokens that follow each chunk position.
+
+  Attributes:
+    logprob: float32 `[rows, width]`, of the next prompt token.
+    top_ids: int32 `[rows, width, k]`, the most likely next tokens.
+    top_logprobs: float32 `[rows, width, k]`, their log-probabilities.
+  """
+
+  logprob: jax.Array
+  top_ids: jax.Array
+  top_logprobs: jax.Array
+
+
+def score_next_tokens(logits, next_tokens, num_logprobs: int) -> PromptScores:
+  """Each position's log-probability of `next_tokens` (-1: none) and the
+  `num_logprobs` most likely tokens, from logits `[rows, width, vocab]`."""
+  logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  chosen = jnp.take_along_axis(logprobs, jnp.maximum(next_tokens, 0)[..., None], axis=-1)[..., 0]
+  top_logprobs, top_ids = jax.lax.top_k(logprobs, num_logprobs)
+  return PromptScores(
+    logprob=jnp.where(next_tokens >= 0, chosen, 0.0),
+    top_ids=top_ids.astype(jnp.int32),
+    top_logprobs=top_logprobs,
+  )
+
+
+@functools.partial(jax.jit, static_argnums=(0, 11, 12, 13), donate_argnums=(2,))
 def prefill(
   graphdef,
   params_state,
@@ -220,25 +248,30 @@ def prefill(
   states,
   tokens,
   positions,
+  write_from,
+  next_tokens,
   local,
   chunk_of,
   rows,
   num_logprobs,
   block_size,
+  with_scores,
 ):
   """Runs prompt chunks, then draws token 0 of sequences from their logits.
 
   Rows of `tokens` and `positions` are chunks (padding has position -1),
   `rows / D` per data shard; `local` int32 `[D, rows / D]` are the chunks'
-  slots in their shard. Draw `i` samples from the last position of chunk
-  `chunk_of[i]` with the sampling parameters `rows[i]`.
+  slots in their shard. A row's positions before `write_from[row]` already
+  hold their K/V in the cache and are not written again. Draw `i` samples
+  from the last position of chunk `chunk_of[i]` with the sampling
+  parameters `rows[i]`. With `with_scores` (static), it also scores
+  `next_tokens` (see `score_next_tokens`); else the scores are None.
   """
   tables = jax.vmap(manager.get_block_tables)(states, local)
   tables = tables.reshape(-1, tables.shape[-1])
   blocks = jnp.take_along_axis(tables, jnp.maximum(positions, 0) // block_size, axis=1)
-  slots = jnp.where(
-    (positions >= 0) & (blocks >= 0), blocks * block_size + positions % block_size, -1
-  )
+  writes = (positions >= write_from[:, None]) & (blocks >= 0)
+  slots = jnp.where(writes, blocks * block_size + positions % block_size, -1)
   cache = sharding.paged_cache(kv=kv, block_tables=tables, slot_mapping=slots)
   logits, cache = nnx.merge(graphdef, params_state)(
     sharding.split_rows(tokens, kv), sharding.split_rows(positions, kv), cache
@@ -247,7 +280,8 @@ def prefill(
   last_logits = logits[chunk_of, last[chunk_of]]
   index = jnp.zeros(chunk_of.shape, jnp.int32)
   draw = sample_rows(last_logits, rows, index, num_logprobs)
-  return sharding.replicate(draw, kv), cache.kv
+  scores = score_next_tokens(logits, next_tokens, num_logprobs) if with_scores else None
+  return sharding.replicate((draw, scores), kv), cache.kv
 
 
 start_beams = jax.jit(beam.Beams.start)

@@ -137,33 +137,42 @@ class ModelRunner:
     ]
 
   # Launches.
-  def prefill(self, chunks, samples) -> Draw:
+  def prefill(self, chunks, samples) -> tuple[Draw, list]:
     """Runs prompt chunks, then draws token 0 of the sequences in `samples`.
 
     Args:
-      chunks: `(slot, tokens, start)` triples: `tokens` go to positions
-        `start ..` of the sequence in `slot`, whose blocks are allocated.
+      chunks: `PrefillChunk`s: `tokens` go to positions `start ..` of the
+        sequence in `seq.slot`, whose blocks are allocated (positions before
+        `write_from` already hold their K/V); `next_tokens`, when not None,
+        are scored.
       samples: `(chunk, slot)` pairs: draw token 0 of `slot` (with its row's
         sampling parameters) from the logits chunk number `chunk` ends with.
 
     Returns:
-      NumPy draws, one per pair of `samples`.
+      `(draws, scores)`: NumPy draws, one per pair of `samples`, and per
+      chunk None or its `PromptScores` (NumPy, one entry per token).
     """
     cache = self.cache
     num_shards, per_shard = cache.num_shards, cache.cfg.max_seqs
-    shard_of = [slot // per_shard for slot, _, _ in chunks]
+    shard_of = [chunk.seq.slot // per_shard for chunk in chunks]
     per_row = programs.bucket(int(np.bincount(shard_of, minlength=num_shards).max()))
-    width = programs.bucket(max(tokens.size for _, tokens, _ in chunks), 8)
+    width = programs.bucket(max(chunk.tokens.size for chunk in chunks), 8)
     tokens = np.zeros((num_shards * per_row, width), np.int32)
     positions = np.full((num_shards * per_row, width), -1, np.int32)
+    write_from = np.zeros(num_shards * per_row, np.int32)
+    next_tokens = np.full((num_shards * per_row, width), -1, np.int32)
     local = np.full((num_shards, per_row), -1, np.int32)
     filled = np.zeros(num_shards, np.int64)
     row_of = []
-    for shard, (slot, chunk, start) in zip(shard_of, chunks):
+    for shard, chunk in zip(shard_of, chunks):
       row = shard * per_row + filled[shard]
-      tokens[row, : chunk.size] = chunk
-      positions[row, : chunk.size] = np.arange(start, start + chunk.size)
-      local[shard, filled[shard]] = slot % per_shard
+      size, start = chunk.tokens.size, chunk.start
+      tokens[row, :size] = chunk.tokens
+      positions[row, :size] = np.arange(start, start + size)
+      write_from[row] = chunk.write_from
+      if chunk.next_tokens is not None:
+        next_tokens[row, :size] = chunk.next_tokens
+      local[shard, filled[shard]] = chunk.seq.slot % per_shard
       filled[shard] += 1
       row_of.append(row)
     num_draws = num_shards * per_shard  # one compile, whatever the samples
@@ -172,20 +181,33 @@ class ModelRunner:
     for i, (chunk, slot) in enumerate(samples):
       chunk_of[i], sample_slots[i] = row_of[chunk], slot
     rows = jax.tree.map(lambda a: a[sample_slots], self.rows)
-    draw, cache.kv = programs.prefill(
+    scored = [chunk.next_tokens is not None for chunk in chunks]
+    (draw, scores), cache.kv = programs.prefill(
       self.graphdef,
       self.params,
       cache.kv,
       cache.state,
       tokens,
       positions,
+      write_from,
+      next_tokens,
       local,
       chunk_of,
       rows,
       self.num_logprobs,
       cache.cfg.block_size,
+      any(scored),
     )
-    return jax.tree.map(lambda a: np.asarray(a)[: len(samples)], draw)
+    draws = jax.tree.map(lambda a: np.asarray(a)[: len(samples)], draw)
+    if scores is not None:
+      scores = jax.tree.map(np.asarray, scores)
+    per_chunk = [
+      jax.tree.map(lambda a, row=row, size=chunk.tokens.size: a[row, :size], scores)
+      if wanted
+      else None
+      for row, chunk, wanted in zip(row_of, chunks, scored)
+    ]
+    return draws, per_chunk
 
   def decode_carry(self, num_steps: int) -> programs.DecodeLoop:
     """The decode loop's carry for a launch of up to `num_steps` steps."""

@@ -164,6 +164,11 @@ class PrefillChunk:
     start: the first one's position.
     samples: the sequences that draw their first token from the logits this
       chunk ends with (a fresh group's when it completes its prompt).
+    write_from: positions before it already hold their K/V (prefix-cache
+      hits that run again for their prompt log-probabilities).
+    next_tokens: with prompt log-probabilities asked for, the prompt token
+      after each position (-1 after the last), whose log-probability the
+      chunk computes; else None.
   """
 
   group: SequenceGroup
@@ -171,6 +176,8 @@ class PrefillChunk:
   tokens: np.ndarray
   start: int
   samples: list[Sequence] = dataclasses.field(default_factory=list)
+  write_from: int = 0
+  next_tokens: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -204,6 +211,13 @@ class SchedulerOutput:
   chunks: list[PrefillChunk] = dataclasses.field(default_factory=list)
   decoding: list[SequenceGroup] = dataclasses.field(default_factory=list)
   stop_on_finish: bool = False
+
+
+def _score_whole_prompt(group: SequenceGroup, leader: Sequence) -> None:
+  """With prompt log-probabilities asked for, the leader's prefill starts
+  at the first token: prefix-cache hits run again (their K/V stays)."""
+  if group.params.prompt_logprobs is not None:
+    leader.cached_prefix, leader.num_computed = leader.num_computed, 0
 
 
 def _enqueue(queue: collections.deque, group: SequenceGroup) -> None:
@@ -402,6 +416,7 @@ class Scheduler:
       leader = live[0]
       leader.prefill = group.prompt_token_ids
       leader.num_computed = self.cache.allocate(leader.slot, leader.prefill, group.request_id)
+      _score_whole_prompt(group, leader)
     else:
       for seq in live:
         seq.prefill = np.concatenate(
@@ -423,6 +438,7 @@ class Scheduler:
     leader.slot = slots[0]
     leader.prefill = group.prompt_token_ids[:-1]
     leader.num_computed = self.cache.allocate(leader.slot, leader.prefill, group.request_id)
+    _score_whole_prompt(group, leader)
     self.running.append(group)
 
   def _plan_chunks(self, group: SequenceGroup, budget: int, out: SchedulerOutput) -> int:
@@ -436,6 +452,10 @@ class Scheduler:
       count = min(seq.prefill.size - start, budget)
       seq.num_computed = start + count
       chunk = PrefillChunk(group, seq, seq.prefill[start : start + count], start)
+      if group.params.prompt_logprobs is not None and group.fresh:
+        chunk.write_from = seq.cached_prefix
+        following = np.append(group.prompt_token_ids[1:], -1).astype(np.int32)
+        chunk.next_tokens = following[start : start + count]
       if seq.num_computed == seq.prefill.size:
         if group.beam:  # the prompt's last token starts the first beam step
           self._next.rows.start.append((seq.slot, int(group.prompt_token_ids[-1]), 0))

@@ -55,6 +55,9 @@ class Sequence:
       outputs).
     prefill: tokens to put in the cache on admission, None once they are.
     num_computed: tokens of `prefill` planned into the cache so far.
+    cached_prefix: tokens of `prefill` whose K/V the cache already holds
+      (prefix-cache hits) but that run through prefill again for their
+      prompt log-probabilities; prefill does not write them.
   """
 
   index: int
@@ -71,6 +74,7 @@ class Sequence:
   sent_tokens: int = 0
   prefill: np.ndarray | None = None
   num_computed: int = 0
+  cached_prefix: int = 0
 
   @property
   def finished(self) -> bool:
@@ -98,6 +102,9 @@ class SequenceGroup:
   beam_slots: list[int] = dataclasses.field(default_factory=list)
   shard: int = 0  # the data shard that serves it
   load: int = 0  # tokens it adds to its shard's load
+  # With `params.prompt_logprobs`: None for the first prompt token, then one
+  # dict per prompt token (alternatives and the token itself -> logprob).
+  prompt_logprobs: list[dict[int, float] | None] = dataclasses.field(default_factory=list)
 
   @property
   def beam(self) -> bool:
