@@ -158,7 +158,6 @@ def step_collectives(model, mesh) -> dict[str, list[list[str]]]:
     draw_rows,
     0,
     CFG.block_size,
-    False,
   )
   plan = np.zeros(8, np.int32)
   kv = cache.kv

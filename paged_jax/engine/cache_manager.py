@@ -97,6 +97,19 @@ class CacheManager:
       raise ValueError(f"slots {list(slots)} span several data shards")
     return int(shards.flat[0]), local.astype(np.int32)
 
+  def _group(self, slots, values=None) -> tuple[int, np.ndarray, np.ndarray | None]:
+    """`(shard, local slots, values)` of a group's slots, padded to
+    `max_seqs` entries (-1 slots, 0 values), so that every manager call over
+    a group compiles once whatever its size."""
+    shard, local = self._local(slots)
+    padded = np.full(self.cfg.max_seqs, -1, np.int32)
+    padded[: local.size] = local
+    if values is None:
+      return shard, padded, None
+    padded_values = np.zeros(self.cfg.max_seqs, np.int32)
+    padded_values[: local.size] = values
+    return shard, padded, padded_values
+
   def shard_state(self, shard: int) -> BlockManagerState:
     """The manager state of data shard `shard`."""
     return jax.tree.map(lambda a: a[shard], self.state)
@@ -112,11 +125,11 @@ class CacheManager:
     return int(_read_shard(BlockSpaceManager.num_free_cpu_blocks, self.state, shard))
 
   def can_swap_out(self, slots) -> bool:
-    shard, local = self._local(slots)
+    shard, local, _ = self._group(slots)
     return bool(_read_shard(manager.can_swap_out, self.state, shard, local))
 
   def can_swap_in(self, slots) -> AllocStatus:
-    shard, local = self._local(slots)
+    shard, local, _ = self._group(slots)
     return AllocStatus(int(_read_shard(manager.can_swap_in, self.state, shard, local)))
 
   def held(self, slots) -> list[int]:
@@ -154,6 +167,13 @@ class CacheManager:
     self.state, result = _on_shard(op, self.state, shard, local, *args)
     return shard, result
 
+  def _update_group(self, op, slots, values=None):
+    """`op(state, local slots[, values])` on a group's padded slots."""
+    shard, local, values = self._group(slots, values)
+    args = (local,) if values is None else (local, values)
+    self.state, result = _on_shard(op, self.state, shard, *args)
+    return shard, result
+
   def allocate(self, slot: int, tokens: np.ndarray, request_id: str) -> int:
     """Allocates `tokens` into `slot` for request `request_id`; returns how
     many are already computed (prefix-cache hits whose K/V an earlier
@@ -180,7 +200,7 @@ class CacheManager:
     slots, num_computed = np.asarray(slots), np.asarray(num_computed, np.int32)
     for shard in np.unique(slots // self.cfg.max_seqs):
       mine = slots // self.cfg.max_seqs == shard
-      self._update(_mark_computed, slots[mine], num_computed[mine])
+      self._update_group(_mark_computed, slots[mine], num_computed[mine])
 
   def fork(self, parent: int, child: int, request_id: str) -> None:
     shard, (local_parent, local_child) = self._local([parent, child])
@@ -190,20 +210,20 @@ class CacheManager:
   def free(self, slots, request_id: str) -> None:
     """Frees the sequences in `slots` of one shard (on the device or
     swapped out)."""
-    shard, result = self._update(manager.free, slots)
+    shard, result = self._update_group(manager.free, slots)
     self._check(result, f"free of request {request_id!r}'s seqs {list(slots)}", shard)
 
   def swap_out(self, slots, request_id: str):
     """Moves the tables of `slots` to the host pool; returns the plan of
     page copies for `move_out`."""
-    shard, plan = self._update(BlockSpaceManager.swap_out, slots)
+    shard, plan = self._update_group(BlockSpaceManager.swap_out, slots)
     self._check(plan, f"swap out of request {request_id!r}'s seqs {list(slots)}", shard)
     return sharding.shard_plan(plan, shard, self.cfg.num_gpu_blocks, self.cfg.num_cpu_blocks)
 
   def swap_in(self, slots, request_id: str):
     """Moves the tables of `slots` back to GPU blocks; returns the plan of
     page copies for `move_in`."""
-    shard, plan = self._update(BlockSpaceManager.swap_in, slots)
+    shard, plan = self._update_group(BlockSpaceManager.swap_in, slots)
     self._check(plan, f"swap in of request {request_id!r}'s seqs {list(slots)}", shard)
     return sharding.shard_plan(plan, shard, self.cfg.num_cpu_blocks, self.cfg.num_gpu_blocks)
 
@@ -216,3 +236,38 @@ class CacheManager:
     """Copies the pages of a `swap_in` plan from the host to the device."""
     self.kv = kv_ops.swap_in(self.kv, plan)
     self.num_swapped_blocks += int(plan.count)
+
+  # Warm-up.
+  def warm_up(self) -> None:
+    """Compiles every manager call and page move the engine makes, on
+    arguments that change nothing (padding slots, empty swap plans): the
+    states and pages stay as they are."""
+    shard, one = 0, np.full(1, -1, np.int32)
+    _, no_group, no_values = self._group([self.shard_slots(0)[0]], [0])
+    no_group[:] = -1
+    tokens = np.zeros(self.cfg.max_tokens_per_seq, np.int32)
+    no_seq = np.int32(-1)
+    for op, args in (
+      (manager.allocate, (one, tokens, 0)),
+      (_mark_computed, (no_group, no_values)),
+      (manager.fork, (no_seq, no_seq)),
+      (manager.free, (no_group,)),
+    ):
+      _on_shard(op, self.state, shard, *args)
+    for op, args in (
+      (manager.can_allocate, (0,)),
+      (BlockSpaceManager.num_free_gpu_blocks, ()),
+      (BlockSpaceManager.num_free_cpu_blocks, ()),
+      (manager.can_swap_out, (no_group,)),
+      (manager.can_swap_in, (no_group,)),
+      (manager.get_common_computed_block_ids, (one,)),
+    ):
+      _read_shard(op, self.state, shard, *args)
+    _hit_counts(self.state)
+    sizes = (self.cfg.num_gpu_blocks, self.cfg.num_cpu_blocks)
+    for op, move, (src, dst) in (
+      (BlockSpaceManager.swap_out, kv_ops.swap_out, sizes),
+      (BlockSpaceManager.swap_in, kv_ops.swap_in, sizes[::-1]),
+    ):
+      _, plan = _on_shard(op, self.state, shard, no_group)
+      self.kv = move(self.kv, sharding.shard_plan(plan, shard, src, dst))

@@ -6,8 +6,9 @@ import time
 
 import jax
 import numpy as np
+from tqdm.auto import tqdm
 
-from paged_jax import sharding
+from paged_jax import compile_guard, sharding
 from paged_jax.config import CacheConfig
 from paged_jax.engine.cache_manager import CacheManager
 from paged_jax.engine.input_processor import MAX_STOP_TOKENS, InputProcessor
@@ -57,6 +58,10 @@ class LLMEngine:
     max_logprobs: the largest `SamplingParams.logprobs` accepted.
     max_beam_width: the most beams (`n` with `use_beam_search`) a request
       may ask for; it sizes the decode loop's beam state.
+    prefill_width: tokens per prefill row: a prompt chunk runs as rows of
+      this many tokens (see `compiled_programs`).
+    warmup: compile every program the engine can launch now (`warmup()`),
+      so that serving compiles nothing.
     seed: seed of the requests that give none.
     key: a PRNG key used instead of `seed`.
 
@@ -79,6 +84,8 @@ class LLMEngine:
     num_decode_steps: int = 8,
     max_logprobs: int = 5,
     max_beam_width: int = 4,
+    prefill_width: int = 32,
+    warmup: bool = False,
     seed: int = 0,
     key: jax.Array | None = None,
   ):
@@ -92,6 +99,7 @@ class LLMEngine:
       ("num_decode_steps", num_decode_steps, 1, None),
       ("max_logprobs", max_logprobs, 0, None),
       ("max_beam_width", max_beam_width, 1, None),
+      ("prefill_width", prefill_width, 1, None),
     ):
       if (
         isinstance(value, bool)
@@ -125,6 +133,8 @@ class LLMEngine:
       num_logprobs=max_logprobs,
       stop_width=MAX_STOP_TOKENS,
       max_beam_width=max_beam_width,
+      prefill_width=prefill_width,
+      max_prefill_rows=-(-max_num_batched_tokens // prefill_width) + max_num_seqs,
     )
     self.inputs = InputProcessor(
       tokenizer,
@@ -148,6 +158,50 @@ class LLMEngine:
     self._arrivals = 0
     self._prompt_tokens = 0
     self.timing = dict(rounds=0, wall_s=0.0, device_s=0.0)
+    if warmup:
+      self.warmup()
+
+  # Programs.
+  def compiled_programs(self) -> list[str]:
+    """Every program the engine launches, one per shape: the bucket set.
+
+    Prefill runs a round's prompt chunks as rows of `prefill_width` tokens,
+    each data shard's rows padded to a power of two up to the bucket of
+    `ceil(max_num_batched_tokens / prefill_width) + max_num_seqs` (a chunk
+    adds at most one partly filled row); the decode loop has one shape, with
+    and without the beam step; the block manager's calls over a group take
+    its slots padded to `max_seqs`; swaps move fixed-capacity plans.
+    """
+    rows = self.runner.prefill_buckets()
+    width, shards = self.runner.prefill_width, self.cache.num_shards
+    return (
+      [f"prefill {shards * r}x{width} tokens" for r in rows]
+      + [f"decode loop x{self.num_decode_steps} steps", "decode loop with beams"]
+      + ["block manager calls", "swap out", "swap in"]
+    )
+
+  def warmup(self) -> None:
+    """Compiles every program of `compiled_programs()` (the persistent
+    compilation cache makes a later start with the same model and config
+    read them back), showing a progress bar, then prints one summary line.
+
+    Raises:
+      RuntimeError: if requests are already running.
+    """
+    runner, steps = self.runner, self.num_decode_steps
+    launches = [
+      lambda r=r: runner.warm_up(steps, rows_per_shard=r) for r in runner.prefill_buckets()
+    ]
+    launches += [lambda b=b: runner.warm_up(steps, with_beams=b) for b in (False, True)]
+    launches.append(self.cache.warm_up)
+    start = time.perf_counter()
+    with compile_guard.count_compiles() as compiles:
+      for launch in tqdm(launches, desc="warm-up", unit="program", leave=False):
+        launch()
+    print(
+      f"warm-up: {len(self.compiled_programs())} programs ({len(compiles)} compiles) in "
+      f"{time.perf_counter() - start:.1f} s"
+    )
 
   # Requests.
   def admission_error(self, num_prompt_tokens: int, params: SamplingParams) -> str | None:

@@ -240,7 +240,7 @@ def score_next_tokens(logits, next_tokens, num_logprobs: int) -> PromptScores:
   )
 
 
-@functools.partial(jax.jit, static_argnums=(0, 11, 12, 13), donate_argnums=(2,))
+@functools.partial(jax.jit, static_argnums=(0, 11, 12), donate_argnums=(2,))
 def prefill(
   graphdef,
   params_state,
@@ -255,7 +255,6 @@ def prefill(
   rows,
   num_logprobs,
   block_size,
-  with_scores,
 ):
   """Runs prompt chunks, then draws token 0 of sequences from their logits.
 
@@ -264,8 +263,9 @@ def prefill(
   slots in their shard. A row's positions before `write_from[row]` already
   hold their K/V in the cache and are not written again. Draw `i` samples
   from the last position of chunk `chunk_of[i]` with the sampling
-  parameters `rows[i]`. With `with_scores` (static), it also scores
-  `next_tokens` (see `score_next_tokens`); else the scores are None.
+  parameters `rows[i]`. Where a row has `next_tokens` (>= 0), it also
+  scores them (see `score_next_tokens`; the vocabulary-wide work runs only
+  when some row asks).
   """
   tables = jax.vmap(manager.get_block_tables)(states, local)
   tables = tables.reshape(-1, tables.shape[-1])
@@ -280,7 +280,14 @@ def prefill(
   last_logits = logits[chunk_of, last[chunk_of]]
   index = jnp.zeros(chunk_of.shape, jnp.int32)
   draw = sample_rows(last_logits, rows, index, num_logprobs)
-  scores = score_next_tokens(logits, next_tokens, num_logprobs) if with_scores else None
+  score = functools.partial(score_next_tokens, num_logprobs=num_logprobs)
+  scores = jax.lax.cond(
+    jnp.any(next_tokens >= 0),
+    lambda: score(logits, next_tokens),
+    lambda: jax.tree.map(
+      lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(score, logits, next_tokens)
+    ),
+  )
   return sharding.replicate((draw, scores), kv), cache.kv
 
 

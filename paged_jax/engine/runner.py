@@ -56,6 +56,8 @@ class ModelRunner:
     mesh: the mesh the model's weights are split over, or None.
     max_beam_width: the most beams a beam-search request may ask for
       (static: it sizes the beam state).
+    prefill_width: tokens per prefill row (a chunk runs as rows of it).
+    max_prefill_rows: the most prefill rows of one data shard in a round.
   """
 
   def __init__(
@@ -67,8 +69,11 @@ class ModelRunner:
     stop_width: int = 4,
     mesh=None,
     max_beam_width: int = 4,
+    prefill_width: int = 32,
+    max_prefill_rows: int = 1,
   ):
     self.cache = cache
+    self.prefill_width, self.max_prefill_rows = prefill_width, max_prefill_rows
     if mesh is not None:
       model = sharding.shard_model(model, mesh)
     self.graphdef, self.params = nnx.split(model)
@@ -92,7 +97,13 @@ class ModelRunner:
     self.num_generated = np.zeros(num_rows, np.int32)
     self.limit = np.zeros(num_rows, np.int32)
     self.counters = dict(
-      cow_copies=0, peak_blocks=0, utilization_sum=0.0, decode_steps=0, loop_launches=0
+      cow_copies=0,
+      peak_blocks=0,
+      utilization_sum=0.0,
+      decode_steps=0,
+      loop_launches=0,
+      prefill_tokens=0,
+      prefill_padded_tokens=0,
     )
 
   # Rows.
@@ -102,7 +113,7 @@ class ModelRunner:
     stopped = np.asarray(changes.stop, np.int64)
     self.seq_ids[stopped] = -1
     for slots in changes.clear_beams:
-      self.beams = programs.clear_beams(self.beams, np.asarray(slots, np.int32))
+      self.beams = programs.clear_beams(self.beams, self._group_slots(slots))
       self.in_beam_group[np.asarray(slots)] = False
     rows = self.rows
     for row in changes.new_rows:
@@ -113,9 +124,7 @@ class ModelRunner:
       rows.stop_ids[slot, : len(row.stop_ids)] = row.stop_ids
       self.limit[slot] = row.limit
     for slots, width, length_penalty in changes.new_beams:
-      self.beams = programs.start_beams(
-        self.beams, np.asarray(slots, np.int32), width, length_penalty
-      )
+      self.beams = programs.start_beams(self.beams, self._group_slots(slots), width, length_penalty)
       self.in_beam_group[np.asarray(slots)] = True
     for slot, last_token, num_generated in changes.start:
       self.seq_ids[slot] = slot
@@ -123,13 +132,20 @@ class ModelRunner:
     resumed = np.asarray(changes.resume, np.int64)
     self.seq_ids[resumed] = resumed
 
+  def _group_slots(self, slots) -> np.ndarray:
+    """A beam group's slots padded with -1 to the group capacity (one
+    compile of the beam programs whatever the width)."""
+    padded = np.full(self.beams.slots.shape[1], -1, np.int32)
+    padded[: len(slots)] = slots
+    return padded
+
   def has_running_rows(self) -> bool:
     return bool(np.any(self.seq_ids >= 0))
 
   def hypotheses(self, leader: int, count: int):
     """The best `count` finished hypotheses of a beam group, best first:
     `(tokens, cumulative logprob, stopped)` triples."""
-    b = jax.device_get(jax.tree.map(lambda a: a[leader], self.beams))
+    b = jax.tree.map(lambda a: np.asarray(a)[leader], self.beams)
     return [
       (b.hyp_tokens[i, : b.hyp_len[i]].tolist(), float(b.hyp_logprob[i]), bool(b.hyp_stopped[i]))
       for i in range(count)
@@ -137,8 +153,21 @@ class ModelRunner:
     ]
 
   # Launches.
+  def prefill_rows(self, num_rows: int) -> int:
+    """The row bucket that holds `num_rows` prefill rows of one shard."""
+    return programs.bucket(num_rows)
+
+  def prefill_buckets(self) -> list[int]:
+    """Every row count (per data shard) a prefill launch can have: powers of
+    two up to the bucket of `max_prefill_rows`."""
+    return [1 << i for i in range(self.prefill_rows(self.max_prefill_rows).bit_length())]
+
   def prefill(self, chunks, samples) -> tuple[Draw, list]:
     """Runs prompt chunks, then draws token 0 of the sequences in `samples`.
+
+    A chunk runs as rows of `prefill_width` tokens (its last row padded),
+    and the rows of each data shard are padded to a power of two, so prefill
+    compiles once per row bucket (`prefill_buckets`), whatever the chunks.
 
     Args:
       chunks: `PrefillChunk`s: `tokens` go to positions `start ..` of the
@@ -152,36 +181,63 @@ class ModelRunner:
       `(draws, scores)`: NumPy draws, one per pair of `samples`, and per
       chunk None or its `PromptScores` (NumPy, one entry per token).
     """
-    cache = self.cache
+    cache, width = self.cache, self.prefill_width
     num_shards, per_shard = cache.num_shards, cache.cfg.max_seqs
-    shard_of = [chunk.seq.slot // per_shard for chunk in chunks]
-    per_row = programs.bucket(int(np.bincount(shard_of, minlength=num_shards).max()))
-    width = programs.bucket(max(chunk.tokens.size for chunk in chunks), 8)
-    tokens = np.zeros((num_shards * per_row, width), np.int32)
-    positions = np.full((num_shards * per_row, width), -1, np.int32)
-    write_from = np.zeros(num_shards * per_row, np.int32)
-    next_tokens = np.full((num_shards * per_row, width), -1, np.int32)
+    pieces = [
+      (chunk.seq.slot // per_shard, index, offset)
+      for index, chunk in enumerate(chunks)
+      for offset in range(0, chunk.tokens.size, width)
+    ]
+    counts = np.bincount([shard for shard, _, _ in pieces], minlength=num_shards)
+    per_row = self.prefill_rows(int(counts.max()))
+    num_rows = num_shards * per_row
+    tokens = np.zeros((num_rows, width), np.int32)
+    positions = np.full((num_rows, width), -1, np.int32)
+    write_from = np.zeros(num_rows, np.int32)
+    next_tokens = np.full((num_rows, width), -1, np.int32)
     local = np.full((num_shards, per_row), -1, np.int32)
     filled = np.zeros(num_shards, np.int64)
-    row_of = []
-    for shard, chunk in zip(shard_of, chunks):
-      row = shard * per_row + filled[shard]
-      size, start = chunk.tokens.size, chunk.start
-      tokens[row, :size] = chunk.tokens
-      positions[row, :size] = np.arange(start, start + size)
+    rows_of = [[] for _ in chunks]
+    for shard, index, offset in pieces:
+      chunk, row = chunks[index], shard * per_row + filled[shard]
+      piece = slice(offset, offset + width)
+      size = chunk.tokens[piece].size
+      tokens[row, :size] = chunk.tokens[piece]
+      positions[row, :size] = np.arange(chunk.start + offset, chunk.start + offset + size)
       write_from[row] = chunk.write_from
       if chunk.next_tokens is not None:
-        next_tokens[row, :size] = chunk.next_tokens
+        next_tokens[row, :size] = chunk.next_tokens[piece]
       local[shard, filled[shard]] = chunk.seq.slot % per_shard
       filled[shard] += 1
-      row_of.append(row)
+      rows_of[index].append(row)
+    self.counters["prefill_tokens"] += sum(chunk.tokens.size for chunk in chunks)
+    self.counters["prefill_padded_tokens"] += num_rows * width
     num_draws = num_shards * per_shard  # one compile, whatever the samples
     chunk_of = np.zeros(num_draws, np.int32)
     sample_slots = np.zeros(num_draws, np.int32)
     for i, (chunk, slot) in enumerate(samples):
-      chunk_of[i], sample_slots[i] = row_of[chunk], slot
-    rows = jax.tree.map(lambda a: a[sample_slots], self.rows)
+      chunk_of[i], sample_slots[i] = rows_of[chunk][-1], slot
+    draw, scores = self._launch_prefill(
+      tokens, positions, write_from, next_tokens, local, chunk_of, sample_slots
+    )
+    draws = jax.tree.map(lambda a: np.asarray(a)[: len(samples)], draw)
     scored = [chunk.next_tokens is not None for chunk in chunks]
+    if any(scored):
+      scores = jax.tree.map(np.asarray, scores)
+    return draws, [
+      jax.tree.map(
+        lambda a, rows=rows_of[index], size=chunk.tokens.size: a[rows].reshape(-1, *a.shape[2:])[
+          :size
+        ],
+        scores,
+      )
+      if wanted
+      else None
+      for index, (chunk, wanted) in enumerate(zip(chunks, scored))
+    ]
+
+  def _launch_prefill(self, tokens, positions, write_from, next_tokens, local, chunk_of, samples):
+    cache = self.cache
     (draw, scores), cache.kv = programs.prefill(
       self.graphdef,
       self.params,
@@ -193,21 +249,44 @@ class ModelRunner:
       next_tokens,
       local,
       chunk_of,
-      rows,
+      jax.tree.map(lambda a: a[samples], self.rows),
       self.num_logprobs,
       cache.cfg.block_size,
-      any(scored),
     )
-    draws = jax.tree.map(lambda a: np.asarray(a)[: len(samples)], draw)
-    if scores is not None:
-      scores = jax.tree.map(np.asarray, scores)
-    per_chunk = [
-      jax.tree.map(lambda a, row=row, size=chunk.tokens.size: a[row, :size], scores)
-      if wanted
-      else None
-      for row, chunk, wanted in zip(row_of, chunks, scored)
-    ]
-    return draws, per_chunk
+    return draw, scores
+
+  def warm_up(self, num_steps: int, rows_per_shard: int | None = None, with_beams=None) -> None:
+    """Compiles a launch on rows that do nothing (the pages, states and
+    beams stay as they are): prefill of `rows_per_shard` rows per shard, or
+    the decode loop of `num_steps` steps (`with_beams`: with the beam step).
+    """
+    if self.has_running_rows():
+      raise RuntimeError("warm-up launches only while no row decodes")
+    cache = self.cache
+    if rows_per_shard is not None:
+      num_rows = cache.num_shards * rows_per_shard
+      shape = (num_rows, self.prefill_width)
+      self._launch_prefill(
+        np.zeros(shape, np.int32),
+        np.full(shape, -1, np.int32),
+        np.zeros(num_rows, np.int32),
+        np.full(shape, -1, np.int32),
+        np.full((cache.num_shards, rows_per_shard), -1, np.int32),
+        np.zeros(cache.num_slots, np.int32),
+        np.zeros(cache.num_slots, np.int32),
+      )
+      return
+    loop = self._launch_decode(self.decode_carry(num_steps), False, with_beams)
+    self.cache.state, self.cache.kv, self.beams = loop.state, loop.kv, loop.beams
+    if with_beams:  # starting and forgetting a group (results dropped)
+      no_group = self._group_slots([])
+      programs.start_beams(self.beams, no_group, 1, 1.0)
+      programs.clear_beams(self.beams, no_group)
+
+  def _launch_decode(self, carry, stop_on_finish: bool, with_beams: bool) -> programs.DecodeLoop:
+    return programs.decode_loop(
+      self.graphdef, self.params, self.rows, carry, jnp.array(stop_on_finish), with_beams
+    )
 
   def decode_carry(self, num_steps: int) -> programs.DecodeLoop:
     """The decode loop's carry for a launch of up to `num_steps` steps."""
@@ -243,9 +322,7 @@ class ModelRunner:
     loop = self.decode_carry(num_steps)
     # The beam step compiles only once a beam group runs.
     with_beams = bool(np.any(self.in_beam_group & running))
-    loop = programs.decode_loop(
-      self.graphdef, self.params, self.rows, loop, jnp.array(stop_on_finish), with_beams
-    )
+    loop = self._launch_decode(loop, stop_on_finish, with_beams)
     self.cache.state, self.cache.kv, self.beams = loop.state, loop.kv, loop.beams
     self.seq_ids = np.array(loop.seq_ids)
     self.last_token = np.array(loop.last_token)
