@@ -18,7 +18,9 @@ import paged_jax as pj
 from paged_jax import kv_cache as kv_ops
 from paged_jax import sharding
 from paged_jax.block_manager import manager
-from paged_jax.engine import runner as runner_lib
+from paged_jax.engine import programs
+from paged_jax.engine.cache_manager import CacheManager
+from paged_jax.engine.runner import ModelRunner
 from paged_jax.models import LlamaConfig, load_tiny
 from paged_jax.models.paged import paged_cache
 
@@ -144,19 +146,22 @@ def collectives(hlo: str) -> list[list[str]]:
 
 def step_collectives(model, mesh) -> dict[str, list[list[str]]]:
   """Collectives of the compiled decode loop, prefill and swaps on ``mesh``."""
-  runner = runner_lib.ModelRunner(model, CFG, mesh=mesh)
-  decode = runner_lib._decode_loop.lower(
+  cache = CacheManager(CFG, model.config, mesh=mesh)
+  runner = ModelRunner(model, cache, mesh=mesh)
+  decode = programs.decode_loop.lower(
     runner.graphdef, runner.params, runner.rows, runner.decode_carry(4), np.array(True), False
   )
-  data, rows, width = runner.num_shards, 2, 16
+  data, rows, width = cache.num_shards, 2, 16
   draw_rows = jax.tree.map(lambda a: a[: data * CFG.max_seqs], runner.rows)
-  prefill = runner_lib._prefill.lower(
+  prefill = programs.prefill.lower(
     runner.graphdef,
     runner.params,
-    runner.kv,
-    runner.state,
+    cache.kv,
+    cache.state,
     np.zeros((data * rows, width), np.int32),
     np.zeros((data * rows, width), np.int32),
+    np.zeros(data * rows, np.int32),
+    np.full((data * rows, width), -1, np.int32),
     np.zeros((data, rows), np.int32),
     np.zeros(data * CFG.max_seqs, np.int32),
     draw_rows,
@@ -164,7 +169,7 @@ def step_collectives(model, mesh) -> dict[str, list[list[str]]]:
     CFG.block_size,
   )
   plan = np.zeros(8, np.int32)
-  kv = runner.kv
+  kv = cache.kv
   swaps = [
     kv_ops._jitted_for(kv, fn).lower(kv, plan, plan, np.int32(0))
     for fn in (kv_ops._swap_out, kv_ops._swap_in)
@@ -320,7 +325,7 @@ def serve_features(model, mesh, kv_cache_dtype=None) -> dict:
     for out in engine.step():
       if out.finished:
         finals[out.request_id] = out
-    for shard in range(engine.runner.num_shards):
+    for shard in range(engine.cache.num_shards):
       pj.check_invariants(engine.shard_state(shard))
   stats = engine.stats
   engine.add_request("late", requests[0][0], requests[0][1])
@@ -337,11 +342,11 @@ def serve_features(model, mesh, kv_cache_dtype=None) -> dict:
       src=np.zeros(2, np.int32), dst=np.ones(2, np.int32), count=np.int32(1), status=np.int32(0)
     )
     try:
-      pj.copy_blocks(engine.runner.kv, plan)
+      pj.copy_blocks(engine.cache.kv, plan)
     except ValueError as err:
       errors["copy_plan"] = str(err)
     try:
-      engine.runner.free([0, FEATURES_CFG.max_seqs])  # slot 0 of shards 0, 1
+      engine.cache.free([0, FEATURES_CFG.max_seqs], "late")  # slot 0 of shards 0, 1
     except ValueError as err:
       errors["slots"] = str(err)
   return {
@@ -353,7 +358,7 @@ def serve_features(model, mesh, kv_cache_dtype=None) -> dict:
     "shards": shards,
     "late_shard": late_shard,
     "all_free": engine.num_free_gpu_blocks()
-    == engine.runner.num_shards * FEATURES_CFG.num_gpu_blocks,
+    == engine.cache.num_shards * FEATURES_CFG.num_gpu_blocks,
     "swaps": stats.swaps,
     "preemptions": stats.preemptions,
     "hit_rate": stats.prefix_cache_hit_rate,

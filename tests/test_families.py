@@ -25,8 +25,9 @@ from flax import nnx
 
 import paged_jax as pj
 from paged_jax import models
-from paged_jax.generate import SamplingParams, generate_dense
+from paged_jax.engine.params import SamplingParams
 from paged_jax.models import checkpoints
+from paged_jax.models.dense import generate_dense
 from paged_jax.models.layers import LinearRopeScaling, Llama3RopeScaling
 from paged_jax.models.paged import PagedCache
 from tests.reference.block_manager import ReferenceBlockSpaceManager
@@ -688,7 +689,7 @@ def test_paged_greedy_decoding_equals_dense_past_the_window(name):
   )
   llm = pj.LLM(model, None, cfg, num_decode_steps=4)
   outputs = llm.generate(prompts, pj.SamplingParams(max_tokens=12, temperature=0.0))
-  dense = generate_dense(model, prompts, SamplingParams(max_new_tokens=12), jax.random.key(0))
+  dense = generate_dense(model, prompts, SamplingParams(max_tokens=12), jax.random.key(0))
   for output, expected in zip(outputs, dense):  # 22 to 27 tokens, windows of 8
     np.testing.assert_array_equal(output.outputs[0].token_ids, expected)
   assert llm.engine.stats.prefix_cache_hit_rate > 0

@@ -83,30 +83,32 @@ class Beams:
     )
 
   def start(self, slots, width: int, length_penalty: float) -> Beams:
-    """A new group in `slots` (its leader first), with one beam, empty."""
+    """A new group in `slots` (its leader first, `-1` padding to the group
+    capacity `2 W_max - 1`), with one beam, empty."""
+    slots = jnp.asarray(slots, jnp.int32)
     leader = slots[0]
     fresh = Beams.create(*self.hyp_len.shape, self.tokens.shape[1])
     one = lambda a, value: a.at[leader].set(value)
-    padded = (
-      jnp.full(self.slots.shape[1], -1, jnp.int32)
-      .at[: len(slots)]
-      .set(jnp.asarray(slots, jnp.int32))
-    )
     beams = jax.tree.map(lambda a, f: a.at[leader].set(f[0]), self, fresh)
     return beams.replace(
-      leader=self.leader.at[jnp.asarray(slots)].set(leader),
+      leader=self.leader.at[self._rows(slots)].set(leader, mode="drop"),
       index=one(beams.index, 0),
       score=one(beams.score, 0.0),
-      slots=one(beams.slots, padded),
+      slots=one(beams.slots, slots),
       width=one(beams.width, width),
       length_penalty=one(beams.length_penalty, length_penalty),
     )
 
   def clear(self, slots) -> Beams:
-    """Forgets the group in `slots` (its leader first)."""
+    """Forgets the group in `slots` (its leader first, `-1` padding)."""
     fresh = Beams.create(*self.hyp_len.shape, self.tokens.shape[1])
-    slots = jnp.asarray(slots)
-    return jax.tree.map(lambda a, f: a.at[slots].set(f[0]), self, fresh)
+    rows = self._rows(jnp.asarray(slots, jnp.int32))
+    return jax.tree.map(lambda a, f: a.at[rows].set(f[0], mode="drop"), self, fresh)
+
+  def _rows(self, slots: jax.Array) -> jax.Array:
+    """`slots` with the `-1` padding moved out of range (dropped by
+    scatters)."""
+    return jnp.where(slots >= 0, slots, self.leader.shape[0])
 
 
 class BeamMoves(flax.struct.PyTreeNode):

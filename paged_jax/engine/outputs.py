@@ -6,8 +6,6 @@ import dataclasses
 
 import numpy as np
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
-
 
 @dataclasses.dataclass
 class CompletionOutput:
@@ -36,9 +34,6 @@ class CompletionOutput:
   finish_reason: str | None = None
   stop_reason: int | str | None = None
 
-  def finished(self) -> bool:
-    return self.finish_reason is not None
-
 
 @dataclasses.dataclass
 class RequestOutput:
@@ -52,6 +47,10 @@ class RequestOutput:
       `output_kind="delta"`).
     finished: whether every sequence has finished.
     error: why the request could not be served (finish reason "error").
+    prompt_logprobs: with `SamplingParams.prompt_logprobs=k`, None for the
+      first prompt token, then per prompt token a dict mapping it and its
+      `k` most likely alternatives to their log-probabilities given the
+      tokens before it (complete once the prompt is prefilled); else None.
   """
 
   request_id: str
@@ -60,6 +59,7 @@ class RequestOutput:
   outputs: list[CompletionOutput]
   finished: bool
   error: str | None = None
+  prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclasses.dataclass

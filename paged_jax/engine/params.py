@@ -37,6 +37,12 @@ class SamplingParams:
       batch, budgets or preemptions. None draws from the engine's seed.
     logprobs: how many of each token's most likely alternatives to return
       (with their log-probabilities); None returns none.
+    prompt_logprobs: for every prompt token after the first, its
+      log-probability given the tokens before it and the `prompt_logprobs`
+      most likely alternatives (`RequestOutput.prompt_logprobs`); None
+      computes none. Prefill computes them, also where the prompt's blocks
+      are prefix-cache hits (their positions run through the model again;
+      their cached K/V is not rewritten).
     use_beam_search: beam search with `n` beams, on the device (temperature
       must be 0; see `paged_jax.engine.beam`).
     length_penalty: beam scores are `sum_logprobs / length**length_penalty`.
@@ -60,6 +66,7 @@ class SamplingParams:
   ignore_eos: bool = False
   seed: int | None = None
   logprobs: int | None = None
+  prompt_logprobs: int | None = None
   use_beam_search: bool = False
   length_penalty: float = 1.0
   output_kind: str = "cumulative"
@@ -74,6 +81,8 @@ class SamplingParams:
       self._require_int("seed", 0)
     if self.logprobs is not None:
       self._require_int("logprobs", 0)
+    if self.prompt_logprobs is not None:
+      self._require_int("prompt_logprobs", 0)
     if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0.0):
       raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
     if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
@@ -105,7 +114,3 @@ class SamplingParams:
     value = getattr(self, name)
     if not _is_int(value) or value < minimum:
       raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-
-  @property
-  def greedy(self) -> bool:
-    return self.temperature == 0.0

@@ -1,17 +1,24 @@
 """The scheduler: host-side policy of vLLM 0.6's scheduler, no arrays of its own.
 
 Groups (a request's `n` sequences) wait, run or sit swapped out, each queue in
-arrival order. Every round, swapped groups come back first (while any stay
-out, nothing new is admitted); then prompts are prefilled in chunks within
-the token budget (`max_num_batched_tokens`, after one token per decoding
-sequence), and waiting groups are admitted while the sequence budget
-(`max_num_seqs`), the token budget and the free blocks allow. When the
-decode loop runs out of blocks, the latest-arrived running group is
-preempted: by recompute (its blocks are freed, its tokens kept, and it is
-prefilled again when re-admitted, prefix caching then finding its blocks) or
-by swap (its blocks move to host memory). A beam-search group reserves `2n -
-1` slots (its beams fork into the spare ones on the device) and is always
-preempted by swap, its beams' state staying with the runner.
+arrival order, and only the scheduler moves them. Every round (`schedule`),
+swapped groups come back first (while any stay out, nothing new is
+admitted); then prompts are prefilled in chunks within the token budget
+(`max_num_batched_tokens`, after one token per decoding sequence), and
+waiting groups are admitted while the sequence budget (`max_num_seqs`), the
+token budget and the free blocks allow. When the decode loop runs out of
+blocks (`update` hears of it), the next round first preempts the
+latest-arrived running group: by recompute (its blocks are freed, its tokens
+kept, and it is prefilled again when re-admitted, prefix caching then
+finding its blocks) or by swap (its blocks move to host memory). A
+beam-search group reserves `2n - 1` slots (its beams fork into the spare
+ones on the device) and is always preempted by swap, its beams' state
+staying with the runner.
+
+The scheduler changes the block manager's states through the cache manager
+(what fits, allocations, forks, frees, swap plans) and says in a
+`SchedulerOutput` what the engine must run: page swaps, row changes for the
+model runner, prefill chunks.
 """
 
 from __future__ import annotations
@@ -21,79 +28,196 @@ import dataclasses
 
 import numpy as np
 
-from paged_jax.config import AllocStatus
+from paged_jax.config import AllocStatus, CacheConfig
+from paged_jax.engine.cache_manager import CacheManager
 from paged_jax.engine.params import SamplingParams
-from paged_jax.engine.runner import ModelRunner
+from paged_jax.engine.sequence import Sequence, SequenceGroup
 
 PREEMPTION_MODES = ("recompute", "swap")
 
 
+def token_limit(max_len: int, num_prompt_tokens: int, params: SamplingParams) -> int:
+  """Tokens each sequence of a request may draw: `max_tokens`, or fewer
+  where the sequence would pass `max_len` positions."""
+  return min(params.max_tokens, max_len - num_prompt_tokens)
+
+
+def resident_blocks(cfg: CacheConfig, num_prompt_tokens: int, lengths) -> int:
+  """GPU blocks sequences of `lengths` tokens take when their group is
+  admitted again after a recompute preemption (each is prefilled on its own;
+  with prefix caching they share the prompt's full blocks)."""
+  needed = sum(cfg.blocks_for(length) for length in lengths)
+  if cfg.enable_prefix_caching:
+    needed -= (len(lengths) - 1) * (num_prompt_tokens // cfg.block_size)
+  return needed
+
+
+def admission_error(
+  cfg: CacheConfig,
+  *,
+  max_len: int,
+  max_num_seqs: int,
+  num_prompt_tokens: int,
+  params: SamplingParams,
+  resident_lengths=None,
+) -> str | None:
+  """Why a request can never be served, or None: the one answer to "can it
+  ever fit", asked when it arrives and whenever it is to be admitted.
+
+  A request fits if its sequences and slots fit the budgets, its prompt
+  leaves room for new tokens in `max_len` positions, and one group alone
+  fits the GPU blocks: finishing (each of its `n` sequences holds `prompt +
+  max_tokens - 1` tokens; they share the prompt's full blocks) and being
+  admitted (above the watermark: its prompt, or `resident_lengths` after a
+  recompute preemption).
+
+  Args:
+    cfg: the cache of one data shard.
+    max_len: positions a sequence may use (the model's and the block
+      table's).
+    max_num_seqs: sequences that run at once at most.
+    num_prompt_tokens: the prompt's length.
+    params: the request's sampling parameters.
+    resident_lengths: tokens each unfinished sequence puts in the cache when
+      the group is admitted again after a recompute preemption; None for a
+      new request.
+  """
+  n = params.n
+  if n > max_num_seqs:
+    return f"n={n} sequences exceed max_num_seqs={max_num_seqs}"
+  if params.use_beam_search:
+    if 2 * n - 1 > cfg.max_seqs:
+      return f"{n} beams need {2 * n - 1} sequence slots, the cache has max_seqs={cfg.max_seqs}"
+    if num_prompt_tokens < 2:
+      return "beam search needs a prompt of at least 2 tokens"
+  if num_prompt_tokens >= max_len:
+    return (
+      f"a prompt of {num_prompt_tokens} tokens leaves no room for new tokens in {max_len} "
+      f"positions (the model's max_seq_len and the block table's {cfg.max_tokens_per_seq} tokens)"
+    )
+  limit = token_limit(max_len, num_prompt_tokens, params)
+  per_seq = cfg.blocks_for(num_prompt_tokens + limit - 1)
+  if cfg.sliding_window is not None:
+    per_seq = min(per_seq, cfg.blocks_for(cfg.sliding_window) + 1)
+  shared = min(num_prompt_tokens // cfg.block_size, per_seq)
+  needed = per_seq + (n - 1) * (per_seq - shared)
+  admittable = cfg.num_gpu_blocks - cfg.watermark_blocks
+  if needed > cfg.num_gpu_blocks or (
+    resident_lengths is None and cfg.blocks_for(num_prompt_tokens) > admittable
+  ):
+    return (
+      f"needs {needed} GPU blocks (n={n} x ({num_prompt_tokens} prompt "
+      f"+ {limit} new tokens) in blocks of {cfg.block_size}), the "
+      f"cache has {cfg.num_gpu_blocks} (watermark {cfg.watermark_blocks})"
+    )
+  if resident_lengths is not None:
+    resident = resident_blocks(cfg, num_prompt_tokens, resident_lengths)
+    if resident > admittable:
+      return (
+        f"its sequences of {list(resident_lengths)} tokens need {resident} GPU blocks to be "
+        f"prefilled again, the cache has {admittable} above the watermark"
+      )
+  return None
+
+
 @dataclasses.dataclass
-class Sequence:
-  """One sequence of a group, as the host tracks it."""
+class NewRow:
+  """A request's sampling parameters and token limit for a decode row."""
 
-  index: int
-  key_data: np.ndarray  # the sequence's PRNG key (raw words)
-  slot: int = -1
-  token_ids: list[int] = dataclasses.field(default_factory=list)
-  token_logprobs: list[float] = dataclasses.field(default_factory=list)
-  cumulative_logprob: float | None = None  # a beam's, read from the device
-  logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
-  finish_reason: str | None = None
-  stop_reason: int | str | None = None
-  text: str = ""
-  sent_text: int = 0  # characters already streamed (delta outputs)
-  sent_tokens: int = 0  # tokens already streamed (delta outputs)
-  prefill: np.ndarray | None = None  # tokens to put in the cache on admission
-  num_computed: int = 0  # tokens of `prefill` in the cache
-
-  @property
-  def finished(self) -> bool:
-    return self.finish_reason is not None
-
-  @property
-  def allocated(self) -> bool:
-    """Whether the sequence holds a table in its slot."""
-    return self.slot >= 0 and (self.prefill is not None or bool(self.token_ids))
-
-
-@dataclasses.dataclass
-class SequenceGroup:
-  """A request: its prompt, parameters and sequences."""
-
-  request_id: str
-  prompt: str | None
-  prompt_token_ids: np.ndarray
-  params: SamplingParams
-  arrival: int
-  limit: int  # tokens each sequence draws at most
+  slot: int
+  temperature: float
+  top_k: int
+  top_p: float
+  key_data: np.ndarray
   stop_ids: tuple[int, ...]
-  seqs: list[Sequence]
-  error: str | None = None
-  beam_slots: list[int] = dataclasses.field(default_factory=list)
-  shard: int = 0  # the data shard that serves it
-  load: int = 0  # tokens it adds to its shard's load
+  limit: int
 
-  @property
-  def beam(self) -> bool:
-    return self.params.use_beam_search
 
-  def num_slots(self) -> int:
-    """Sequence slots the group needs: `2n - 1` for `n` beams (spare slots
-    for the beams that fork), else one per unfinished sequence."""
-    return 2 * self.params.n - 1 if self.beam else len(self.live())
+@dataclasses.dataclass
+class RowChanges:
+  """How the model runner's decode rows change, applied in this order.
 
-  def live(self) -> list[Sequence]:
-    return [s for s in self.seqs if not s.finished]
+  Attributes:
+    stop: slots that stop decoding (freed, swapped out or released).
+    clear_beams: slot lists (leader first) of beam groups to forget.
+    new_rows: rows that get a request's parameters.
+    new_beams: `(slots, width, length_penalty)` of new beam groups.
+    start: `(slot, last token, tokens drawn)`: rows that decode from then.
+    resume: beam rows that decode on from where they were (swapped in).
+  """
 
-  @property
-  def finished(self) -> bool:
-    return all(s.finished for s in self.seqs)
+  stop: list[int] = dataclasses.field(default_factory=list)
+  clear_beams: list[list[int]] = dataclasses.field(default_factory=list)
+  new_rows: list[NewRow] = dataclasses.field(default_factory=list)
+  new_beams: list[tuple[list[int], int, float]] = dataclasses.field(default_factory=list)
+  start: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+  resume: list[int] = dataclasses.field(default_factory=list)
 
-  @property
-  def fresh(self) -> bool:
-    """No token drawn yet: prefill the prompt once, then fork `n` samples."""
-    return not any(s.token_ids for s in self.seqs)
+
+@dataclasses.dataclass
+class PrefillChunk:
+  """Prompt tokens that go into a sequence's cache this round.
+
+  Attributes:
+    group, seq: the sequence.
+    tokens: the tokens, for positions `start ..`.
+    start: the first one's position.
+    samples: the sequences that draw their first token from the logits this
+      chunk ends with (a fresh group's when it completes its prompt).
+    write_from: positions before it already hold their K/V (prefix-cache
+      hits that run again for their prompt log-probabilities).
+    next_tokens: with prompt log-probabilities asked for, the prompt token
+      after each position (-1 after the last), whose log-probability the
+      chunk computes; else None.
+  """
+
+  group: SequenceGroup
+  seq: Sequence
+  tokens: np.ndarray
+  start: int
+  samples: list[Sequence] = dataclasses.field(default_factory=list)
+  write_from: int = 0
+  next_tokens: np.ndarray | None = None
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+  """One round of one data shard, as the scheduler decided it.
+
+  The engine moves the swapped pages, applies the row changes, runs the
+  chunks, hands the first tokens and `after_prefill`'s row changes back,
+  decodes, and reports to `update`. What was decided after the last round
+  (aborts, finished sequences, the preemption after its decode) comes first.
+
+  Attributes:
+    shard: the data shard.
+    preempted: groups preempted after the last round's decode (already
+      back in a queue); nothing is swapped in or admitted this round.
+    failed: groups that can never be admitted (taken out of the queue).
+    swap_out, swap_in: the swap plans whose pages must move, in order.
+    rows: the decode rows' changes since the last round.
+    chunks: the prompt chunks to run.
+    decoding: the running groups; their started rows decode.
+    stop_on_finish: whether the decode loop should hand back control when
+      a row finishes (groups wait to be admitted or swapped in).
+  """
+
+  shard: int
+  preempted: list[SequenceGroup] = dataclasses.field(default_factory=list)
+  failed: list[SequenceGroup] = dataclasses.field(default_factory=list)
+  swap_out: list = dataclasses.field(default_factory=list)
+  swap_in: list = dataclasses.field(default_factory=list)
+  rows: RowChanges = dataclasses.field(default_factory=RowChanges)
+  chunks: list[PrefillChunk] = dataclasses.field(default_factory=list)
+  decoding: list[SequenceGroup] = dataclasses.field(default_factory=list)
+  stop_on_finish: bool = False
+
+
+def _score_whole_prompt(group: SequenceGroup, leader: Sequence) -> None:
+  """With prompt log-probabilities asked for, the leader's prefill starts
+  at the first token: prefix-cache hits run again (their K/V stays)."""
+  if group.params.prompt_logprobs is not None:
+    leader.cached_prefix, leader.num_computed = leader.num_computed, 0
 
 
 def _enqueue(queue: collections.deque, group: SequenceGroup) -> None:
@@ -105,41 +229,43 @@ def _enqueue(queue: collections.deque, group: SequenceGroup) -> None:
 
 
 class Scheduler:
-  """Decides what runs; the runner executes it.
+  """Decides what runs on one data shard; the engine executes it.
 
   Args:
-    runner: the `ModelRunner` whose manager state the decisions read.
+    cache: the cache manager whose states the decisions read and change.
     max_num_seqs: sequences that run at once at most.
     max_num_batched_tokens: tokens one round runs through the model at most.
     preemption_mode: "recompute" or "swap". Groups of several sequences are
       swapped in either mode; swap falls back to recompute when the host pool
       has no room.
-    shard: the data shard whose slots and blocks this scheduler decides on
-      (one scheduler per shard).
+    max_len: positions a sequence may use.
+    shard: the data shard whose slots and blocks this scheduler decides on.
   """
 
   def __init__(
     self,
-    runner: ModelRunner,
+    cache: CacheManager,
     max_num_seqs: int,
     max_num_batched_tokens: int,
     preemption_mode: str,
+    max_len: int,
     shard: int = 0,
   ):
-    self.runner = runner
+    self.cache = cache
     self.shard = shard
     self.max_num_seqs = max_num_seqs
     self.max_num_batched_tokens = max_num_batched_tokens
     self.preemption_mode = preemption_mode
+    self.max_len = max_len
     self.waiting: collections.deque[SequenceGroup] = collections.deque()
     self.running: list[SequenceGroup] = []
     self.swapped: collections.deque[SequenceGroup] = collections.deque()
-    self.free_slots = list(runner.shard_slots(shard))
+    self.free_slots = list(cache.shard_slots(shard))
     self.num_preemptions = 0
     self.prefill_tokens = 0
-    # After a preemption the running groups decode before anything is
-    # admitted or swapped in, or the victim would come straight back.
-    self._preempted = False
+    # What the next round starts with: row changes and preemptions decided
+    # since this round (swapped pages move before anything else runs).
+    self._next = SchedulerOutput(shard=shard)
 
   def has_unfinished(self) -> bool:
     return bool(self.waiting or self.running or self.swapped)
@@ -147,101 +273,135 @@ class Scheduler:
   def num_running_seqs(self) -> int:
     return sum(len(g.live()) for g in self.running)
 
+  def add(self, group: SequenceGroup) -> None:
+    """Queues a new group."""
+    self.waiting.append(group)
+
   def _take_slots(self, count: int) -> list[int]:
     self.free_slots.sort()
     slots, self.free_slots = self.free_slots[:count], self.free_slots[count:]
     return slots
 
-  def release(self, seq: Sequence) -> None:
-    """Returns a finished sequence's slot (its blocks are already freed)."""
+  def _release(self, seq: Sequence) -> None:
+    """Returns a sequence's slot (its blocks are already freed)."""
     if seq.slot >= 0:
       self.free_slots.append(seq.slot)
       seq.slot = -1
 
+  def _free(self, group: SequenceGroup, slots) -> None:
+    """Frees the blocks of `slots`; their rows stop."""
+    self.cache.free(slots, group.request_id)
+    self._next.rows.stop += list(slots)
+
   def remove(self, group: SequenceGroup) -> None:
-    """Takes a group out of its queue and frees what it holds."""
+    """Takes a group out of its queue and frees what it holds (an abort)."""
     for queue in (self.waiting, self.swapped):
       if group in queue:
         queue.remove(group)
     if group in self.running:
       self.running.remove(group)
-    if group.beam:
-      held = self.runner.held(group.beam_slots)
-    else:
-      held = [s.slot for s in group.seqs if s.allocated]
+    held = self._held(group)
     if held:
-      self.runner.free(held)
-    self.release_group(group)
+      self._free(group, held)
+    self._release_group(group)
 
-  def release_group(self, group: SequenceGroup) -> None:
+  def _release_group(self, group: SequenceGroup) -> None:
     """Returns the slots of a group whose blocks are freed."""
     if group.beam_slots:
-      self.runner.clear_beams(group.beam_slots)
+      self._next.rows.clear_beams.append(group.beam_slots)
       self.free_slots += group.beam_slots
       group.beam_slots = []
     for seq in group.seqs:
       if group.beam:
         seq.slot = -1
       else:
-        self.release(seq)
+        self._release(seq)
+
+  def _held(self, group: SequenceGroup) -> list[int]:
+    """The slots whose block tables the group holds."""
+    if group.beam:
+      return self.cache.held(group.beam_slots)
+    return [s.slot for s in group.seqs if s.allocated]
+
+  def _num_decoding(self) -> int:
+    """Rows of running groups that decode (one token each per step)."""
+    count = 0
+    for group in self.running:
+      if group.beam:
+        if group.beam_slots and group.seqs[0].prefill is None:
+          count += len(self.cache.held(group.beam_slots))
+      else:
+        count += sum(s.slot >= 0 and s.prefill is None and bool(s.token_ids) for s in group.live())
+    return count
 
   # One round.
-  def schedule(self) -> tuple[list, list[SequenceGroup]]:
-    """Swaps in, admits and plans this round's prefill chunks.
-
-    Returns:
-      `(chunks, failed)`: `(group, seq, tokens, start)` prefill chunks, and
-      groups at the head of the queue that can never be admitted (taken out).
-    """
-    preempted, self._preempted = self._preempted, False
+  def schedule(self) -> SchedulerOutput:
+    """Swaps in (unless the last round preempted), admits, and plans this
+    round's prefill chunks."""
+    out = self._next  # what was decided since the last round, and now this one
+    preempted = bool(out.preempted)
     if not preempted:
-      self._swap_in()
-    budget = self.max_num_batched_tokens - self.runner.num_running(self.shard)
-    chunks = []
+      self._swap_in(out)
+    budget = self.max_num_batched_tokens - self._num_decoding()
     for group in self.running:
-      budget = self._plan_chunks(group, budget, chunks)
-    failed = []
+      budget = self._plan_chunks(group, budget, out)
+    # After a preemption the running groups decode before anything is
+    # admitted, or the victim would come straight back.
     while self.waiting and not self.swapped and budget > 0 and not preempted:
       group = self.waiting[0]
-      status = self._admissible(group)
+      status, reason = self._admissible(group)
       if status == AllocStatus.NEVER:
         self.waiting.popleft()
-        group.error = group.error or (
-          f"request {group.request_id!r} cannot be admitted: it needs more "
-          f"blocks or sequence slots than the cache has with nothing else "
-          f"running ({self.runner.cfg})"
-        )
-        failed.append(group)
+        group.error = group.error or f"request {group.request_id!r} cannot be admitted: {reason}"
+        out.failed.append(group)
         continue
       if status == AllocStatus.LATER:
         break
       self.waiting.popleft()
       self._admit(group)
-      budget = self._plan_chunks(group, budget, chunks)
-    return chunks, failed
+      budget = self._plan_chunks(group, budget, out)
+    out.decoding = list(self.running)
+    out.stop_on_finish = bool(self.waiting or self.swapped)
+    self._next = SchedulerOutput(shard=self.shard)
+    return out
 
-  def _idle(self) -> bool:
-    return not self.running and not self.swapped
-
-  def _admissible(self, group: SequenceGroup) -> AllocStatus:
+  def _admissible(self, group: SequenceGroup) -> tuple[AllocStatus, str | None]:
+    """Whether a waiting group can be admitted now, later or never (with
+    the reason)."""
     live = group.live()
-    cfg = self.runner.cfg
-    seqs_ok = self.num_running_seqs() + len(live) <= self.max_num_seqs and group.num_slots() <= len(
-      self.free_slots
+    prompt = len(group.prompt_token_ids)
+    lengths = None if group.fresh else [prompt + len(s.token_ids) - 1 for s in live]
+    reason = admission_error(
+      self.cache.cfg,
+      max_len=self.max_len,
+      max_num_seqs=self.max_num_seqs,
+      num_prompt_tokens=prompt,
+      params=group.params,
+      resident_lengths=lengths,
     )
+    if reason is not None:
+      return AllocStatus.NEVER, reason
+    if self.num_running_seqs() + len(live) > self.max_num_seqs or group.num_slots() > len(
+      self.free_slots
+    ):
+      return AllocStatus.LATER, None
     if group.fresh:
-      status = self.runner.can_allocate(group.prompt_token_ids.size, self.shard)
-    else:
-      needed = sum(cfg.blocks_for(len(group.prompt_token_ids) + len(s.token_ids) - 1) for s in live)
-      if cfg.enable_prefix_caching:  # the prompt's full blocks are shared
-        needed -= (len(live) - 1) * (len(group.prompt_token_ids) // cfg.block_size)
-      free = self.runner.num_free_gpu_blocks(self.shard) - cfg.watermark_blocks
-      status = AllocStatus.OK if needed <= free else AllocStatus.LATER
-    if status == AllocStatus.OK and not seqs_ok:
-      status = AllocStatus.LATER
-    if status == AllocStatus.LATER and self._idle():
-      return AllocStatus.NEVER
-    return status
+      return self.cache.can_allocate(prompt, self.shard), None
+    free = self.cache.num_free_gpu_blocks(self.shard) - self.cache.cfg.watermark_blocks
+    fits = resident_blocks(self.cache.cfg, prompt, lengths) <= free
+    return (AllocStatus.OK if fits else AllocStatus.LATER), None
+
+  def _new_row(self, group: SequenceGroup, seq: Sequence, slot: int, greedy: bool) -> NewRow:
+    params = group.params
+    return NewRow(
+      slot=slot,
+      temperature=0.0 if greedy else params.temperature,
+      top_k=0 if greedy else params.top_k,
+      top_p=1.0 if greedy else params.top_p,
+      key_data=seq.key_data,
+      stop_ids=group.stop_ids,
+      limit=group.limit,
+    )
 
   def _admit(self, group: SequenceGroup) -> None:
     """Allocates a group's blocks; its prompt (or tokens) await prefill."""
@@ -249,28 +409,20 @@ class Scheduler:
       self._admit_beams(group)
       return
     live = group.live()
-    params = group.params
     for seq, slot in zip(live, self._take_slots(len(live))):
       seq.slot = slot
-      self.runner.set_row(
-        slot,
-        temperature=params.temperature,
-        top_k=params.top_k,
-        top_p=params.top_p,
-        key_data=seq.key_data,
-        stop_ids=group.stop_ids,
-        limit=group.limit,
-      )
+      self._next.rows.new_rows.append(self._new_row(group, seq, slot, greedy=False))
     if group.fresh:
       leader = live[0]
       leader.prefill = group.prompt_token_ids
-      leader.num_computed = self.runner.allocate(leader.slot, leader.prefill)
+      leader.num_computed = self.cache.allocate(leader.slot, leader.prefill, group.request_id)
+      _score_whole_prompt(group, leader)
     else:
       for seq in live:
         seq.prefill = np.concatenate(
           [group.prompt_token_ids, np.asarray(seq.token_ids[:-1], np.int32)]
         )
-        seq.num_computed = self.runner.allocate(seq.slot, seq.prefill)
+        seq.num_computed = self.cache.allocate(seq.slot, seq.prefill, group.request_id)
     self.running.append(group)
 
   def _admit_beams(self, group: SequenceGroup) -> None:
@@ -278,36 +430,45 @@ class Scheduler:
     but the last token, which the first decode step runs (its logits give
     the first beams)."""
     slots = self._take_slots(group.num_slots())
-    for slot in slots:
-      self.runner.set_row(
-        slot,
-        temperature=0.0,
-        top_k=0,
-        top_p=1.0,
-        key_data=group.seqs[0].key_data,
-        stop_ids=group.stop_ids,
-        limit=group.limit,
-      )
-    self.runner.start_beams(slots, group.params.n, group.params.length_penalty)
-    group.beam_slots = slots
     leader = group.seqs[0]
+    for slot in slots:
+      self._next.rows.new_rows.append(self._new_row(group, leader, slot, greedy=True))
+    self._next.rows.new_beams.append((slots, group.params.n, group.params.length_penalty))
+    group.beam_slots = slots
     leader.slot = slots[0]
     leader.prefill = group.prompt_token_ids[:-1]
-    leader.num_computed = self.runner.allocate(leader.slot, leader.prefill)
+    leader.num_computed = self.cache.allocate(leader.slot, leader.prefill, group.request_id)
+    _score_whole_prompt(group, leader)
     self.running.append(group)
 
-  def _plan_chunks(self, group: SequenceGroup, budget: int, chunks) -> int:
+  def _plan_chunks(self, group: SequenceGroup, budget: int, out: SchedulerOutput) -> int:
+    """Plans the group's next prompt chunks within `budget`; a sequence
+    whose prompt they complete decodes from this round on (a fresh group's
+    samples once they drew their first token: `after_prefill`)."""
     for seq in group.live():
       if seq.prefill is None or budget <= 0:
         continue
-      count = min(seq.prefill.size - seq.num_computed, budget)
       start = seq.num_computed
-      chunks.append((group, seq, seq.prefill[start : start + count], start))
+      count = min(seq.prefill.size - start, budget)
+      seq.num_computed = start + count
+      chunk = PrefillChunk(group, seq, seq.prefill[start : start + count], start)
+      if group.params.prompt_logprobs is not None and group.fresh:
+        chunk.write_from = seq.cached_prefix
+        following = np.append(group.prompt_token_ids[1:], -1).astype(np.int32)
+        chunk.next_tokens = following[start : start + count]
+      if seq.num_computed == seq.prefill.size:
+        if group.beam:  # the prompt's last token starts the first beam step
+          self._next.rows.start.append((seq.slot, int(group.prompt_token_ids[-1]), 0))
+        elif not group.fresh:
+          self._next.rows.start.append((seq.slot, seq.token_ids[-1], len(seq.token_ids)))
+        else:
+          chunk.samples = group.live()
+      out.chunks.append(chunk)
       self.prefill_tokens += count
       budget -= count
     return budget
 
-  def _swap_in(self) -> None:
+  def _swap_in(self, out: SchedulerOutput) -> None:
     """Brings swapped groups back in arrival order while they fit: the
     manager's `can_swap_in` counts their blocks plus one new block per
     sequence, above the watermark."""
@@ -316,43 +477,41 @@ class Scheduler:
       slots = self._held(group)
       if (
         self.num_running_seqs() + len(group.live()) > self.max_num_seqs
-        or self.runner.can_swap_in(slots) != AllocStatus.OK
+        or self.cache.can_swap_in(slots) != AllocStatus.OK
       ):
         return
       self.swapped.popleft()
-      self.runner.swap_in(slots)
+      out.swap_in.append(self.cache.swap_in(slots, group.request_id))
       if group.beam:
-        self.runner.resume(slots)
+        self._next.rows.resume += slots
       else:
         for seq in group.live():
-          self.runner.start(seq.slot, seq.token_ids[-1], len(seq.token_ids))
+          self._next.rows.start.append((seq.slot, seq.token_ids[-1], len(seq.token_ids)))
       self.running.append(group)
       self.running.sort(key=lambda g: g.arrival)
 
-  def _held(self, group: SequenceGroup) -> list[int]:
-    """The slots whose block tables the group holds."""
-    if group.beam:
-      return self.runner.held(group.beam_slots)
-    return [s.slot for s in group.live() if s.allocated]
-
-  def preempt(self) -> SequenceGroup:
-    """Preempts the latest-arrived running group.
+  def _preempt(self) -> None:
+    """Preempts the latest-arrived running group, if any is left: when
+    every group that ran out has finished since, their blocks are free.
 
     Raises:
-      RuntimeError: if it is the only group running (it can never fit).
+      RuntimeError: if it is the only group running (it can never fit), or
+        a beam group whose beams the host pool cannot hold.
     """
+    out = self._next
     candidates = [g for g in self.running if not g.finished]
+    if not candidates:
+      return
     if len(candidates) < 2:
       raise RuntimeError(
-        f"request {candidates[0].request_id!r} ran out of GPU blocks with "
-        f"nothing else running ({self.runner.num_free_gpu_blocks(self.shard)}"
-        " free of "
-        f"{self.runner.cfg.num_gpu_blocks})"
+        f"request {candidates[0].request_id!r} ran out of GPU blocks with nothing else "
+        f"running ({self.cache.num_free_gpu_blocks(self.shard)} free of "
+        f"{self.cache.cfg.num_gpu_blocks})"
       )
     group = max(candidates, key=lambda g: g.arrival)
     self.running.remove(group)
     self.num_preemptions += 1
-    self._preempted = True
+    out.preempted.append(group)
     live = group.live()
     slots = self._held(group)
     decoding = all(s.prefill is None for s in live)
@@ -360,20 +519,73 @@ class Scheduler:
     # (prefilled again, its sequences would share no blocks), unless the
     # host pool has no room; beams always are (their state is on the device).
     swap = self.preemption_mode == "swap" or len(live) > 1 or group.beam
-    if swap and decoding and self.runner.can_swap_out(slots):
-      self.runner.swap_out(slots)
+    if swap and decoding and self.cache.can_swap_out(slots):
+      out.swap_out.append(self.cache.swap_out(slots, group.request_id))
+      self._next.rows.stop += slots
       _enqueue(self.swapped, group)
-      return group
+      return
     if group.beam and decoding:
       raise RuntimeError(
         f"beam-search request {group.request_id!r} must be preempted but "
-        f"the host pool ({self.runner.cfg.num_cpu_blocks} CPU blocks) cannot "
+        f"the host pool ({self.cache.cfg.num_cpu_blocks} CPU blocks) cannot "
         "hold its beams; give the cache more num_cpu_blocks"
       )
     if slots:
-      self.runner.free(slots)
-    self.release_group(group)
+      self._free(group, slots)
+    self._release_group(group)
     for seq in live:
       seq.prefill, seq.num_computed = None, 0
     _enqueue(self.waiting, group)
-    return group
+
+  # Results.
+  def after_prefill(self, out: SchedulerOutput) -> RowChanges:
+    """Takes in this round's prefill, once the samples' first tokens are
+    appended: marks the blocks computed, forks each completed fresh prompt
+    into its samples and frees the samples that finished.
+
+    Returns:
+      The row changes that start the unfinished samples.
+    """
+    changes = RowChanges()
+    chunks = out.chunks
+    self.cache.mark_computed([c.seq.slot for c in chunks], [c.seq.num_computed for c in chunks])
+    for chunk in chunks:
+      seq, request_id = chunk.seq, chunk.group.request_id
+      if seq.num_computed < seq.prefill.size:
+        continue
+      seq.prefill = None
+      for child in chunk.samples[1:]:
+        self.cache.fork(seq.slot, child.slot, request_id)
+      for sample in chunk.samples:
+        if sample.finished:
+          self.cache.free([sample.slot], request_id)
+          self._release(sample)
+        else:
+          changes.start.append((sample.slot, sample.token_ids[-1], 1))
+    return changes
+
+  def update(self, out: SchedulerOutput, finished_on_device=None, out_of_blocks=False) -> None:
+    """Takes in the round's decode: frees the sequences that finished on
+    the host (the device freed its own), returns finished sequences' slots
+    and retires finished groups.
+
+    Args:
+      out: the round's `SchedulerOutput`.
+      finished_on_device: bool `[S]`, rows the decode loop finished (and
+        freed); None when no decode ran.
+      out_of_blocks: whether this shard ran out of blocks: the
+        latest-arrived running group is preempted.
+    """
+    for group in out.decoding:
+      if group.beam:
+        if group.finished and group.beam_slots:  # the device freed its blocks
+          self._release_group(group)
+        continue
+      for seq in group.seqs:
+        if seq.finished and seq.slot >= 0:
+          if finished_on_device is None or not finished_on_device[seq.slot]:
+            self._free(group, [seq.slot])
+          self._release(seq)
+    self.running = [g for g in self.running if not g.finished]
+    if out_of_blocks:
+      self._preempt()

@@ -1,0 +1,273 @@
+"""The cache manager: the block manager's states and the paged KV cache.
+
+Data parallel shards (the "data" axis of a mesh) have one manager state
+each, batched along a leading axis; the cache holds every shard's blocks
+side by side, its block axis split over "data" (`paged_jax.sharding`).
+Sequence slots are global: slot `g` is slot `g % max_seqs` of shard
+`g // max_seqs`. The scheduler asks it what fits and changes the states
+(allocations, forks, frees, swap plans); the engine has it move the pages
+that swap plans name.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax import kv_cache as kv_ops
+from paged_jax import sharding
+from paged_jax.block_manager import manager
+from paged_jax.block_manager.manager import BlockSpaceManager
+from paged_jax.block_manager.state import EMPTY, BlockManagerState, init_states
+from paged_jax.config import AllocStatus, CacheConfig, Status
+from paged_jax.kv_cache import KVCache
+
+
+# The manager's operations take the config from the state, so one jitted
+# function serves every config (one compile per operation, config and shape).
+@functools.partial(jax.jit, static_argnums=0)
+def _on_shard(op, states, shard, *args):
+  """`op(state, *args) -> (state, result)` on shard `shard` of `states`."""
+  state, result = op(jax.tree.map(lambda a: a[shard], states), *args)
+  return jax.tree.map(lambda a, b: a.at[shard].set(b), states, state), result
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _read_shard(op, states, shard, *args):
+  """`op(state, *args)` on shard `shard` of `states`."""
+  return op(jax.tree.map(lambda a: a[shard], states), *args)
+
+
+def _mark_computed(state, seq_ids, num_computed_tokens):
+  return manager.mark_blocks_as_computed(state, seq_ids, num_computed_tokens), None
+
+
+_hit_counts = jax.jit(lambda states: (jnp.sum(states.num_hits), jnp.sum(states.num_lookups)))
+
+
+class CacheManager:
+  """Owns the manager states (one per data shard) and the KV cache.
+
+  Args:
+    cfg: the paged cache's configuration, per data shard.
+    model_config: the model's config (layers, KV heads, head size, dtype).
+    kv_cache_dtype: dtype of the KV pages; None for the model's dtype.
+    mesh: a ``("data", "model")`` mesh (see `paged_jax.sharding`), or None
+      for one device.
+  """
+
+  def __init__(self, cfg: CacheConfig, model_config, *, kv_cache_dtype=None, mesh=None):
+    self.cfg = cfg
+    self.bm = BlockSpaceManager(cfg)
+    mc = model_config
+    dtype = jnp.dtype(mc.dtype if kv_cache_dtype is None else kv_cache_dtype)
+    if mesh is None:
+      self.num_shards = 1
+      self.kv = KVCache.create(cfg, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype=dtype)
+      self.replicated = self.kv.k[0].sharding
+    else:
+      self.num_shards = mesh.shape["data"]
+      self.kv = KVCache.create(
+        cfg, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype=dtype, mesh=mesh
+      )
+      self.replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    # The states live where the pages do, so that every jitted call sees
+    # the same input shardings before and after its first run (one compile).
+    self.state = jax.device_put(init_states(cfg, self.num_shards), self.replicated)
+    self.num_swapped_blocks = 0
+
+  # Shards.
+  @property
+  def num_slots(self) -> int:
+    """Sequence slots of all shards."""
+    return self.num_shards * self.cfg.max_seqs
+
+  def shard_slots(self, shard: int) -> range:
+    """The global slots of data shard `shard`."""
+    per_shard = self.cfg.max_seqs
+    return range(shard * per_shard, (shard + 1) * per_shard)
+
+  def _local(self, slots) -> tuple[int, np.ndarray]:
+    """`(shard, local slots)` of global slots that share one shard."""
+    shards, local = np.divmod(np.asarray(slots, np.int32), self.cfg.max_seqs)
+    if np.unique(shards).size > 1:
+      raise ValueError(f"slots {list(slots)} span several data shards")
+    return int(shards.flat[0]), local.astype(np.int32)
+
+  def _group(self, slots, values=None) -> tuple[int, np.ndarray, np.ndarray | None]:
+    """`(shard, local slots, values)` of a group's slots, padded to
+    `max_seqs` entries (-1 slots, 0 values), so that every manager call over
+    a group compiles once whatever its size."""
+    shard, local = self._local(slots)
+    padded = np.full(self.cfg.max_seqs, -1, np.int32)
+    padded[: local.size] = local
+    if values is None:
+      return shard, padded, None
+    padded_values = np.zeros(self.cfg.max_seqs, np.int32)
+    padded_values[: local.size] = values
+    return shard, padded, padded_values
+
+  def shard_state(self, shard: int) -> BlockManagerState:
+    """The manager state of data shard `shard`."""
+    return jax.tree.map(lambda a: a[shard], self.state)
+
+  # Queries.
+  def can_allocate(self, num_tokens: int, shard: int = 0) -> AllocStatus:
+    return AllocStatus(int(_read_shard(manager.can_allocate, self.state, shard, num_tokens)))
+
+  def num_free_gpu_blocks(self, shard: int = 0) -> int:
+    return int(_read_shard(BlockSpaceManager.num_free_gpu_blocks, self.state, shard))
+
+  def num_free_cpu_blocks(self, shard: int = 0) -> int:
+    return int(_read_shard(BlockSpaceManager.num_free_cpu_blocks, self.state, shard))
+
+  def can_swap_out(self, slots) -> bool:
+    shard, local, _ = self._group(slots)
+    return bool(_read_shard(manager.can_swap_out, self.state, shard, local))
+
+  def can_swap_in(self, slots) -> AllocStatus:
+    shard, local, _ = self._group(slots)
+    return AllocStatus(int(_read_shard(manager.can_swap_in, self.state, shard, local)))
+
+  def held(self, slots) -> list[int]:
+    """The slots among `slots` that hold a block table (on either device)."""
+    device = np.asarray(self.state.device).reshape(-1)
+    return [s for s in slots if device[s] != EMPTY]
+
+  def prefix_cache_hit_rate(self) -> float:
+    """Hits over lookups of every shard's prefix cache (-1 when disabled)."""
+    if not self.cfg.enable_prefix_caching:
+      return -1.0
+    hits, lookups = (int(x) for x in _hit_counts(self.state))
+    return hits / lookups if lookups else 0.0
+
+  # Operations.
+  def _check(self, result, what: str, shard: int, needed: int | None = None) -> None:
+    """Raises RuntimeError naming `what` failed, why, and for a lack of
+    blocks how many were needed and free."""
+    status = Status(int(result.status))
+    if status == Status.OK:
+      return
+    detail = ""
+    if status == Status.OUT_OF_BLOCKS:
+      free = self.num_free_gpu_blocks(shard)
+      wanted = f"{needed} needed, " if needed is not None else ""
+      detail = f" ({wanted}{free} free of {self.cfg.num_gpu_blocks} GPU blocks on shard {shard})"
+    elif status == Status.SWAP_SPACE_EXHAUSTED:
+      free = self.num_free_cpu_blocks(shard)
+      detail = f" ({free} free of {self.cfg.num_cpu_blocks} CPU blocks on shard {shard})"
+    raise RuntimeError(f"{what} failed: {status.name}{detail}")
+
+  def _update(self, op, slots, *args):
+    """`op(state, local slots, *args)` on the shard of `slots`."""
+    shard, local = self._local(slots)
+    self.state, result = _on_shard(op, self.state, shard, local, *args)
+    return shard, result
+
+  def _update_group(self, op, slots, values=None):
+    """`op(state, local slots[, values])` on a group's padded slots."""
+    shard, local, values = self._group(slots, values)
+    args = (local,) if values is None else (local, values)
+    self.state, result = _on_shard(op, self.state, shard, *args)
+    return shard, result
+
+  def allocate(self, slot: int, tokens: np.ndarray, request_id: str) -> int:
+    """Allocates `tokens` into `slot` for request `request_id`; returns how
+    many are already computed (prefix-cache hits whose K/V an earlier
+    prefill wrote)."""
+    padded = np.zeros(self.cfg.max_tokens_per_seq, np.int32)
+    padded[: tokens.size] = tokens
+    shard, result = self._update(manager.allocate, [slot], padded, tokens.size)
+    self._check(
+      result,
+      f"allocate of {tokens.size} tokens of request {request_id!r} into seq {slot}",
+      shard,
+      needed=self.cfg.blocks_for(tokens.size),
+    )
+    _, computed_blocks = _read_shard(
+      manager.get_common_computed_block_ids, self.state, shard, self._local([slot])[1]
+    )
+    return int(computed_blocks) * self.cfg.block_size
+
+  def mark_computed(self, slots, num_computed) -> None:
+    """Marks the first `num_computed` tokens' full blocks of each slot's
+    sequence computed (prefix caching only)."""
+    if not self.cfg.enable_prefix_caching:
+      return
+    slots, num_computed = np.asarray(slots), np.asarray(num_computed, np.int32)
+    for shard in np.unique(slots // self.cfg.max_seqs):
+      mine = slots // self.cfg.max_seqs == shard
+      self._update_group(_mark_computed, slots[mine], num_computed[mine])
+
+  def fork(self, parent: int, child: int, request_id: str) -> None:
+    shard, (local_parent, local_child) = self._local([parent, child])
+    self.state, result = _on_shard(manager.fork, self.state, shard, local_parent, local_child)
+    self._check(result, f"fork of request {request_id!r}'s seq {parent} into seq {child}", shard)
+
+  def free(self, slots, request_id: str) -> None:
+    """Frees the sequences in `slots` of one shard (on the device or
+    swapped out)."""
+    shard, result = self._update_group(manager.free, slots)
+    self._check(result, f"free of request {request_id!r}'s seqs {list(slots)}", shard)
+
+  def swap_out(self, slots, request_id: str):
+    """Moves the tables of `slots` to the host pool; returns the plan of
+    page copies for `move_out`."""
+    shard, plan = self._update_group(BlockSpaceManager.swap_out, slots)
+    self._check(plan, f"swap out of request {request_id!r}'s seqs {list(slots)}", shard)
+    return sharding.shard_plan(plan, shard, self.cfg.num_gpu_blocks, self.cfg.num_cpu_blocks)
+
+  def swap_in(self, slots, request_id: str):
+    """Moves the tables of `slots` back to GPU blocks; returns the plan of
+    page copies for `move_in`."""
+    shard, plan = self._update_group(BlockSpaceManager.swap_in, slots)
+    self._check(plan, f"swap in of request {request_id!r}'s seqs {list(slots)}", shard)
+    return sharding.shard_plan(plan, shard, self.cfg.num_cpu_blocks, self.cfg.num_gpu_blocks)
+
+  def move_out(self, plan) -> None:
+    """Copies the pages of a `swap_out` plan from the device to the host."""
+    self.kv = kv_ops.swap_out(self.kv, plan)
+    self.num_swapped_blocks += int(plan.count)
+
+  def move_in(self, plan) -> None:
+    """Copies the pages of a `swap_in` plan from the host to the device."""
+    self.kv = kv_ops.swap_in(self.kv, plan)
+    self.num_swapped_blocks += int(plan.count)
+
+  # Warm-up.
+  def warm_up(self) -> None:
+    """Compiles every manager call and page move the engine makes, on
+    arguments that change nothing (padding slots, empty swap plans): the
+    states and pages stay as they are."""
+    shard, one = 0, np.full(1, -1, np.int32)
+    _, no_group, no_values = self._group([self.shard_slots(0)[0]], [0])
+    no_group[:] = -1
+    tokens = np.zeros(self.cfg.max_tokens_per_seq, np.int32)
+    no_seq = np.int32(-1)
+    for op, args in (
+      (manager.allocate, (one, tokens, 0)),
+      (_mark_computed, (no_group, no_values)),
+      (manager.fork, (no_seq, no_seq)),
+      (manager.free, (no_group,)),
+    ):
+      _on_shard(op, self.state, shard, *args)
+    for op, args in (
+      (manager.can_allocate, (0,)),
+      (BlockSpaceManager.num_free_gpu_blocks, ()),
+      (BlockSpaceManager.num_free_cpu_blocks, ()),
+      (manager.can_swap_out, (no_group,)),
+      (manager.can_swap_in, (no_group,)),
+      (manager.get_common_computed_block_ids, (one,)),
+    ):
+      _read_shard(op, self.state, shard, *args)
+    _hit_counts(self.state)
+    sizes = (self.cfg.num_gpu_blocks, self.cfg.num_cpu_blocks)
+    for op, move, (src, dst) in (
+      (BlockSpaceManager.swap_out, kv_ops.swap_out, sizes),
+      (BlockSpaceManager.swap_in, kv_ops.swap_in, sizes[::-1]),
+    ):
+      _, plan = _on_shard(op, self.state, shard, no_group)
+      self.kv = move(self.kv, sharding.shard_plan(plan, shard, src, dst))

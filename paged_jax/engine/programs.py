@@ -1,0 +1,297 @@
+"""The jitted programs the model runner launches: the decode loop and prefill.
+
+`decode_loop` runs up to `num_steps` decode steps in one compiled
+`lax.while_loop` whose every step calls `append_slots` for all running rows,
+executes the copy-on-write plan, writes K/V and attends through the paged
+cache, samples each row with its own parameters, runs the beam-search step
+when beam groups run, checks stop tokens and token limits, and frees the
+rows that finished. It hands control back early when a data shard's blocks
+run out (the scheduler preempts) or, if asked, when a row finishes (the
+scheduler admits more). `prefill` runs prompt chunks and draws the first
+token of the sequences whose prompt they complete. Rows are global sequence
+slots (see `paged_jax.engine.cache_manager`); every program compiles once per
+shape (prefill's are bucketed to powers of two).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from paged_jax import kv_cache as kv_ops
+from paged_jax import sharding
+from paged_jax.block_manager import manager
+from paged_jax.block_manager.manager import BlockSpaceManager
+from paged_jax.block_manager.state import BlockManagerState
+from paged_jax.config import Status
+from paged_jax.engine import beam
+from paged_jax.engine.sampling import Draw, RowParams, is_stop, sample_rows
+from paged_jax.kv_cache import KVCache
+from paged_jax.models.paged import paged_cache
+
+
+@flax.struct.dataclass
+class DecodeLoop:
+  """Carry of the decode loop; rows are global sequence slots."""
+
+  state: BlockManagerState  # one per data shard (leading axis)
+  kv: KVCache
+  seq_ids: jax.Array  # int32[R], -1 where not running
+  last_token: jax.Array  # int32[R], sampled, not yet in the cache
+  num_generated: jax.Array  # int32[R], tokens sampled so far
+  limit: jax.Array  # int32[R], tokens to sample at most
+  beams: beam.Beams  # beam-search state of the rows in beam groups
+  draws: Draw  # [R, num_steps] tokens of this launch
+  step: jax.Array  # steps of this launch
+  out_of_blocks: jax.Array  # bool[D], the shards that ran out
+  finished_any: jax.Array
+  cow_copies: jax.Array
+  peak_blocks: jax.Array
+  utilization_sum: jax.Array
+
+
+def _per_shard(ids: jax.Array, num_shards: int) -> jax.Array:
+  """Global slots `[R]` (-1: none) as each shard's local slots `[D, R/D]`."""
+  per = ids.shape[0] // num_shards
+  return jnp.where(ids >= 0, ids % per, -1).reshape(num_shards, per)
+
+
+def _pairs_per_shard(ids: jax.Array, num_shards: int, per: int) -> jax.Array:
+  """Global slots `[K]` as local slots `[D, K]`, -1 outside each shard."""
+  shard = jnp.where(ids >= 0, ids // per, -1)
+  mine = shard[None, :] == jnp.arange(num_shards)[:, None]
+  return jnp.where(mine, ids % per, -1)
+
+
+def _decode_step(
+  graphdef, params_state, rows: RowParams, with_beams: bool, loop: DecodeLoop
+) -> DecodeLoop:
+  """One decode step of every running row, or the shards out of blocks.
+
+  `with_beams` (static) compiles the beam-search step in; without it, no
+  row may be in a beam group.
+  """
+  cfg = loop.state.cfg
+  bm = BlockSpaceManager(cfg)
+  num_shards = loop.out_of_blocks.shape[0]
+  running = loop.seq_ids >= 0
+  local = _per_shard(loop.seq_ids, num_shards)
+  shaped = lambda a: a.reshape(num_shards, -1, *a.shape[1:])
+  flat = lambda a: a.reshape(-1, *a.shape[2:])
+  state, plan = jax.vmap(bm.append_slots)(
+    loop.state, local, shaped(loop.last_token[:, None]), shaped(running.astype(jnp.int32))
+  )
+
+  def advance(_):
+    kv = kv_ops.copy_blocks(loop.kv, plan)
+    num_tokens = flat(jax.vmap(bm.get_num_tokens)(state, local))
+    slot_mapping = jax.vmap(functools.partial(bm.get_slot_mapping, width=1))(
+      state, local, shaped(running.astype(jnp.int32))
+    )
+    cache = paged_cache(
+      kv=kv,
+      block_tables=flat(jax.vmap(bm.get_block_tables)(state, local)),
+      slot_mapping=flat(slot_mapping),
+      cache_sliding_window=cfg.sliding_window,
+    )
+    positions = jnp.where(running, num_tokens - 1, -1)[:, None]
+    model = nnx.merge(graphdef, params_state)
+    logits, cache = model(
+      sharding.split_rows(loop.last_token[:, None], kv), sharding.split_rows(positions, kv), cache
+    )
+    num_logprobs = loop.draws.top_ids.shape[-1]
+    draw = sample_rows(logits[:, 0], rows, loop.num_generated, num_logprobs)
+    column = jnp.where(running, loop.step, loop.draws.tokens.shape[1])
+    draws = jax.tree.map(
+      lambda out, new: out.at[jnp.arange(out.shape[0]), column].set(new, mode="drop"),
+      loop.draws,
+      draw,
+    )
+    sampled = running & (loop.beams.leader < 0)
+    num_generated = loop.num_generated + sampled
+    done = sampled & ((num_generated >= loop.limit) | is_stop(draw.tokens, rows.stop_ids))
+    used = cfg.num_gpu_blocks - jax.vmap(bm.num_free_gpu_blocks)(state)
+    held = jnp.sum(num_tokens)
+    seq_ids = jnp.where(done, -1, loop.seq_ids)
+    last_token = jnp.where(sampled, draw.tokens, loop.last_token)
+    s = running.shape[0]
+    num_pairs = s * 2 * loop.beams.hyp_len.shape[1]
+
+    def beam_step(_):
+      beams, moves = beam.step(
+        loop.beams,
+        jax.nn.log_softmax(logits[:, 0].astype(jnp.float32)),
+        running,
+        rows.stop_ids,
+        loop.limit,
+        seq_ids,
+        last_token,
+        num_generated,
+      )
+      per = s // num_shards
+      forked, _ = jax.vmap(bm.fork_each)(
+        state,
+        _pairs_per_shard(moves.fork_parents, num_shards, per),
+        _pairs_per_shard(moves.fork_children, num_shards, per),
+      )
+      return forked, beams, moves
+
+    def no_beams(_):
+      return (
+        state,
+        loop.beams,
+        beam.BeamMoves(
+          fork_parents=jnp.full(num_pairs, -1),
+          fork_children=jnp.full(num_pairs, -1),
+          dropped=jnp.zeros(s, bool),
+          seq_ids=seq_ids,
+          last_token=last_token,
+          num_generated=num_generated,
+          finished=jnp.zeros(s, bool),
+        ),
+      )
+
+    forked, beams, moves = (
+      jax.lax.cond(jnp.any(running & (loop.beams.leader >= 0)), beam_step, no_beams, None)
+      if with_beams
+      else no_beams(None)
+    )
+    freed, _ = jax.vmap(bm.free)(
+      forked, _per_shard(jnp.where(done | moves.dropped, loop.seq_ids, -1), num_shards)
+    )
+    return loop.replace(
+      state=freed,
+      kv=cache.kv,
+      seq_ids=moves.seq_ids,
+      last_token=moves.last_token,
+      num_generated=moves.num_generated,
+      beams=beams,
+      draws=draws,
+      step=loop.step + 1,
+      finished_any=loop.finished_any | jnp.any(done) | jnp.any(moves.finished),
+      cow_copies=loop.cow_copies + jnp.sum(plan.count),
+      peak_blocks=jnp.maximum(loop.peak_blocks, jnp.max(used)),
+      utilization_sum=loop.utilization_sum + held / jnp.maximum(jnp.sum(used) * cfg.block_size, 1),
+    )
+
+  out_of_blocks = plan.status != Status.OK
+  return jax.lax.cond(
+    ~jnp.any(out_of_blocks), advance, lambda _: loop.replace(out_of_blocks=out_of_blocks), None
+  )
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=(3,))
+def decode_loop(
+  graphdef, params_state, rows: RowParams, loop: DecodeLoop, stop_on_finish, with_beams: bool
+) -> DecodeLoop:
+  """Decodes until no row runs, a shard runs out of blocks, the launch's
+  steps are done, or (if asked) a row finishes."""
+  num_steps = loop.draws.tokens.shape[1]
+
+  def keep_going(loop):
+    return (
+      jnp.any(loop.seq_ids >= 0)
+      & ~jnp.any(loop.out_of_blocks)
+      & (loop.step < num_steps)
+      & ~(stop_on_finish & loop.finished_any)
+    )
+
+  loop = jax.lax.while_loop(
+    keep_going, functools.partial(_decode_step, graphdef, params_state, rows, with_beams), loop
+  )
+  kv = loop.kv
+  return sharding.replicate(loop.replace(kv=None), kv).replace(kv=kv)
+
+
+@flax.struct.dataclass
+class PromptScores:
+  """Log-probabilities of the prompt tokens that follow each chunk position.
+
+  Attributes:
+    logprob: float32 `[rows, width]`, of the next prompt token.
+    top_ids: int32 `[rows, width, k]`, the most likely next tokens.
+    top_logprobs: float32 `[rows, width, k]`, their log-probabilities.
+  """
+
+  logprob: jax.Array
+  top_ids: jax.Array
+  top_logprobs: jax.Array
+
+
+def score_next_tokens(logits, next_tokens, num_logprobs: int) -> PromptScores:
+  """Each position's log-probability of `next_tokens` (-1: none) and the
+  `num_logprobs` most likely tokens, from logits `[rows, width, vocab]`."""
+  logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  chosen = jnp.take_along_axis(logprobs, jnp.maximum(next_tokens, 0)[..., None], axis=-1)[..., 0]
+  top_logprobs, top_ids = jax.lax.top_k(logprobs, num_logprobs)
+  return PromptScores(
+    logprob=jnp.where(next_tokens >= 0, chosen, 0.0),
+    top_ids=top_ids.astype(jnp.int32),
+    top_logprobs=top_logprobs,
+  )
+
+
+@functools.partial(jax.jit, static_argnums=(0, 11, 12), donate_argnums=(2,))
+def prefill(
+  graphdef,
+  params_state,
+  kv,
+  states,
+  tokens,
+  positions,
+  write_from,
+  next_tokens,
+  local,
+  chunk_of,
+  rows,
+  num_logprobs,
+  block_size,
+):
+  """Runs prompt chunks, then draws token 0 of sequences from their logits.
+
+  Rows of `tokens` and `positions` are chunks (padding has position -1),
+  `rows / D` per data shard; `local` int32 `[D, rows / D]` are the chunks'
+  slots in their shard. A row's positions before `write_from[row]` already
+  hold their K/V in the cache and are not written again. Draw `i` samples
+  from the last position of chunk `chunk_of[i]` with the sampling
+  parameters `rows[i]`. Where a row has `next_tokens` (>= 0), it also
+  scores them (see `score_next_tokens`; the vocabulary-wide work runs only
+  when some row asks).
+  """
+  tables = jax.vmap(manager.get_block_tables)(states, local)
+  tables = tables.reshape(-1, tables.shape[-1])
+  blocks = jnp.take_along_axis(tables, jnp.maximum(positions, 0) // block_size, axis=1)
+  writes = (positions >= write_from[:, None]) & (blocks >= 0)
+  slots = jnp.where(writes, blocks * block_size + positions % block_size, -1)
+  cache = paged_cache(
+    kv=kv, block_tables=tables, slot_mapping=slots, cache_sliding_window=states.cfg.sliding_window
+  )
+  logits, cache = nnx.merge(graphdef, params_state)(
+    sharding.split_rows(tokens, kv), sharding.split_rows(positions, kv), cache
+  )
+  last = jnp.maximum(jnp.sum(positions >= 0, axis=1) - 1, 0)
+  last_logits = logits[chunk_of, last[chunk_of]]
+  index = jnp.zeros(chunk_of.shape, jnp.int32)
+  draw = sample_rows(last_logits, rows, index, num_logprobs)
+  score = functools.partial(score_next_tokens, num_logprobs=num_logprobs)
+  scores = jax.lax.cond(
+    jnp.any(next_tokens >= 0),
+    lambda: score(logits, next_tokens),
+    lambda: jax.tree.map(
+      lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(score, logits, next_tokens)
+    ),
+  )
+  return sharding.replicate((draw, scores), kv), cache.kv
+
+
+start_beams = jax.jit(beam.Beams.start)
+clear_beams = jax.jit(beam.Beams.clear)
+
+
+def bucket(size: int, minimum: int = 1) -> int:
+  """The power of two >= size (one compile per bucket, not per length)."""
+  return max(minimum, 1 << max(size - 1, 0).bit_length())

@@ -1,0 +1,103 @@
+"""The scheduler and the cache manager without a model: preemption with
+nothing to preempt, failures that name the request and what was short, and
+the one answer to "can this request ever fit"."""
+
+import types
+
+import numpy as np
+import pytest
+
+import paged_jax as pj
+from paged_jax.engine.cache_manager import CacheManager
+from paged_jax.engine.scheduler import Scheduler, SchedulerOutput, admission_error
+from paged_jax.engine.sequence import Sequence, SequenceGroup
+
+pytestmark = pytest.mark.usefixtures("quick_compiles")
+
+CFG = pj.CacheConfig(
+  block_size=4,
+  num_gpu_blocks=6,
+  num_cpu_blocks=4,
+  max_seqs=4,
+  max_blocks_per_seq=8,
+  watermark=0.0,
+)
+MODEL_CONFIG = types.SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32")
+
+
+@pytest.fixture
+def cache():
+  return CacheManager(CFG, MODEL_CONFIG)
+
+
+def _group(request_id: str, prompt_len: int, arrival: int = 0) -> SequenceGroup:
+  return SequenceGroup(
+    request_id=request_id,
+    prompt=None,
+    prompt_token_ids=np.arange(1, prompt_len + 1, dtype=np.int32),
+    params=pj.SamplingParams(max_tokens=4),
+    arrival=arrival,
+    limit=4,
+    stop_ids=(),
+    seqs=[Sequence(index=0, key_data=np.zeros(2, np.uint32))],
+  )
+
+
+def test_out_of_blocks_with_every_group_finished_preempts_nothing(cache):
+  scheduler = Scheduler(cache, 4, 64, "recompute", max_len=32)
+  scheduler.update(SchedulerOutput(shard=0), None, out_of_blocks=True)
+  assert scheduler.num_preemptions == 0
+  assert not scheduler.schedule().preempted
+
+
+def test_a_lone_group_out_of_blocks_raises_naming_it(cache):
+  scheduler = Scheduler(cache, 4, 64, "recompute", max_len=32)
+  scheduler.add(_group("lone", 8))
+  out = scheduler.schedule()
+  assert [c.group.request_id for c in out.chunks] == ["lone"]
+  with pytest.raises(RuntimeError, match=r"request 'lone' ran out of GPU blocks with nothing else"):
+    scheduler.update(out, None, out_of_blocks=True)
+
+
+def test_allocation_failure_names_the_request_and_the_blocks_short(cache):
+  cache.allocate(0, np.arange(16, dtype=np.int32), "first")  # 4 of 6 blocks
+  with pytest.raises(
+    RuntimeError,
+    match=r"allocate of 12 tokens of request 'second' into seq 1 failed: OUT_OF_BLOCKS "
+    r"\(3 needed, 2 free of 6 GPU blocks on shard 0\)",
+  ):
+    cache.allocate(1, np.arange(12, dtype=np.int32), "second")
+
+
+def test_free_of_a_free_slot_names_the_request(cache):
+  with pytest.raises(
+    RuntimeError, match=r"free of request 'gone''s seqs \[2\] failed: NOT_ALLOCATED"
+  ):
+    cache.free([2], "gone")
+
+
+def test_admission_error_is_the_same_answer_on_arrival_and_readmission():
+  params = pj.SamplingParams(max_tokens=8)
+  fits = dict(max_len=32, max_num_seqs=4, params=params)
+  # 16 + 8 - 1 tokens: 6 blocks, the whole cache.
+  assert admission_error(CFG, num_prompt_tokens=16, **fits) is None
+  assert "needs 7 GPU blocks" in admission_error(CFG, num_prompt_tokens=18, **fits)
+  # Re-admitted after a recompute preemption with 4 more tokens than fit.
+  message = admission_error(CFG, num_prompt_tokens=16, resident_lengths=[25], **fits)
+  assert message is not None and "need 7 GPU blocks to be prefilled again" in message
+  wide = pj.SamplingParams(n=5)
+  assert "n=5 sequences exceed max_num_seqs=4" in admission_error(
+    CFG, max_len=32, max_num_seqs=4, num_prompt_tokens=4, params=wide
+  )
+
+
+def test_swap_out_without_host_room_names_the_request_and_the_pool(cache):
+  cache.allocate(0, np.arange(16, dtype=np.int32), "first")  # 4 blocks: the whole host pool
+  cache.allocate(1, np.arange(4, dtype=np.int32), "second")
+  cache.swap_out([0], "first")
+  with pytest.raises(
+    RuntimeError,
+    match=r"swap out of request 'second''s seqs \[1\] failed: SWAP_SPACE_EXHAUSTED "
+    r"\(0 free of 4 CPU blocks on shard 0\)",
+  ):
+    cache.swap_out([1], "second")
