@@ -190,6 +190,7 @@ def engine_builder(args):
       mesh=mesh,
       max_logprobs=args.max_logprobs,
       max_beam_width=MAX_BEAM_WIDTH,
+      warmup=True,
       seed=args.seed,
     )
     return BuiltEngine(engine, model, cache_config, num_data_shards=dp)
@@ -238,7 +239,7 @@ def run(args) -> int:
     )
   name = args.served_model_name or args.model
   metrics = ServerMetrics(name)
-  thread = EngineThread(engine_builder(args), metrics, max_top_logprobs=args.max_logprobs)
+  thread = EngineThread(engine_builder(args), metrics)
   logger.info("loading %s and warming up", args.model)
   try:
     thread.start()

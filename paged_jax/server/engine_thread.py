@@ -23,8 +23,8 @@ import numpy as np
 from paged_jax.config import CacheConfig
 from paged_jax.engine.outputs import RequestOutput
 from paged_jax.engine.params import SamplingParams
+from paged_jax.server import prompt_logprobs
 from paged_jax.server.metrics import ServerMetrics
-from paged_jax.server.prompt_logprobs import PromptScorer
 
 logger = logging.getLogger("paged_jax.server")
 
@@ -99,23 +99,22 @@ class EngineThread:
     build: called on the engine thread (it loads the model and builds the
       engine there); returns a `BuiltEngine`.
     metrics: where the thread records what it serves.
-    max_top_logprobs: the largest `k` of prompt log-probabilities.
   """
 
   def __init__(
     self,
     build: Callable[[], BuiltEngine],
     metrics: ServerMetrics,
-    max_top_logprobs: int,
   ):
     self._build = build
     self._metrics = metrics
-    self._max_top = max_top_logprobs
     self._inbox: queue.SimpleQueue = queue.SimpleQueue()
     self._ready = threading.Event()
     self._stopped = threading.Event()
     self._startup_error: BaseException | None = None
     self._tracked: dict[str, _Tracked] = {}
+    self._scoring: dict[str, Callable[[object], None]] = {}  # prompt-scoring jobs' sinks
+    self._num_scores = 0
     self._thread = threading.Thread(target=self._run, name="paged-jax-engine", daemon=True)
     self.engine = None
     self.built: BuiltEngine | None = None
@@ -170,9 +169,6 @@ class EngineThread:
     try:
       self.built = self._build()
       self.engine = self.built.engine
-      self._scorer = PromptScorer(
-        self.built.model, self.engine.model_config.max_seq_len, max_top=self._max_top
-      )
       self._warm_up()
       stats = self.engine.stats
       self._base_preemptions = stats.preemptions
@@ -246,16 +242,26 @@ class EngineThread:
       if message.request_id in self._tracked:
         self.engine.abort_request(message.request_id)
     elif isinstance(message, _Score):
+      self._num_scores += 1
+      score_id = f"paged-jax-score-{self._num_scores}"
       try:
-        result = self._scorer(message.token_ids, message.k)
+        params = prompt_logprobs.scoring_params(message.k)
+        self.engine.add_request(score_id, message.token_ids, params)
       except Exception as err:  # noqa: BLE001 - reported to this request only
         message.sink(err)
         return
-      message.sink(result)
+      self._scoring[score_id] = message.sink
 
   def _dispatch(self, outputs: list[RequestOutput]) -> None:
     metrics, now = self._metrics, time.monotonic()
     for output in outputs:
+      sink = self._scoring.pop(output.request_id, None) if output.finished else None
+      if sink is not None:
+        try:
+          sink(prompt_logprobs.from_output(output))
+        except Exception as err:  # noqa: BLE001 - reported to this request only
+          sink(err)
+        continue
       tracked = self._tracked.get(output.request_id)
       if tracked is None:
         continue
@@ -308,6 +314,11 @@ class EngineThread:
           logger.exception("abort of %s failed", request_id)
       tracked.sink(err)
     self._tracked.clear()
+    for request_id, sink in list(self._scoring.items()):
+      if self.engine is not None:
+        self.engine.abort_request(request_id)
+      sink(err)
+    self._scoring.clear()
 
   def _shut_down(self) -> None:
     """Aborts everything in flight and reports the aborts to the sinks."""
