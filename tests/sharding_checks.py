@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import re
 
 import jax
@@ -20,6 +21,7 @@ from paged_jax import sharding
 from paged_jax.block_manager import manager
 from paged_jax.engine import runner as runner_lib
 from paged_jax.models import load_tiny
+from tests import engine_traces
 
 MESHES = ((1, 2), (1, 4), (2, 2), (2, 4), (8, 1))
 NUM_GPU_BLOCKS = 48  # distinctive, to find cache-sized arrays in the HLO
@@ -351,6 +353,23 @@ def serve_features(model, mesh, kv_cache_dtype=None) -> dict:
   }
 
 
+def random_traces(model, mesh) -> dict:
+  """Randomized traces (tests/engine_traces.py) on two data shards, with
+  `serve_features`' cache and engine arguments so that they reuse its
+  programs; `PAGED_JAX_RANDOM_TRACES` sets the number of traces."""
+  engine = pj.LLMEngine(
+    model,
+    engine_traces.TOKENIZER,
+    FEATURES_CFG,
+    mesh=mesh,
+    preemption_mode="swap",
+    num_decode_steps=4,
+    max_num_batched_tokens=8,
+  )
+  seeds = range(5000, 5000 + int(os.environ.get("PAGED_JAX_RANDOM_TRACES", "1")))
+  return engine_traces.run_traces(engine, seeds, engine_traces.TraceShape())
+
+
 def single_process(out: str) -> None:
   model = load_tiny()
   reqs = requests()
@@ -375,6 +394,7 @@ def single_process(out: str) -> None:
       result[name]["logits"] = logits_of(model, row_mesh(mesh, 7))
   result["features_reference"] = serve_features(model, None)
   result["features_2x2"] = serve_features(model, sharding.make_mesh(2, 2))
+  result["random_traces_2x2"] = random_traces(model, sharding.make_mesh(2, 2))
   result["ops_match"] = ops_match(sharding.make_mesh(2, 2))
   result["int8_ops_match"] = ops_match(sharding.make_mesh(2, 2), "int8")
   result["int8_reference"] = tokens_of(
