@@ -186,6 +186,8 @@ class Ledger:
   """Checks every `RequestOutput` against what the trace asked for.
 
   Attributes:
+    max_len: positions a sequence may fill (the model's and the block
+      table's).
     requests: request id -> `(prompt, params)` of every added request.
     finals: request id -> its finishing `RequestOutput`.
     aborted: ids the trace aborted while they were unfinished.
@@ -341,12 +343,13 @@ def run_trace(engine: pj.LLMEngine, seed: int, shape: TraceShape, log: list) -> 
       log.append(("add_request", request_id, prompt, params))
       engine.add_request(request_id, prompt, params)
       ledger.requests[request_id] = (prompt, params)
-    elif choice < 0.52 and ledger.unfinished():
-      unfinished = ledger.unfinished()
-      request_id = unfinished[int(rng.integers(len(unfinished)))]
+    elif choice < 0.55 and ledger.requests:
+      # Any request: aborting a finished one must change nothing.
+      request_id = list(ledger.requests)[int(rng.integers(len(ledger.requests)))]
       log.append(("abort_request", request_id))
       engine.abort_request(request_id)
-      ledger.aborted.add(request_id)
+      if request_id not in ledger.finals:
+        ledger.aborted.add(request_id)
     else:
       log.append(("step",))
       ledger.record(engine.step())

