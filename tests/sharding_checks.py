@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import re
 
 import jax
@@ -23,6 +24,7 @@ from paged_jax.engine.cache_manager import CacheManager
 from paged_jax.engine.runner import ModelRunner
 from paged_jax.models import LlamaConfig, load_tiny
 from paged_jax.models.paged import paged_cache
+from tests import engine_traces
 
 MESHES = ((1, 2), (1, 4), (2, 2), (2, 4), (8, 1))
 # Built with jax.make_mesh, whose axes are Explicit (JAX 0.10 and later); the
@@ -412,6 +414,25 @@ def llm_tokens(model, mesh) -> list[list[int]]:
   ]
 
 
+def random_traces(model, mesh) -> dict:
+  """Randomized traces (tests/engine_traces.py) on two data shards, with
+  `serve_features`' cache and engine arguments so that they reuse its
+  programs; `PAGED_JAX_RANDOM_TRACES` sets the number of traces."""
+  engine = pj.LLMEngine(
+    model,
+    engine_traces.TOKENIZER,
+    FEATURES_CFG,
+    mesh=mesh,
+    preemption_mode="swap",
+    num_decode_steps=4,
+    max_num_batched_tokens=8,
+  )
+  seeds = range(5000, 5000 + int(os.environ.get("PAGED_JAX_RANDOM_TRACES", "1")))
+  # Longer requests than on one device: each shard has 8 blocks of 8 tokens.
+  shape = engine_traces.TraceShape(max_prompt=24, max_tokens=20)
+  return engine_traces.run_traces(engine, seeds, shape)
+
+
 def single_process(out: str) -> None:
   model = load_tiny()
   reqs = requests()
@@ -441,6 +462,7 @@ def single_process(out: str) -> None:
   result["head_errors"] = head_errors()
   result["features_reference"] = serve_features(model, None)
   result["features_2x2"] = serve_features(model, sharding.make_mesh(2, 2))
+  result["random_traces_2x2"] = random_traces(model, sharding.make_mesh(2, 2))
   result["ops_match"] = ops_match(sharding.make_mesh(2, 2))
   result["int8_ops_match"] = ops_match(sharding.make_mesh(2, 2), "int8")
   result["int8_reference"] = tokens_of(

@@ -152,6 +152,16 @@ def test_data_shards_serve_every_feature_as_one_device_does(meshes):
   assert "slots [0, 4] span several data shards" in got["errors"]["slots"]
 
 
+def test_random_traces_on_two_data_shards(meshes):
+  # tests/engine_traces.py on a (2, 2) mesh: every check after every step
+  # on both shards' states, and every reproducible request equal to itself
+  # served alone.
+  traces = meshes["random_traces_2x2"]
+  assert not traces["failures"], traces["failures"][0]
+  # (Aborts are covered on one device: tests/test_engine_random.py.)
+  assert traces["compared"] > 0 and traces["preemptions"] > 0
+
+
 def test_sharded_copy_and_swaps_match_one_device(meshes):
   # On a (2, 2) mesh: heads over "model", each data shard's blocks its own.
   assert meshes["ops_match"] is True
