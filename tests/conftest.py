@@ -39,6 +39,38 @@ def pytest_unconfigure(config):
     del os.environ[compilation_cache.CACHE_DIR_ENV]
 
 
+# Tests that run for tens of seconds, longest first: the 8-device sharding
+# run (the session fixture `meshes`), the two-process run, SmolLM2, the
+# notebooks, and the engine starts and demo in subprocesses.
+LONG_TESTS = (
+  "meshes",
+  "tests/test_sharding.py::test_two_processes_give_the_one_device_tokens",
+  "smollm2",
+  "tests/test_notebook.py::",
+  "tests/test_compilation_cache.py::test_a_second_start",
+  "tests/test_demo.py::test_demo_json_report",
+)
+
+
+def _rank(item) -> int:
+  """Where `item` goes: the index of the first of LONG_TESTS it matches (a
+  fixture it uses, or the start of its node id), or after them all."""
+  for rank, pattern in enumerate(LONG_TESTS):
+    if pattern in item.fixturenames or item.nodeid.startswith(pattern):
+      return rank
+  return len(LONG_TESTS)
+
+
+def pytest_collection_modifyitems(items):
+  """Puts the long tests first, longest first, and the rest after them.
+
+  pytest-xdist hands tests out in this order, so the long ones start at
+  once and the short ones fill in around them, instead of one long test
+  starting late and leaving a worker busy alone at the end.
+  """
+  items.sort(key=_rank)
+
+
 @pytest.fixture(
   params=[
     pytest.param(ReferenceBlockSpaceManager, id="reference"),

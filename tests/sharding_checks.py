@@ -47,6 +47,14 @@ def requests() -> list[pj.Request]:
   return [pj.Request(rng.integers(0, 258, size=n).astype(np.int32)) for n in (5, 13)]
 
 
+# The manager's ops jitted: run eagerly they go op by op, each op compiled
+# on its own, which cost about 10 s of CPU here.
+_allocate = manager.jit_op(manager.allocate)
+_append_slots = manager.jit_op(manager.append_slots)
+_block_tables = manager.jit_op(manager.get_block_tables)
+_slot_mapping = manager.jit_op(manager.get_slot_mapping)
+
+
 def tokens_of(outputs) -> list[list[int]]:
   return [samples[0].tolist() for samples in outputs]
 
@@ -68,7 +76,7 @@ def logits_of(model, mesh) -> list[list[float]]:
   for seq, prompt in zip(seqs, prompts):
     tokens = np.zeros(CFG.max_tokens_per_seq, np.int32)
     tokens[: prompt.size] = prompt
-    state, _ = manager.allocate(state, seqs[seq : seq + 1], tokens, prompt.size)
+    state, _ = _allocate(state, seqs[seq : seq + 1], tokens, prompt.size)
   config = model.config
   if mesh is None:
     kv = pj.KVCache.create(
@@ -91,22 +99,20 @@ def logits_of(model, mesh) -> list[list[float]]:
   for row, prompt in enumerate(prompts):
     ids[row, : prompt.size] = prompt
     positions[row, : prompt.size] = np.arange(prompt.size)
-  slots = manager.get_slot_mapping(state, seqs, lengths, width=width)
-  prefill, kv = _forward(
-    graphdef, params, kv, ids, positions, manager.get_block_tables(state, seqs), slots
-  )
+  slots = _slot_mapping(state, seqs, lengths, width=width)
+  prefill, kv = _forward(graphdef, params, kv, ids, positions, _block_tables(state, seqs), slots)
   last = np.asarray(prefill)[seqs, lengths - 1]
   token = np.argmax(last, axis=-1).astype(np.int32)[:, None]
   ones = np.ones(len(prompts), np.int32)
-  state, _ = manager.append_slots(state, seqs, token, ones)
+  state, _ = _append_slots(state, seqs, token, ones)
   decode, _ = _forward(
     graphdef,
     params,
     kv,
     token,
     lengths[:, None],
-    manager.get_block_tables(state, seqs),
-    manager.get_slot_mapping(state, seqs, ones, width=1),
+    _block_tables(state, seqs),
+    _slot_mapping(state, seqs, ones, width=1),
   )
   valid = np.asarray(prefill)[positions >= 0]
   return [valid.ravel().tolist(), np.asarray(decode).ravel().tolist()]
