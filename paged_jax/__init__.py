@@ -42,6 +42,7 @@ from paged_jax.kv_cache import (
   swap_out,
   write_kv,
 )
+from paged_jax.structured import StructuredOutputsParams
 
 __all__ = [
   "AllocStatus",
@@ -78,6 +79,7 @@ __all__ = [
   "GenerationStats",
   "Request",
   "SamplingParams",
+  "StructuredOutputsParams",
   "generate",
   "generate_dense",
   "sample_tokens",

@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from paged_jax.structured import StructuredOutputsParams
+
 OUTPUT_KINDS = ("cumulative", "delta", "final")
 
 
@@ -44,6 +46,8 @@ class SamplingParams:
     max_new_tokens: alias of `max_tokens` (the name `pj.generate` used).
     eos_id: a stop token added to `stop_token_ids` (the name `pj.generate`
       used).
+    structured_outputs: a constraint on the output (a JSON schema, a regex
+      or a list of choices; see `paged_jax.structured`), or None.
 
   Raises:
     ValueError: naming the field when a value is out of range.
@@ -64,6 +68,7 @@ class SamplingParams:
   output_kind: str = "cumulative"
   max_new_tokens: int | None = None
   eos_id: int | None = None
+  structured_outputs: StructuredOutputsParams | None = None
 
   def __post_init__(self):
     set_ = lambda name, value: object.__setattr__(self, name, value)
@@ -97,6 +102,13 @@ class SamplingParams:
     if not all(_is_int(i) and i >= 0 for i in ids):
       raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
     set_("stop_token_ids", ids)
+    if self.structured_outputs is not None and not isinstance(
+      self.structured_outputs, StructuredOutputsParams
+    ):
+      raise ValueError(
+        "structured_outputs must be a StructuredOutputsParams, got "
+        f"{type(self.structured_outputs).__name__}"
+      )
     if self.use_beam_search and self.temperature != 0.0:
       raise ValueError(f"temperature must be 0 with use_beam_search, got {self.temperature}")
 

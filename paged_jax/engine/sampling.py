@@ -33,7 +33,8 @@ class Draw:
 
   Attributes:
     tokens: int32 `[rows]`.
-    logprob: float32 `[rows]`, the token's log-probability under the model.
+    logprob: float32 `[rows]`, the token's log-probability under the model
+      (under the masked distribution when `sample_rows` has a `logit_mask`).
     top_ids: int32 `[rows, k]`, the `k` most likely tokens.
     top_logprobs: float32 `[rows, k]`, their log-probabilities.
   """
@@ -57,8 +58,22 @@ def _filtered(logits: jax.Array, top_k: jax.Array, top_p: jax.Array):
   return jnp.where(logits < jnp.maximum(kth, cutoff), -jnp.inf, logits)
 
 
-def sample_rows(logits: jax.Array, params: RowParams, index: jax.Array, num_logprobs: int) -> Draw:
+def sample_rows(
+  logits: jax.Array,
+  params: RowParams,
+  index: jax.Array,
+  num_logprobs: int,
+  logit_mask: jax.Array | None = None,
+) -> Draw:
   """Draws one token per row.
+
+  With `logit_mask`, every row draws from its masked distribution: the
+  logits of disallowed tokens become -inf before anything else, so greedy,
+  top-k, top-p and seeded draws pick only allowed tokens, and the returned
+  log-probabilities are those of the masked (renormalized) distribution (the
+  top `num_logprobs` may include disallowed tokens at -inf when fewer are
+  allowed). A row whose mask is all True draws exactly as without a mask; a
+  row with no allowed token gets an arbitrary token and NaN log-probabilities.
 
   Args:
     logits: float `[rows, vocab]`.
@@ -67,11 +82,15 @@ def sample_rows(logits: jax.Array, params: RowParams, index: jax.Array, num_logp
       output (the key of the draw), so a row draws the same token whatever
       the batch around it.
     num_logprobs: static; how many of the most likely tokens to return.
+    logit_mask: bool `[rows, vocab]`, the tokens each row may draw (for
+      structured outputs, `paged_jax.structured.allowed_mask`), or None.
 
   Returns:
     The tokens with their log-probabilities and the top `num_logprobs`.
   """
   logits = logits.astype(jnp.float32)
+  if logit_mask is not None:
+    logits = jnp.where(logit_mask, logits, -jnp.inf)
   logprobs = jax.nn.log_softmax(logits, axis=-1)
   greedy = params.temperature <= 0.0
 
