@@ -243,9 +243,13 @@ class LLMEngine:
     touched: dict[str, SequenceGroup] = {}
     chunks = [chunk for out in rounds for chunk in out.chunks]
     if chunks:
+      drawing = [(chunk.group, s) for chunk in chunks for s in chunk.samples]
       samples = [(row, s.slot) for row, chunk in enumerate(chunks) for s in chunk.samples]
       draws = self._timed(
-        self.runner.prefill, [(c.seq.slot, c.tokens, c.start) for c in chunks], samples
+        self.runner.prefill,
+        [(c.seq.slot, c.tokens, c.start) for c in chunks],
+        samples,
+        _constraints(enumerate(drawing)),
       )
       touched.update(self.processor.take_prefill(chunks, draws))
       for scheduler, out in zip(self.schedulers, rounds):
@@ -253,7 +257,17 @@ class LLMEngine:
     result = None
     if self.runner.has_running_rows():
       stop_on_finish = any(out.stop_on_finish for out in rounds)
-      result = self._timed(self.runner.decode, self.num_decode_steps, stop_on_finish)
+      decoding = [
+        (s.slot, (group, s))
+        for out in rounds
+        for group in out.decoding
+        if not group.beam
+        for s in group.live()
+        if s.slot >= 0
+      ]
+      result = self._timed(
+        self.runner.decode, self.num_decode_steps, stop_on_finish, _constraints(decoding)
+      )
       for out in rounds:
         touched.update(self.processor.take_decode(out.decoding, result, self.runner.hypotheses))
     for scheduler, out in zip(self.schedulers, rounds):
@@ -313,3 +327,13 @@ class LLMEngine:
       preemptions=sum(s.num_preemptions for s in self.schedulers),
       swaps=self.cache.num_swapped_blocks,
     )
+
+
+def _constraints(rows) -> list:
+  """`(row, automaton, state)` of the constrained sequences among `(row,
+  (group, seq))` pairs, for the runner's launches."""
+  return [
+    (row, group.automaton, seq.automaton_state)
+    for row, (group, seq) in rows
+    if group.automaton is not None
+  ]

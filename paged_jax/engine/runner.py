@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from paged_jax import sharding
+from paged_jax import sharding, structured
 from paged_jax.engine import beam, programs
 from paged_jax.engine.cache_manager import CacheManager
 from paged_jax.engine.sampling import Draw, RowParams
@@ -79,6 +79,7 @@ class ModelRunner:
     self.max_beam_width = max_beam_width
     self.in_beam_group = np.zeros(num_rows, bool)
     self.num_logprobs = num_logprobs
+    self.vocab_size = model.config.vocab_size
     key_words = jax.random.key_data(jax.random.key(0)).shape[-1]
     self.rows = RowParams(
       temperature=np.zeros(num_rows, np.float32),
@@ -137,7 +138,26 @@ class ModelRunner:
     ]
 
   # Launches.
-  def prefill(self, chunks, samples) -> Draw:
+  def _automata(self, num_rows: int, constraints):
+    """The device table of the constrained rows' automata and every row's
+    table state (`UNCONSTRAINED` for the others); no table without any.
+
+    Args:
+      num_rows: rows of the launch.
+      constraints: `(row, automaton, state)` triples, `state` in the
+        automaton's own numbering.
+    """
+    states = np.full(num_rows, structured.UNCONSTRAINED, np.int32)
+    if not constraints:
+      return None, states
+    packed = structured.pack_automata(
+      [automaton for _, automaton, _ in constraints], self.vocab_size
+    )
+    for row, automaton, state in constraints:
+      states[row] = packed.initial_state(automaton) + state
+    return packed.table, states
+
+  def prefill(self, chunks, samples, constraints=()) -> Draw:
     """Runs prompt chunks, then draws token 0 of the sequences in `samples`.
 
     Args:
@@ -145,6 +165,8 @@ class ModelRunner:
         `start ..` of the sequence in `slot`, whose blocks are allocated.
       samples: `(chunk, slot)` pairs: draw token 0 of `slot` (with its row's
         sampling parameters) from the logits chunk number `chunk` ends with.
+      constraints: `(sample, automaton, state)` triples: sample number
+        `sample` draws among the tokens `automaton` allows in `state`.
 
     Returns:
       NumPy draws, one per pair of `samples`.
@@ -172,6 +194,7 @@ class ModelRunner:
     for i, (chunk, slot) in enumerate(samples):
       chunk_of[i], sample_slots[i] = row_of[chunk], slot
     rows = jax.tree.map(lambda a: a[sample_slots], self.rows)
+    table, draw_states = self._automata(num_draws, constraints)
     draw, cache.kv = programs.prefill(
       self.graphdef,
       self.params,
@@ -184,11 +207,16 @@ class ModelRunner:
       rows,
       self.num_logprobs,
       cache.cfg.block_size,
+      table,
+      draw_states,
     )
     return jax.tree.map(lambda a: np.asarray(a)[: len(samples)], draw)
 
-  def decode_carry(self, num_steps: int) -> programs.DecodeLoop:
-    """The decode loop's carry for a launch of up to `num_steps` steps."""
+  def decode_carry(self, num_steps: int, automaton_state=None) -> programs.DecodeLoop:
+    """The decode loop's carry for a launch of up to `num_steps` steps, the
+    rows' automata in `automaton_state` (table states; None: unconstrained)."""
+    if automaton_state is None:
+      automaton_state = np.full(self.seq_ids.shape[0], structured.UNCONSTRAINED, np.int32)
     num_rows, k = self.seq_ids.shape[0], self.num_logprobs
     draws = Draw(
       tokens=jnp.zeros((num_rows, num_steps), jnp.int32),
@@ -204,6 +232,7 @@ class ModelRunner:
       num_generated=self.num_generated,
       limit=self.limit,
       beams=self.beams,
+      automaton_state=automaton_state,
       draws=draws,
       step=jnp.int32(0),
       out_of_blocks=jnp.zeros(self.cache.num_shards, bool),
@@ -213,16 +242,25 @@ class ModelRunner:
       utilization_sum=jnp.float32(0.0),
     )
 
-  def decode(self, num_steps: int, stop_on_finish: bool) -> DecodeResult:
+  def decode(self, num_steps: int, stop_on_finish: bool, constraints=()) -> DecodeResult:
     """Runs up to `num_steps` decode steps of the running rows (stopping
-    after a step in which a row finished if `stop_on_finish`)."""
+    after a step in which a row finished if `stop_on_finish`).
+
+    Args:
+      num_steps: decode steps at most.
+      stop_on_finish: whether to stop after a step in which a row finished.
+      constraints: `(slot, automaton, state)` triples of the constrained
+        rows: each draws among the tokens its automaton allows, from
+        `state` (the state after its last token) on.
+    """
     before = self.num_generated.copy()
     running = self.seq_ids >= 0
-    loop = self.decode_carry(num_steps)
-    # The beam step compiles only once a beam group runs.
+    table, automaton_state = self._automata(self.seq_ids.shape[0], constraints)
+    loop = self.decode_carry(num_steps, automaton_state)
+    # The beam step compiles only once a beam group runs; masks only with a table.
     with_beams = bool(np.any(self.in_beam_group & running))
     loop = programs.decode_loop(
-      self.graphdef, self.params, self.rows, loop, jnp.array(stop_on_finish), with_beams
+      self.graphdef, self.params, self.rows, loop, jnp.array(stop_on_finish), with_beams, table
     )
     self.cache.state, self.cache.kv, self.beams = loop.state, loop.kv, loop.beams
     self.seq_ids = np.array(loop.seq_ids)

@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 
 from paged_jax.engine.params import SamplingParams
+from paged_jax.structured import Automaton
 
 
 @dataclasses.dataclass
@@ -55,6 +56,8 @@ class Sequence:
       outputs).
     prefill: tokens to put in the cache on admission, None once they are.
     num_computed: tokens of `prefill` planned into the cache so far.
+    automaton_state: with structured outputs, the state of the group's
+      automaton after `token_ids` (its own numbering, 0 the start).
   """
 
   index: int
@@ -71,6 +74,7 @@ class Sequence:
   sent_tokens: int = 0
   prefill: np.ndarray | None = None
   num_computed: int = 0
+  automaton_state: int = 0
 
   @property
   def finished(self) -> bool:
@@ -98,6 +102,7 @@ class SequenceGroup:
   beam_slots: list[int] = dataclasses.field(default_factory=list)
   shard: int = 0  # the data shard that serves it
   load: int = 0  # tokens it adds to its shard's load
+  automaton: Automaton | None = None  # of `params.structured_outputs`, compiled
 
   @property
   def beam(self) -> bool:
