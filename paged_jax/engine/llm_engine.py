@@ -175,8 +175,9 @@ class LLMEngine:
 
     Raises:
       ValueError: for a duplicate id, a bad prompt, `logprobs` above
-        `max_logprobs`, too many stop tokens or stop strings without a
-        tokenizer.
+        `max_logprobs`, too many stop tokens, stop strings or structured
+        outputs without a tokenizer, or structured outputs that cannot be
+        compiled (before any step).
     """
     params = SamplingParams() if params is None else params
     if request_id in self._groups:
