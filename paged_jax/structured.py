@@ -39,6 +39,9 @@ import outlines_core
 
 UNCONSTRAINED = -1
 DEAD_STATE = 0
+# An automaton's own (host-side) number for "no allowed token": a row that
+# draws a token its state does not allow.
+DEAD_LOCAL = -1
 # JSON Schema keywords that outlines-core's regex builder would drop without a
 # word (the output would not be checked against them), so they are refused.
 UNSUPPORTED_SCHEMA_KEYWORDS = (
@@ -357,6 +360,21 @@ class Automaton:
   @property
   def num_edges(self) -> int:
     return self.tokens.size
+
+  def next_state(self, state: int, token: int) -> int:
+    """The state `token` leads to from `state` (host side), or `DEAD_LOCAL` if it is not allowed.
+
+    Args:
+      state: one of this automaton's states.
+      token: the token drawn.
+    """
+    begin, end = int(self.offsets[state]), int(self.offsets[state + 1])
+    at = begin + int(np.searchsorted(self.tokens[begin:end], token))
+    return int(self.next_states[at]) if at < end and self.tokens[at] == token else DEAD_LOCAL
+
+  def is_dead(self, state: int) -> bool:
+    """Whether no token is allowed in `state` (host side; `DEAD_LOCAL` included)."""
+    return state == DEAD_LOCAL or self.offsets[state + 1] == self.offsets[state]
 
   def bits(self, num_words: int) -> np.ndarray:
     """uint32 `[num_states, num_words]`: bit `t % 32` of word `t // 32` is set where `t` is allowed.

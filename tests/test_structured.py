@@ -327,11 +327,17 @@ def test_a_disallowed_token_leads_to_the_dead_state(byte_automata):
   packed = st.pack_automata(byte_automata[1:2], ByteTokenizer.vocab_size)  # the phone regex
   start = packed.initial_state(byte_automata[1])
   states = jnp.asarray([start, start, st.UNCONSTRAINED], jnp.int32)
-  after = st.advance(packed.table, states, jnp.asarray([ord("7"), ord("x"), ord("x")]))
+
+  @jax.jit
+  def step(table, states, tokens):
+    after = st.advance(table, states, tokens)
+    masked = st.mask_logits(jnp.zeros((3, table.vocab_size)), table, after)
+    return after, st.is_dead(table, after), masked
+
+  after, dead, masked = step(packed.table, states, jnp.asarray([ord("7"), ord("x"), ord("x")]))
   assert after.tolist() == [after[0], st.DEAD_STATE, st.UNCONSTRAINED] and after[0] > 0
-  assert st.is_dead(packed.table, after).tolist() == [False, True, False]
-  logits = jnp.zeros((3, ByteTokenizer.vocab_size))
-  masked = np.asarray(st.mask_logits(logits, packed.table, after))
+  assert dead.tolist() == [False, True, False]
+  masked = np.asarray(masked)
   assert np.isneginf(masked[1]).all() and (masked[2] == 0).all()
   assert np.isfinite(masked[0]).sum() == 10  # the next digit
 

@@ -8,6 +8,7 @@ import numpy as np
 from paged_jax.engine.params import SamplingParams
 from paged_jax.engine.scheduler import token_limit
 from paged_jax.engine.sequence import Sequence, SequenceGroup
+from paged_jax.structured import Automaton, compile_constraint
 
 MAX_STOP_TOKENS = 8
 
@@ -54,8 +55,9 @@ class InputProcessor:
 
     Raises:
       ValueError: for a bad prompt, too many beams, `logprobs` above
-        `max_logprobs`, too many stop tokens or stop strings without a
-        tokenizer.
+        `max_logprobs`, too many stop tokens, stop strings or structured
+        outputs without a tokenizer, or structured outputs that cannot be
+        compiled.
     """
     if params.use_beam_search and params.n > self.max_beam_width:
       raise ValueError(f"n={params.n} beams exceed max_beam_width={self.max_beam_width}")
@@ -67,8 +69,11 @@ class InputProcessor:
       )
     if params.stop and self.tokenizer is None:
       raise ValueError("stop strings need a tokenizer")
+    automaton = self._automaton(params)
     text, ids = self._encode(prompt)
     eos = () if params.ignore_eos or self.eos_token_id is None else (self.eos_token_id,)
+    if automaton is not None:  # the automaton's end marker always ends a constrained row
+      eos = (automaton.eos_token_id,)
     stop_ids = tuple(dict.fromkeys(params.stop_token_ids + eos))
     if len(stop_ids) > MAX_STOP_TOKENS:
       raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKENS} with EOS, got {len(stop_ids)}")
@@ -88,4 +93,26 @@ class InputProcessor:
       limit=token_limit(self.max_len, ids.size, params),
       stop_ids=stop_ids,
       seqs=seqs,
+      automaton=automaton,
     )
+
+  def _automaton(self, params: SamplingParams) -> Automaton | None:
+    """The compiled automaton of the request's structured output, or None.
+
+    Raises:
+      ValueError: without a tokenizer, or if the constraint cannot be
+        compiled (`paged_jax.structured.compile_constraint` says why) or
+        spells tokens outside the model's vocabulary.
+    """
+    constraint = params.structured_outputs
+    if constraint is None:
+      return None
+    if self.tokenizer is None:
+      raise ValueError("structured_outputs need a tokenizer (the automaton is over its tokens)")
+    automaton = compile_constraint(constraint, self.tokenizer)
+    if automaton.num_edges and int(automaton.tokens.max()) >= self.vocab_size:
+      raise ValueError(
+        f"structured_outputs: token {int(automaton.tokens.max())} of the tokenizer is outside "
+        f"the model's vocabulary of {self.vocab_size}"
+      )
+    return automaton

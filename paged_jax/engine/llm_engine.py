@@ -230,8 +230,9 @@ class LLMEngine:
 
     Raises:
       ValueError: for a duplicate id, a bad prompt, `logprobs` above
-        `max_logprobs`, too many stop tokens or stop strings without a
-        tokenizer.
+        `max_logprobs`, too many stop tokens, stop strings or structured
+        outputs without a tokenizer, or structured outputs that cannot be
+        compiled (before any step).
     """
     params = SamplingParams() if params is None else params
     if request_id in self._groups:
@@ -298,15 +299,28 @@ class LLMEngine:
     touched: dict[str, SequenceGroup] = {}
     chunks = [chunk for out in rounds for chunk in out.chunks]
     if chunks:
+      drawing = [(chunk.group, s) for chunk in chunks for s in chunk.samples]
       samples = [(row, s.slot) for row, chunk in enumerate(chunks) for s in chunk.samples]
-      draws, scores = self._timed(self.runner.prefill, chunks, samples)
+      draws, scores = self._timed(
+        self.runner.prefill, chunks, samples, _constraints(enumerate(drawing))
+      )
       touched.update(self.processor.take_prefill(chunks, draws, scores))
       for scheduler, out in zip(self.schedulers, rounds):
         self.runner.apply(scheduler.after_prefill(out))
     result = None
     if self.runner.has_running_rows():
       stop_on_finish = any(out.stop_on_finish for out in rounds)
-      result = self._timed(self.runner.decode, self.num_decode_steps, stop_on_finish)
+      decoding = [
+        (s.slot, (group, s))
+        for out in rounds
+        for group in out.decoding
+        if not group.beam
+        for s in group.live()
+        if s.slot >= 0
+      ]
+      result = self._timed(
+        self.runner.decode, self.num_decode_steps, stop_on_finish, _constraints(decoding)
+      )
       for out in rounds:
         touched.update(self.processor.take_decode(out.decoding, result, self.runner.hypotheses))
     for scheduler, out in zip(self.schedulers, rounds):
@@ -366,3 +380,13 @@ class LLMEngine:
       preemptions=sum(s.num_preemptions for s in self.schedulers),
       swaps=self.cache.num_swapped_blocks,
     )
+
+
+def _constraints(rows) -> list:
+  """`(row, automaton, state)` of the constrained sequences among `(row,
+  (group, seq))` pairs, for the runner's launches."""
+  return [
+    (row, group.automaton, seq.automaton_state)
+    for row, (group, seq) in rows
+    if group.automaton is not None
+  ]

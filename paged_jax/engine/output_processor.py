@@ -14,6 +14,8 @@ from paged_jax.engine.outputs import CompletionOutput, RequestOutput
 from paged_jax.engine.sequence import Sequence, SequenceGroup
 
 PARTIAL_CHARACTER = "\ufffd"
+# The stop reason of a structured output whose automaton allows no more token.
+DEAD_END = "structured_outputs"
 
 
 class OutputProcessor:
@@ -29,9 +31,10 @@ class OutputProcessor:
     self.generated_tokens = 0
 
   def append(self, group: SequenceGroup, seq: Sequence, tokens, logprob, top_ids, top_logprobs):
-    """Adds drawn tokens to `seq` until it finishes: on a stop token, its
-    token limit or a stop string (the tokens after the one that completed
-    the stop string are dropped).
+    """Adds drawn tokens to `seq` until it finishes: on a stop token, a
+    structured output's dead end (a state that allows no token), its token
+    limit or a stop string (the tokens after the one that completed the
+    stop string are dropped). Steps the sequence's automaton.
 
     Args:
       group: the sequence's group.
@@ -56,6 +59,11 @@ class OutputProcessor:
       if token in group.stop_ids:  # a stop token is kept but not decoded
         seq.finish_reason, seq.stop_reason = "stop", token
         break
+      if group.automaton is not None:
+        seq.automaton_state = group.automaton.next_state(seq.automaton_state, token)
+        if group.automaton.is_dead(seq.automaton_state):
+          seq.finish_reason, seq.stop_reason = "abort", DEAD_END
+          break
       if self.tokenizer is not None and self._decode_last(group, seq):
         break
       if len(seq.token_ids) >= group.limit:

@@ -50,7 +50,18 @@ class SamplingParams:
       text so far), "delta" (only what is new) or "final" (nothing until the
       request finishes).
     structured_outputs: a constraint on the output (a JSON schema, a regex
-      or a list of choices; see `paged_jax.structured`), or None.
+      or a list of choices; see `paged_jax.structured`), or None. It is
+      compiled when the request is added (an error then, before any step,
+      if it cannot be), and every draw (first token included) is masked to
+      the tokens that keep the text a prefix of a match, on the device; EOS
+      is allowed only where the text is a full match and always ends the
+      row (`ignore_eos` does not apply). Finish reasons: "stop" at EOS (the
+      text matches in full) or at a stop string or stop token (the text may
+      be cut short); "length" when `max_tokens` (or the model's length) runs
+      out first (the text may be incomplete); "abort", with stop_reason
+      "structured_outputs", if the automaton reaches a state that allows no
+      token. Log-probabilities are those of the masked distribution. Not
+      supported with beam search.
 
   Raises:
     ValueError: naming the field when a value is out of range.
@@ -107,6 +118,8 @@ class SamplingParams:
         "structured_outputs must be a StructuredOutputsParams, got "
         f"{type(self.structured_outputs).__name__}"
       )
+    if self.use_beam_search and self.structured_outputs is not None:
+      raise ValueError("structured_outputs are not supported with use_beam_search")
     if self.use_beam_search and self.temperature != 0.0:
       raise ValueError(f"temperature must be 0 with use_beam_search, got {self.temperature}")
 

@@ -5,7 +5,11 @@
 executes the copy-on-write plan, writes K/V and attends through the paged
 cache, samples each row with its own parameters, runs the beam-search step
 when beam groups run, checks stop tokens and token limits, and frees the
-rows that finished. It hands control back early when a data shard's blocks
+rows that finished. With structured outputs, a table of the constrained
+rows' automata (`paged_jax.structured`) rides along: each step masks those
+rows' logits before sampling and advances their states in the carry, and a
+row whose state allows no token finishes; without one the step masks
+nothing. It hands control back early when a data shard's blocks
 run out (the scheduler preempts) or, if asked, when a row finishes (the
 scheduler admits more). `prefill` runs prompt chunks and draws the first
 token of the sequences whose prompt they complete. Rows are global sequence
@@ -23,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from paged_jax import kv_cache as kv_ops
-from paged_jax import sharding
+from paged_jax import sharding, structured
 from paged_jax.block_manager import manager
 from paged_jax.block_manager.manager import BlockSpaceManager
 from paged_jax.block_manager.state import BlockManagerState
@@ -45,6 +49,7 @@ class DecodeLoop:
   num_generated: jax.Array  # int32[R], tokens sampled so far
   limit: jax.Array  # int32[R], tokens to sample at most
   beams: beam.Beams  # beam-search state of the rows in beam groups
+  automaton_state: jax.Array  # int32[R], table states (structured outputs), -1: none
   draws: Draw  # [R, num_steps] tokens of this launch
   step: jax.Array  # steps of this launch
   out_of_blocks: jax.Array  # bool[D], the shards that ran out
@@ -68,12 +73,20 @@ def _pairs_per_shard(ids: jax.Array, num_shards: int, per: int) -> jax.Array:
 
 
 def _decode_step(
-  graphdef, params_state, rows: RowParams, with_beams: bool, loop: DecodeLoop
+  graphdef,
+  params_state,
+  rows: RowParams,
+  with_beams: bool,
+  table: structured.AutomatonTable | None,
+  loop: DecodeLoop,
 ) -> DecodeLoop:
   """One decode step of every running row, or the shards out of blocks.
 
   `with_beams` (static) compiles the beam-search step in; without it, no
-  row may be in a beam group.
+  row may be in a beam group. With a `table`, each constrained row draws
+  from its masked logits, then its automaton steps; a row whose new state
+  allows no token finishes. Without one (None, no constrained row runs),
+  nothing is masked.
   """
   cfg = loop.state.cfg
   bm = BlockSpaceManager(cfg)
@@ -104,7 +117,8 @@ def _decode_step(
       sharding.split_rows(loop.last_token[:, None], kv), sharding.split_rows(positions, kv), cache
     )
     num_logprobs = loop.draws.top_ids.shape[-1]
-    draw = sample_rows(logits[:, 0], rows, loop.num_generated, num_logprobs)
+    mask = None if table is None else structured.allowed_mask(table, loop.automaton_state)
+    draw = sample_rows(logits[:, 0], rows, loop.num_generated, num_logprobs, mask)
     column = jnp.where(running, loop.step, loop.draws.tokens.shape[1])
     draws = jax.tree.map(
       lambda out, new: out.at[jnp.arange(out.shape[0]), column].set(new, mode="drop"),
@@ -114,6 +128,12 @@ def _decode_step(
     sampled = running & (loop.beams.leader < 0)
     num_generated = loop.num_generated + sampled
     done = sampled & ((num_generated >= loop.limit) | is_stop(draw.tokens, rows.stop_ids))
+    automaton_state = loop.automaton_state
+    if table is not None:
+      automaton_state = jnp.where(
+        sampled, structured.advance(table, automaton_state, draw.tokens), automaton_state
+      )
+      done = done | (sampled & structured.is_dead(table, automaton_state))
     used = cfg.num_gpu_blocks - jax.vmap(bm.num_free_gpu_blocks)(state)
     held = jnp.sum(num_tokens)
     seq_ids = jnp.where(done, -1, loop.seq_ids)
@@ -170,6 +190,7 @@ def _decode_step(
       last_token=moves.last_token,
       num_generated=moves.num_generated,
       beams=beams,
+      automaton_state=automaton_state,
       draws=draws,
       step=loop.step + 1,
       finished_any=loop.finished_any | jnp.any(done) | jnp.any(moves.finished),
@@ -186,10 +207,18 @@ def _decode_step(
 
 @functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=(3,))
 def decode_loop(
-  graphdef, params_state, rows: RowParams, loop: DecodeLoop, stop_on_finish, with_beams: bool
+  graphdef,
+  params_state,
+  rows: RowParams,
+  loop: DecodeLoop,
+  stop_on_finish,
+  with_beams: bool,
+  table: structured.AutomatonTable | None = None,
 ) -> DecodeLoop:
   """Decodes until no row runs, a shard runs out of blocks, the launch's
-  steps are done, or (if asked) a row finishes."""
+  steps are done, or (if asked) a row finishes. `table` holds the automata
+  of the constrained rows (None when none runs; one compile per table
+  bucket)."""
   num_steps = loop.draws.tokens.shape[1]
 
   def keep_going(loop):
@@ -201,7 +230,9 @@ def decode_loop(
     )
 
   loop = jax.lax.while_loop(
-    keep_going, functools.partial(_decode_step, graphdef, params_state, rows, with_beams), loop
+    keep_going,
+    functools.partial(_decode_step, graphdef, params_state, rows, with_beams, table),
+    loop,
   )
   kv = loop.kv
   return sharding.replicate(loop.replace(kv=None), kv).replace(kv=kv)
@@ -250,6 +281,8 @@ def prefill(
   rows,
   num_logprobs,
   block_size,
+  table=None,
+  draw_states=None,
 ):
   """Runs prompt chunks, then draws token 0 of sequences from their logits.
 
@@ -258,7 +291,8 @@ def prefill(
   slots in their shard. A row's positions before `write_from[row]` already
   hold their K/V in the cache and are not written again. Draw `i` samples
   from the last position of chunk `chunk_of[i]` with the sampling
-  parameters `rows[i]`. Where a row has `next_tokens` (>= 0), it also
+  parameters `rows[i]`, masked by `table`'s automaton state `draw_states[i]`
+  when there is a `table`. Where a row has `next_tokens` (>= 0), it also
   scores them (see `score_next_tokens`; the vocabulary-wide work runs only
   when some row asks).
   """
@@ -276,7 +310,8 @@ def prefill(
   last = jnp.maximum(jnp.sum(positions >= 0, axis=1) - 1, 0)
   last_logits = logits[chunk_of, last[chunk_of]]
   index = jnp.zeros(chunk_of.shape, jnp.int32)
-  draw = sample_rows(last_logits, rows, index, num_logprobs)
+  mask = None if table is None else structured.allowed_mask(table, draw_states)
+  draw = sample_rows(last_logits, rows, index, num_logprobs, mask)
   score = functools.partial(score_next_tokens, num_logprobs=num_logprobs)
   scores = jax.lax.cond(
     jnp.any(next_tokens >= 0),

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from paged_jax import sharding
+from paged_jax import sharding, structured
 from paged_jax.engine import beam, programs
 from paged_jax.engine.cache_manager import CacheManager
 from paged_jax.engine.sampling import Draw, RowParams
@@ -77,6 +77,7 @@ class ModelRunner:
     if mesh is not None:
       model = sharding.shard_model(model, mesh)
     self.graphdef, self.params = nnx.split(model)
+    self.vocab_size = model.config.vocab_size
     num_rows = cache.num_slots
     self.beams = jax.device_put(
       beam.Beams.create(num_rows, max_beam_width, cache.cfg.max_tokens_per_seq), cache.replicated
@@ -162,7 +163,26 @@ class ModelRunner:
     two up to the bucket of `max_prefill_rows`."""
     return [1 << i for i in range(self.prefill_rows(self.max_prefill_rows).bit_length())]
 
-  def prefill(self, chunks, samples) -> tuple[Draw, list]:
+  def _automata(self, num_rows: int, constraints):
+    """The device table of the constrained rows' automata and every row's
+    table state (`UNCONSTRAINED` for the others); no table without any.
+
+    Args:
+      num_rows: rows of the launch.
+      constraints: `(row, automaton, state)` triples, `state` in the
+        automaton's own numbering.
+    """
+    states = np.full(num_rows, structured.UNCONSTRAINED, np.int32)
+    if not constraints:
+      return None, states
+    packed = structured.pack_automata(
+      [automaton for _, automaton, _ in constraints], self.vocab_size
+    )
+    for row, automaton, state in constraints:
+      states[row] = packed.initial_state(automaton) + state
+    return packed.table, states
+
+  def prefill(self, chunks, samples, constraints=()) -> tuple[Draw, list]:
     """Runs prompt chunks, then draws token 0 of the sequences in `samples`.
 
     A chunk runs as rows of `prefill_width` tokens (its last row padded),
@@ -176,6 +196,8 @@ class ModelRunner:
         are scored.
       samples: `(chunk, slot)` pairs: draw token 0 of `slot` (with its row's
         sampling parameters) from the logits chunk number `chunk` ends with.
+      constraints: `(sample, automaton, state)` triples: sample number
+        `sample` draws among the tokens `automaton` allows in `state`.
 
     Returns:
       `(draws, scores)`: NumPy draws, one per pair of `samples`, and per
@@ -217,8 +239,9 @@ class ModelRunner:
     sample_slots = np.zeros(num_draws, np.int32)
     for i, (chunk, slot) in enumerate(samples):
       chunk_of[i], sample_slots[i] = rows_of[chunk][-1], slot
+    table, draw_states = self._automata(num_draws, constraints)
     draw, scores = self._launch_prefill(
-      tokens, positions, write_from, next_tokens, local, chunk_of, sample_slots
+      tokens, positions, write_from, next_tokens, local, chunk_of, sample_slots, table, draw_states
     )
     draws = jax.tree.map(lambda a: np.asarray(a)[: len(samples)], draw)
     scored = [chunk.next_tokens is not None for chunk in chunks]
@@ -236,7 +259,18 @@ class ModelRunner:
       for index, (chunk, wanted) in enumerate(zip(chunks, scored))
     ]
 
-  def _launch_prefill(self, tokens, positions, write_from, next_tokens, local, chunk_of, samples):
+  def _launch_prefill(
+    self,
+    tokens,
+    positions,
+    write_from,
+    next_tokens,
+    local,
+    chunk_of,
+    samples,
+    table=None,
+    draw_states=None,
+  ):
     cache = self.cache
     (draw, scores), cache.kv = programs.prefill(
       self.graphdef,
@@ -252,6 +286,8 @@ class ModelRunner:
       jax.tree.map(lambda a: a[samples], self.rows),
       self.num_logprobs,
       cache.cfg.block_size,
+      table,
+      draw_states,
     )
     return draw, scores
 
@@ -283,13 +319,18 @@ class ModelRunner:
       programs.start_beams(self.beams, no_group, 1, 1.0)
       programs.clear_beams(self.beams, no_group)
 
-  def _launch_decode(self, carry, stop_on_finish: bool, with_beams: bool) -> programs.DecodeLoop:
+  def _launch_decode(
+    self, carry, stop_on_finish: bool, with_beams: bool, table=None
+  ) -> programs.DecodeLoop:
     return programs.decode_loop(
-      self.graphdef, self.params, self.rows, carry, jnp.array(stop_on_finish), with_beams
+      self.graphdef, self.params, self.rows, carry, jnp.array(stop_on_finish), with_beams, table
     )
 
-  def decode_carry(self, num_steps: int) -> programs.DecodeLoop:
-    """The decode loop's carry for a launch of up to `num_steps` steps."""
+  def decode_carry(self, num_steps: int, automaton_state=None) -> programs.DecodeLoop:
+    """The decode loop's carry for a launch of up to `num_steps` steps, the
+    rows' automata in `automaton_state` (table states; None: unconstrained)."""
+    if automaton_state is None:
+      automaton_state = np.full(self.seq_ids.shape[0], structured.UNCONSTRAINED, np.int32)
     num_rows, k = self.seq_ids.shape[0], self.num_logprobs
     draws = Draw(
       tokens=jnp.zeros((num_rows, num_steps), jnp.int32),
@@ -305,6 +346,7 @@ class ModelRunner:
       num_generated=self.num_generated,
       limit=self.limit,
       beams=self.beams,
+      automaton_state=automaton_state,
       draws=draws,
       step=jnp.int32(0),
       out_of_blocks=jnp.zeros(self.cache.num_shards, bool),
@@ -314,15 +356,24 @@ class ModelRunner:
       utilization_sum=jnp.float32(0.0),
     )
 
-  def decode(self, num_steps: int, stop_on_finish: bool) -> DecodeResult:
+  def decode(self, num_steps: int, stop_on_finish: bool, constraints=()) -> DecodeResult:
     """Runs up to `num_steps` decode steps of the running rows (stopping
-    after a step in which a row finished if `stop_on_finish`)."""
+    after a step in which a row finished if `stop_on_finish`).
+
+    Args:
+      num_steps: decode steps at most.
+      stop_on_finish: whether to stop after a step in which a row finished.
+      constraints: `(slot, automaton, state)` triples of the constrained
+        rows: each draws among the tokens its automaton allows, from
+        `state` (the state after its last token) on.
+    """
     before = self.num_generated.copy()
     running = self.seq_ids >= 0
-    loop = self.decode_carry(num_steps)
-    # The beam step compiles only once a beam group runs.
+    table, automaton_state = self._automata(self.seq_ids.shape[0], constraints)
+    loop = self.decode_carry(num_steps, automaton_state)
+    # The beam step compiles only once a beam group runs; masks only with a table.
     with_beams = bool(np.any(self.in_beam_group & running))
-    loop = self._launch_decode(loop, stop_on_finish, with_beams)
+    loop = self._launch_decode(loop, stop_on_finish, with_beams, table)
     self.cache.state, self.cache.kv, self.beams = loop.state, loop.kv, loop.beams
     self.seq_ids = np.array(loop.seq_ids)
     self.last_token = np.array(loop.last_token)

@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 
 from paged_jax.engine.params import SamplingParams
+from paged_jax.structured import Automaton
 
 
 @dataclasses.dataclass
@@ -58,6 +59,8 @@ class Sequence:
     cached_prefix: tokens of `prefill` whose K/V the cache already holds
       (prefix-cache hits) but that run through prefill again for their
       prompt log-probabilities; prefill does not write them.
+    automaton_state: with structured outputs, the state of the group's
+      automaton after `token_ids` (its own numbering, 0 the start).
   """
 
   index: int
@@ -75,6 +78,7 @@ class Sequence:
   prefill: np.ndarray | None = None
   num_computed: int = 0
   cached_prefix: int = 0
+  automaton_state: int = 0
 
   @property
   def finished(self) -> bool:
@@ -105,6 +109,7 @@ class SequenceGroup:
   # With `params.prompt_logprobs`: None for the first prompt token, then one
   # dict per prompt token (alternatives and the token itself -> logprob).
   prompt_logprobs: list[dict[int, float] | None] = dataclasses.field(default_factory=list)
+  automaton: Automaton | None = None  # of `params.structured_outputs`, compiled
 
   @property
   def beam(self) -> bool:
