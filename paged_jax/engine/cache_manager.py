@@ -264,6 +264,8 @@ class CacheManager:
     ):
       _read_shard(op, self.state, shard, *args)
     _hit_counts(self.state)
+    if not self.cfg.num_cpu_blocks:  # nothing is ever swapped
+      return
     sizes = (self.cfg.num_gpu_blocks, self.cfg.num_cpu_blocks)
     for op, move, (src, dst) in (
       (BlockSpaceManager.swap_out, kv_ops.swap_out, sizes),
