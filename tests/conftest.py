@@ -14,17 +14,27 @@ from tests.reference.block_manager import ReferenceBlockSpaceManager
 _RUN_CACHE_DIR = pytest.StashKey[str]()  # set on the process that made the directory
 
 
-def pytest_configure(config):
-  """Turns the persistent compilation cache on in every test process.
+# The run shares one persistent compilation cache only when asked to
+# (PAGED_JAX_TEST_SHARED_CACHE=1): a worker crashed in XLA once while the two
+# workers read and wrote one cache folder, and a crash would fail CI.
+SHARED_CACHE_ENV = "PAGED_JAX_TEST_SHARED_CACHE"
 
-  The controller (or a run without pytest-xdist) makes one fresh directory
-  for the run and exports it as ``PAGED_JAX_CACHE_DIR``; the xdist workers
-  and every subprocess a test starts inherit it, so a program compiled once
-  anywhere in the run is read back everywhere else. A
-  ``PAGED_JAX_CACHE_DIR`` set before the run (a path, or "" for no cache)
-  is used as it is.
+
+def pytest_configure(config):
+  """Sets the persistent compilation cache of every test process.
+
+  By default the run uses none (``PAGED_JAX_CACHE_DIR=""``, inherited by
+  the xdist workers and every subprocess a test starts; the cache's own
+  tests name their folders). With ``PAGED_JAX_TEST_SHARED_CACHE=1`` the
+  controller makes one fresh directory for the run instead, so a program
+  compiled once anywhere is read back everywhere else. A
+  ``PAGED_JAX_CACHE_DIR`` set before the run is used as it is.
   """
   if not hasattr(config, "workerinput") and compilation_cache.CACHE_DIR_ENV not in os.environ:
+    if os.environ.get(SHARED_CACHE_ENV) != "1":
+      os.environ[compilation_cache.CACHE_DIR_ENV] = ""
+      compilation_cache.enable()
+      return
     run_dir = tempfile.mkdtemp(prefix="paged_jax_test_cache_")
     os.environ[compilation_cache.CACHE_DIR_ENV] = run_dir
     config.stash[_RUN_CACHE_DIR] = run_dir
