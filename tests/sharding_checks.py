@@ -456,7 +456,7 @@ def single_process(out: str) -> None:
     else:
       tokens = tokens_of(pj.generate(model, reqs, CFG, SAMPLING, jax.random.key(0), mesh=mesh)[0])
     result[name] = {
-      "axis_types": [str(axis) for axis in mesh.axis_types],
+      "axis_types": [axis.name for axis in mesh.axis_types],
       "tokens": tokens,
       "bytes": device_bytes(pj.KVCache.create(CFG, 4, 2, 32, dtype="float32", mesh=mesh)),
       "weight_bytes": weight_bytes(model, mesh),

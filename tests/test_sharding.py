@@ -389,7 +389,10 @@ def test_the_sharded_cache_refuses_a_sliding_window_model():
     block_size=4, num_gpu_blocks=4, num_cpu_blocks=0, max_seqs=1, max_blocks_per_seq=2
   )
   kv = pj.KVCache.create(cfg, 1, 1, 4, dtype="float32", mesh=sharding.make_mesh(1, 1))
-  cache = paged_cache(kv, np.zeros((1, 2), np.int32), np.zeros((1, 1), np.int32))
+  # A cache that frees the blocks outside a window of 2 cannot serve a layer
+  # that reads 3 keys back.
+  tables, slots = np.zeros((1, 2), np.int32), np.zeros((1, 1), np.int32)
+  cache = paged_cache(kv, tables, slots, cache_sliding_window=2)
   assert isinstance(cache, ShardedPagedCache)
-  with pytest.raises(ValueError, match="does not serve sliding-window models"):
+  with pytest.raises(ValueError, match="frees the blocks outside a window of 2"):
     windowed(np.ones((1, 1), np.int32), np.zeros((1, 1), np.int32), cache)

@@ -240,6 +240,8 @@ class ModelRunner:
     for i, (chunk, slot) in enumerate(samples):
       chunk_of[i], sample_slots[i] = rows_of[chunk][-1], slot
     table, draw_states = self._automata(num_draws, constraints)
+    if table is None:  # the same program as warm-up's, which has no states
+      draw_states = None
     draw, scores = self._launch_prefill(
       tokens, positions, write_from, next_tokens, local, chunk_of, sample_slots, table, draw_states
     )
