@@ -20,10 +20,10 @@ MODEL_CONFIG = models.LlamaConfig(
   mlp_hidden=32,
   max_seq_len=64,
 )
-# 16 blocks of 4 do not hold every request at once: the trace preempts.
+# 12 blocks of 4 do not hold every request at once: the trace preempts.
 CFG = pj.CacheConfig(
   block_size=4,
-  num_gpu_blocks=16,
+  num_gpu_blocks=12,
   num_cpu_blocks=24,
   max_seqs=6,
   max_blocks_per_seq=16,
@@ -56,7 +56,7 @@ def _engine(model, mode):
 
 def _random_params(rng):
   kind = rng.integers(5)
-  common = dict(max_tokens=int(rng.integers(1, 12)), ignore_eos=bool(rng.integers(2)))
+  common = dict(max_tokens=int(rng.integers(4, 20)), ignore_eos=bool(rng.integers(2)))
   if kind == 0:
     return pj.SamplingParams(n=2, use_beam_search=True, **common)
   return pj.SamplingParams(
@@ -72,7 +72,7 @@ def _random_params(rng):
 
 
 def _random_prompt(rng):
-  length = int(rng.integers(2, 46))
+  length = int(rng.integers(2, 24))
   text = "".join(rng.choice(list("ABCDEFGHIJ, ."), length))
   return SHARED + text if rng.integers(2) else text
 
