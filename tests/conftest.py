@@ -1,43 +1,45 @@
-"""Shared pytest fixtures, and one compilation cache for the whole run."""
+"""Shared pytest fixtures, XLA's flags and one compilation cache for the whole run."""
 
 import os
 import shutil
 import tempfile
 
-import jax
-import pytest
+# LLVM's -O0 for every program the run compiles: compile time dominates the
+# suite (small models, run briefly), -O0 about halves it, and every
+# comparison is made within the run. Set before JAX starts a backend, so the
+# xdist workers and every subprocess a test starts inherit it, and the
+# persistent cache below serves all of them alike.
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
 
-from paged_jax import compilation_cache
-from tests.jax_adapter import JaxManager
-from tests.reference.block_manager import ReferenceBlockSpaceManager
+import pytest  # noqa: E402
+
+from paged_jax import compilation_cache  # noqa: E402
+from tests.jax_adapter import JaxManager  # noqa: E402
+from tests.reference.block_manager import ReferenceBlockSpaceManager  # noqa: E402
 
 _RUN_CACHE_DIR = pytest.StashKey[str]()  # set on the process that made the directory
-
-
-# The run shares one persistent compilation cache only when asked to
-# (PAGED_JAX_TEST_SHARED_CACHE=1): a worker crashed in XLA once while the two
-# workers read and wrote one cache folder, and a crash would fail CI.
-SHARED_CACHE_ENV = "PAGED_JAX_TEST_SHARED_CACHE"
+SHARED_CACHE_ENV = "PAGED_JAX_TEST_SHARED_CACHE"  # "0": no cache for the run
 
 
 def pytest_configure(config):
   """Sets the persistent compilation cache of every test process.
 
-  By default the run uses none (``PAGED_JAX_CACHE_DIR=""``, inherited by
-  the xdist workers and every subprocess a test starts; the cache's own
-  tests name their folders). With ``PAGED_JAX_TEST_SHARED_CACHE=1`` the
-  controller makes one fresh directory for the run instead, so a program
-  compiled once anywhere is read back everywhere else. A
-  ``PAGED_JAX_CACHE_DIR`` set before the run is used as it is.
+  The controller makes one fresh directory for the run, inherited through
+  ``PAGED_JAX_CACHE_DIR`` by the xdist workers and every subprocess a test
+  starts, so a program compiled once anywhere (an engine in one worker, a
+  server's warm-up, a notebook) is read back everywhere else. A
+  ``PAGED_JAX_CACHE_DIR`` set before the run is used as it is;
+  ``PAGED_JAX_TEST_SHARED_CACHE=0`` runs without a cache.
   """
   if not hasattr(config, "workerinput") and compilation_cache.CACHE_DIR_ENV not in os.environ:
-    if os.environ.get(SHARED_CACHE_ENV) != "1":
+    if os.environ.get(SHARED_CACHE_ENV) == "0":
       os.environ[compilation_cache.CACHE_DIR_ENV] = ""
-      compilation_cache.enable()
-      return
-    run_dir = tempfile.mkdtemp(prefix="paged_jax_test_cache_")
-    os.environ[compilation_cache.CACHE_DIR_ENV] = run_dir
-    config.stash[_RUN_CACHE_DIR] = run_dir
+    else:
+      run_dir = tempfile.mkdtemp(prefix="paged_jax_test_cache_")
+      os.environ[compilation_cache.CACHE_DIR_ENV] = run_dir
+      config.stash[_RUN_CACHE_DIR] = run_dir
   compilation_cache.enable()
 
 
@@ -90,17 +92,3 @@ def pytest_collection_modifyitems(items):
 def manager_factory(request):
   """A callable ``cfg -> manager`` with the reference manager's interface."""
   return request.param
-
-
-@pytest.fixture(scope="module")
-def quick_compiles():
-  """Compiles a module's programs with XLA's cheap pipeline (`jax_disable_most_optimizations`).
-
-  The block-manager tests compile dozens of small integer programs and run
-  each briefly, so compile time dominates; integer results do not depend on
-  the optimizations.
-  """
-  previous = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
-  yield
-  jax.config.update("jax_disable_most_optimizations", previous)

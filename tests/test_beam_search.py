@@ -13,8 +13,6 @@ from flax import nnx
 import paged_jax as pj
 from paged_jax import models
 
-pytestmark = pytest.mark.usefixtures("quick_compiles")
-
 MODEL_CONFIG = models.LlamaConfig(
   vocab_size=40,
   num_layers=1,

@@ -12,8 +12,6 @@ import pytest
 import paged_jax as pj
 from paged_jax.block_manager import manager
 
-pytestmark = pytest.mark.usefixtures("quick_compiles")
-
 CFG = pj.CacheConfig(
   block_size=4, num_gpu_blocks=8, num_cpu_blocks=2, max_seqs=5, max_blocks_per_seq=4, watermark=0.0
 )

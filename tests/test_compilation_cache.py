@@ -52,7 +52,7 @@ def _start_engine(env_changes: dict, mode: str = "serve") -> dict:
     for key, value in os.environ.items()
     if key not in (compilation_cache.CACHE_DIR_ENV, "JAX_COMPILATION_CACHE_DIR")
   }
-  env.update(JAX_PLATFORMS="cpu", JAX_DISABLE_MOST_OPTIMIZATIONS="1", PYTHONPATH=str(ROOT))
+  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
   env.update(env_changes)
   result = subprocess.run(
     [sys.executable, "-c", START_ENGINE, mode],

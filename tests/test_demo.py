@@ -5,7 +5,6 @@ these runs use `--model tiny`, which loads in well under a second.
 """
 
 import json
-import os
 import subprocess
 import sys
 
@@ -60,7 +59,6 @@ def test_demo_json_report():
     text=True,
     timeout=300,
     check=True,
-    env={**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"},
   )
   report = json.loads(result.stdout)
   assert report["requests"] == 2

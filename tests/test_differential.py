@@ -18,8 +18,6 @@ from paged_jax.config import CacheConfig
 from tests.jax_adapter import JaxManager
 from tests.reference.block_manager import ReferenceBlockSpaceManager
 
-pytestmark = pytest.mark.usefixtures("quick_compiles")
-
 EXAMPLES = int(os.environ.get("PAGED_JAX_PROPERTY_EXAMPLES", "40"))
 COLUMNS = 4  # new-token columns of every append (one compile per shape)
 PAD = 4  # seq-id batch width

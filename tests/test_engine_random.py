@@ -34,8 +34,6 @@ import paged_jax as pj
 from paged_jax import models
 from tests import engine_traces
 
-pytestmark = pytest.mark.usefixtures("quick_compiles")
-
 NUM_TRACES = int(os.environ.get("PAGED_JAX_RANDOM_TRACES", "1"))
 SHAPE = engine_traces.TraceShape()
 

@@ -34,8 +34,6 @@ from tests.reference.block_manager import ReferenceBlockSpaceManager
 from tests.reference.decoder import GEMMA, inverse_frequencies, reference_logits
 from tests.test_pretrained import SPECIAL_TOKENS, _merges, train_bpe, write_hf
 
-pytestmark = pytest.mark.usefixtures("quick_compiles")
-
 T = gguf.GGMLQuantizationType
 TOKENS = 12  # tokens per checked sequence; every window below is shorter
 TOKEN_IDS = np.random.default_rng(11).integers(0, 300, TOKENS)

@@ -9,8 +9,6 @@ import pytest
 
 import paged_jax as pj
 
-pytestmark = pytest.mark.usefixtures("quick_compiles")
-
 CFG = pj.CacheConfig(
   block_size=4,
   num_gpu_blocks=32,

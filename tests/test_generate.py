@@ -14,8 +14,6 @@ from paged_jax.generate import Request, SamplingParams, generate
 from paged_jax.models.dense import generate_dense, sample_tokens
 from paged_jax.models.paged import PagedCache
 
-pytestmark = pytest.mark.usefixtures("quick_compiles")
-
 CONFIG = models.LlamaConfig(
   vocab_size=61,
   num_layers=2,

@@ -17,8 +17,6 @@ def _run(name: str, monkeypatch):
   assert len(install) == 1 and "pip install" in install[0].source
   notebook.cells = [cell for cell in notebook.cells if cell not in install]
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-  # XLA's cheap pipeline: the notebooks' small programs compile in less time.
-  monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
   monkeypatch.delenv("MPLBACKEND", raising=False)
   monkeypatch.setenv("PYTHONPATH", str(COLAB.parent))
   client = nbclient.NotebookClient(

@@ -4,13 +4,10 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 import paged_jax as pj
 from paged_jax.block_manager.pool import count_true, release, running_count, running_count_and_total
 from paged_jax.block_manager.state import init_pool
-
-pytestmark = pytest.mark.usefixtures("quick_compiles")
 
 
 def _held_pool(caching):

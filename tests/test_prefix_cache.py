@@ -9,8 +9,6 @@ import pytest
 import paged_jax as pj
 from paged_jax.block_manager import prefix_cache as pc
 
-pytestmark = pytest.mark.usefixtures("quick_compiles")
-
 
 def test_prompt_hashes_match_the_rolling_hash_at_block_ends():
   rng = np.random.default_rng(0)

@@ -817,6 +817,8 @@ KV_PROMPTS = [
 
 
 def test_smollm2_keeps_its_log_probability_with_a_quantized_cache(smollm2):
+  # Against a float32 cache and compute (bfloat16 compute is emulated on CPU,
+  # several times slower); benchmarks/bench_quant_kv.py measures against bfloat16.
   model, tokenizer = smollm2
   results = {
     r["dtype"]: r
@@ -826,6 +828,7 @@ def test_smollm2_keeps_its_log_probability_with_a_quantized_cache(smollm2):
       PARAGRAPH,
       KV_PROMPTS,
       dtypes=(jnp.int8, jnp.float8_e4m3fn),
+      baseline=jnp.float32,
       num_rows=2,
       row_len=28,
     )
@@ -836,7 +839,7 @@ def test_smollm2_keeps_its_log_probability_with_a_quantized_cache(smollm2):
       f"change {r['relative_change']:.3%}, greedy 16 tokens agree "
       f"{r['greedy_agree']}/{r['num_prompts']}"
     )
-  assert results["bfloat16"]["mean_log_prob"] > MIN_MEAN_LOG_PROB
+  assert results["float32"]["mean_log_prob"] > MIN_MEAN_LOG_PROB
   assert results["int8"]["relative_change"] <= 0.005
   assert results["float8_e4m3fn"]["relative_change"] <= 0.015
   assert results["int8"]["greedy_agree"] > len(KV_PROMPTS) / 2

@@ -21,8 +21,6 @@ from tests.reference.allocators import (
 )
 from tests.reference.block_manager import ReferenceBlockSpaceManager
 
-pytestmark = pytest.mark.usefixtures("quick_compiles")
-
 
 def make_manager(**overrides) -> ReferenceBlockSpaceManager:
   fields = dict(

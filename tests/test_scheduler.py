@@ -12,8 +12,6 @@ from paged_jax.engine.cache_manager import CacheManager
 from paged_jax.engine.scheduler import Scheduler, SchedulerOutput, admission_error
 from paged_jax.engine.sequence import Sequence, SequenceGroup
 
-pytestmark = pytest.mark.usefixtures("quick_compiles")
-
 CFG = pj.CacheConfig(
   block_size=4,
   num_gpu_blocks=6,

@@ -31,6 +31,7 @@ import pytest
 
 import paged_jax as pj
 from paged_jax.models import ByteTokenizer, load_tiny
+from paged_jax.server import cli
 
 API_KEY = "test-key"
 TINY_ARGS = [
@@ -43,7 +44,7 @@ TINY_ARGS = [
   "--num-gpu-blocks-override",
   "96",
   "--max-num-batched-tokens",
-  "256",
+  "64",
   "--max-logprobs",
   "5",
   "--api-key",
@@ -60,6 +61,8 @@ SMOLLM2_ARGS = [
   "40",
   "--max-num-seqs",
   "4",
+  "--max-num-batched-tokens",
+  "64",
   "--max-logprobs",
   "5",
   "--dtype",
@@ -82,12 +85,10 @@ class RunningServer:
     self.port = _free_port()
     self.base_url = f"http://127.0.0.1:{self.port}"
     self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-    env = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
     self.process = subprocess.Popen(
       [sys.executable, "-m", "paged_jax", "serve", "--port", str(self.port), *args],
       stdout=self.log,
       stderr=subprocess.STDOUT,
-      env=env,
     )
     self.headers = {"Authorization": f"Bearer {API_KEY}"} if "--api-key" in args else {}
     self.prepared = None  # what the test process computed while the server started
@@ -148,12 +149,14 @@ class RunningServer:
 
 
 @contextlib.contextmanager
-def _serve(args: list[str], model: str, while_starting=None):
-  """A healthy server; `while_starting()` runs in this process meanwhile."""
+def _serve(args: list[str], model: str, prepare=None):
+  """A healthy server; `prepare()` runs in this process first (the server's
+  warm-up then reads the programs it compiled from the run's compilation
+  cache)."""
+  prepared = None if prepare is None else prepare()
   server = RunningServer(args)
+  server.prepared = prepared
   try:
-    if while_starting is not None:
-      server.prepared = while_starting()
     server.wait_healthy()
     yield server
     server.stop_with_stream_in_flight(model)
@@ -162,30 +165,33 @@ def _serve(args: list[str], model: str, while_starting=None):
 
 
 def _offline_greedy():
-  """Offline `pj.LLM` greedy texts of 64 prompts, compiled as the server compiles."""
+  """Offline `pj.LLM` greedy texts of 64 prompts, on the tiny server's engine
+  config (so both run the same programs)."""
   prompts = [f"{HEADWORDS[i % len(HEADWORDS)]}, n. {'ab'[i % 2] * (i // 16)}" for i in range(64)]
-  previous = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
-  try:
-    cfg = pj.CacheConfig(
-      block_size=16,
-      num_gpu_blocks=96,
-      num_cpu_blocks=0,
-      max_seqs=16,
-      max_blocks_per_seq=8,
-      enable_prefix_caching=True,
-    )
-    llm = pj.LLM(load_tiny(), ByteTokenizer(), cfg, max_num_batched_tokens=256)
-    outs = llm.generate(prompts, pj.SamplingParams(max_tokens=16))
-  finally:
-    jax.config.update("jax_disable_most_optimizations", previous)
+  cfg = pj.CacheConfig(
+    block_size=16,
+    num_gpu_blocks=96,
+    num_cpu_blocks=0,
+    max_seqs=16,
+    max_blocks_per_seq=8,
+    enable_prefix_caching=True,
+  )
+  llm = pj.LLM(
+    load_tiny(),
+    ByteTokenizer(),
+    cfg,
+    max_num_batched_tokens=64,
+    max_logprobs=5,
+    max_beam_width=cli.MAX_BEAM_WIDTH,
+  )
+  outs = llm.generate(prompts, pj.SamplingParams(max_tokens=16))
   return prompts, [o.outputs[0].text for o in outs]
 
 
 @pytest.fixture(scope="module")
 def tiny():
-  """The tiny server; `tiny.prepared` holds `_offline_greedy()`, computed while it starts."""
-  with _serve(TINY_ARGS, "tiny", while_starting=_offline_greedy) as server:
+  """The tiny server; `tiny.prepared` holds `_offline_greedy()`, computed before it starts."""
+  with _serve(TINY_ARGS, "tiny", prepare=_offline_greedy) as server:
     yield server
 
 

@@ -4,9 +4,14 @@ The mesh checks run in subprocesses (tests/sharding_worker.py) with forced
 host devices, so the rest of the suite keeps one device: one process with 8
 devices for the meshes (1, 2), (1, 4), (2, 2), (2, 4), (8, 1) (two of them
 built by ``jax.make_mesh``, whose axes are Explicit, the rest by
-``sharding.make_mesh``), and two
-processes of 4 devices on localhost for one (2, 4) mesh over both (its data
-shards one per process, in one program).
+``sharding.make_mesh``), and two processes of 4 devices on localhost for one
+(2, 4) mesh over both (its data shards one per process, in one program).
+
+Each engine on a new mesh compiles its programs anew (about 10 s of CPU),
+so engines serve on three meshes: (1, 2) and (2, 4) (both of Explicit
+axes) greedy requests, and (2, 2) every feature at once and the random
+traces. Logits, cache and weight placement, and collectives are checked on
+the others without an engine.
 """
 
 import fcntl
@@ -29,12 +34,11 @@ from paged_jax.block_manager import manager
 from paged_jax.block_manager.state import init_states
 from paged_jax.models import LlamaConfig
 from paged_jax.models.paged import ShardedPagedCache, paged_cache
+from tests.conftest import FAST_COMPILE
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MESHES = ("1x2", "1x4", "2x2", "2x4", "8x1")
 TIMEOUT_S = 600
-# -O0 halves XLA:CPU compile time; every result is compared within one run.
-FAST_COMPILE = "--xla_backend_optimization_level=0"
 
 
 def _env(num_devices: int) -> dict:
@@ -42,7 +46,6 @@ def _env(num_devices: int) -> dict:
   env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={num_devices} {FAST_COMPILE}"
   env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
   env["JAX_PLATFORMS"] = "cpu"
-  env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
   return env
 
 
@@ -69,7 +72,8 @@ def meshes(tmp_path_factory, worker_id):
 
 
 def test_every_mesh_gives_the_single_device_tokens(meshes):
-  for name in MESHES:
+  # (2, 2) serves the same requests among others: test_data_shards_serve_every_feature...
+  for name in ("1x2", "2x4"):
     assert meshes[name]["tokens"] == meshes["reference"], name
 
 
@@ -93,9 +97,9 @@ def test_query_heads_that_do_not_split_are_named(meshes):
 
 
 def test_every_layout_gives_the_single_device_logits(meshes):
-  # 1x2, 2x2 and 2x4 run on the whole mesh (one prompt per data shard); 8x1
-  # on its last row (a one-device row off device 0).
-  for name in ("1x2", "2x2", "2x4", "8x1"):
+  # 1x2 and 2x2 run on the whole mesh (one prompt per data shard); 8x1 on
+  # its last row (a one-device row off device 0).
+  for name in ("1x2", "2x2", "8x1"):
     for got, want in zip(meshes[name]["logits"], meshes["reference_logits"]):
       np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg=name)
 
@@ -124,7 +128,7 @@ def test_no_step_moves_a_cache_between_devices(meshes):
   # Pages are [heads, 48 blocks (96 on 2 data shards), 8, 32], and a shard's
   # part of them [heads, 48, 8, 32]; no collective may carry one.
   page = re.compile(r"\[\d+,(48|96),8,32\]")
-  for name in ("1x2", "1x4", "2x2"):
+  for name in ("1x2", "2x2"):
     steps = meshes[name]["collectives"]
     for step, ops in steps.items():
       assert not [op for op in ops if page.search(op[1])], (name, step, ops)
@@ -169,7 +173,10 @@ def test_sharded_copy_and_swaps_match_one_device(meshes):
 
 
 def test_a_quantized_cache_serves_sharded(meshes):
-  assert meshes["int8_2x2"] == meshes["int8_reference"]
+  # Prefill and decode logits over an int8 cache (pages and scales written
+  # and read on each shard) equal the one-device int8 cache's.
+  for got, want in zip(meshes["int8_2x2_logits"], meshes["int8_reference_logits"]):
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
   full = meshes["int8_unsharded_bytes"]
   for kind in ("device", "host"):  # pages and scales split over 2 heads
     assert meshes["int8_2x2_bytes"][kind] == [full[kind][0] // 2] * 4

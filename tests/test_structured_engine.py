@@ -16,8 +16,6 @@ from tests.test_structured import (
   reference_greedy,
 )
 
-pytestmark = pytest.mark.usefixtures("quick_compiles")
-
 PROMPT = "ANSWER, n. "
 JSON_OBJECT = pj.StructuredOutputsParams(json_object=True)
 ALL_CONSTRAINTS = (*CONSTRAINTS, JSON_OBJECT)
@@ -38,6 +36,19 @@ UNCONSTRAINED = (
   ("CAT, n. ", pj.SamplingParams(max_tokens=24)),
   ("DOG, n. ", pj.SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=5, logprobs=2)),
 )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_table_size():
+  """Pads every launch's automaton table to one size (the largest launch's,
+  every constraint at once), so each program compiles once in this module
+  instead of once per table bucket; buckets have their own tests."""
+  floors = st._MIN_STATES, st._MIN_EDGES
+  st._MIN_STATES, st._MIN_EDGES = 1024, 32768
+  st._packed.cache_clear()  # tables packed before, at their own size
+  yield
+  st._MIN_STATES, st._MIN_EDGES = floors
+  st._packed.cache_clear()
 
 
 @pytest.fixture(scope="module")

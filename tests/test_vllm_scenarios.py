@@ -11,8 +11,6 @@ import pytest
 
 from paged_jax.config import AllocStatus, CacheConfig, Status
 
-pytestmark = pytest.mark.usefixtures("quick_compiles")
-
 
 def small_config(**overrides) -> CacheConfig:
   """vLLM's usual test pool: block size 4, four GPU and four CPU blocks."""

@@ -8,8 +8,6 @@ from flax import nnx
 import paged_jax as pj
 from paged_jax import compile_guard, models
 
-pytestmark = pytest.mark.usefixtures("quick_compiles")
-
 MODEL_CONFIG = models.LlamaConfig(
   vocab_size=258,
   num_layers=1,
