@@ -20,9 +20,8 @@ from paged_jax.block_manager.state import ON_CPU, ON_GPU
 
 
 @functools.cache
-def _compiled(cfg: pj.CacheConfig, name: str, use_jit: bool):
-  method = getattr(pj.BlockSpaceManager(cfg), name)
-  return jit_op(method) if use_jit else method
+def _compiled(cfg: pj.CacheConfig, name: str):
+  return jit_op(getattr(pj.BlockSpaceManager(cfg), name))
 
 
 @functools.cache
@@ -74,20 +73,18 @@ class JaxManager:
   def __init__(
     self,
     cfg: pj.CacheConfig,
-    use_jit: bool = True,
     pad_to: int = 4,
     token_pad: int | None = None,
     check: bool = True,
   ):
     self.cfg = cfg
-    self.use_jit = use_jit
     self.pad_to = pad_to
     self.token_pad = token_pad or cfg.max_tokens_per_seq
     self.check = check
     self.state, self._host_view = pj.BlockSpaceManager(cfg).init(), None
 
   def _call(self, name, *args, **kwargs):
-    return _compiled(self.cfg, name, self.use_jit)(*args, **kwargs)
+    return _compiled(self.cfg, name)(*args, **kwargs)
 
   def _ids(self, seq_ids):
     ids = list(seq_ids)

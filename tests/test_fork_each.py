@@ -20,6 +20,7 @@ CFG = pj.CacheConfig(
 BM = pj.BlockSpaceManager(CFG)
 fork_each = jax.jit(BM.fork_each)
 fork = jax.jit(BM.fork)
+allocate = jax.jit(BM.allocate)  # eagerly each call would run op by op (seconds)
 CHECKED = pj.checked(BM)
 
 
@@ -31,7 +32,7 @@ def state():
   for seq, length in enumerate((6, 9, 13)):
     tokens = np.zeros(CFG.max_tokens_per_seq, np.int32)
     tokens[:length] = rng.integers(0, 100, length)
-    state, result = BM.allocate(state, jnp.array([seq]), tokens, length)
+    state, result = allocate(state, jnp.array([seq]), tokens, length)
     assert int(result.status) == pj.Status.OK
   return state
 

@@ -10,6 +10,7 @@ from flax import nnx
 
 import paged_jax as pj
 from paged_jax import models
+from paged_jax.block_manager import manager
 from paged_jax.generate import Request, SamplingParams, generate
 from paged_jax.models.dense import generate_dense, sample_tokens
 from paged_jax.models.paged import PagedCache
@@ -63,11 +64,14 @@ def test_paged_logits_match_dense_for_prefill_and_decode(model):
     block_size=4, num_gpu_blocks=32, num_cpu_blocks=0, max_seqs=3, max_blocks_per_seq=4
   )
   bm = pj.BlockSpaceManager(cfg)
+  # Jitted: eagerly each manager op runs op by op (seconds per call).
+  allocate, append_slots = jax.jit(bm.allocate), jax.jit(bm.append_slots)
+  block_tables, slot_mapping = jax.jit(bm.get_block_tables), manager.jit_op(bm.get_slot_mapping)
   state = bm.init()
   tokens = np.zeros((3, 12), np.int32)
   for row, length in enumerate(lengths):
     tokens[row, :length] = rng.integers(0, CONFIG.vocab_size, length)
-    state, _ = bm.allocate(state, jnp.array([row]), tokens[row], int(length))
+    state, _ = allocate(state, jnp.array([row]), tokens[row], int(length))
   positions = np.where(np.arange(12) < lengths[:, None], np.arange(12), -1)
   ids = jnp.arange(3, dtype=jnp.int32)
   kv = pj.KVCache.create(
@@ -79,8 +83,8 @@ def test_paged_logits_match_dense_for_prefill_and_decode(model):
   )
   paged = PagedCache(
     kv=kv,
-    block_tables=bm.get_block_tables(state, ids),
-    slot_mapping=bm.get_slot_mapping(state, ids, lengths, width=12),
+    block_tables=block_tables(state, ids),
+    slot_mapping=slot_mapping(state, ids, lengths, width=12),
   )
   dense = models.init_dense_cache(CONFIG, 3)
   paged_logits, paged = forward(tokens, positions, paged)
@@ -89,12 +93,12 @@ def test_paged_logits_match_dense_for_prefill_and_decode(model):
   np.testing.assert_allclose(paged_logits[real], dense_logits[real], atol=1e-5, rtol=0)
 
   next_tokens = rng.integers(0, CONFIG.vocab_size, (3, 1)).astype(np.int32)
-  state, plan = bm.append_slots(state, ids, next_tokens, jnp.ones(3, jnp.int32))
+  state, plan = append_slots(state, ids, next_tokens, jnp.ones(3, jnp.int32))
   assert int(plan.status) == pj.Status.OK
   paged = PagedCache(
     kv=paged.kv,
-    block_tables=bm.get_block_tables(state, ids),
-    slot_mapping=bm.get_slot_mapping(state, ids, jnp.ones(3, jnp.int32), width=1),
+    block_tables=block_tables(state, ids),
+    slot_mapping=slot_mapping(state, ids, jnp.ones(3, jnp.int32), width=1),
   )
   paged_logits, _ = forward(next_tokens, lengths[:, None], paged)
   dense_logits, _ = forward(next_tokens, lengths[:, None], dense)
