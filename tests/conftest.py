@@ -1,5 +1,6 @@
 """Shared pytest fixtures, XLA's flags and one compilation cache for the whole run."""
 
+import gc
 import os
 import shutil
 import tempfile
@@ -13,6 +14,7 @@ FAST_COMPILE = "--xla_backend_optimization_level=0"
 if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from paged_jax import compilation_cache  # noqa: E402
@@ -41,6 +43,21 @@ def pytest_configure(config):
       os.environ[compilation_cache.CACHE_DIR_ENV] = run_dir
       config.stash[_RUN_CACHE_DIR] = run_dir
   compilation_cache.enable()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_compiled_programs():
+  """Drops JAX's in-memory caches after each module.
+
+  Every XLA:CPU executable keeps memory mappings of its code, and the jit
+  caches keep every executable alive: a worker that has run a few hundred
+  engine tests nears Linux's 65,530 mappings per process (`vm.max_map_count`),
+  and XLA then crashes in its next compile. A later module that needs a
+  program again reads it back from the run's persistent cache.
+  """
+  yield
+  jax.clear_caches()
+  gc.collect()
 
 
 def pytest_unconfigure(config):

@@ -17,7 +17,9 @@ and on. The two-data-shard setup runs in the 8-device subprocess of
 tests/test_sharding.py (`test_random_traces_on_two_data_shards`), where its
 engine's programs are already compiled.
 
-CI runs one trace per setup. For a longer run, set the number of traces per
+CI runs one trace per setup with prefix caching on (the two setups without it
+compile their own programs and are `slow`, run by the full suite). For a
+longer run, set the number of traces per
 setup (seeds 0, 1, ...; a failure names its seed and the calls made):
 
     PAGED_JAX_RANDOM_TRACES=200 python -m pytest -q -p no:cacheprovider tests/test_engine_random.py
@@ -75,8 +77,9 @@ def make_engine(model, preemption_mode: str, enable_prefix_caching: bool) -> pj.
 @pytest.mark.parametrize(
   "preemption_mode, enable_prefix_caching, first_seed",
   [
-    pytest.param("recompute", False, 0, id="recompute"),
-    pytest.param("swap", False, 1000, id="swap"),
+    # Without prefix caching (its own programs, about 30 s of compiles): the full suite.
+    pytest.param("recompute", False, 0, id="recompute", marks=pytest.mark.slow),
+    pytest.param("swap", False, 1000, id="swap", marks=pytest.mark.slow),
     pytest.param("recompute", True, 2000, id="recompute-prefix-caching"),
     pytest.param(
       "swap",

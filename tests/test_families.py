@@ -670,6 +670,7 @@ WINDOWED = {
 
 
 @pytest.mark.parametrize("name", WINDOWED)
+@pytest.mark.slow
 def test_paged_greedy_decoding_equals_dense_past_the_window(name):
   """Slow (about 30 s of CPU): it compiles the engine's programs for one
   model; the windows are what it checks, so it cannot share a model."""

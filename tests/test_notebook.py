@@ -31,6 +31,7 @@ def _run(name: str, monkeypatch):
   return text, images
 
 
+@pytest.mark.slow
 def test_quickstart_notebook_runs(monkeypatch):
   text, images = _run("quickstart.ipynb", monkeypatch)
   assert "copy-on-write plan: [(" in text
@@ -42,6 +43,7 @@ def test_quickstart_notebook_runs(monkeypatch):
   assert images == 4  # one per show() call
 
 
+@pytest.mark.slow
 def test_engine_notebook_runs(monkeypatch):
   text, images = _run("engine.ipynb", monkeypatch)
   assert "finish: " in text

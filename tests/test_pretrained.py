@@ -769,6 +769,7 @@ def test_smollm2_scores_english_like_a_language_model(smollm2):
   assert mean > MIN_MEAN_LOG_PROB
 
 
+@pytest.mark.slow
 def test_smollm2_paged_and_dense_greedy_decoding_agree(smollm2):
   from paged_jax.config import CacheConfig
   from paged_jax.generate import Request, SamplingParams, generate
@@ -816,6 +817,7 @@ KV_PROMPTS = [
 ]
 
 
+@pytest.mark.slow
 def test_smollm2_keeps_its_log_probability_with_a_quantized_cache(smollm2):
   # Against a float32 cache and compute (bfloat16 compute is emulated on CPU,
   # several times slower); benchmarks/bench_quant_kv.py measures against bfloat16.

@@ -510,6 +510,7 @@ def test_an_unexpected_error_answers_500_for_that_request_only():
 # SmolLM2: chat and lm-eval's loglikelihood requests.
 
 
+@pytest.mark.slow
 def test_chat_stream_equals_non_stream_role_first_and_usage(smollm2):
   client = openai.OpenAI(base_url=f"{smollm2.base_url}/v1", api_key="none", max_retries=0)
   request = dict(
@@ -543,6 +544,7 @@ def test_chat_stream_equals_non_stream_role_first_and_usage(smollm2):
       assert len(token.top_logprobs) == 2 and token.logprob <= 0
 
 
+@pytest.mark.slow
 def test_lm_eval_loglikelihood_request_scores_the_prompt_like_the_engine(smollm2):
   """lm-eval's `local-completions` sends token ids, echo, max_tokens=1, logprobs=1."""
   ids = smollm2.post("/tokenize", json=dict(prompt="The capital of France is")).json()["tokens"]

@@ -71,12 +71,14 @@ def meshes(tmp_path_factory, worker_id):
   return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_every_mesh_gives_the_single_device_tokens(meshes):
   # (2, 2) serves the same requests among others: test_data_shards_serve_every_feature...
   for name in ("1x2", "2x4"):
     assert meshes[name]["tokens"] == meshes["reference"], name
 
 
+@pytest.mark.slow
 def test_meshes_of_explicit_axes_serve_as_auto_ones_do(meshes):
   # jax.make_mesh's Explicit axes once failed deep inside generate (a
   # sharding constraint on Explicit axes); 1x2 serves through pj.LLM.
@@ -86,6 +88,7 @@ def test_meshes_of_explicit_axes_serve_as_auto_ones_do(meshes):
   assert meshes["2x2"]["axis_types"] == ["Auto", "Auto"]
 
 
+@pytest.mark.slow
 def test_query_heads_that_do_not_split_are_named(meshes):
   # 6 query heads, 2 KV heads on a (1, 4) mesh: the cache stores each KV
   # head twice, and the query heads are checked where they are known.
@@ -96,6 +99,7 @@ def test_query_heads_that_do_not_split_are_named(meshes):
   assert message in errors["engine"]
 
 
+@pytest.mark.slow
 def test_every_layout_gives_the_single_device_logits(meshes):
   # 1x2 and 2x2 run on the whole mesh (one prompt per data shard); 8x1 on
   # its last row (a one-device row off device 0).
@@ -104,6 +108,7 @@ def test_every_layout_gives_the_single_device_logits(meshes):
       np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg=name)
 
 
+@pytest.mark.slow
 def test_each_device_holds_its_share_of_the_cache(meshes):
   full = meshes["unsharded_bytes"]
   # Each data shard has a one-device cache's blocks. The tiny model has 2 KV
@@ -116,6 +121,7 @@ def test_each_device_holds_its_share_of_the_cache(meshes):
       assert per_device == [full[kind][0] * share] * (data * tp), (name, kind)
 
 
+@pytest.mark.slow
 def test_weights_are_split_over_the_model_axis(meshes):
   full = meshes["unsharded_weight_bytes"]
   # Only the norms stay whole at tp=2; at tp=4 k/v (2 KV heads) and the
@@ -124,6 +130,7 @@ def test_weights_are_split_over_the_model_axis(meshes):
     assert max(meshes[name]["weight_bytes"]) <= bound * full, name
 
 
+@pytest.mark.slow
 def test_no_step_moves_a_cache_between_devices(meshes):
   # Pages are [heads, 48 blocks (96 on 2 data shards), 8, 32], and a shard's
   # part of them [heads, 48, 8, 32]; no collective may carry one.
@@ -136,6 +143,7 @@ def test_no_step_moves_a_cache_between_devices(meshes):
     assert any(op == "all-reduce" for op, _ in steps["decode"]), name
 
 
+@pytest.mark.slow
 def test_data_shards_serve_every_feature_as_one_device_does(meshes):
   want, got = meshes["features_reference"], meshes["features_2x2"]
   assert got["tokens"] == want["tokens"]
@@ -156,6 +164,7 @@ def test_data_shards_serve_every_feature_as_one_device_does(meshes):
   assert "slots [0, 4] span several data shards" in got["errors"]["slots"]
 
 
+@pytest.mark.slow
 def test_random_traces_on_two_data_shards(meshes):
   # tests/engine_traces.py on a (2, 2) mesh: every check after every step
   # on both shards' states, and every reproducible request equal to itself
@@ -166,12 +175,14 @@ def test_random_traces_on_two_data_shards(meshes):
   assert traces["compared"] > 0 and traces["preemptions"] > 0
 
 
+@pytest.mark.slow
 def test_sharded_copy_and_swaps_match_one_device(meshes):
   # On a (2, 2) mesh: heads over "model", each data shard's blocks its own.
   assert meshes["ops_match"] is True
   assert meshes["int8_ops_match"] is True  # pages and scales, bit for bit
 
 
+@pytest.mark.slow
 def test_a_quantized_cache_serves_sharded(meshes):
   # Prefill and decode logits over an int8 cache (pages and scales written
   # and read on each shard) equal the one-device int8 cache's.
@@ -188,6 +199,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_give_the_one_device_tokens(tmp_path):
   port = _free_port()
   procs = [

@@ -464,6 +464,7 @@ def smollm2():
   return checkpoints.load_pretrained("smollm2-135m-instruct", dtype="float32", max_seq_len=256)
 
 
+@pytest.mark.slow
 def test_smollm2_writes_a_json_object_that_validates(smollm2):
   """Greedy with the schema's mask: 40 steps of the real model, replayed by the reference."""
   model, tokenizer = smollm2
