@@ -11,6 +11,8 @@ from flax import nnx
 
 import paged_jax as pj
 from paged_jax import models
+from paged_jax.block_manager import manager
+from paged_jax.engine.cache_manager import CacheManager
 
 MODEL_CONFIG = models.LlamaConfig(
   vocab_size=258,
@@ -121,6 +123,71 @@ def test_outputs_do_not_depend_on_scheduling(model, reference, mode, budget, rev
   if budget < 20:  # the longest prompt needs several chunks
     assert stats.prefill_tokens >= stats.prompt_tokens - 4 * 3
   _all_blocks_free(engine)
+
+
+def test_a_decode_sharing_a_block_that_a_pending_prefill_holds_reads_its_own_kv(model):
+  """A decoding sequence fills a block whose content another prompt's block
+  already has, before that prompt's prefill wrote it: the decode shares the
+  cached block (prefix caching) and must still attend to its own K/V."""
+  params = pj.SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
+  prompt = list(TOKENIZER.encode("CAT,"))  # one full block
+
+  def serve(requests):
+    # Round 1 prefills 3 prompt tokens of "first"; round 2 its last one and 2 of
+    # "later", then 4 decode steps fill the first's second block.
+    engine = pj.LLMEngine(
+      model, TOKENIZER, CFG, max_num_seqs=4, max_num_batched_tokens=3, num_decode_steps=4
+    )
+    finals, _ = _serve(engine, requests)
+    _all_blocks_free(engine)
+    return finals, engine.stats
+
+  alone, _ = serve([("first", prompt, params)])
+  (want,) = alone["first"].outputs
+  # The later prompt's second block is the block the first request's decode fills.
+  later = prompt + want.token_ids[:4] + [7]
+  finals, stats = serve(
+    [("first", prompt, params), ("later", later, pj.SamplingParams(max_tokens=1))]
+  )
+  (got,) = finals["first"].outputs
+  assert stats.prefix_cache_hit_rate > 0
+  assert got.token_ids == want.token_ids
+  for got_logprobs, want_logprobs in zip(got.logprobs, want.logprobs, strict=True):
+    assert got_logprobs.keys() == want_logprobs.keys()
+    for token, logprob in got_logprobs.items():
+      assert logprob == pytest.approx(want_logprobs[token], abs=1e-4)
+
+
+def test_a_swap_in_sharing_a_block_that_a_pending_prefill_holds_brings_its_own_kv():
+  """A swapped-out sequence comes back while another prompt holds blocks of
+  its content that its prefill has not written: the swap-in shares them
+  (prefix caching) and must still put the sequence's own K/V there."""
+  cache = CacheManager(CFG, MODEL_CONFIG)
+  tables = jax.jit(manager.get_block_tables)
+  slots = np.arange(CFG.max_seqs, dtype=np.int32)
+  prompt = np.arange(60, 69, dtype=np.int32)  # 2 full blocks and 1 token
+  cache.allocate(0, prompt, "swapped")
+  cache.mark_computed([0], [prompt.size])
+  blocks = np.asarray(tables(cache.shard_state(0), slots))[0, :3]
+  pages = jax.random.normal(jax.random.key(0), cache.kv.k[0][:, :3].shape)
+  cache.kv = cache.kv.replace(
+    k=tuple(k.at[:, blocks].set(pages) for k in cache.kv.k),
+    v=tuple(v.at[:, blocks].set(-pages) for v in cache.kv.v),
+  )
+  cache.move_out(cache.swap_out([0], "swapped"))
+  # Another prompt takes every GPU block (evicting the cached ones) and writes them.
+  cache.allocate(1, np.arange(4 * CFG.num_gpu_blocks, dtype=np.int32), "other")
+  cache.kv = cache.kv.replace(
+    k=tuple(jnp.ones_like(k) for k in cache.kv.k), v=tuple(jnp.ones_like(v) for v in cache.kv.v)
+  )
+  cache.free([1], "other")
+  cache.allocate(2, prompt, "pending")  # its prefill would write the 2 full blocks
+  cache.move_in(cache.swap_in([0], "swapped"))
+  table = np.asarray(tables(cache.shard_state(0), slots))
+  np.testing.assert_array_equal(table[0, :2], table[2, :2])  # shared, not copied
+  for k, v in zip(cache.kv.k, cache.kv.v):
+    np.testing.assert_array_equal(k[:, table[0, :3]], pages)
+    np.testing.assert_array_equal(v[:, table[0, :3]], -pages)
 
 
 def test_outputs_finish_with_a_reason_and_logprobs(reference):

@@ -57,6 +57,24 @@ def test_a_lone_group_out_of_blocks_raises_naming_it(cache):
     scheduler.update(out, None, out_of_blocks=True)
 
 
+def test_a_lone_group_out_of_blocks_decodes_on_when_a_stop_string_freed_blocks(cache):
+  scheduler = Scheduler(cache, 4, 64, "recompute", max_len=32)
+  scheduler.add(_group("left", 8))
+  scheduler.add(_group("stopped", 4, arrival=1))
+  out = scheduler.schedule()
+  assert [c.group.request_id for c in out.chunks] == ["left", "stopped"]
+  free = cache.num_free_gpu_blocks()
+  # The decode loop ran out of blocks; then the host saw a stop string end "stopped".
+  out.decoding[1].seqs[0].finish_reason = "stop"
+  scheduler.update(out, np.zeros(cache.num_slots, bool), out_of_blocks=True)
+  assert cache.num_free_gpu_blocks() == free + 1
+  assert scheduler.num_preemptions == 0
+  assert [g.request_id for g in scheduler.running] == ["left"]
+  # Out of blocks again with nothing freed since: it can never fit.
+  with pytest.raises(RuntimeError, match=r"request 'left' ran out of GPU blocks with nothing else"):
+    scheduler.update(SchedulerOutput(shard=0), None, out_of_blocks=True)
+
+
 def test_allocation_failure_names_the_request_and_the_blocks_short(cache):
   cache.allocate(0, np.arange(16, dtype=np.int32), "first")  # 4 of 6 blocks
   with pytest.raises(

@@ -48,6 +48,38 @@ def _mark_computed(state, seq_ids, num_computed_tokens):
 _hit_counts = jax.jit(lambda states: (jnp.sum(states.num_hits), jnp.sum(states.num_lookups)))
 
 
+def _with_unwritten_hits(plan, before, after, shard: int, slots: np.ndarray):
+  """A swap-in plan that also copies each swapped block whose GPU hit is
+  not computed (its K/V may not be written yet) onto that hit.
+
+  Args:
+    plan: the manager's `SwapPlan` of (host block, GPU block) pairs.
+    before, after: the manager states (every shard) before and after the
+      swap-in.
+    shard: the data shard swapped in.
+    slots: its local slots swapped in.
+
+  Returns:
+    The plan with those pairs after its own, one per GPU block.
+  """
+  host_blocks = np.asarray(before.tables)[shard, slots].ravel()
+  gpu_blocks = np.asarray(after.tables)[shard, slots].ravel()
+  content = before.gpu.content
+  unwritten = np.asarray(content.has_content)[shard] & ~np.asarray(content.computed)[shard]
+  src, dst = np.array(plan.src), np.array(plan.dst)
+  count = int(plan.count)
+  copied = set(dst[:count].tolist())
+  for host_block, gpu_block in zip(host_blocks.tolist(), gpu_blocks.tolist()):
+    if gpu_block >= 0 and gpu_block not in copied and unwritten[gpu_block]:
+      src[count], dst[count] = host_block, gpu_block
+      copied.add(gpu_block)
+      count += 1
+  put = lambda value, like: jax.device_put(value, like.sharding)
+  return plan.replace(
+    src=put(src, plan.src), dst=put(dst, plan.dst), count=put(np.int32(count), plan.count)
+  )
+
+
 class CacheManager:
   """Owns the manager states (one per data shard) and the KV cache.
 
@@ -222,9 +254,19 @@ class CacheManager:
 
   def swap_in(self, slots, request_id: str):
     """Moves the tables of `slots` back to GPU blocks; returns the plan of
-    page copies for `move_in`."""
+    page copies for `move_in`.
+
+    With prefix caching, the manager shares a GPU block that has a swapped
+    block's content instead of taking one (a hit). A hit on a block that is
+    not computed may not hold that K/V yet (a prompt registered it, and its
+    prefill has not written it), so the plan copies the host page there too.
+    """
+    shard, local = self._local(slots)
+    before = self.state
     shard, plan = self._update_group(BlockSpaceManager.swap_in, slots)
     self._check(plan, f"swap in of request {request_id!r}'s seqs {list(slots)}", shard)
+    if self.cfg.enable_prefix_caching:
+      plan = _with_unwritten_hits(plan, before, self.state, shard, local)
     return sharding.shard_plan(plan, shard, self.cfg.num_cpu_blocks, self.cfg.num_gpu_blocks)
 
   def move_out(self, plan) -> None:

@@ -30,7 +30,7 @@ from paged_jax import kv_cache as kv_ops
 from paged_jax import sharding, structured
 from paged_jax.block_manager import manager
 from paged_jax.block_manager.manager import BlockSpaceManager
-from paged_jax.block_manager.state import BlockManagerState
+from paged_jax.block_manager.state import BlockManagerState, CopyPlan
 from paged_jax.config import Status
 from paged_jax.engine import beam
 from paged_jax.engine.sampling import Draw, RowParams, is_stop, sample_rows
@@ -101,6 +101,8 @@ def _decode_step(
 
   def advance(_):
     kv = kv_ops.copy_blocks(loop.kv, plan)
+    if cfg.enable_prefix_caching:
+      kv = kv_ops.copy_blocks(kv, jax.vmap(unwritten_hit_copies)(loop.state, state, local, plan))
     num_tokens = flat(jax.vmap(bm.get_num_tokens)(state, local))
     slot_mapping = jax.vmap(functools.partial(bm.get_slot_mapping, width=1))(
       state, local, shaped(running.astype(jnp.int32))
@@ -202,6 +204,63 @@ def _decode_step(
   out_of_blocks = plan.status != Status.OK
   return jax.lax.cond(
     ~jnp.any(out_of_blocks), advance, lambda _: loop.replace(out_of_blocks=out_of_blocks), None
+  )
+
+
+def unwritten_hit_copies(
+  before: BlockManagerState, after: BlockManagerState, seq_ids: jax.Array, cow: CopyPlan
+) -> CopyPlan:
+  """Copies that give cached blocks a decode step hit the K/V they lack.
+
+  When a decoding row fills its last block, `append_slots` shares a cached
+  block of the same content instead, if there is one (as vLLM 0.6's block
+  manager does), and the row's own block is released. A cached block that
+  is not computed may not hold that content's K/V yet: another sequence's
+  prompt registered it when it was allocated and its prefill has not reached
+  it (or never will: the sequence was aborted or preempted before). The row's
+  own block holds the K/V of every position but the new token's, which the
+  step writes into the shared block, so it is copied over first. (A computed
+  block is not copied; one that a decode filled is rewritten with the same
+  values.)
+
+  Args:
+    before, after: one shard's manager state before and after the step's
+      `append_slots`.
+    seq_ids: int32[B] the step's local slots, -1 where no row runs.
+    cow: that call's copy-on-write plan (its destinations are new blocks,
+      not hits).
+
+  Returns:
+    A CopyPlan of `(row's own block, shared block)` pairs, one per shared
+    block, B entries (-1 after `count`).
+  """
+  cfg = before.cfg
+  block_size, num_blocks = cfg.block_size, cfg.num_gpu_blocks
+  real = seq_ids >= 0
+  last = jnp.maximum(manager.get_num_tokens(after, seq_ids) - 1, 0) // block_size
+  last_block = lambda state: jnp.take_along_axis(
+    manager.get_block_tables(state, seq_ids), last[:, None], axis=1
+  )[:, 0]
+  own, shared = last_block(before), last_block(after)
+  content = before.gpu.content
+  safe = jnp.clip(shared, 0, num_blocks - 1)
+  unwritten = content.has_content[safe] & ~content.computed[safe]
+  new_block = jnp.any(shared[:, None] == cow.dst[None, :], axis=1)
+  hit = real & (own >= 0) & (shared >= 0) & (shared != own) & ~new_block & unwritten
+  rows = jnp.arange(seq_ids.shape[0], dtype=jnp.int32)
+  first_row = (
+    jnp.full(num_blocks, seq_ids.shape[0], jnp.int32)
+    .at[jnp.where(hit, shared, num_blocks)]
+    .min(rows, mode="drop")
+  )
+  keep = hit & (first_row[safe] == rows)
+  pos = jnp.where(keep, jnp.cumsum(keep) - 1, seq_ids.shape[0])
+  no_block = jnp.full(seq_ids.shape[0], -1, jnp.int32)
+  return CopyPlan(
+    src=no_block.at[pos].set(own, mode="drop"),
+    dst=no_block.at[pos].set(shared, mode="drop"),
+    count=jnp.sum(keep).astype(jnp.int32),
+    status=cow.status,
   )
 
 

@@ -490,19 +490,27 @@ class Scheduler:
       self.running.append(group)
       self.running.sort(key=lambda g: g.arrival)
 
-  def _preempt(self) -> None:
+  def _preempt(self, freed_on_host: bool = False) -> None:
     """Preempts the latest-arrived running group, if any is left: when
     every group that ran out has finished since, their blocks are free.
 
+    Args:
+      freed_on_host: whether sequences that finished on the host (stop
+        strings) freed blocks after the decode loop ran out: a lone group
+        left then decodes on with them (the next round tells).
+
     Raises:
-      RuntimeError: if it is the only group running (it can never fit), or
-        a beam group whose beams the host pool cannot hold.
+      RuntimeError: if it is the only group running and no blocks came free
+        since it ran out (it can never fit), or a beam group whose beams the
+        host pool cannot hold.
     """
     out = self._next
     candidates = [g for g in self.running if not g.finished]
     if not candidates:
       return
     if len(candidates) < 2:
+      if freed_on_host:
+        return
       raise RuntimeError(
         f"request {candidates[0].request_id!r} ran out of GPU blocks with nothing else "
         f"running ({self.cache.num_free_gpu_blocks(self.shard)} free of "
@@ -576,6 +584,7 @@ class Scheduler:
       out_of_blocks: whether this shard ran out of blocks: the
         latest-arrived running group is preempted.
     """
+    freed_on_host = False
     for group in out.decoding:
       if group.beam:
         if group.finished and group.beam_slots:  # the device freed its blocks
@@ -585,7 +594,8 @@ class Scheduler:
         if seq.finished and seq.slot >= 0:
           if finished_on_device is None or not finished_on_device[seq.slot]:
             self._free(group, [seq.slot])
+            freed_on_host = True
           self._release(seq)
     self.running = [g for g in self.running if not g.finished]
     if out_of_blocks:
-      self._preempt()
+      self._preempt(freed_on_host)
