@@ -91,7 +91,7 @@ class RunningServer:
       stderr=subprocess.STDOUT,
     )
     self.headers = {"Authorization": f"Bearer {API_KEY}"} if "--api-key" in args else {}
-    self.prepared = None  # what the test process computed while the server started
+    self.prepared = None  # what the test process computed before the server started
 
   def wait_healthy(self) -> None:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
