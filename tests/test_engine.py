@@ -13,17 +13,9 @@ import paged_jax as pj
 from paged_jax import models
 from paged_jax.block_manager import manager
 from paged_jax.engine.cache_manager import CacheManager
+from tests.tiny_models import BYTE_LLAMA
 
-MODEL_CONFIG = models.LlamaConfig(
-  vocab_size=258,
-  num_layers=1,
-  num_q_heads=2,
-  num_kv_heads=1,
-  head_dim=8,
-  hidden=16,
-  mlp_hidden=32,
-  max_seq_len=64,
-)
+MODEL_CONFIG = BYTE_LLAMA
 # 14 blocks of 4 do not hold all sequences at once: the runs must preempt.
 CFG = pj.CacheConfig(
   block_size=4,

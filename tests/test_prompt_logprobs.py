@@ -8,17 +8,9 @@ from flax import nnx
 
 import paged_jax as pj
 from paged_jax import models
+from tests.tiny_models import BYTE_LLAMA_2_LAYERS
 
-MODEL_CONFIG = models.LlamaConfig(
-  vocab_size=258,
-  num_layers=2,
-  num_q_heads=2,
-  num_kv_heads=1,
-  head_dim=8,
-  hidden=16,
-  mlp_hidden=32,
-  max_seq_len=64,
-)
+MODEL_CONFIG = BYTE_LLAMA_2_LAYERS
 CFG = pj.CacheConfig(
   block_size=4,
   num_gpu_blocks=32,

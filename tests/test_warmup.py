@@ -7,17 +7,9 @@ from flax import nnx
 
 import paged_jax as pj
 from paged_jax import compile_guard, models
+from tests.tiny_models import BYTE_LLAMA
 
-MODEL_CONFIG = models.LlamaConfig(
-  vocab_size=258,
-  num_layers=1,
-  num_q_heads=2,
-  num_kv_heads=1,
-  head_dim=8,
-  hidden=16,
-  mlp_hidden=32,
-  max_seq_len=64,
-)
+MODEL_CONFIG = BYTE_LLAMA
 # 12 blocks of 4 do not hold every request at once: the trace preempts.
 CFG = pj.CacheConfig(
   block_size=4,
