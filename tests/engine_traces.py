@@ -161,6 +161,8 @@ def random_request(rng: np.random.Generator, shape: TraceShape, too_long: int):
     options["stop"] = [str(s) for s in rng.choice(STOP_STRINGS, int(rng.integers(1, 3)), False)]
   if rng.random() < 0.3:
     options["logprobs"] = int(rng.integers(0, 3))
+  if rng.random() < 0.15:
+    options["prompt_logprobs"] = int(rng.integers(0, 3))
   if kind == "beam":
     options["use_beam_search"] = True
     prompt = base[: max(2, len(prompt))]

@@ -198,6 +198,19 @@ def test_outputs_finish_with_a_reason_and_logprobs(reference):
     assert all(v <= 0.0 for lp in sample.logprobs for v in lp.values())
 
 
+def test_stats_count_the_prefill_padding(model):
+  # Prompts of 5 and 40 tokens in one round: 1 + 2 rows of 32 positions,
+  # padded to the 4-row bucket.
+  engine = pj.LLMEngine(model, TOKENIZER, CFG, num_decode_steps=4)
+  for request_id, length in (("short", 5), ("long", 40)):
+    engine.add_request(request_id, [ord(request_id[0])] * length, pj.SamplingParams(max_tokens=1))
+  engine.step()
+  stats = engine.stats
+  assert (stats.prefill_tokens, stats.prefill_positions) == (45, 4 * 32)
+  assert stats.prefill_padding == pytest.approx(1 - 45 / 128)
+  assert pj.GenerationStats().prefill_padding == 0.0
+
+
 def test_stop_strings_spanning_tokens_abort_and_streaming(model, reference):
   text = reference["0"].outputs[0].text
   stop = text[3:6]  # three bytes: three tokens

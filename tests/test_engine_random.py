@@ -13,14 +13,16 @@ outputs (tokens, text, finish and stop reasons, log-probabilities).
 
 Setups: the shipped tiny model on a tiny cache (10 GPU blocks of 4 tokens,
 so requests preempt one another), each preemption mode, prefix caching off
-and on. The two-data-shard setup runs in the 8-device subprocess of
+and on. Each engine warms up first, and the traces run under
+`compile_guard.no_compiles`: after warm-up, serving compiles nothing. The
+two-data-shard setup runs in the 8-device subprocess of
 tests/test_sharding.py (`test_random_traces_on_two_data_shards`), where its
 engine's programs are already compiled.
 
 CI runs one trace per setup with prefix caching on (the two setups without it
 compile their own programs and are `slow`, run by the full suite). For a
-longer run, set the number of traces per
-setup (seeds 0, 1, ...; a failure names its seed and the calls made):
+longer run, set the number of traces per setup (seeds from each setup's
+first seed on; a failure names its seed and the calls made):
 
     PAGED_JAX_RANDOM_TRACES=200 python -m pytest -q -p no:cacheprovider tests/test_engine_random.py
 
@@ -33,7 +35,7 @@ import os
 import pytest
 
 import paged_jax as pj
-from paged_jax import models
+from paged_jax import compile_guard, models
 from tests import engine_traces
 
 NUM_TRACES = int(os.environ.get("PAGED_JAX_RANDOM_TRACES", "1"))
@@ -71,6 +73,7 @@ def make_engine(model, preemption_mode: str, enable_prefix_caching: bool) -> pj.
     num_decode_steps=4,
     max_logprobs=2,
     max_beam_width=2,
+    warmup=True,
   )
 
 
@@ -80,14 +83,18 @@ def make_engine(model, preemption_mode: str, enable_prefix_caching: bool) -> pj.
     # Without prefix caching (its own programs, about 30 s of compiles): the full suite.
     pytest.param("recompute", False, 0, id="recompute", marks=pytest.mark.slow),
     pytest.param("swap", False, 1000, id="swap", marks=pytest.mark.slow),
-    pytest.param("recompute", True, 2000, id="recompute-prefix-caching"),
-    pytest.param("swap", True, 3000, id="swap-prefix-caching"),
+    pytest.param("recompute", True, 2001, id="recompute-prefix-caching"),
+    pytest.param("swap", True, 3006, id="swap-prefix-caching"),
   ],
 )
-def test_random_traces(model, preemption_mode, enable_prefix_caching, first_seed):
+def test_random_traces(model, preemption_mode, enable_prefix_caching, first_seed, capsys):
   engine = make_engine(model, preemption_mode, enable_prefix_caching)
+  num_programs = len(engine.compiled_programs())
+  assert f"warm-up: {num_programs} programs (" in capsys.readouterr().err
   seeds = range(first_seed, first_seed + NUM_TRACES)
-  summary = engine_traces.run_traces(engine, seeds, SHAPE)
+  engine_traces.check_all_free(engine)  # the warm-up changed nothing (compiles the checks)
+  with compile_guard.no_compiles(f"{preemption_mode} traces after warm-up"):
+    summary = engine_traces.run_traces(engine, seeds, SHAPE)
   assert not summary["failures"], summary["failures"][0]
   # (A group preempted while its prompt is still in chunks is recomputed
   # even in "swap" mode, so swaps are not required.)
@@ -96,3 +103,14 @@ def test_random_traces(model, preemption_mode, enable_prefix_caching, first_seed
     reached["prefix cache hits"] = summary["prefix_cache_hit_rate"] > 0
   missed = [path for path, hit in reached.items() if not hit]
   assert not missed, f"the traces no longer reach {missed}: pick other seeds ({summary})"
+
+
+def test_warmup_refuses_while_a_request_runs(model):
+  engine = make_engine(model, "recompute", True)  # the programs of the traces above
+  engine.add_request("0", "WAR", pj.SamplingParams(max_tokens=12, ignore_eos=True))
+  engine.step()
+  with pytest.raises(RuntimeError, match="warm-up launches only while no row decodes"):
+    engine.warmup()
+  while engine.has_unfinished_requests():
+    engine.step()
+  engine_traces.check_all_free(engine)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 import jax
@@ -171,14 +172,15 @@ class LLMEngine:
     `ceil(max_num_batched_tokens / prefill_width) + max_num_seqs` (a chunk
     adds at most one partly filled row); the decode loop has one shape, with
     and without the beam step; the block manager's calls over a group take
-    its slots padded to `max_seqs`; swaps move fixed-capacity plans.
+    its slots padded to `max_seqs`; swaps move fixed-capacity plans; a
+    request's PRNG keys come from a few small host-side programs.
     """
     rows = self.runner.prefill_buckets()
     width, shards = self.runner.prefill_width, self.cache.num_shards
     return (
       [f"prefill {shards * r}x{width} tokens" for r in rows]
       + [f"decode loop x{self.num_decode_steps} steps", "decode loop with beams"]
-      + ["block manager calls", "swap out", "swap in"]
+      + ["block manager calls", "swap out", "swap in", "request keys"]
     )
 
   def warmup(self) -> None:
@@ -194,15 +196,21 @@ class LLMEngine:
       lambda r=r: runner.warm_up(steps, rows_per_shard=r) for r in runner.prefill_buckets()
     ]
     launches += [lambda b=b: runner.warm_up(steps, with_beams=b) for b in (False, True)]
-    launches.append(self.cache.warm_up)
+    launches += [self.cache.warm_up, self._warm_up_request_keys]
     start = time.perf_counter()
     with compile_guard.count_compiles() as compiles:
       for launch in tqdm(launches, desc="warm-up", unit="program", leave=False):
         launch()
     print(
       f"warm-up: {len(self.compiled_programs())} programs ({len(compiles)} compiles) in "
-      f"{time.perf_counter() - start:.1f} s"
+      f"{time.perf_counter() - start:.1f} s",
+      file=sys.stderr,
     )
+
+  def _warm_up_request_keys(self) -> None:
+    """Derives the PRNG keys of a seeded and of an unseeded request."""
+    for seed in (0, None):
+      self.inputs.group("warm-up", [0], SamplingParams(n=2, seed=seed), self._key, 0)
 
   # Requests.
   def admission_error(self, num_prompt_tokens: int, params: SamplingParams) -> str | None:
@@ -371,6 +379,7 @@ class LLMEngine:
       generated_tokens=self.processor.generated_tokens,
       prompt_tokens=self._prompt_tokens,
       prefill_tokens=sum(s.prefill_tokens for s in self.schedulers),
+      prefill_positions=counters["prefill_positions"],
       decode_steps=counters["decode_steps"],
       loop_launches=counters["loop_launches"],
       peak_blocks=counters["peak_blocks"],

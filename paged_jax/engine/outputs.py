@@ -71,6 +71,9 @@ class GenerationStats:
     prompt_tokens: prompt tokens over all requests.
     prefill_tokens: tokens that ran through prefill (prefix-cache hits skip
       some; recomputed preempted sequences run theirs again).
+    prefill_positions: token positions the prefill launches computed: the
+      prefill tokens plus the padding of their row buckets
+      (`LLMEngine.compiled_programs`); `prefill_padding` is the padded share.
     decode_steps: iterations of the decode loop.
     loop_launches: times the host entered the compiled loop.
     peak_blocks: most GPU blocks in use at once.
@@ -87,6 +90,7 @@ class GenerationStats:
   generated_tokens: int = 0
   prompt_tokens: int = 0
   prefill_tokens: int = 0
+  prefill_positions: int = 0
   decode_steps: int = 0
   loop_launches: int = 0
   peak_blocks: int = 0
@@ -95,3 +99,8 @@ class GenerationStats:
   cow_copies: int = 0
   preemptions: int = 0
   swaps: int = 0
+
+  @property
+  def prefill_padding(self) -> float:
+    """The share of prefill positions that were padding (0.0 before any prefill)."""
+    return 1.0 - self.prefill_tokens / self.prefill_positions if self.prefill_positions else 0.0

@@ -103,8 +103,7 @@ class ModelRunner:
       utilization_sum=0.0,
       decode_steps=0,
       loop_launches=0,
-      prefill_tokens=0,
-      prefill_padded_tokens=0,
+      prefill_positions=0,
     )
 
   # Rows.
@@ -232,8 +231,7 @@ class ModelRunner:
       local[shard, filled[shard]] = chunk.seq.slot % per_shard
       filled[shard] += 1
       rows_of[index].append(row)
-    self.counters["prefill_tokens"] += sum(chunk.tokens.size for chunk in chunks)
-    self.counters["prefill_padded_tokens"] += num_rows * width
+    self.counters["prefill_positions"] += num_rows * width
     num_draws = num_shards * per_shard  # one compile, whatever the samples
     chunk_of = np.zeros(num_draws, np.int32)
     sample_slots = np.zeros(num_draws, np.int32)
