@@ -76,11 +76,17 @@ def online(model, cfg, prompts, max_tokens, arrivals, args):
     max_num_seqs=args.batch,
     max_num_batched_tokens=args.budget,
     num_decode_steps=args.decode_steps,
+    warmup=True,
   )
-  # Compile the shapes first: one short request.
-  engine.add_request("warmup", prompts[0][:8], pj.SamplingParams(max_tokens=4))
-  while engine.has_unfinished_requests():
-    engine.step()
+  return serve_trace(engine, prompts, max_tokens, arrivals)
+
+
+def serve_trace(engine, prompts, max_tokens, arrivals) -> dict:
+  """Serves requests arriving at `arrivals` (seconds from the start) on an
+  idle `engine`, stepping it as fast as it goes; returns the tokens, wall
+  time, per-request TTFT and ITL (mean gap between a request's tokens after
+  its first), the host's time per round and share of wall time, and the
+  engine's stats."""
   engine.timing.update(rounds=0, wall_s=0.0, device_s=0.0)
   first, last, counts = {}, {}, {}
   start = time.perf_counter()

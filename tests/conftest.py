@@ -8,7 +8,7 @@ import tempfile
 # XLA:CPU's quickest compiles for every program the run compiles: compile
 # time dominates the suite (small models, run briefly). LLVM's -O0 without its
 # expensive passes, and the classic elemental emitters in place of the fusion
-# emitters, together cut an engine's compiles to about 2/5. Every comparison
+# emitters, together halve an engine's backend compile time. Every comparison
 # is made within the run. Set before JAX starts a backend, so the xdist
 # workers and every subprocess a test starts inherit them, and the persistent
 # cache below serves all of them alike.

@@ -250,11 +250,10 @@ def test_beams_survive_preemption_by_swap(model):
 
 
 def test_aborting_beams_frees_their_blocks_and_slots(model):
-  engine = pj.LLMEngine(model, None, CFG, num_decode_steps=2)
+  engine = pj.LLMEngine(model, None, CFG, num_decode_steps=4)  # engine_results' programs
   engine.add_request(
     "beams", PROMPTS[1], pj.SamplingParams(n=4, use_beam_search=True, max_tokens=MAX_TOKENS)
   )
-  engine.step()
   engine.step()  # the beams have forked and hold blocks
   assert engine.num_free_gpu_blocks() < CFG.num_gpu_blocks
   engine.abort_request("beams")

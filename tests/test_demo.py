@@ -40,6 +40,9 @@ def test_bad_options_exit_with_code_2_and_a_message(argv, message, capsys):
   assert message in capsys.readouterr().err
 
 
+# Over 10 s: a new process warms up every program of the demo's engine. Its
+# engine is the tiny server's (tests/test_server.py): the server, which starts
+# later, reads these programs back from the run's compilation cache.
 def test_demo_json_report():
   result = subprocess.run(
     [
@@ -53,6 +56,10 @@ def test_demo_json_report():
       "2",
       "--max-tokens",
       "4",
+      "--max-seqs",
+      "16",
+      "--num-cpu-blocks",
+      "0",
       "--json",
     ],
     capture_output=True,
@@ -60,11 +67,14 @@ def test_demo_json_report():
     timeout=300,
     check=True,
   )
-  report = json.loads(result.stdout)
+  # ceil(512 / 32) + 16 prefill rows at most: buckets 1 .. 32, then 6 other programs.
+  assert "warm-up: 12 programs (" in result.stderr
+  report = json.loads(result.stdout)  # the warm-up's summary went to stderr
   assert report["requests"] == 2
   assert report["sequences"] == 5  # the second request asks for 4 samples
   assert 2 <= report["generated_tokens"] <= 5 * 4
   assert report["tokens_per_s"] > 0
+  assert 0 <= report["prefill_padding"] < 1
   assert 0 < report["peak_blocks"] <= report["num_gpu_blocks"]
   assert len(report["samples"]) == 2
   assert len(report["samples"][1]["outputs"]) == 4

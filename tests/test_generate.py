@@ -140,13 +140,16 @@ def test_greedy_paged_tokens_equal_dense(model, requests, dense_outputs, prefix_
   assert stats.cow_copies > 0  # n=4 samples share a partial last block
 
 
+# One cache for the short runs below, so that they share their programs.
+SMALL_CFG = pj.CacheConfig(
+  block_size=4, num_gpu_blocks=64, num_cpu_blocks=0, max_seqs=4, max_blocks_per_seq=20
+)
+
+
 def test_eos_stops_a_sequence(model, requests, dense_outputs):
   eos = int(dense_outputs[0][2])
   sampling = SamplingParams(max_tokens=8, stop_token_ids=[eos])
-  cfg = pj.CacheConfig(
-    block_size=4, num_gpu_blocks=64, num_cpu_blocks=0, max_seqs=4, max_blocks_per_seq=12
-  )
-  outputs, _ = generate(model, requests[:1], cfg, sampling, jax.random.key(0))
+  outputs, _ = generate(model, requests[:1], SMALL_CFG, sampling, jax.random.key(0))
   expected = dense_outputs[0][: list(dense_outputs[0]).index(eos) + 1]
   np.testing.assert_array_equal(outputs[0][0], expected)
 
@@ -255,10 +258,7 @@ def test_a_cache_too_small_for_one_sequence_fails_up_front(
 def test_generation_stops_at_the_models_positions(model, requests, dense_outputs):
   # 60 prompt tokens leave 4 of the model's 64 positions for new tokens.
   prompt = np.concatenate([requests[0].prompt, np.ones(60, np.int32)])[-60:]
-  cfg = pj.CacheConfig(
-    block_size=4, num_gpu_blocks=64, num_cpu_blocks=0, max_seqs=4, max_blocks_per_seq=20
-  )
-  llm = pj.LLM(model, None, cfg)
+  llm = pj.LLM(model, None, SMALL_CFG)
   (out,) = llm.generate([prompt], pj.SamplingParams(max_tokens=40))
   expected = generate_dense(model, [prompt], GREEDY, jax.random.key(0))[0]
   assert out.outputs[0].finish_reason == "length"

@@ -166,7 +166,8 @@ def _serve(args: list[str], model: str, prepare=None):
 
 def _offline_greedy():
   """Offline `pj.LLM` greedy texts of 64 prompts, on the tiny server's engine
-  config (so both run the same programs)."""
+  config (so both run the same programs, those tests/test_demo.py's JSON
+  report compiles first)."""
   prompts = [f"{HEADWORDS[i % len(HEADWORDS)]}, n. {'ab'[i % 2] * (i // 16)}" for i in range(64)]
   cfg = pj.CacheConfig(
     block_size=16,
