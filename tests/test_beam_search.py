@@ -119,6 +119,8 @@ def _eos_within_reach(model, prompt):
 PROMPTS = [[5, 9, 2, 7, 11], [3, 1, 4, 1, 5, 9, 2, 6, 5], [8, 8]]
 
 
+# Over 10 s: the module's first engine compiles its decode loop with the beam
+# step; the other tests of this config reuse it.
 @pytest.fixture(scope="module")
 def engine_results(model):
   """Every case through one engine (one compile), all requests at once."""
@@ -216,6 +218,7 @@ def test_beams_that_must_be_swapped_without_a_host_pool_raise(model):
       engine.step()
 
 
+# Over 10 s: a cache config of its own (9 blocks and a host pool) compiles its programs.
 def test_beams_survive_preemption_by_swap(model):
   # 9 blocks of 4 (what the 4 beams need alone) cannot hold them and the
   # sampled requests at once: the beams, latest to arrive, are swapped out

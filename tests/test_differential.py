@@ -202,6 +202,8 @@ SLOW_CONFIGS = ("window", "cached0")
 @pytest.mark.parametrize(
   "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CONFIGS else n for n in CONFIGS]
 )
+# Over 10 s with prefix caching: the first example compiles every manager op of
+# its cache config (about 20 s of XLA compiles); the examples after it run fast.
 @hypothesis.settings(
   max_examples=EXAMPLES,
   deadline=None,

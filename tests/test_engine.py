@@ -81,6 +81,8 @@ def _tokens(finals):
   return {i: [o.token_ids for o in out.outputs] for i, out in finals.items()}
 
 
+# Over 10 s: the module's first engine compiles the programs of CFG that most
+# tests here reuse.
 @pytest.fixture(scope="module")
 def reference(model):
   """One sequence at a time, whole prompts: no chunking, no preemption."""
@@ -337,6 +339,7 @@ class _OwnModel(nnx.Module):
     return self.embed.attend(x + out[:, :, 0]), cache
 
 
+# Over 10 s: another model, so the engine compiles all its programs.
 def test_serves_a_model_of_its_own_that_follows_the_protocol():
   own = _OwnModel(nnx.Rngs(1))
   assert isinstance(own, pj.ModelProtocol)

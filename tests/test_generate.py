@@ -106,6 +106,8 @@ def test_paged_logits_match_dense_for_prefill_and_decode(model):
   np.testing.assert_allclose(paged_logits, dense_logits, atol=1e-5, rtol=0)
 
 
+# Over 10 s: each cache config compiles an engine (with prefix caching, its
+# decode loop is about twice the size).
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_greedy_paged_tokens_equal_dense(model, requests, dense_outputs, prefix_caching):
   # Without caching the GPU pool is tight, so the loop runs out of blocks

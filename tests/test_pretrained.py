@@ -750,6 +750,8 @@ PARAGRAPH = (
 MIN_MEAN_LOG_PROB = -4.5
 
 
+# Over 10 s (the setup of its first test): SmolLM2's GGUF is read, its 4-bit
+# blocks dequantized to float32, and its tokenizer built.
 @pytest.fixture(scope="module")
 def smollm2():
   try:

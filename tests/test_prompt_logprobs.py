@@ -71,6 +71,7 @@ def _check(prompt_logprobs, reference):
       np.testing.assert_allclose(entry[alternative], row[alternative], atol=2e-5)
 
 
+# Over 10 s: the first test on the module's engine compiles its prefill with scoring.
 def test_prompt_logprobs_equal_the_models_log_softmax(engine, reference):
   out = _serve(engine, "one chunk", pj.SamplingParams(max_tokens=3, prompt_logprobs=TOP))
   _check(out.prompt_logprobs, reference)
@@ -96,6 +97,7 @@ def test_prompt_logprobs_on_prefix_cache_hits_keep_the_cache_intact(engine, refe
   assert engine.num_free_gpu_blocks() == CFG.num_gpu_blocks
 
 
+# Over 10 s: the decode loop with the beam step compiles.
 def test_beam_search_also_returns_prompt_logprobs(engine, reference):
   params = pj.SamplingParams(n=2, use_beam_search=True, max_tokens=3, prompt_logprobs=0)
   out = _serve(engine, "beams", params)

@@ -189,6 +189,8 @@ def _offline_greedy():
   return prompts, [o.outputs[0].text for o in outs]
 
 
+# Over 10 s (the setup of the first test that uses it): a new process loads and
+# warms up the engine, most of its programs read back from the run's cache.
 @pytest.fixture(scope="module")
 def tiny():
   """The tiny server; `tiny.prepared` holds `_offline_greedy()`, computed before it starts."""

@@ -166,6 +166,8 @@ def served_alone(llm):
   return [llm.generate([prompt], params)[0] for prompt, params in _requests()]
 
 
+# Over 10 s (the first mode): a tight cache with prefix caching compiles its
+# engine's programs, the automaton steps inside the decode loop included.
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
 def test_prefix_caching_preemption_and_n2_keep_outputs_valid_and_equal(
   tiny, served_alone, preemption_mode
