@@ -63,6 +63,33 @@ def base_generate(commit: str):
   return module
 
 
+def workload(model, num_requests: int, batch: int, seed: int):
+  """An online trace's prompts (ShareGPT-like lengths of random token ids),
+  their output lengths, a cache of `batch` full-length sequences in blocks
+  of 16, and the generator that drew the prompts (it draws the arrivals
+  next)."""
+  max_len = model.config.max_seq_len
+  trace = simulate.TraceConfig(
+    num_requests=num_requests,
+    mean_prompt=max_len / 8,
+    mean_output=max_len / 4,
+    max_len=max_len,
+    seed=seed,
+  )
+  prompt_lens, output_lens = simulate.sample_lengths(trace)
+  rng = np.random.default_rng(seed)
+  vocab = model.config.vocab_size
+  prompts = [rng.integers(0, min(vocab, 256), n).astype(np.int32) for n in prompt_lens]
+  cfg = pj.CacheConfig(
+    block_size=16,
+    num_gpu_blocks=batch * max_len // 16,
+    num_cpu_blocks=0,
+    max_seqs=batch,
+    max_blocks_per_seq=-(-max_len // 16),
+  )
+  return prompts, output_lens, cfg, rng
+
+
 def percentiles(values) -> str:
   values = np.asarray(values) * 1e3
   return " / ".join(f"{np.percentile(values, q):7.1f}" for q in (50, 90, 99))
@@ -167,26 +194,9 @@ def main():
 
   model = load_model(args.model)
   max_len = model.config.max_seq_len
-  trace = simulate.TraceConfig(
-    num_requests=args.requests,
-    mean_prompt=max_len / 8,
-    mean_output=max_len / 4,
-    max_len=max_len,
-    seed=args.seed,
-  )
-  prompt_lens, output_lens = simulate.sample_lengths(trace)
-  rng = np.random.default_rng(args.seed)
-  vocab = model.config.vocab_size
-  prompts = [rng.integers(0, min(vocab, 256), n).astype(np.int32) for n in prompt_lens]
+  prompts, output_lens, cfg, rng = workload(model, args.requests, args.batch, args.seed)
+  prompt_lens = np.array([p.size for p in prompts])
   arrivals = np.cumsum(rng.exponential(1.0 / args.rate, args.requests))
-  block_size = 16
-  cfg = pj.CacheConfig(
-    block_size=block_size,
-    num_gpu_blocks=args.batch * max_len // block_size,
-    num_cpu_blocks=0,
-    max_seqs=args.batch,
-    max_blocks_per_seq=-(-max_len // block_size),
-  )
 
   result = online(model, cfg, prompts, output_lens, arrivals, args)
   print(

@@ -26,10 +26,10 @@ import time
 
 import jax
 import numpy as np
-from bench_engine import load_model, serve_trace
+from bench_engine import load_model, serve_trace, workload
 
 import paged_jax as pj
-from paged_jax import compilation_cache, compile_guard, simulate
+from paged_jax import compilation_cache, compile_guard
 
 
 def percentile_pair(values) -> str:
@@ -69,24 +69,8 @@ def main():
 
   compilation_cache.enable("")  # "before" must compile; "after" warms up from nothing
   model = load_model(args.model)
-  max_len = model.config.max_seq_len
-  lengths = simulate.TraceConfig(
-    num_requests=args.requests,
-    mean_prompt=max_len / 8,
-    mean_output=max_len / 4,
-    max_len=max_len,
-    seed=args.seed,
-  )
-  prompt_lens, output_lens = simulate.sample_lengths(lengths)
-  rng = np.random.default_rng(args.seed)
-  prompts = [rng.integers(0, 256, n).astype(np.int32) for n in prompt_lens]
-  cfg = pj.CacheConfig(
-    block_size=16,
-    num_gpu_blocks=args.batch * max_len // 16,
-    num_cpu_blocks=0,
-    max_seqs=args.batch,
-    max_blocks_per_seq=-(-max_len // 16),
-  )
+  prompts, output_lens, cfg, _ = workload(model, args.requests, args.batch, args.seed)
+  prompt_lens = np.array([p.size for p in prompts])
   print(
     f"{args.model}: {args.requests} requests, mean prompt {prompt_lens.mean():.0f}, mean "
     f"output {output_lens.mean():.0f} tokens, max_num_seqs {args.batch}, budget {args.budget}"

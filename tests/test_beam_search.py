@@ -2,6 +2,7 @@
 dense cache, following Hugging Face transformers' rules (`num_beams=W`,
 `length_penalty`, `early_stopping=False`)."""
 
+import dataclasses
 import functools
 
 import jax
@@ -12,17 +13,10 @@ from flax import nnx
 
 import paged_jax as pj
 from paged_jax import models
+from tests.tiny_models import BYTE_LLAMA
 
-MODEL_CONFIG = models.LlamaConfig(
-  vocab_size=40,
-  num_layers=1,
-  num_q_heads=2,
-  num_kv_heads=1,
-  head_dim=8,
-  hidden=16,
-  mlp_hidden=32,
-  max_seq_len=64,
-)
+# The byte Llama's shapes over a 40-token vocabulary.
+MODEL_CONFIG = dataclasses.replace(BYTE_LLAMA, vocab_size=40)
 CFG = pj.CacheConfig(
   block_size=4,
   num_gpu_blocks=48,
