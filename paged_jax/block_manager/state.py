@@ -242,6 +242,24 @@ def init_states(cfg: CacheConfig, num_shards: int) -> BlockManagerState:
   return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_shards, *x.shape)), init_state(cfg))
 
 
+def on_every_shard(op):
+  """``op`` run on every shard of arguments stacked on a leading shard axis.
+
+  ``jax.vmap(op)`` for several shards. For one shard (the common case), ``op``
+  itself on that shard's arguments, its results given the axis back: the same
+  values, but tracing and compiling an unbatched op takes about half as long
+  (gathers and scatters without a batch dimension).
+  """
+
+  def run(*args):
+    if jax.tree.leaves(args)[0].shape[0] > 1:
+      return jax.vmap(op)(*args)
+    one = op(*jax.tree.map(lambda a: a[0], args))
+    return jax.tree.map(lambda a: a[None], one)
+
+  return run
+
+
 def first_failure(*checks: tuple[Status, jax.Array]) -> jax.Array:
   """The status of the first failing check (in the order given), else OK."""
   status = jnp.int32(Status.OK)
