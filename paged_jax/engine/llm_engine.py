@@ -170,8 +170,8 @@ class LLMEngine:
     Prefill runs a round's prompt chunks as rows of `prefill_width` tokens,
     each data shard's rows padded to a power of two up to the bucket of
     `ceil(max_num_batched_tokens / prefill_width) + max_num_seqs` (a chunk
-    adds at most one partly filled row); the decode loop has one shape, with
-    and without the beam step; the block manager's calls over a group take
+    adds at most one partly filled row); the decode loop has one shape (its
+    beam step runs only in steps with a beam group); the block manager's calls over a group take
     its slots padded to `max_seqs`; swaps move fixed-capacity plans; a
     request's PRNG keys come from a few small host-side programs.
     """
@@ -179,7 +179,7 @@ class LLMEngine:
     width, shards = self.runner.prefill_width, self.cache.num_shards
     return (
       [f"prefill {shards * r}x{width} tokens" for r in rows]
-      + [f"decode loop x{self.num_decode_steps} steps", "decode loop with beams"]
+      + [f"decode loop x{self.num_decode_steps} steps"]
       + ["block manager calls", "swap out", "swap in", "request keys"]
     )
 
@@ -195,7 +195,7 @@ class LLMEngine:
     launches = [
       lambda r=r: runner.warm_up(steps, rows_per_shard=r) for r in runner.prefill_buckets()
     ]
-    launches += [lambda b=b: runner.warm_up(steps, with_beams=b) for b in (False, True)]
+    launches += [lambda: runner.warm_up(steps)]
     launches += [self.cache.warm_up, self._warm_up_request_keys]
     start = time.perf_counter()
     with compile_guard.count_compiles() as compiles:

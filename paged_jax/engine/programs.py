@@ -30,7 +30,7 @@ from paged_jax import kv_cache as kv_ops
 from paged_jax import sharding, structured
 from paged_jax.block_manager import manager
 from paged_jax.block_manager.manager import BlockSpaceManager
-from paged_jax.block_manager.state import BlockManagerState, CopyPlan
+from paged_jax.block_manager.state import BlockManagerState, CopyPlan, on_every_shard
 from paged_jax.config import Status
 from paged_jax.engine import beam
 from paged_jax.engine.sampling import Draw, RowParams, is_stop, sample_rows
@@ -76,17 +76,16 @@ def _decode_step(
   graphdef,
   params_state,
   rows: RowParams,
-  with_beams: bool,
   table: structured.AutomatonTable | None,
   loop: DecodeLoop,
 ) -> DecodeLoop:
   """One decode step of every running row, or the shards out of blocks.
 
-  `with_beams` (static) compiles the beam-search step in; without it, no
-  row may be in a beam group. With a `table`, each constrained row draws
-  from its masked logits, then its automaton steps; a row whose new state
-  allows no token finishes. Without one (None, no constrained row runs),
-  nothing is masked.
+  The beam-search step runs in the steps where a row of a beam group runs
+  (one program serves both; a step without beams skips it). With a
+  `table`, each constrained row draws from its masked logits, then its
+  automaton steps; a row whose new state allows no token finishes. Without
+  one (None, no constrained row runs), nothing is masked.
   """
   cfg = loop.state.cfg
   bm = BlockSpaceManager(cfg)
@@ -95,21 +94,23 @@ def _decode_step(
   local = _per_shard(loop.seq_ids, num_shards)
   shaped = lambda a: a.reshape(num_shards, -1, *a.shape[1:])
   flat = lambda a: a.reshape(-1, *a.shape[2:])
-  state, plan = jax.vmap(bm.append_slots)(
+  state, plan = on_every_shard(bm.append_slots)(
     loop.state, local, shaped(loop.last_token[:, None]), shaped(running.astype(jnp.int32))
   )
 
   def advance(_):
     kv = kv_ops.copy_blocks(loop.kv, plan)
     if cfg.enable_prefix_caching:
-      kv = kv_ops.copy_blocks(kv, jax.vmap(unwritten_hit_copies)(loop.state, state, local, plan))
-    num_tokens = flat(jax.vmap(bm.get_num_tokens)(state, local))
-    slot_mapping = jax.vmap(functools.partial(bm.get_slot_mapping, width=1))(
+      kv = kv_ops.copy_blocks(
+        kv, on_every_shard(unwritten_hit_copies)(loop.state, state, local, plan)
+      )
+    num_tokens = flat(on_every_shard(bm.get_num_tokens)(state, local))
+    slot_mapping = on_every_shard(functools.partial(bm.get_slot_mapping, width=1))(
       state, local, shaped(running.astype(jnp.int32))
     )
     cache = paged_cache(
       kv=kv,
-      block_tables=flat(jax.vmap(bm.get_block_tables)(state, local)),
+      block_tables=flat(on_every_shard(bm.get_block_tables)(state, local)),
       slot_mapping=flat(slot_mapping),
       cache_sliding_window=cfg.sliding_window,
     )
@@ -136,7 +137,7 @@ def _decode_step(
         sampled, structured.advance(table, automaton_state, draw.tokens), automaton_state
       )
       done = done | (sampled & structured.is_dead(table, automaton_state))
-    used = cfg.num_gpu_blocks - jax.vmap(bm.num_free_gpu_blocks)(state)
+    used = cfg.num_gpu_blocks - on_every_shard(bm.num_free_gpu_blocks)(state)
     held = jnp.sum(num_tokens)
     seq_ids = jnp.where(done, -1, loop.seq_ids)
     last_token = jnp.where(sampled, draw.tokens, loop.last_token)
@@ -155,7 +156,7 @@ def _decode_step(
         num_generated,
       )
       per = s // num_shards
-      forked, _ = jax.vmap(bm.fork_each)(
+      forked, _ = on_every_shard(bm.fork_each)(
         state,
         _pairs_per_shard(moves.fork_parents, num_shards, per),
         _pairs_per_shard(moves.fork_children, num_shards, per),
@@ -177,12 +178,10 @@ def _decode_step(
         ),
       )
 
-    forked, beams, moves = (
-      jax.lax.cond(jnp.any(running & (loop.beams.leader >= 0)), beam_step, no_beams, None)
-      if with_beams
-      else no_beams(None)
+    forked, beams, moves = jax.lax.cond(
+      jnp.any(running & (loop.beams.leader >= 0)), beam_step, no_beams, None
     )
-    freed, _ = jax.vmap(bm.free)(
+    freed, _ = on_every_shard(bm.free)(
       forked, _per_shard(jnp.where(done | moves.dropped, loop.seq_ids, -1), num_shards)
     )
     return loop.replace(
@@ -264,14 +263,13 @@ def unwritten_hit_copies(
   )
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=(3,))
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
 def decode_loop(
   graphdef,
   params_state,
   rows: RowParams,
   loop: DecodeLoop,
   stop_on_finish,
-  with_beams: bool,
   table: structured.AutomatonTable | None = None,
 ) -> DecodeLoop:
   """Decodes until no row runs, a shard runs out of blocks, the launch's
@@ -290,7 +288,7 @@ def decode_loop(
 
   loop = jax.lax.while_loop(
     keep_going,
-    functools.partial(_decode_step, graphdef, params_state, rows, with_beams, table),
+    functools.partial(_decode_step, graphdef, params_state, rows, table),
     loop,
   )
   kv = loop.kv
@@ -355,7 +353,7 @@ def prefill(
   scores them (see `score_next_tokens`; the vocabulary-wide work runs only
   when some row asks).
   """
-  tables = jax.vmap(manager.get_block_tables)(states, local)
+  tables = on_every_shard(manager.get_block_tables)(states, local)
   tables = tables.reshape(-1, tables.shape[-1])
   blocks = jnp.take_along_axis(tables, jnp.maximum(positions, 0) // block_size, axis=1)
   writes = (positions >= write_from[:, None]) & (blocks >= 0)

@@ -291,10 +291,11 @@ class ModelRunner:
     )
     return draw, scores
 
-  def warm_up(self, num_steps: int, rows_per_shard: int | None = None, with_beams=None) -> None:
+  def warm_up(self, num_steps: int, rows_per_shard: int | None = None) -> None:
     """Compiles a launch on rows that do nothing (the pages, states and
     beams stay as they are): prefill of `rows_per_shard` rows per shard, or
-    the decode loop of `num_steps` steps (`with_beams`: with the beam step).
+    the decode loop of `num_steps` steps and the start and end of a beam
+    group.
     """
     if self.has_running_rows():
       raise RuntimeError("warm-up launches only while no row decodes")
@@ -312,18 +313,15 @@ class ModelRunner:
         np.zeros(cache.num_slots, np.int32),
       )
       return
-    loop = self._launch_decode(self.decode_carry(num_steps), False, with_beams)
+    loop = self._launch_decode(self.decode_carry(num_steps), False)
     self.cache.state, self.cache.kv, self.beams = loop.state, loop.kv, loop.beams
-    if with_beams:  # starting and forgetting a group (results dropped)
-      no_group = self._group_slots([])
-      programs.start_beams(self.beams, no_group, 1, 1.0)
-      programs.clear_beams(self.beams, no_group)
+    no_group = self._group_slots([])  # starting and forgetting a group (results dropped)
+    programs.start_beams(self.beams, no_group, 1, 1.0)
+    programs.clear_beams(self.beams, no_group)
 
-  def _launch_decode(
-    self, carry, stop_on_finish: bool, with_beams: bool, table=None
-  ) -> programs.DecodeLoop:
+  def _launch_decode(self, carry, stop_on_finish: bool, table=None) -> programs.DecodeLoop:
     return programs.decode_loop(
-      self.graphdef, self.params, self.rows, carry, jnp.array(stop_on_finish), with_beams, table
+      self.graphdef, self.params, self.rows, carry, jnp.array(stop_on_finish), table
     )
 
   def decode_carry(self, num_steps: int, automaton_state=None) -> programs.DecodeLoop:
@@ -371,9 +369,7 @@ class ModelRunner:
     running = self.seq_ids >= 0
     table, automaton_state = self._automata(self.seq_ids.shape[0], constraints)
     loop = self.decode_carry(num_steps, automaton_state)
-    # The beam step compiles only once a beam group runs; masks only with a table.
-    with_beams = bool(np.any(self.in_beam_group & running))
-    loop = self._launch_decode(loop, stop_on_finish, with_beams, table)
+    loop = self._launch_decode(loop, stop_on_finish, table)  # masks only with a table
     self.cache.state, self.cache.kv, self.beams = loop.state, loop.kv, loop.beams
     self.seq_ids = np.array(loop.seq_ids)
     self.last_token = np.array(loop.last_token)
