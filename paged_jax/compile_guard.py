@@ -68,7 +68,21 @@ class _Recorder(logging.Handler):
     self.compiles.append(Compile(name, self._shapes.get(name, ""), seconds))
 
 
+class _PassOn(logging.Handler):
+  """Hands on to the parent logger's handlers what the lowering logger let
+  through before recording set it to DEBUG (it does not propagate meanwhile,
+  so the DEBUG records reach the recorders alone)."""
+
+  def __init__(self, logger: logging.Logger):
+    super().__init__(logger.getEffectiveLevel())
+    self._parent = logger.parent
+
+  def emit(self, record: logging.LogRecord) -> None:
+    self._parent.handle(record)
+
+
 _active: list[_Recorder] = []
+_saved: list = []  # the logger's level, propagate and `_PassOn`, while any recorder is active
 _lock = threading.Lock()
 _listening = False
 
@@ -82,36 +96,55 @@ def _on_duration(event: str, duration: float, **kwargs) -> None:
     recorder.compiled(str(kwargs.get("fun_name", "?")), duration)
 
 
-def _listen() -> None:
+def _start(recorder: _Recorder) -> None:
+  """Attaches `recorder`; the first one sets the lowering logger to DEBUG."""
   global _listening
+  logger = logging.getLogger(_LOWERING_LOGGER)
   with _lock:
     if not _listening:
       monitoring.register_event_duration_secs_listener(_on_duration)
       _listening = True
+    if not _active:
+      pass_on = _PassOn(logger) if logger.propagate else None
+      _saved[:] = [logger.level, logger.propagate, pass_on]
+      if pass_on is not None:
+        logger.addHandler(pass_on)
+      logger.setLevel(logging.DEBUG)
+      logger.propagate = False
+    logger.addHandler(recorder)
+    _active.append(recorder)
+
+
+def _stop(recorder: _Recorder) -> None:
+  """Detaches `recorder`; the last one restores the logger."""
+  logger = logging.getLogger(_LOWERING_LOGGER)
+  with _lock:
+    _active.remove(recorder)
+    logger.removeHandler(recorder)
+    if not _active:
+      level, propagate, pass_on = _saved
+      if pass_on is not None:
+        logger.removeHandler(pass_on)
+      logger.setLevel(level)
+      logger.propagate = propagate
 
 
 @contextlib.contextmanager
 def count_compiles() -> Iterator[list[Compile]]:
   """Records the backend compiles of every thread while the block runs.
 
+  JAX's lowering logger is at DEBUG level meanwhile (the shapes come from
+  its records), its DEBUG records kept from every other handler.
+
   Yields:
     The list of `Compile`s, filled as programs compile.
   """
-  _listen()
   recorder = _Recorder()
-  logger = logging.getLogger(_LOWERING_LOGGER)
-  level = logger.level
-  logger.addHandler(recorder)
-  logger.setLevel(logging.DEBUG)
-  with _lock:
-    _active.append(recorder)
+  _start(recorder)
   try:
     yield recorder.compiles
   finally:
-    with _lock:
-      _active.remove(recorder)
-    logger.removeHandler(recorder)
-    logger.setLevel(level)
+    _stop(recorder)
 
 
 @contextlib.contextmanager

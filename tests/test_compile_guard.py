@@ -1,5 +1,7 @@
 """`compile_guard`: compiles are counted with their names and shapes, and the guard fails."""
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -53,3 +55,33 @@ def test_recording_stops_after_the_block():
     pass
   function(jnp.ones((2, 2), jnp.float32))
   assert compiles == []
+
+
+class _Collect(logging.Handler):
+  def __init__(self):
+    super().__init__(logging.NOTSET)
+    self.records = []
+
+  def emit(self, record):
+    self.records.append(record)
+
+
+def test_recording_keeps_the_debug_records_it_turns_on_to_itself():
+  """A handler of every level on the root logger (as `logging.basicConfig`
+  makes) gets none of JAX's DEBUG records that recording turns on, and every
+  record that JAX's logger let through before."""
+  lowering = logging.getLogger("jax._src.interpreters.pxla")
+  level, collect = lowering.level, _Collect()
+  function, x = _fresh_function(), jnp.ones((6,), jnp.float32)
+  logging.getLogger().addHandler(collect)
+  try:
+    with compile_guard.count_compiles() as compiles:
+      with compile_guard.count_compiles() as inner:  # nested: one hand-on
+        function(x)
+        lowering.warning("a warning still passes")
+  finally:
+    logging.getLogger().removeHandler(collect)
+  assert len(compiles) == len(inner) == 1 and "float32[6]" in compiles[0].shapes
+  passed = [r.getMessage() for r in collect.records if r.name == lowering.name]
+  assert passed == ["a warning still passes"]
+  assert lowering.level == level and lowering.propagate
