@@ -13,19 +13,10 @@ import paged_jax as pj
 from paged_jax import models
 from paged_jax.block_manager import manager
 from paged_jax.engine.cache_manager import CacheManager
-from tests.tiny_models import BYTE_LLAMA
+from tests.tiny_models import BYTE_LLAMA, ENGINE_CFG
 
 MODEL_CONFIG = BYTE_LLAMA
-# 14 blocks of 4 do not hold all sequences at once: the runs must preempt.
-CFG = pj.CacheConfig(
-  block_size=4,
-  num_gpu_blocks=14,
-  num_cpu_blocks=32,
-  max_seqs=6,
-  max_blocks_per_seq=20,
-  watermark=0.0,
-  enable_prefix_caching=True,
-)
+CFG = ENGINE_CFG  # 14 blocks of 4: the runs must preempt
 TOKENIZER = models.ByteTokenizer()
 GREEDY = pj.SamplingParams(max_tokens=12, ignore_eos=True)
 SAMPLED = pj.SamplingParams(

@@ -11,9 +11,10 @@ trace drained every block is free, and each greedy, seeded or beam request
 that was not aborted, served again alone on the same engine, gives the same
 outputs (tokens, text, finish and stop reasons, log-probabilities).
 
-Setups: the shipped tiny model on a tiny cache (10 GPU blocks of 4 tokens,
-so requests preempt one another), each preemption mode, prefix caching off
-and on. Each engine warms up first, and the traces run under
+Setups: test_engine's model and cache (`tests.tiny_models.ENGINE_CFG`: 14
+GPU blocks of 4 tokens, so requests preempt one another; the two modules'
+engines share their compiled programs), each preemption mode, prefix
+caching off and on. Each engine warms up first, and the traces run under
 `compile_guard.no_compiles`: after warm-up, serving compiles nothing. The
 two-data-shard setup runs in the 8-device subprocess of
 tests/test_sharding.py (`test_random_traces_on_two_data_shards`), where its
@@ -30,49 +31,40 @@ The engine internals the checks read are the functions at the top of
 tests/engine_traces.py.
 """
 
+import dataclasses
 import os
 
 import pytest
+from flax import nnx
 
 import paged_jax as pj
 from paged_jax import compile_guard, models
 from tests import engine_traces
+from tests.tiny_models import BYTE_LLAMA, ENGINE_CFG
 
 NUM_TRACES = int(os.environ.get("PAGED_JAX_RANDOM_TRACES", "1"))
-SHAPE = engine_traces.TraceShape()
+SHAPE = engine_traces.TraceShape(max_prompt=24)
 
 
 def cache_config(enable_prefix_caching: bool) -> pj.CacheConfig:
-  """10 blocks of 4 tokens: two or three requests at once, then preemption."""
-  return pj.CacheConfig(
-    block_size=4,
-    num_gpu_blocks=10,
-    num_cpu_blocks=24,
-    max_seqs=6,
-    max_blocks_per_seq=8,
-    watermark=0.0,
-    enable_prefix_caching=enable_prefix_caching,
-  )
+  return dataclasses.replace(ENGINE_CFG, enable_prefix_caching=enable_prefix_caching)
 
 
 @pytest.fixture(scope="module")
 def model():
-  return models.load_tiny()
+  return models.Llama(BYTE_LLAMA, rngs=nnx.Rngs(0))
 
 
 def make_engine(model, preemption_mode: str, enable_prefix_caching: bool) -> pj.LLMEngine:
   """Engines of one cache config share their compiled programs, whatever the
-  preemption mode."""
+  preemption mode (and with prefix caching, test_engine's too)."""
   return pj.LLMEngine(
     model,
     engine_traces.TOKENIZER,
     cache_config(enable_prefix_caching),
-    max_num_seqs=4,
-    max_num_batched_tokens=8,  # prompts go in chunks; one prefill width
+    max_num_batched_tokens=8,  # prompts go in chunks
     preemption_mode=preemption_mode,
     num_decode_steps=4,
-    max_logprobs=2,
-    max_beam_width=2,
     warmup=True,
   )
 
