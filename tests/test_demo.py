@@ -1,12 +1,12 @@
-"""The `python -m paged_jax` command line: option errors and a tiny demo run.
+"""The `python -m paged_jax` command line (its `main`, called in this process):
+option errors and a tiny demo run. tests/test_server.py starts `python -m
+paged_jax serve` in a process of its own.
 
 The demo's default model is SmolLM2 (see tests/test_pretrained.py for it);
 these runs use `--model tiny`, which loads in well under a second.
 """
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -40,36 +40,17 @@ def test_bad_options_exit_with_code_2_and_a_message(argv, message, capsys):
   assert message in capsys.readouterr().err
 
 
-# Over 10 s: a new process warms up every program of the demo's engine. Its
-# engine is the tiny server's (tests/test_server.py): the server, which starts
-# later, reads these programs back from the run's compilation cache.
-def test_demo_json_report():
-  result = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "paged_jax",
-      "demo",
-      "--model",
-      "tiny",
-      "--num-requests",
-      "2",
-      "--max-tokens",
-      "4",
-      "--max-seqs",
-      "16",
-      "--num-cpu-blocks",
-      "0",
-      "--json",
-    ],
-    capture_output=True,
-    text=True,
-    timeout=300,
-    check=True,
-  )
-  # ceil(512 / 32) + 16 prefill rows at most: buckets 1 .. 32, then 6 other programs.
-  assert "warm-up: 12 programs (" in result.stderr
-  report = json.loads(result.stdout)  # the warm-up's summary went to stderr
+# Over 10 s: the demo warms up every program of its engine. That engine is the
+# tiny server's (tests/test_server.py, which runs next on the same worker: its
+# offline run reuses these programs in memory, and the server process reads
+# them back from the run's compilation cache).
+def test_demo_json_report(capsys):
+  argv = ["demo", "--model", "tiny", "--num-requests", "2", "--max-tokens", "4"]
+  assert main([*argv, "--max-seqs", "16", "--num-cpu-blocks", "0", "--json"]) == 0
+  out, err = capsys.readouterr()
+  # ceil(512 / 32) + 16 prefill rows at most: buckets 1 .. 32, then 5 other programs.
+  assert "warm-up: 11 programs (" in err
+  report = json.loads(out)  # the warm-up's summary went to stderr
   assert report["requests"] == 2
   assert report["sequences"] == 5  # the second request asks for 4 samples
   assert 2 <= report["generated_tokens"] <= 5 * 4

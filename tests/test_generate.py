@@ -106,9 +106,11 @@ def test_paged_logits_match_dense_for_prefill_and_decode(model):
   np.testing.assert_allclose(paged_logits, dense_logits, atol=1e-5, rtol=0)
 
 
-# Over 10 s: each cache config compiles an engine (with prefix caching, its
-# decode loop is about twice the size).
-@pytest.mark.parametrize("prefix_caching", [False, True])
+# Over 10 s: each cache config compiles an engine. With prefix caching (its
+# decode loop twice the size, 20 s of compiles) it is `slow`, for the full
+# suite: in CI, test_structured_engine checks the prefix-cached engine's
+# greedy tokens against its uncached run, which equals the dense model's.
+@pytest.mark.parametrize("prefix_caching", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_greedy_paged_tokens_equal_dense(model, requests, dense_outputs, prefix_caching):
   # Without caching the GPU pool is tight, so the loop runs out of blocks
   # and the engine swaps sequences out and back in.
