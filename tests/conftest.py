@@ -92,7 +92,8 @@ def pytest_unconfigure(config):
 
 # Tests that run for tens of seconds, longest first: the 8-device sharding
 # run (the session fixture `meshes`), the two-process run, SmolLM2, the
-# notebooks, and the engine starts and demo in subprocesses.
+# notebooks, the engine starts in subprocesses, the demo and the tiny server;
+# then the modules of 15 s or more (about, in CI), longest first.
 LONG_TESTS = (
   "meshes",
   "tests/test_sharding.py::test_two_processes_give_the_one_device_tokens",
@@ -100,7 +101,23 @@ LONG_TESTS = (
   "tests/test_notebook.py::",
   "tests/test_compilation_cache.py::test_a_second_start",
   "tests/test_demo.py::test_demo_json_report",
+  "tests/test_server.py::",
+  "tests/test_structured_engine.py::",
+  "tests/test_beam_search.py::",
+  "tests/test_engine.py::",
+  "tests/test_differential.py::",
+  "tests/test_kernels_paged_attention.py::",
+  "tests/test_generate.py::",
+  "tests/test_prompt_logprobs.py::",
+  "tests/test_quant_kv.py::",
 )
+# Tests that run on the worker of another module, whose engine config they
+# share (the jit caches of one process serve both): the demo's JSON test
+# builds the tiny server's engine, test_engine_random test_engine's.
+SHARED_SCOPES = {
+  "tests/test_demo.py::test_demo_json_report": "tests/test_server.py",
+  "tests/test_engine_random.py": "tests/test_engine.py",
+}
 
 
 def _rank(item) -> int:
@@ -115,11 +132,29 @@ def _rank(item) -> int:
 def pytest_collection_modifyitems(items):
   """Puts the long tests first, longest first, and the rest after them.
 
-  pytest-xdist hands tests out in this order, so the long ones start at
-  once and the short ones fill in around them, instead of one long test
+  With `--dist loadscope --no-loadscope-reorder` pytest-xdist hands out
+  whole modules in the order of their first test, so the long ones start at
+  once and the short ones fill in around them, instead of one long module
   starting late and leaving a worker busy alone at the end.
   """
   items.sort(key=_rank)
+
+
+def pytest_xdist_make_scheduler(config, log):
+  """Scheduling by module (each module's programs compile on one worker),
+  the `SHARED_SCOPES` with the module they share programs with."""
+  if config.getoption("dist") != "loadscope":
+    return None
+  from xdist.scheduler import LoadScopeScheduling
+
+  class SharedScopeScheduling(LoadScopeScheduling):
+    def _split_scope(self, nodeid: str) -> str:
+      for prefix, scope in SHARED_SCOPES.items():
+        if nodeid.startswith(prefix):
+          return scope
+      return super()._split_scope(nodeid)
+
+  return SharedScopeScheduling(config, log)
 
 
 @pytest.fixture(
