@@ -79,8 +79,9 @@ def make_engine(model, preemption_mode: str, enable_prefix_caching: bool) -> pj.
     pytest.param("swap", True, 3006, id="swap-prefix-caching"),
   ],
 )
-# Over 10 s (the first setup of a cache config): warm-up compiles every program
-# of the engine, about 35 s on 2 cores; the traces themselves take a few seconds.
+# Over 10 s where its warm-up compiles the engine's programs (alone, about 25 s
+# on 2 cores; in CI test_engine's tests ran first and most are warm); the
+# traces themselves take a few seconds.
 def test_random_traces(model, preemption_mode, enable_prefix_caching, first_seed, capsys):
   engine = make_engine(model, preemption_mode, enable_prefix_caching)
   num_programs = len(engine.compiled_programs())

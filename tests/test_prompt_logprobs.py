@@ -97,7 +97,6 @@ def test_prompt_logprobs_on_prefix_cache_hits_keep_the_cache_intact(engine, refe
   assert engine.num_free_gpu_blocks() == CFG.num_gpu_blocks
 
 
-# Over 10 s: the decode loop with the beam step compiles.
 def test_beam_search_also_returns_prompt_logprobs(engine, reference):
   params = pj.SamplingParams(n=2, use_beam_search=True, max_tokens=3, prompt_logprobs=0)
   out = _serve(engine, "beams", params)

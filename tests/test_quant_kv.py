@@ -308,6 +308,7 @@ def test_generate_passes_kv_cache_dtype_to_the_cache():
     )
 
 
+# Over 10 s: an int8 cache gives the engine programs of its own to compile.
 def test_the_engine_serves_from_an_int8_cache():
   cfg = CacheConfig(
     block_size=8, num_gpu_blocks=16, num_cpu_blocks=0, max_seqs=2, max_blocks_per_seq=8

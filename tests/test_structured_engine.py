@@ -61,6 +61,8 @@ def llm(tiny):
   return pj.LLM(tiny, ByteTokenizer(), CFG)
 
 
+# Over 10 s (the setup of its first test): the module's engine compiles its
+# programs, the automaton steps inside the decode loop included.
 @pytest.fixture(scope="module")
 def mixed(llm):
   """One batch: every constraint greedy, and the unconstrained requests."""
