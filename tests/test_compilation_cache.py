@@ -66,8 +66,11 @@ def _start_engine(env_changes: dict, mode: str = "serve") -> dict:
   return json.loads(result.stdout)
 
 
-# Over 10 s: three engine starts, each a new Python process (only a new process
-# shows what a restart reads back); the second and third compile little.
+# Three engine starts, each a new Python process (only a new process shows
+# what a restart reads back), about 30 s: `slow`, run by the full suite, like
+# the other tests of whole processes (notebooks, two-process meshes). CI keeps
+# the tests below of where the cache lives and how it turns off.
+@pytest.mark.slow
 def test_a_second_start_reads_every_program_back_and_the_switch_turns_it_off(tmp_path):
   xdg = tmp_path / "xdg"
   default = xdg / "paged_jax" / "jax"
