@@ -171,9 +171,10 @@ class LLMEngine:
     each data shard's rows padded to a power of two up to the bucket of
     `ceil(max_num_batched_tokens / prefill_width) + max_num_seqs` (a chunk
     adds at most one partly filled row); the decode loop has one shape (its
-    beam step runs only in steps with a beam group); the block manager's calls over a group take
-    its slots padded to `max_seqs`; swaps move fixed-capacity plans; a
-    request's PRNG keys come from a few small host-side programs.
+    beam step runs only in steps with a beam group); the block manager's
+    calls over a group take its slots padded to `max_seqs`; swaps move
+    fixed-capacity plans; a request's PRNG keys come from a few small
+    host-side programs.
     """
     rows = self.runner.prefill_buckets()
     width, shards = self.runner.prefill_width, self.cache.num_shards

@@ -83,7 +83,6 @@ class ModelRunner:
       beam.Beams.create(num_rows, max_beam_width, cache.cfg.max_tokens_per_seq), cache.replicated
     )
     self.max_beam_width = max_beam_width
-    self.in_beam_group = np.zeros(num_rows, bool)
     self.num_logprobs = num_logprobs
     key_words = jax.random.key_data(jax.random.key(0)).shape[-1]
     self.rows = RowParams(
@@ -114,7 +113,6 @@ class ModelRunner:
     self.seq_ids[stopped] = -1
     for slots in changes.clear_beams:
       self.beams = programs.clear_beams(self.beams, self._group_slots(slots))
-      self.in_beam_group[np.asarray(slots)] = False
     rows = self.rows
     for row in changes.new_rows:
       slot = row.slot
@@ -125,7 +123,6 @@ class ModelRunner:
       self.limit[slot] = row.limit
     for slots, width, length_penalty in changes.new_beams:
       self.beams = programs.start_beams(self.beams, self._group_slots(slots), width, length_penalty)
-      self.in_beam_group[np.asarray(slots)] = True
     for slot, last_token, num_generated in changes.start:
       self.seq_ids[slot] = slot
       self.last_token[slot], self.num_generated[slot] = last_token, num_generated
