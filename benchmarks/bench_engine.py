@@ -95,17 +95,22 @@ def percentiles(values) -> str:
   return " / ".join(f"{np.percentile(values, q):7.1f}" for q in (50, 90, 99))
 
 
-def online(model, cfg, prompts, max_tokens, arrivals, args):
-  engine = pj.LLMEngine(
+def make_engine(model, cfg, args, warmup: bool = True) -> pj.LLMEngine:
+  """The engine of the online runs: `--batch` sequences, `--budget` tokens per
+  round, `--decode-steps` per launch."""
+  return pj.LLMEngine(
     model,
     None,
     cfg,
     max_num_seqs=args.batch,
     max_num_batched_tokens=args.budget,
     num_decode_steps=args.decode_steps,
-    warmup=True,
+    warmup=warmup,
   )
-  return serve_trace(engine, prompts, max_tokens, arrivals)
+
+
+def online(model, cfg, prompts, max_tokens, arrivals, args):
+  return serve_trace(make_engine(model, cfg, args), prompts, max_tokens, arrivals)
 
 
 def serve_trace(engine, prompts, max_tokens, arrivals) -> dict:

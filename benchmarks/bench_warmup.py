@@ -26,9 +26,8 @@ import time
 
 import jax
 import numpy as np
-from bench_engine import load_model, serve_trace, workload
+from bench_engine import load_model, make_engine, serve_trace, workload
 
-import paged_jax as pj
 from paged_jax import compilation_cache, compile_guard
 
 
@@ -41,15 +40,7 @@ def run(model, cfg, trace, args, warmup: bool) -> dict:
   """One served trace; `warmup` False starts with every cache empty."""
   jax.clear_caches()
   start = time.perf_counter()
-  engine = pj.LLMEngine(
-    model,
-    None,
-    cfg,
-    max_num_seqs=args.batch,
-    max_num_batched_tokens=args.budget,
-    num_decode_steps=args.decode_steps,
-    warmup=warmup,
-  )
+  engine = make_engine(model, cfg, args, warmup)
   started = time.perf_counter() - start
   with compile_guard.count_compiles() as compiles:
     result = serve_trace(engine, *trace)

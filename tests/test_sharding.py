@@ -31,7 +31,7 @@ from flax import nnx
 import paged_jax as pj
 from paged_jax import sharding
 from paged_jax.block_manager import manager
-from paged_jax.block_manager.state import init_states
+from paged_jax.block_manager.state import init_states, on_every_shard
 from paged_jax.models import LlamaConfig
 from paged_jax.models.paged import ShardedPagedCache, paged_cache
 from tests.conftest import FAST_COMPILE
@@ -340,6 +340,27 @@ def test_batched_states_match_one_state_per_shard():
       np.testing.assert_array_equal(got, want)
   free = jax.vmap(manager.num_free_gpu_blocks)(states)
   np.testing.assert_array_equal(free, [14, 12, 15])
+
+
+@pytest.mark.parametrize("num_shards", [1, 3])
+def test_on_every_shard_equals_the_op_on_each_shard(num_shards):
+  """One shard runs the op unbatched, several under vmap: the same states and
+  results as the op on each shard alone, with the shard axis kept."""
+  cfg = pj.CacheConfig(
+    block_size=4, num_gpu_blocks=16, num_cpu_blocks=4, max_seqs=4, max_blocks_per_seq=4
+  )
+  lengths = np.array([5, 13, 1][:num_shards], np.int32)
+  tokens = np.arange(num_shards * 16, dtype=np.int32).reshape(num_shards, 16)
+  seq_ids = np.array([[0], [2], [1]][:num_shards], np.int32)
+  states, results = jax.jit(on_every_shard(manager.allocate))(
+    init_states(cfg, num_shards), seq_ids, tokens, lengths
+  )
+  allocate = jax.jit(manager.allocate)
+  for shard in range(num_shards):
+    one = allocate(manager.init_state(cfg), seq_ids[shard], tokens[shard], lengths[shard])
+    mine = jax.tree.map(lambda x, s=shard: x[s], (states, results))
+    for got, want in zip(jax.tree.leaves(mine), jax.tree.leaves(one), strict=True):
+      np.testing.assert_array_equal(got, want)
 
 
 def test_a_shards_swap_plan_moves_its_own_blocks():
