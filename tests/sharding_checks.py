@@ -154,7 +154,7 @@ def step_collectives(model, mesh) -> dict[str, list[list[str]]]:
   cache = CacheManager(CFG, model.config, mesh=mesh)
   runner = ModelRunner(model, cache, mesh=mesh)
   decode = programs.decode_loop.lower(
-    runner.graphdef, runner.params, runner.rows, runner.decode_carry(4), np.array(True), False
+    runner.graphdef, runner.params, runner.rows, runner.decode_carry(4, None), np.array(True), False
   )
   data, rows, width = cache.num_shards, 2, 16
   draw_rows = jax.tree.map(lambda a: a[: data * CFG.max_seqs], runner.rows)

@@ -20,7 +20,10 @@ def test_compiled_programs_lists_the_bucket_set():
   # ceil(48 / 16) + 4 = 7 rows at most: buckets 1, 2, 4, 8.
   assert engine.compiled_programs()[:4] == [f"prefill {r}x16 tokens" for r in (1, 2, 4, 8)]
   assert engine.compiled_programs()[4:] == [
-    "decode loop x8 steps",
+    "decode loop 1 rows x8 steps",
+    "decode loop 2 rows x8 steps",
+    "decode loop 4 rows x8 steps",
+    "decode loop 6 rows x8 steps",
     "block manager calls",
     "swap out",
     "swap in",

@@ -137,6 +137,7 @@ class LLMEngine:
       max_beam_width=max_beam_width,
       prefill_width=prefill_width,
       max_prefill_rows=-(-max_num_batched_tokens // prefill_width) + max_num_seqs,
+      max_decode_rows=max_num_seqs,
     )
     self.inputs = InputProcessor(
       tokenizer,
@@ -170,17 +171,18 @@ class LLMEngine:
     Prefill runs a round's prompt chunks as rows of `prefill_width` tokens,
     each data shard's rows padded to a power of two up to the bucket of
     `ceil(max_num_batched_tokens / prefill_width) + max_num_seqs` (a chunk
-    adds at most one partly filled row); the decode loop has one shape (its
-    beam step runs only in steps with a beam group); the block manager's
+    adds at most one partly filled row); the decode loop runs each data
+    shard's decoding sequences padded to a power of two up to the bucket of
+    `max_num_seqs`, or every slot (`max_seqs` per shard, with the beam step,
+    which runs only in steps with a beam group); the block manager's
     calls over a group take its slots padded to `max_seqs`; swaps move
     fixed-capacity plans; a request's PRNG keys come from a few small
     host-side programs.
     """
-    rows = self.runner.prefill_buckets()
-    width, shards = self.runner.prefill_width, self.cache.num_shards
+    width, shards, steps = self.runner.prefill_width, self.cache.num_shards, self.num_decode_steps
     return (
-      [f"prefill {shards * r}x{width} tokens" for r in rows]
-      + [f"decode loop x{self.num_decode_steps} steps"]
+      [f"prefill {shards * r}x{width} tokens" for r in self.runner.prefill_buckets()]
+      + [f"decode loop {shards * r} rows x{steps} steps" for r in self.runner.decode_buckets()]
       + ["block manager calls", "swap out", "swap in", "request keys"]
     )
 
@@ -193,10 +195,8 @@ class LLMEngine:
       RuntimeError: if requests are already running.
     """
     runner, steps = self.runner, self.num_decode_steps
-    launches = [
-      lambda r=r: runner.warm_up(steps, rows_per_shard=r) for r in runner.prefill_buckets()
-    ]
-    launches += [lambda: runner.warm_up(steps)]
+    launches = [lambda r=r: runner.warm_up_prefill(r) for r in runner.prefill_buckets()]
+    launches += [lambda r=r: runner.warm_up_decode(steps, r) for r in runner.decode_buckets()]
     launches += [self.cache.warm_up, self._warm_up_request_keys]
     start = time.perf_counter()
     with compile_guard.count_compiles() as compiles:

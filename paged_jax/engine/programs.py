@@ -12,9 +12,11 @@ row whose state allows no token finishes; without one the step masks
 nothing. It hands control back early when a data shard's blocks
 run out (the scheduler preempts) or, if asked, when a row finishes (the
 scheduler admits more). `prefill` runs prompt chunks and draws the first
-token of the sequences whose prompt they complete. Rows are global sequence
-slots (see `paged_jax.engine.cache_manager`); every program compiles once per
-shape (prefill's are bucketed to powers of two).
+token of the sequences whose prompt they complete. The decode loop's rows
+are the running sequences, each data shard's padded to a power of two, or
+every global sequence slot (see `paged_jax.engine.cache_manager`) while a
+beam group runs; every program compiles once per shape (both programs'
+rows are bucketed to powers of two).
 """
 
 from __future__ import annotations
@@ -40,7 +42,12 @@ from paged_jax.models.paged import paged_cache
 
 @flax.struct.dataclass
 class DecodeLoop:
-  """Carry of the decode loop; rows are global sequence slots."""
+  """Carry of the decode loop.
+
+  Rows are running sequences, `R / D` per data shard: row `r` decodes
+  global slot `seq_ids[r]`, a slot of shard `r // (R / D)`. With `beams`,
+  rows are every slot in order (`seq_ids[r]` is `r` or -1).
+  """
 
   state: BlockManagerState  # one per data shard (leading axis)
   kv: KVCache
@@ -48,7 +55,7 @@ class DecodeLoop:
   last_token: jax.Array  # int32[R], sampled, not yet in the cache
   num_generated: jax.Array  # int32[R], tokens sampled so far
   limit: jax.Array  # int32[R], tokens to sample at most
-  beams: beam.Beams  # beam-search state of the rows in beam groups
+  beams: beam.Beams | None  # beam-search state (rows = slots), None: no group
   automaton_state: jax.Array  # int32[R], table states (structured outputs), -1: none
   draws: Draw  # [R, num_steps] tokens of this launch
   step: jax.Array  # steps of this launch
@@ -59,10 +66,10 @@ class DecodeLoop:
   utilization_sum: jax.Array
 
 
-def _per_shard(ids: jax.Array, num_shards: int) -> jax.Array:
-  """Global slots `[R]` (-1: none) as each shard's local slots `[D, R/D]`."""
-  per = ids.shape[0] // num_shards
-  return jnp.where(ids >= 0, ids % per, -1).reshape(num_shards, per)
+def _per_shard(ids: jax.Array, num_shards: int, slots_per_shard: int) -> jax.Array:
+  """Rows' global slots `[R]` (-1: none) as each shard's local slots
+  `[D, R/D]` (row `r` holds a slot of shard `r // (R/D)`)."""
+  return jnp.where(ids >= 0, ids % slots_per_shard, -1).reshape(num_shards, -1)
 
 
 def _pairs_per_shard(ids: jax.Array, num_shards: int, per: int) -> jax.Array:
@@ -81,8 +88,9 @@ def _decode_step(
 ) -> DecodeLoop:
   """One decode step of every running row, or the shards out of blocks.
 
-  The beam-search step runs in the steps where a row of a beam group runs
-  (one program serves both; a step without beams skips it). With a
+  With `loop.beams` (rows are slots), the beam-search step runs in the
+  steps where a row of a beam group runs and is skipped in the others;
+  without (rows are the running sequences), there is none. With a
   `table`, each constrained row draws from its masked logits, then its
   automaton steps; a row whose new state allows no token finishes. Without
   one (None, no constrained row runs), nothing is masked.
@@ -91,7 +99,7 @@ def _decode_step(
   bm = BlockSpaceManager(cfg)
   num_shards = loop.out_of_blocks.shape[0]
   running = loop.seq_ids >= 0
-  local = _per_shard(loop.seq_ids, num_shards)
+  local = _per_shard(loop.seq_ids, num_shards, cfg.max_seqs)
   shaped = lambda a: a.reshape(num_shards, -1, *a.shape[1:])
   flat = lambda a: a.reshape(-1, *a.shape[2:])
   state, plan = on_every_shard(bm.append_slots)(
@@ -128,7 +136,7 @@ def _decode_step(
       loop.draws,
       draw,
     )
-    sampled = running & (loop.beams.leader < 0)
+    sampled = running if loop.beams is None else running & (loop.beams.leader < 0)
     num_generated = loop.num_generated + sampled
     done = sampled & ((num_generated >= loop.limit) | is_stop(draw.tokens, rows.stop_ids))
     automaton_state = loop.automaton_state
@@ -141,8 +149,8 @@ def _decode_step(
     held = jnp.sum(num_tokens)
     seq_ids = jnp.where(done, -1, loop.seq_ids)
     last_token = jnp.where(sampled, draw.tokens, loop.last_token)
-    s = running.shape[0]
-    num_pairs = s * 2 * loop.beams.hyp_len.shape[1]
+    s, per = running.shape[0], cfg.max_seqs
+    num_pairs = 0 if loop.beams is None else s * 2 * loop.beams.hyp_len.shape[1]
 
     def beam_step(_):
       beams, moves = beam.step(
@@ -155,7 +163,6 @@ def _decode_step(
         last_token,
         num_generated,
       )
-      per = s // num_shards
       forked, _ = on_every_shard(bm.fork_each)(
         state,
         _pairs_per_shard(moves.fork_parents, num_shards, per),
@@ -178,11 +185,14 @@ def _decode_step(
         ),
       )
 
-    forked, beams, moves = jax.lax.cond(
-      jnp.any(running & (loop.beams.leader >= 0)), beam_step, no_beams, None
-    )
+    if loop.beams is None:
+      forked, beams, moves = no_beams(None)
+    else:
+      forked, beams, moves = jax.lax.cond(
+        jnp.any(running & (loop.beams.leader >= 0)), beam_step, no_beams, None
+      )
     freed, _ = on_every_shard(bm.free)(
-      forked, _per_shard(jnp.where(done | moves.dropped, loop.seq_ids, -1), num_shards)
+      forked, _per_shard(jnp.where(done | moves.dropped, loop.seq_ids, -1), num_shards, per)
     )
     return loop.replace(
       state=freed,
@@ -351,7 +361,9 @@ def prefill(
   parameters `rows[i]`, masked by `table`'s automaton state `draw_states[i]`
   when there is a `table`. Where a row has `next_tokens` (>= 0), it also
   scores them (see `score_next_tokens`; the vocabulary-wide work runs only
-  when some row asks).
+  when some row asks). A model with `hidden_states` and `logits` (see
+  `ModelProtocol`) runs its output layer only at the drawing positions,
+  and at every position only when some row scores.
   """
   tables = on_every_shard(manager.get_block_tables)(states, local)
   tables = tables.reshape(-1, tables.shape[-1])
@@ -361,21 +373,24 @@ def prefill(
   cache = paged_cache(
     kv=kv, block_tables=tables, slot_mapping=slots, cache_sliding_window=states.cfg.sliding_window
   )
-  logits, cache = nnx.merge(graphdef, params_state)(
-    sharding.split_rows(tokens, kv), sharding.split_rows(positions, kv), cache
-  )
+  model = nnx.merge(graphdef, params_state)
+  args = sharding.split_rows(tokens, kv), sharding.split_rows(positions, kv), cache
+  if hasattr(model, "hidden_states") and hasattr(model, "logits"):
+    hidden, cache = model.hidden_states(*args)
+    logits_of = model.logits
+  else:  # the output layer already ran at every position
+    hidden, cache = model(*args)
+    logits_of = lambda logits: logits
   last = jnp.maximum(jnp.sum(positions >= 0, axis=1) - 1, 0)
-  last_logits = logits[chunk_of, last[chunk_of]]
+  last_logits = logits_of(hidden[chunk_of, last[chunk_of]])
   index = jnp.zeros(chunk_of.shape, jnp.int32)
   mask = None if table is None else structured.allowed_mask(table, draw_states)
   draw = sample_rows(last_logits, rows, index, num_logprobs, mask)
-  score = functools.partial(score_next_tokens, num_logprobs=num_logprobs)
+  score = lambda: score_next_tokens(logits_of(hidden), next_tokens, num_logprobs)
   scores = jax.lax.cond(
     jnp.any(next_tokens >= 0),
-    lambda: score(logits, next_tokens),
-    lambda: jax.tree.map(
-      lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(score, logits, next_tokens)
-    ),
+    score,
+    lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(score)),
   )
   return sharding.replicate((draw, scores), kv), cache.kv
 

@@ -41,6 +41,12 @@ class ModelProtocol(Protocol):
   `paged_jax.models.KVCacheBackend` (the engine passes a `PagedCache`) that
   every attention layer `l` calls as `cache.attend(l, q, k, v, positions,
   sm_scale=...)`, returning the cache it gets back.
+
+  A model may also split its call in two, `model.hidden_states(tokens,
+  positions, cache) -> (hidden, cache)` and `model.logits(hidden) ->
+  logits` (`hidden` float `[batch, tokens, features]`); then prefill
+  computes the output layer only at the positions it samples from (and at
+  every position only when a request asks for prompt log-probabilities).
   """
 
   config: ModelConfig

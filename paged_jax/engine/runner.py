@@ -1,8 +1,11 @@
 """The model runner: launches the jitted programs on the decode rows.
 
-It keeps the model and, between launches, the decode loop's rows on the
-host (which slot decodes, from which token, with which sampling parameters;
-small NumPy arrays) and the beam state on the device. The scheduler's
+It keeps the model and, between launches, every sequence slot's decoding
+state on the host (whether the slot decodes, from which token, with which
+sampling parameters; small NumPy arrays) and the beam state on the device.
+A decode launch runs only the slots that decode: each data shard's are
+packed into the smallest row bucket that holds them (`decode_buckets`),
+except while a beam group runs, when the rows are every slot. The scheduler's
 `RowChanges` say how the rows change; `prefill` and `decode` launch
 `paged_jax.engine.programs` with the cache manager's states and pages and
 hand them back changed.
@@ -58,6 +61,8 @@ class ModelRunner:
       (static: it sizes the beam state).
     prefill_width: tokens per prefill row (a chunk runs as rows of it).
     max_prefill_rows: the most prefill rows of one data shard in a round.
+    max_decode_rows: the most sequences of one data shard that decode at
+      once (it bounds the decode row buckets).
   """
 
   def __init__(
@@ -71,9 +76,11 @@ class ModelRunner:
     max_beam_width: int = 4,
     prefill_width: int = 32,
     max_prefill_rows: int = 1,
+    max_decode_rows: int | None = None,
   ):
     self.cache = cache
     self.prefill_width, self.max_prefill_rows = prefill_width, max_prefill_rows
+    self.max_decode_rows = cache.cfg.max_seqs if max_decode_rows is None else max_decode_rows
     if mesh is not None:
       model = sharding.shard_model(model, mesh)
     self.graphdef, self.params = nnx.split(model)
@@ -96,6 +103,7 @@ class ModelRunner:
     self.last_token = np.zeros(num_rows, np.int32)
     self.num_generated = np.zeros(num_rows, np.int32)
     self.limit = np.zeros(num_rows, np.int32)
+    self.in_beam_group = np.zeros(num_rows, bool)
     self.counters = dict(
       cow_copies=0,
       peak_blocks=0,
@@ -113,6 +121,7 @@ class ModelRunner:
     self.seq_ids[stopped] = -1
     for slots in changes.clear_beams:
       self.beams = programs.clear_beams(self.beams, self._group_slots(slots))
+      self.in_beam_group[slots] = False
     rows = self.rows
     for row in changes.new_rows:
       slot = row.slot
@@ -123,6 +132,7 @@ class ModelRunner:
       self.limit[slot] = row.limit
     for slots, width, length_penalty in changes.new_beams:
       self.beams = programs.start_beams(self.beams, self._group_slots(slots), width, length_penalty)
+      self.in_beam_group[slots] = True
     for slot, last_token, num_generated in changes.start:
       self.seq_ids[slot] = slot
       self.last_token[slot], self.num_generated[slot] = last_token, num_generated
@@ -288,45 +298,82 @@ class ModelRunner:
     )
     return draw, scores
 
-  def warm_up(self, num_steps: int, rows_per_shard: int | None = None) -> None:
-    """Compiles a launch on rows that do nothing (the pages, states and
-    beams stay as they are): prefill of `rows_per_shard` rows per shard, or
-    the decode loop of `num_steps` steps and the start and end of a beam
-    group.
+  def decode_buckets(self) -> list[int]:
+    """Every row count (per data shard) a decode launch can have: powers of
+    two below `max_seqs` up to the bucket of `max_decode_rows`, then
+    `max_seqs` (every slot: a beam group's launches, or a full shard)."""
+    per_shard = self.cache.cfg.max_seqs
+    top = min(programs.bucket(self.max_decode_rows), per_shard)
+    return [1 << i for i in range(top.bit_length()) if 1 << i < per_shard] + [per_shard]
+
+  def _decode_rows(self) -> np.ndarray | None:
+    """The slots the decode rows run (-1: padding), each data shard's packed
+    into the smallest bucket that holds them; None for every slot in order
+    (while a beam group runs, or when a shard needs every row)."""
+    if np.any(self.in_beam_group):
+      return None
+    num_shards, per_shard = self.cache.num_shards, self.cache.cfg.max_seqs
+    running = (self.seq_ids >= 0).reshape(num_shards, per_shard)
+    per_row = next(b for b in self.decode_buckets() if b >= running.sum(axis=1).max())
+    if per_row == per_shard:
+      return None
+    order = np.argsort(~running, axis=1, kind="stable")[:, :per_row]
+    first = np.arange(num_shards)[:, None] * per_shard
+    return np.where(np.take_along_axis(running, order, axis=1), order + first, -1).reshape(-1)
+
+  def warm_up_prefill(self, rows_per_shard: int) -> None:
+    """Compiles prefill of `rows_per_shard` rows per shard, on rows that do
+    nothing (the pages and states stay as they are)."""
+    cache = self.cache
+    num_rows = cache.num_shards * rows_per_shard
+    shape = (num_rows, self.prefill_width)
+    self._launch_prefill(
+      np.zeros(shape, np.int32),
+      np.full(shape, -1, np.int32),
+      np.zeros(num_rows, np.int32),
+      np.full(shape, -1, np.int32),
+      np.full((cache.num_shards, rows_per_shard), -1, np.int32),
+      np.zeros(cache.num_slots, np.int32),
+      np.zeros(cache.num_slots, np.int32),
+    )
+
+  def warm_up_decode(self, num_steps: int, rows_per_shard: int) -> None:
+    """Compiles the decode loop of `num_steps` steps on `rows_per_shard`
+    rows per shard that do nothing (for every slot: with beams, and the
+    start and end of a beam group; the pages, states and beams stay as they
+    are).
+
+    Raises:
+      RuntimeError: if a row decodes.
     """
     if self.has_running_rows():
       raise RuntimeError("warm-up launches only while no row decodes")
-    cache = self.cache
-    if rows_per_shard is not None:
-      num_rows = cache.num_shards * rows_per_shard
-      shape = (num_rows, self.prefill_width)
-      self._launch_prefill(
-        np.zeros(shape, np.int32),
-        np.full(shape, -1, np.int32),
-        np.zeros(num_rows, np.int32),
-        np.full(shape, -1, np.int32),
-        np.full((cache.num_shards, rows_per_shard), -1, np.int32),
-        np.zeros(cache.num_slots, np.int32),
-        np.zeros(cache.num_slots, np.int32),
-      )
-      return
-    loop = self._launch_decode(self.decode_carry(num_steps), False)
-    self.cache.state, self.cache.kv, self.beams = loop.state, loop.kv, loop.beams
-    no_group = self._group_slots([])  # starting and forgetting a group (results dropped)
-    programs.start_beams(self.beams, no_group, 1, 1.0)
-    programs.clear_beams(self.beams, no_group)
+    rows = None
+    if rows_per_shard != self.cache.cfg.max_seqs:
+      rows = np.full(self.cache.num_shards * rows_per_shard, -1, np.int32)
+    loop = self._launch_decode(self.decode_carry(num_steps, rows), rows, False)
+    self.cache.state, self.cache.kv = loop.state, loop.kv
+    if rows is None:
+      self.beams = loop.beams
+      no_group = self._group_slots([])  # starting and forgetting a group (results dropped)
+      programs.start_beams(self.beams, no_group, 1, 1.0)
+      programs.clear_beams(self.beams, no_group)
 
-  def _launch_decode(self, carry, stop_on_finish: bool, table=None) -> programs.DecodeLoop:
+  def _launch_decode(self, carry, rows, stop_on_finish: bool, table=None) -> programs.DecodeLoop:
+    params = self.rows if rows is None else jax.tree.map(lambda a: a[np.maximum(rows, 0)], self.rows)
     return programs.decode_loop(
-      self.graphdef, self.params, self.rows, carry, jnp.array(stop_on_finish), table
+      self.graphdef, self.params, params, carry, jnp.array(stop_on_finish), table
     )
 
-  def decode_carry(self, num_steps: int, automaton_state=None) -> programs.DecodeLoop:
-    """The decode loop's carry for a launch of up to `num_steps` steps, the
-    rows' automata in `automaton_state` (table states; None: unconstrained)."""
+  def decode_carry(self, num_steps: int, rows, automaton_state=None) -> programs.DecodeLoop:
+    """The decode loop's carry for a launch of up to `num_steps` steps on
+    the slots `rows` (see `_decode_rows`), the rows' automata in
+    `automaton_state` (table states; None: unconstrained)."""
+    slots = np.arange(self.seq_ids.shape[0]) if rows is None else rows
+    take = lambda a: a[np.maximum(slots, 0)]
+    num_rows, k = slots.shape[0], self.num_logprobs
     if automaton_state is None:
-      automaton_state = np.full(self.seq_ids.shape[0], structured.UNCONSTRAINED, np.int32)
-    num_rows, k = self.seq_ids.shape[0], self.num_logprobs
+      automaton_state = np.full(num_rows, structured.UNCONSTRAINED, np.int32)
     draws = Draw(
       tokens=jnp.zeros((num_rows, num_steps), jnp.int32),
       logprob=jnp.zeros((num_rows, num_steps), jnp.float32),
@@ -336,11 +383,11 @@ class ModelRunner:
     return programs.DecodeLoop(
       state=self.cache.state,
       kv=self.cache.kv,
-      seq_ids=self.seq_ids,
-      last_token=self.last_token,
-      num_generated=self.num_generated,
-      limit=self.limit,
-      beams=self.beams,
+      seq_ids=np.where(slots >= 0, take(self.seq_ids), -1).astype(np.int32),
+      last_token=take(self.last_token),
+      num_generated=take(self.num_generated),
+      limit=take(self.limit),
+      beams=self.beams if rows is None else None,
       automaton_state=automaton_state,
       draws=draws,
       step=jnp.int32(0),
@@ -364,13 +411,24 @@ class ModelRunner:
     """
     before = self.num_generated.copy()
     running = self.seq_ids >= 0
-    table, automaton_state = self._automata(self.seq_ids.shape[0], constraints)
-    loop = self.decode_carry(num_steps, automaton_state)
-    loop = self._launch_decode(loop, stop_on_finish, table)  # masks only with a table
-    self.cache.state, self.cache.kv, self.beams = loop.state, loop.kv, loop.beams
-    self.seq_ids = np.array(loop.seq_ids)
-    self.last_token = np.array(loop.last_token)
-    self.num_generated = np.array(loop.num_generated)
+    rows = self._decode_rows()
+    slots = np.arange(running.shape[0]) if rows is None else rows
+    live = slots >= 0
+    row_of = np.full(running.shape[0], -1)
+    row_of[slots[live]] = np.flatnonzero(live)
+    table, automaton_state = self._automata(
+      slots.shape[0], [(row_of[slot], automaton, state) for slot, automaton, state in constraints]
+    )
+    loop = self.decode_carry(num_steps, rows, automaton_state)
+    loop = self._launch_decode(loop, rows, stop_on_finish, table)  # masks only with a table
+    self.cache.state, self.cache.kv = loop.state, loop.kv
+    if rows is None:
+      self.beams = loop.beams
+    to_slots = lambda a: _scatter(np.asarray(a), slots, running.shape[0])
+    ran = slots[live]
+    self.seq_ids[ran] = np.asarray(loop.seq_ids)[live]
+    self.last_token[ran] = np.asarray(loop.last_token)[live]
+    self.num_generated[ran] = np.asarray(loop.num_generated)[live]
     counters = self.counters
     counters["cow_copies"] += int(loop.cow_copies)
     counters["peak_blocks"] = max(counters["peak_blocks"], int(loop.peak_blocks))
@@ -378,9 +436,16 @@ class ModelRunner:
     counters["decode_steps"] += int(loop.step)
     counters["loop_launches"] += 1
     return DecodeResult(
-      draws=jax.tree.map(np.asarray, loop.draws),
+      draws=jax.tree.map(to_slots, loop.draws),
       counts=self.num_generated - before,
       finished=running & (self.seq_ids < 0),
       out_of_blocks=np.array(loop.out_of_blocks),
       beams_done=np.asarray(self.beams.done),
     )
+
+
+def _scatter(values: np.ndarray, slots: np.ndarray, num_slots: int) -> np.ndarray:
+  """Per-row `values` as per-slot values (zeros where no row ran)."""
+  out = np.zeros((num_slots, *values.shape[1:]), values.dtype)
+  out[slots[slots >= 0]] = values[slots >= 0]
+  return out

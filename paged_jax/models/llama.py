@@ -436,7 +436,7 @@ class Llama(nnx.Module):
     positions: jax.Array | None = None,
     cache: KVCacheBackend | None = None,
   ) -> tuple[jax.Array, KVCacheBackend | None]:
-    """Next-token logits for every input token.
+    """Next-token logits for every input token: `logits(hidden_states(...))`.
 
     Args:
       tokens: int32 `[batch, tokens]`.
@@ -453,6 +453,17 @@ class Llama(nnx.Module):
       ValueError: if `tokens` is not a 2-D integer array or `positions` does
         not match its shape.
     """
+    hidden, cache = self.hidden_states(tokens, positions, cache)
+    return self.logits(hidden), cache
+
+  def hidden_states(
+    self,
+    tokens: jax.Array,
+    positions: jax.Array | None = None,
+    cache: KVCacheBackend | None = None,
+  ) -> tuple[jax.Array, KVCacheBackend | None]:
+    """The final-normed hidden states `[batch, tokens, hidden]` of every input
+    token and the backend, as `__call__` takes them (no output layer)."""
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
       raise ValueError(
@@ -469,6 +480,9 @@ class Llama(nnx.Module):
       x = x * jnp.asarray(self.config.hidden**0.5, x.dtype)
     for block in self.blocks:
       x, cache = block(x, positions, cache)
-    x = self.final_norm(x)
-    logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
-    return layers.apply_soft_cap(logits.astype(jnp.float32), self.config.final_logit_softcap), cache
+    return self.final_norm(x), cache
+
+  def logits(self, hidden: jax.Array) -> jax.Array:
+    """Float32 next-token logits `[..., vocab_size]` of hidden states `[..., hidden]`."""
+    logits = self.embed.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
+    return layers.apply_soft_cap(logits.astype(jnp.float32), self.config.final_logit_softcap)
