@@ -360,7 +360,9 @@ class ModelRunner:
       programs.clear_beams(self.beams, no_group)
 
   def _launch_decode(self, carry, rows, stop_on_finish: bool, table=None) -> programs.DecodeLoop:
-    params = self.rows if rows is None else jax.tree.map(lambda a: a[np.maximum(rows, 0)], self.rows)
+    params = (
+      self.rows if rows is None else jax.tree.map(lambda a: a[np.maximum(rows, 0)], self.rows)
+    )
     return programs.decode_loop(
       self.graphdef, self.params, params, carry, jnp.array(stop_on_finish), table
     )
