@@ -228,6 +228,7 @@ def run_demo(args, parser) -> dict:
     prompt_tokens=stats.prompt_tokens,
     prefill_tokens=stats.prefill_tokens,
     prefill_padding=round(stats.prefill_padding, 4),
+    decode_padding=round(stats.decode_padding, 4),
     cow_copies=stats.cow_copies,
     preemptions=stats.preemptions,
     swapped_blocks=stats.swaps,
@@ -252,7 +253,8 @@ def print_demo(report: dict) -> None:
     f"sequence per allocated slot: shared blocks lift it above 100%), "
     f"prefix-cache hit rate {report['prefix_cache_hit_rate']:.1%} "
     f"({report['prefill_tokens']}/{report['prompt_tokens']} prompt tokens computed, "
-    f"{report['prefill_padding']:.0%} of prefill positions padding)"
+    f"{report['prefill_padding']:.0%} of prefill and {report['decode_padding']:.0%} of "
+    "decode positions padding)"
   )
   print(
     f"copy-on-write copies {report['cow_copies']}, preemptions "

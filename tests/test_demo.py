@@ -56,6 +56,7 @@ def test_demo_json_report(capsys):
   assert 2 <= report["generated_tokens"] <= 5 * 4
   assert report["tokens_per_s"] > 0
   assert 0 <= report["prefill_padding"] < 1
+  assert 0 <= report["decode_padding"] < 1
   assert 0 < report["peak_blocks"] <= report["num_gpu_blocks"]
   assert len(report["samples"]) == 2
   assert len(report["samples"][1]["outputs"]) == 4

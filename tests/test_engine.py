@@ -13,6 +13,7 @@ import paged_jax as pj
 from paged_jax import models
 from paged_jax.block_manager import manager
 from paged_jax.engine.cache_manager import CacheManager
+from paged_jax.engine.runner import pack_decode_rows
 from tests.tiny_models import BYTE_LLAMA, ENGINE_CFG
 
 MODEL_CONFIG = BYTE_LLAMA
@@ -191,17 +192,34 @@ def test_outputs_finish_with_a_reason_and_logprobs(reference):
     assert all(v <= 0.0 for lp in sample.logprobs for v in lp.values())
 
 
-def test_stats_count_the_prefill_padding(model):
-  # Prompts of 5 and 40 tokens in one round: 1 + 2 rows of 32 positions,
-  # padded to the 4-row bucket.
+def test_stats_count_the_prefill_and_decode_padding(model):
+  # Prompts of 5, 5 and 36 tokens in one round: 1 + 1 + 2 rows of 32
+  # positions, the 4-row bucket. Then three sequences decode 2 tokens
+  # each in the 4-row bucket.
   engine = pj.LLMEngine(model, TOKENIZER, CFG, num_decode_steps=4)
-  for request_id, length in (("short", 5), ("long", 40)):
-    engine.add_request(request_id, [ord(request_id[0])] * length, pj.SamplingParams(max_tokens=1))
-  engine.step()
+  params = pj.SamplingParams(max_tokens=3, ignore_eos=True)
+  for request_id, length in (("short", 5), ("small", 5), ("long", 36)):
+    engine.add_request(request_id, [ord(request_id[1])] * length, params)
+  while engine.has_unfinished_requests():
+    engine.step()
   stats = engine.stats
-  assert (stats.prefill_tokens, stats.prefill_positions) == (45, 4 * 32)
-  assert stats.prefill_padding == pytest.approx(1 - 45 / 128)
-  assert pj.GenerationStats().prefill_padding == 0.0
+  assert (stats.prefill_tokens, stats.prefill_positions) == (46, 4 * 32)
+  assert stats.prefill_padding == pytest.approx(1 - 46 / 128)
+  assert stats.preemptions == 0
+  assert (stats.decode_tokens, stats.decode_positions) == (3 * 2, 4 * 2)
+  assert stats.decode_padding == pytest.approx(0.25)
+  assert pj.GenerationStats().prefill_padding == pj.GenerationStats().decode_padding == 0.0
+
+
+def test_decode_rows_pack_each_shards_decoding_slots_into_a_bucket():
+  running = np.array(
+    [[False, True, False, True, True, False], [True, False, False, False, False, False]]
+  )
+  assert pack_decode_rows(running, [1, 2, 4, 6]).tolist() == [1, 3, 4, -1, 6, -1, -1, -1]
+  assert pack_decode_rows(running[1:], [1, 2, 4, 6]).tolist() == [0]
+  assert pack_decode_rows(np.zeros((1, 6), bool), [1, 2, 4, 6]).tolist() == [-1]
+  # Five slots of a shard decode: every slot, in order.
+  assert pack_decode_rows(np.array([[True] * 5 + [False]]), [1, 2, 4, 6]) is None
 
 
 def test_stop_strings_spanning_tokens_abort_and_streaming(model, reference):

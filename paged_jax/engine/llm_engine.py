@@ -382,6 +382,8 @@ class LLMEngine:
       prefill_tokens=sum(s.prefill_tokens for s in self.schedulers),
       prefill_positions=counters["prefill_positions"],
       decode_steps=counters["decode_steps"],
+      decode_positions=counters["decode_positions"],
+      decode_tokens=counters["decode_tokens"],
       loop_launches=counters["loop_launches"],
       peak_blocks=counters["peak_blocks"],
       kv_slot_utilization=counters["utilization_sum"] / max(counters["decode_steps"], 1),

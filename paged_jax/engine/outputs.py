@@ -75,6 +75,11 @@ class GenerationStats:
       prefill tokens plus the padding of their row buckets
       (`LLMEngine.compiled_programs`); `prefill_padding` is the padded share.
     decode_steps: iterations of the decode loop.
+    decode_positions: rows the decode launches computed, summed over their
+      steps: a launch runs each data shard's decoding sequences padded to a
+      row bucket (`LLMEngine.compiled_programs`).
+    decode_tokens: the rows of those that decoded a sequence;
+      `decode_padding` is the padded share.
     loop_launches: times the host entered the compiled loop.
     peak_blocks: most GPU blocks in use at once.
     kv_slot_utilization: mean over decode steps of tokens held by running
@@ -92,6 +97,8 @@ class GenerationStats:
   prefill_tokens: int = 0
   prefill_positions: int = 0
   decode_steps: int = 0
+  decode_positions: int = 0
+  decode_tokens: int = 0
   loop_launches: int = 0
   peak_blocks: int = 0
   kv_slot_utilization: float = 0.0
@@ -104,3 +111,8 @@ class GenerationStats:
   def prefill_padding(self) -> float:
     """The share of prefill positions that were padding (0.0 before any prefill)."""
     return 1.0 - self.prefill_tokens / self.prefill_positions if self.prefill_positions else 0.0
+
+  @property
+  def decode_padding(self) -> float:
+    """The share of decode positions that were padding (0.0 before any decode)."""
+    return 1.0 - self.decode_tokens / self.decode_positions if self.decode_positions else 0.0

@@ -59,6 +59,7 @@ class DecodeLoop:
   automaton_state: jax.Array  # int32[R], table states (structured outputs), -1: none
   draws: Draw  # [R, num_steps] tokens of this launch
   step: jax.Array  # steps of this launch
+  rows_run: jax.Array  # rows that decoded, summed over the steps
   out_of_blocks: jax.Array  # bool[D], the shards that ran out
   finished_any: jax.Array
   cow_copies: jax.Array
@@ -204,6 +205,7 @@ def _decode_step(
       automaton_state=automaton_state,
       draws=draws,
       step=loop.step + 1,
+      rows_run=loop.rows_run + jnp.sum(running),
       finished_any=loop.finished_any | jnp.any(done) | jnp.any(moves.finished),
       cow_copies=loop.cow_copies + jnp.sum(plan.count),
       peak_blocks=jnp.maximum(loop.peak_blocks, jnp.max(used)),

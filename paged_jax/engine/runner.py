@@ -111,6 +111,8 @@ class ModelRunner:
       decode_steps=0,
       loop_launches=0,
       prefill_positions=0,
+      decode_positions=0,
+      decode_tokens=0,
     )
 
   # Rows.
@@ -307,19 +309,12 @@ class ModelRunner:
     return [1 << i for i in range(top.bit_length()) if 1 << i < per_shard] + [per_shard]
 
   def _decode_rows(self) -> np.ndarray | None:
-    """The slots the decode rows run (-1: padding), each data shard's packed
-    into the smallest bucket that holds them; None for every slot in order
-    (while a beam group runs, or when a shard needs every row)."""
+    """The slots of the next decode launch's rows (see `pack_decode_rows`);
+    None for every slot in order, while a beam group runs."""
     if np.any(self.in_beam_group):
       return None
-    num_shards, per_shard = self.cache.num_shards, self.cache.cfg.max_seqs
-    running = (self.seq_ids >= 0).reshape(num_shards, per_shard)
-    per_row = next(b for b in self.decode_buckets() if b >= running.sum(axis=1).max())
-    if per_row == per_shard:
-      return None
-    order = np.argsort(~running, axis=1, kind="stable")[:, :per_row]
-    first = np.arange(num_shards)[:, None] * per_shard
-    return np.where(np.take_along_axis(running, order, axis=1), order + first, -1).reshape(-1)
+    running = (self.seq_ids >= 0).reshape(self.cache.num_shards, -1)
+    return pack_decode_rows(running, self.decode_buckets())
 
   def warm_up_prefill(self, rows_per_shard: int) -> None:
     """Compiles prefill of `rows_per_shard` rows per shard, on rows that do
@@ -393,6 +388,7 @@ class ModelRunner:
       automaton_state=automaton_state,
       draws=draws,
       step=jnp.int32(0),
+      rows_run=jnp.int32(0),
       out_of_blocks=jnp.zeros(self.cache.num_shards, bool),
       finished_any=jnp.array(False),
       cow_copies=jnp.int32(0),
@@ -436,6 +432,8 @@ class ModelRunner:
     counters["peak_blocks"] = max(counters["peak_blocks"], int(loop.peak_blocks))
     counters["utilization_sum"] += float(loop.utilization_sum)
     counters["decode_steps"] += int(loop.step)
+    counters["decode_positions"] += slots.shape[0] * int(loop.step)
+    counters["decode_tokens"] += int(loop.rows_run)
     counters["loop_launches"] += 1
     return DecodeResult(
       draws=jax.tree.map(to_slots, loop.draws),
@@ -444,6 +442,28 @@ class ModelRunner:
       out_of_blocks=np.array(loop.out_of_blocks),
       beams_done=np.asarray(self.beams.done),
     )
+
+
+def pack_decode_rows(running: np.ndarray, buckets: list[int]) -> np.ndarray | None:
+  """The global slots each decode row runs, -1 for padding.
+
+  Args:
+    running: bool `[D, S]`, the slots of each data shard that decode.
+    buckets: row counts per shard, ascending, the last `S`.
+
+  Returns:
+    int32 `[D * b]`: each shard's decoding slots in order, padded to `b`,
+    the smallest bucket that holds every shard's; None when that is `S`
+    (every slot in order).
+  """
+  num_shards, per_shard = running.shape
+  per_row = next(b for b in buckets if b >= running.sum(axis=1).max())
+  if per_row == per_shard:
+    return None
+  order = np.argsort(~running, axis=1, kind="stable")[:, :per_row]
+  first = np.arange(num_shards)[:, None] * per_shard
+  slots = np.where(np.take_along_axis(running, order, axis=1), order + first, -1)
+  return slots.reshape(-1).astype(np.int32)
 
 
 def _scatter(values: np.ndarray, slots: np.ndarray, num_slots: int) -> np.ndarray:
