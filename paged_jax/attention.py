@@ -5,13 +5,18 @@
 * ``"auto"``: the Mosaic kernel on TPU; on CUDA GPUs of compute capability
   9.0 and newer (Hopper, Blackwell) the Mosaic GPU kernel when its tiles fit,
   else the Pallas (Triton) kernel when its tiles fit (power-of-two block size
-  and head_dim), as on older and ROCm GPUs; the XLA reference everywhere else
-  (CPU).
+  and head_dim), as on older and ROCm GPUs; the chunked XLA implementation
+  everywhere else (CPU), which reads only the table chunks the longest
+  context reaches.
 * ``"pallas"``: the backend's kernel (the one ``"auto"`` prefers); on CPU the
   Triton kernel in interpret mode.
 * ``"mosaic_gpu"``, ``"triton"``: that GPU kernel; on CPU in its interpret
   mode.
-* ``"reference"``: the XLA reference.
+* ``"reference"``: the XLA reference, which gathers every sequence's whole
+  table.
+
+Prefill attention (several queries per sequence) runs the chunked XLA
+implementation.
 
 Outside jit (concrete block tables and lengths) the tables are checked on the
 host first, so an out-of-range block gives a ValueError that names it.
@@ -21,7 +26,7 @@ from __future__ import annotations
 
 import jax
 
-from pallas_kernels.paged_attention import common, gpu, mosaic_gpu, reference, tpu
+from pallas_kernels.paged_attention import chunked, common, gpu, mosaic_gpu, reference, tpu
 
 IMPLS = ("auto", "pallas", "reference")
 ATTENTION_IMPLS = IMPLS + ("mosaic_gpu", "triton")
@@ -93,8 +98,10 @@ def paged_attention(
     quantized=k_scales is not None,
   )
   args = (q, k_pages, v_pages, block_tables, lengths)
-  if kernel is None:
+  if impl == "reference":
     return reference.paged_attention_reference(*args, **options)
+  if kernel is None:
+    return chunked.paged_attention_chunked(*args, **options)
   name, interpret = kernel
   return _KERNELS[name].paged_attention(*args, **options, interpret=interpret)
 
@@ -117,7 +124,7 @@ def paged_prefill_attention(
 
   For prefix-cache hits and chunked prefill: the new tokens' K/V are already
   written, and row ``i`` of sequence ``b`` is the token at position
-  ``lengths[b] - query_lens[b] + i``. Runs the XLA reference.
+  ``lengths[b] - query_lens[b] + i``. Runs the chunked XLA implementation.
 
   Args:
     q: ``[batch, num_queries, num_q_heads, head_dim]``.
@@ -141,7 +148,7 @@ def paged_prefill_attention(
   )
   if is_concrete(block_tables, lengths):
     common.check_block_tables(block_tables, lengths, k_pages.shape[1], k_pages.shape[2])
-  return reference.paged_prefill_attention_reference(
+  return chunked.paged_prefill_attention_chunked(
     q,
     k_pages,
     v_pages,
@@ -197,8 +204,9 @@ def select_attention_kernel(
       GPU kernel does not serve (``"auto"`` then takes the Triton kernel).
 
   Returns:
-    None for the XLA reference, else ``(kernel, interpret)`` with kernel
-    ``"tpu"``, ``"mosaic_gpu"`` or ``"triton"``.
+    None for XLA (the reference, or the chunked implementation), else
+    ``(kernel, interpret)`` with kernel ``"tpu"``, ``"mosaic_gpu"`` or
+    ``"triton"``.
 
   Raises:
     ValueError: for an unknown ``impl``.

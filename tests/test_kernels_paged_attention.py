@@ -27,7 +27,9 @@ from pallas_kernels import quantization
 from pallas_kernels.paged_attention import (
   check_block_tables,
   gpu,
+  paged_attention_chunked,
   paged_attention_reference,
+  paged_prefill_attention_chunked,
   paged_prefill_attention_reference,
   tpu,
 )
@@ -103,7 +105,12 @@ CASES = [
 OPTIONS = ("sm_scale", "soft_cap", "sliding_window")
 reference_attention = jax.jit(paged_attention_reference, static_argnames=OPTIONS)
 prefill_attention = jax.jit(paged_prefill_attention_reference, static_argnames=OPTIONS)
+# Chunks of two blocks, so that the cases' tables take several.
+chunked_prefill_attention = jax.jit(
+  paged_prefill_attention_chunked, static_argnames=OPTIONS + ("chunk_positions",)
+)
 KERNELS = {
+  "chunked": jax.jit(paged_attention_chunked, static_argnames=OPTIONS + ("chunk_positions",)),
   "gpu": jax.jit(
     functools.partial(gpu.paged_attention, interpret=True),
     static_argnames=OPTIONS + ("pages_per_step", "num_splits"),
@@ -256,12 +263,14 @@ def test_reference_ignores_poisoned_slots(decode_case):
   np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(expected, np.float32))
 
 
-@pytest.mark.parametrize("kernel", ["gpu", "tpu"])
+@pytest.mark.parametrize("kernel", ["gpu", "tpu", "chunked"])
 def test_kernel_matches_reference_on_poisoned_cache(decode_case, kernel):
   case, (q, poisoned, tables, lengths), expected = decode_case
   steps = dict(pages_per_step=case.pages_per_step)
   if kernel == "gpu":
     steps["num_splits"] = case.num_splits
+  if kernel == "chunked":
+    steps = dict(chunk_positions=2 * case.block_size)
   out = attend(KERNELS[kernel], q, poisoned, tables, lengths, **case.options, **steps)
   assert out.shape == q.shape and out.dtype == q.dtype
   assert_close(out, expected, case.dtype)
@@ -326,14 +335,19 @@ PREFILL_CASES = [
 ]
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["reference", "chunked"])
 @pytest.mark.parametrize("case", PREFILL_CASES, ids=str)
-def test_prefill_reference_matches_float64_model(case):
+def test_prefill_matches_float64_model(case, chunked):
   num_queries = 5
   q, clean, poisoned, tables, lengths = make_inputs(case, seed=4, num_queries=num_queries)
   query_lens = np.minimum(lengths, [num_queries, 2, 1][: case.batch]).astype(np.int32)
   offsets = np.arange(num_queries)[None, :]
   query_pos = np.where(offsets < query_lens[:, None], (lengths - query_lens)[:, None] + offsets, -1)
-  out = attend(prefill_attention, q, poisoned, tables, lengths, query_lens, **case.options)
+  options = case.options
+  if chunked:
+    options = dict(options, chunk_positions=case.block_size)
+  attention = chunked_prefill_attention if chunked else prefill_attention
+  out = attend(attention, q, poisoned, tables, lengths, query_lens, **options)
   dense = dense_attention(q, clean, tables, lengths, query_pos, case)
   assert_close(out, dense.astype(np.float32), case.dtype)
   assert not np.asarray(out, np.float32)[query_pos < 0].any()
@@ -376,6 +390,7 @@ def test_kernel_lowers_for_its_platform(kernel, platform, dtype, num_q_heads, kv
 
 IMPLEMENTATIONS = [
   paged_attention_reference,
+  paged_attention_chunked,
   lambda *a, **kw: gpu.paged_attention(*a, **kw, interpret=True),
   lambda *a, **kw: tpu.paged_attention(*a, **kw, interpret=True),
 ]
@@ -412,7 +427,7 @@ BAD_ARGS = {
 }
 
 
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS, ids=["reference", "gpu", "tpu"])
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS, ids=["reference", "chunked", "gpu", "tpu"])
 @pytest.mark.parametrize("bad", BAD_ARGS, ids=str)
 def test_bad_arguments_raise_value_error(impl, bad):
   overrides, message = BAD_ARGS[bad]
@@ -438,11 +453,16 @@ def test_gpu_kernel_rejects_untileable_shapes(kwargs, message):
     gpu.paged_attention(**{**good_args(), **kwargs}, interpret=True)
 
 
-KERNEL_NAMES = ["paged_attention_reference", "paged_attention_gpu", "paged_attention_tpu"]
+KERNEL_NAMES = [
+  "paged_attention_reference",
+  "paged_attention_chunked",
+  "paged_attention_gpu",
+  "paged_attention_tpu",
+]
 
 
 @pytest.mark.parametrize(
-  "impl,name", zip(IMPLEMENTATIONS, KERNEL_NAMES), ids=["reference", "gpu", "tpu"]
+  "impl,name", zip(IMPLEMENTATIONS, KERNEL_NAMES), ids=["reference", "chunked", "gpu", "tpu"]
 )
 @pytest.mark.parametrize(
   "pages,scales,message",
@@ -524,16 +544,19 @@ def test_check_block_tables_accepts_valid_tables():
   )
 
 
-def test_reference_propagates_nan_read_inside_the_context():
+@pytest.mark.parametrize(
+  "attention",
+  [paged_attention_reference, functools.partial(paged_attention_chunked, chunk_positions=4)],
+  ids=["reference", "chunked"],
+)
+def test_xla_attention_propagates_nan_read_inside_the_context(attention):
   """A NaN key the query can see poisons that output (stale reads stay visible)."""
-  from pallas_kernels.paged_attention import reference
-
   rng = np.random.default_rng(7)
   k_pages = rng.standard_normal((1, 4, 4, 8)).astype(np.float32)
   v_pages = rng.standard_normal((1, 4, 4, 8)).astype(np.float32)
   k_pages[0, 2, 1] = np.nan  # inside sequence 0's context, outside sequence 1's
   q = rng.standard_normal((2, 2, 8)).astype(np.float32)
   tables = np.array([[2, -1], [3, 1]], np.int32)
-  out = reference.paged_attention_reference(q, k_pages, v_pages, tables, np.array([3, 6], np.int32))
+  out = attention(q, k_pages, v_pages, tables, np.array([3, 6], np.int32))
   assert np.all(np.isnan(np.asarray(out[0])))
   assert np.all(np.isfinite(np.asarray(out[1])))
