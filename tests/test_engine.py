@@ -111,6 +111,17 @@ def test_outputs_do_not_depend_on_scheduling(model, reference, mode, budget, rev
   _all_blocks_free(engine)
 
 
+def test_prompts_admitted_together_compute_their_shared_blocks_once(model, reference):
+  # Requests 1 and 2 share "THE DEVIL'S " (3 blocks); 2 reads them as 1's
+  # chunk writes them in the same launch.
+  engine = pj.LLMEngine(model, TOKENIZER, CFG, num_decode_steps=4)
+  finals, _ = _serve(engine, _requests()[1:3])
+  assert _tokens(finals) == {i: _tokens(reference)[i] for i in ("1", "2")}
+  stats = engine.stats
+  assert stats.prefill_tokens == stats.prompt_tokens - 12
+  _all_blocks_free(engine)
+
+
 def test_a_decode_sharing_a_block_that_a_pending_prefill_holds_reads_its_own_kv(model):
   """A decoding sequence fills a block whose content another prompt's block
   already has, before that prompt's prefill wrote it: the decode shares the

@@ -220,6 +220,13 @@ def _score_whole_prompt(group: SequenceGroup, leader: Sequence) -> None:
     leader.cached_prefix, leader.num_computed = leader.num_computed, 0
 
 
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+  """How many leading tokens `a` and `b` share."""
+  n = min(a.size, b.size)
+  differ = np.flatnonzero(a[:n] != b[:n])
+  return int(differ[0]) if differ.size else n
+
+
 def _enqueue(queue: collections.deque, group: SequenceGroup) -> None:
   """Puts a preempted group back into `queue`, keeping arrival order."""
   queue.append(group)
@@ -359,6 +366,7 @@ class Scheduler:
         break
       self.waiting.popleft()
       self._admit(group)
+      self._skip_prefixes_written_now(group, out.chunks)
       budget = self._plan_chunks(group, budget, out)
     out.decoding = list(self.running)
     out.stop_on_finish = bool(self.waiting or self.swapped)
@@ -440,6 +448,30 @@ class Scheduler:
     leader.num_computed = self.cache.allocate(leader.slot, leader.prefill, group.request_id)
     _score_whole_prompt(group, leader)
     self.running.append(group)
+
+  def _skip_prefixes_written_now(self, group: SequenceGroup, chunks: list[PrefillChunk]) -> None:
+    """Starts a just-admitted group's prefill after the full blocks it
+    shares with a sequence whose chunk this round writes them.
+
+    With prefix caching, `allocate` hit those blocks (the other sequence's
+    allocation registered them) but counts them as not computed yet. The
+    launch writes every row's K/V before any row attends, so the group's
+    chunk reads them as written and they are computed once. At least the
+    last prompt token still runs (its logits draw the first token); a
+    group that scores its prompt runs all of it.
+    """
+    if not self.cache.cfg.enable_prefix_caching or group.params.prompt_logprobs is not None:
+      return
+    block_size = self.cache.cfg.block_size
+    for seq in group.live():
+      if seq.prefill is None:
+        continue
+      shared = max(
+        (_common_prefix(seq.prefill, c.seq.prefill[: c.start + c.tokens.size]) for c in chunks),
+        default=0,
+      )
+      most = (seq.prefill.size - 1) // block_size * block_size
+      seq.num_computed = max(seq.num_computed, min(shared // block_size * block_size, most))
 
   def _plan_chunks(self, group: SequenceGroup, budget: int, out: SchedulerOutput) -> int:
     """Plans the group's next prompt chunks within `budget`; a sequence
