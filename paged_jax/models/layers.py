@@ -69,6 +69,20 @@ RopeScaling = Llama3RopeScaling | LinearRopeScaling
 ACTIVATIONS = ("silu", "gelu_tanh")
 
 
+def dot_general_f32_accumulation(lhs, rhs, dimension_numbers, precision=None, **kwargs):
+  """`lax.dot_general` that accumulates in float32 and returns `lhs`'s dtype.
+
+  For bfloat16 operands XLA:CPU then takes its fast matmul path (its plain
+  bfloat16 dot runs at half the float32 speed or worse); the result is the
+  float32-accumulated product rounded once, as GPUs and TPUs compute it.
+  """
+  kwargs.pop("preferred_element_type", None)
+  out = jax.lax.dot_general(
+    lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=jnp.float32, **kwargs
+  )
+  return out.astype(lhs.dtype)
+
+
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
   """Root-mean-square normalisation over the last axis, computed in float32.
 

@@ -310,6 +310,7 @@ def _linear(
     use_bias=use_bias,
     dtype=config.compute_dtype,
     param_dtype=config.parameter_dtype,
+    dot_general=layers.dot_general_f32_accumulation,
     rngs=rngs,
   )
 
@@ -484,5 +485,11 @@ class Llama(nnx.Module):
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """Float32 next-token logits `[..., vocab_size]` of hidden states `[..., hidden]`."""
-    logits = self.embed.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
+    if self.lm_head is None:  # tied: float32 logits straight from the float32 accumulation
+      embedding = self.embed.embedding[...].astype(self.config.compute_dtype)
+      logits = jnp.dot(
+        hidden.astype(embedding.dtype), embedding.T, preferred_element_type=jnp.float32
+      )
+    else:
+      logits = self.lm_head(hidden)
     return layers.apply_soft_cap(logits.astype(jnp.float32), self.config.final_logit_softcap)
