@@ -21,7 +21,6 @@ def test_compiled_programs_lists_the_bucket_set():
   assert engine.compiled_programs()[:4] == [f"prefill {r}x16 tokens" for r in (1, 2, 4, 8)]
   assert engine.compiled_programs()[4:] == [
     "decode loop 1 rows x8 steps",
-    "decode loop 2 rows x8 steps",
     "decode loop 4 rows x8 steps",
     "decode loop 6 rows x8 steps",
     "block manager calls",

@@ -172,9 +172,10 @@ class LLMEngine:
     each data shard's rows padded to a power of two up to the bucket of
     `ceil(max_num_batched_tokens / prefill_width) + max_num_seqs` (a chunk
     adds at most one partly filled row); the decode loop runs each data
-    shard's decoding sequences padded to a power of two up to the bucket of
-    `max_num_seqs`, or every slot (`max_seqs` per shard, with the beam step,
-    which runs only in steps with a beam group); the block manager's
+    shard's decoding sequences padded to a power of four below `max_seqs`
+    (up to the first that holds `max_num_seqs`), or every slot (`max_seqs`
+    per shard, with the beam step, which runs only in steps with a beam
+    group); the block manager's
     calls over a group take its slots padded to `max_seqs`; swaps move
     fixed-capacity plans; a request's PRNG keys come from a few small
     host-side programs.

@@ -13,10 +13,10 @@ nothing. It hands control back early when a data shard's blocks
 run out (the scheduler preempts) or, if asked, when a row finishes (the
 scheduler admits more). `prefill` runs prompt chunks and draws the first
 token of the sequences whose prompt they complete. The decode loop's rows
-are the running sequences, each data shard's padded to a power of two, or
+are the running sequences, each data shard's padded to a power of four, or
 every global sequence slot (see `paged_jax.engine.cache_manager`) while a
 beam group runs; every program compiles once per shape (both programs'
-rows are bucketed to powers of two).
+rows are bucketed).
 """
 
 from __future__ import annotations

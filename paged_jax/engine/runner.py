@@ -302,11 +302,15 @@ class ModelRunner:
 
   def decode_buckets(self) -> list[int]:
     """Every row count (per data shard) a decode launch can have: powers of
-    two below `max_seqs` up to the bucket of `max_decode_rows`, then
-    `max_seqs` (every slot: a beam group's launches, or a full shard)."""
-    per_shard = self.cache.cfg.max_seqs
-    top = min(programs.bucket(self.max_decode_rows), per_shard)
-    return [1 << i for i in range(top.bit_length()) if 1 << i < per_shard] + [per_shard]
+    four below `max_seqs` that `max_decode_rows` reaches, then `max_seqs`
+    (every slot: a beam group's launches, or a full shard). Powers of four,
+    not two: a small batch's step reads the weights once whatever its rows
+    (memory-bound), so finer buckets would save little and cost a compile
+    each."""
+    per_shard, buckets = self.cache.cfg.max_seqs, [1]
+    while buckets[-1] < min(self.max_decode_rows, per_shard):
+      buckets.append(4 * buckets[-1])
+    return [b for b in buckets if b < per_shard] + [per_shard]
 
   def _decode_rows(self) -> np.ndarray | None:
     """The slots of the next decode launch's rows (see `pack_decode_rows`);
