@@ -23,11 +23,12 @@ CFG = pj.CacheConfig(
   block_size=8, num_gpu_blocks=96, num_cpu_blocks=8, max_seqs=8, max_blocks_per_seq=16
 )
 # 26 blocks of 4 hold about two of the sequences below at once: the runs preempt.
+# Four slots: two decode row buckets (1 and 4) to compile per automaton table.
 SMALL_CFG = pj.CacheConfig(
   block_size=4,
   num_gpu_blocks=26,
   num_cpu_blocks=64,
-  max_seqs=8,
+  max_seqs=4,
   max_blocks_per_seq=16,
   watermark=0.0,
   enable_prefix_caching=True,
