@@ -320,9 +320,18 @@ class ModelRunner:
     running = (self.seq_ids >= 0).reshape(self.cache.num_shards, -1)
     return pack_decode_rows(running, self.decode_buckets())
 
+  def _refuse_while_decoding(self) -> None:
+    if self.has_running_rows():
+      raise RuntimeError("warm-up launches only while no row decodes")
+
   def warm_up_prefill(self, rows_per_shard: int) -> None:
     """Compiles prefill of `rows_per_shard` rows per shard, on rows that do
-    nothing (the pages and states stay as they are)."""
+    nothing (the pages and states stay as they are).
+
+    Raises:
+      RuntimeError: if a row decodes.
+    """
+    self._refuse_while_decoding()
     cache = self.cache
     num_rows = cache.num_shards * rows_per_shard
     shape = (num_rows, self.prefill_width)
@@ -345,8 +354,7 @@ class ModelRunner:
     Raises:
       RuntimeError: if a row decodes.
     """
-    if self.has_running_rows():
-      raise RuntimeError("warm-up launches only while no row decodes")
+    self._refuse_while_decoding()
     rows = None
     if rows_per_shard != self.cache.cfg.max_seqs:
       rows = np.full(self.cache.num_shards * rows_per_shard, -1, np.int32)
