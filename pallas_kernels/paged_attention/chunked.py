@@ -93,7 +93,7 @@ def paged_prefill_attention_chunked(
     row_max, total, out = carry
     offset = chunk * chunk_len
     columns = jax.lax.dynamic_slice_in_dim(tables, chunk * chunk_blocks, chunk_blocks, axis=1)
-    keys, values, key_in_context = reference._gather_context(
+    keys, values, key_in_context = reference.gather_context(
       k_pages, v_pages, columns, lengths - offset, k_scales, v_scales
     )
     key_pos = offset + jnp.arange(chunk_len, dtype=jnp.int32)

@@ -131,7 +131,7 @@ def paged_prefill_attention_reference(
   group = num_q_heads // num_kv_heads
   scale = common.default_sm_scale(head_dim, sm_scale)
 
-  keys, values, key_in_context = _gather_context(
+  keys, values, key_in_context = gather_context(
     k_pages, v_pages, block_tables, lengths, k_scales, v_scales
   )
   key_pos = jnp.arange(keys.shape[2], dtype=jnp.int32)
@@ -160,7 +160,7 @@ def paged_prefill_attention_reference(
   return out.astype(q.dtype)
 
 
-def _gather_context(k_pages, v_pages, block_tables, lengths, k_scales, v_scales):
+def gather_context(k_pages, v_pages, block_tables, lengths, k_scales, v_scales):
   """Gathers each sequence's pages into contiguous keys and values.
 
   Quantized pages (scales not None) are dequantized to float32.
