@@ -304,9 +304,8 @@ class ModelRunner:
     """Every row count (per data shard) a decode launch can have: powers of
     four below `max_seqs` that `max_decode_rows` reaches, then `max_seqs`
     (every slot: a beam group's launches, or a full shard). Powers of four,
-    not two: a small batch's step reads the weights once whatever its rows
-    (memory-bound), so finer buckets would save little and cost a compile
-    each."""
+    not two: each bucket costs a compile of the decode loop (in warm-up),
+    and a launch pads to at most four times its rows."""
     per_shard, buckets = self.cache.cfg.max_seqs, [1]
     while buckets[-1] < min(self.max_decode_rows, per_shard):
       buckets.append(4 * buckets[-1])
