@@ -58,6 +58,7 @@ from bench_detokenize import smollm2_tokenizer  # noqa: E402
 from bench_engine import serve_trace  # noqa: E402
 
 import paged_jax as pj  # noqa: E402
+from paged_jax import __main__ as demo  # noqa: E402
 from paged_jax import simulate  # noqa: E402
 from paged_jax.models import checkpoints, load_pretrained  # noqa: E402
 
@@ -71,19 +72,8 @@ PEERS = (
   ("transformers", "transformers", "transformers_python"),
 )
 DTYPE_LABELS = {"float32": "f32", "bfloat16": "bf16"}
-QUESTIONS = (
-  "What is the capital of France?",
-  "Why is the sky blue?",
-  "Name three primary colours.",
-  "What is a prime number?",
-  "How many legs does a spider have?",
-  "What does a bee make?",
-  "Give me a synonym for happy.",
-  "What is the boiling point of water in Celsius?",
-  "Who wrote Romeo and Juliet?",
-  "What is photosynthesis?",
-  "Suggest a name for a pet goldfish.",
-  "What is the largest planet in the solar system?",
+# The demo's questions, then more of the same kind (32 prompts at least).
+QUESTIONS = demo.QUESTIONS + (
   "How do airplanes stay in the air?",
   "What is the difference between weather and climate?",
   "Why do leaves change colour in autumn?",
