@@ -42,7 +42,9 @@ class CacheConfig:
       ``max_blocks_per_seq * block_size`` tokens.
     watermark: fraction of GPU blocks that admission (``can_allocate``,
       ``can_swap_in``) keeps free.
-    sliding_window: attention window in tokens, or None.
+    sliding_window: a sequence keeps a block only while it holds one of
+      its last `sliding_window` positions (the others are freed); None
+      keeps every block (docs/semantics.md, "Sliding window").
     enable_prefix_caching: share full blocks of identical prefixes.
     hash_bits: width of the hash that indexes cached blocks (0..64). Lookups
       are exact whatever the width; it only changes how often keys collide.

@@ -24,7 +24,7 @@ import pytest
 from flax import nnx
 
 import paged_jax as pj
-from paged_jax import models
+from paged_jax import compile_guard, models
 from paged_jax.engine.params import SamplingParams
 from paged_jax.models import checkpoints
 from paged_jax.models.dense import generate_dense
@@ -703,6 +703,72 @@ def test_paged_greedy_decoding_equals_dense_past_the_window(name):
     assert not np.allclose(logits[0], _forward(_tiny(uncapped, seed=3), sequence)[0][0, -1])
 
 
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_a_cache_that_frees_blocks_outside_its_window_serves_long_sequences(preemption_mode):
+  """A Mistral-style model (every layer slides over 8 keys) on a cache that
+  frees the blocks outside a window of 12. The long prompt (3.5 windows)
+  goes in chunks of at most 12 - 8 + 1 = 5 tokens; the short ones grow past
+  the blocks they were admitted with, so sequences are preempted. 12 GPU
+  blocks serve sequences of 4 to 7 windows, fewer than the longest needs
+  with every block kept. The last request, the one preempted, has n=2 under
+  swap (its samples fork on the window's blocks); under recompute it is a
+  fourth prompt of n=1 (a group of two would be swapped). Greedy tokens
+  equal dense decoding's."""
+  model = _tiny(WINDOWED["mistral_window_8"], seed=3)
+  rng = np.random.default_rng(5)
+  lengths, last_n = ((28, 6, 5), 2) if preemption_mode == "swap" else ((28, 6, 5, 5), 1)
+  prompts = [rng.integers(0, 61, n).astype(np.int32) for n in lengths]
+  cfg = pj.CacheConfig(
+    block_size=4,
+    num_gpu_blocks=12,
+    num_cpu_blocks=16,
+    max_seqs=4,
+    max_blocks_per_seq=16,
+    sliding_window=12,
+  )
+  assert cfg.blocks_for(28 + 28) > cfg.num_gpu_blocks
+  llm = pj.LLM(
+    model,
+    None,
+    cfg,
+    max_num_batched_tokens=8,
+    num_decode_steps=4,
+    preemption_mode=preemption_mode,
+    warmup=True,
+  )
+  assert llm.engine.runner.prefill_width == 5
+  params = [pj.SamplingParams(max_tokens=28, temperature=0.0) for _ in prompts]
+  params[-1] = dataclasses.replace(params[-1], n=last_n)
+  with compile_guard.no_compiles("serving on a windowed cache"):  # warm-up appends chunks too
+    outputs = llm.generate(prompts, params)
+  dense = generate_dense(model, prompts, SamplingParams(max_tokens=28), jax.random.key(0))
+  for output, expected in zip(outputs, dense):
+    for sample in output.outputs:
+      np.testing.assert_array_equal(sample.token_ids, expected)
+  stats = llm.engine.stats
+  assert stats.preemptions > 0
+  assert (stats.swaps > 0) == (preemption_mode == "swap")
+
+
+@pytest.mark.parametrize(
+  "fields, window, message",
+  [
+    (dict(sliding_window=8), 7, "layer 0 attends to a window of 8, but this cache frees"),
+    (
+      dict(sliding_window=4, layer_types=("sliding_attention", "full_attention")),
+      8,
+      "layer 1 attends to the whole context",
+    ),
+  ],
+)
+def test_an_engine_refuses_a_model_that_sees_beyond_the_caches_window(fields, window, message):
+  cfg = pj.CacheConfig(
+    block_size=4, num_gpu_blocks=8, num_cpu_blocks=0, max_seqs=1, sliding_window=window
+  )
+  with pytest.raises(ValueError, match=message):
+    pj.LLMEngine(_tiny(fields, seed=0), None, cfg)
+
+
 def test_dense_cache_serves_a_hybrid_model_prefill_then_decode(family_weights, tmp_path, bpe):
   hf = FAMILIES["gemma3"]
   weights = family_weights["gemma3"]
@@ -745,7 +811,8 @@ def _paged_call(window, tokens):
   [
     ({}, 1, "layer 0 attends to the whole context, but this cache frees"),
     (dict(sliding_window=8), 1, "layer 0 attends to a window of 8, but this cache frees"),
-    (dict(sliding_window=4), 2, "serves decode only: prefill of 2 tokens per row"),
+    (dict(sliding_window=4), 2, r"layer 0 \(window 4\) takes at most 1 tokens per sequence"),
+    (dict(sliding_window=3), 3, r"layer 0 \(window 3\) takes at most 2 tokens per sequence"),
     (
       dict(sliding_window=4, layer_types=("sliding_attention", "full_attention")),
       1,
@@ -763,13 +830,13 @@ def test_a_cache_that_frees_blocks_outside_its_window_refuses_what_would_read_th
     jax.eval_shape(lambda: model(jnp.ones((1, tokens), jnp.int32), positions, cache))
 
 
-def test_a_cache_that_frees_blocks_serves_decode_of_its_own_window():
-  model = _tiny(dict(sliding_window=4), seed=0)
-  cache = _paged_call(4, 1)
-  logits, _ = jax.eval_shape(
-    lambda: model(jnp.ones((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32), cache)
-  )
-  assert logits.shape == (1, 1, 61)
+@pytest.mark.parametrize("window, tokens", [(4, 1), (3, 2)])
+def test_a_cache_that_frees_blocks_serves_calls_that_see_their_whole_window(window, tokens):
+  model = _tiny(dict(sliding_window=window), seed=0)
+  cache = _paged_call(4, tokens)
+  positions = jnp.arange(tokens, dtype=jnp.int32)[None]
+  logits, _ = jax.eval_shape(lambda: model(jnp.ones((1, tokens), jnp.int32), positions, cache))
+  assert logits.shape == (1, tokens, 61)
 
 
 def test_config_fields_round_trip_through_a_dict():

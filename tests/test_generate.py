@@ -1,7 +1,5 @@
 """Paged generation against the dense cache: logits, greedy tokens, stats."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -280,26 +278,3 @@ def test_paged_cache_rejects_a_slot_mapping_of_the_wrong_shape():
   k = jnp.ones((2, 5, 2, 8))
   with pytest.raises(ValueError, match=r"slot_mapping shape \(2, 3\) must be"):
     cache.attend(0, q, k, k, jnp.zeros((2, 5), jnp.int32), sm_scale=1.0)
-
-
-def test_a_cache_that_frees_blocks_outside_the_window_refuses_prefill():
-  windowed = models.Llama(dataclasses.replace(CONFIG, sliding_window=5), rngs=nnx.Rngs(0))
-  cfg = pj.CacheConfig(
-    block_size=4,
-    num_gpu_blocks=8,
-    num_cpu_blocks=0,
-    max_seqs=1,
-    max_blocks_per_seq=4,
-    sliding_window=5,
-  )
-  kv = pj.KVCache.create(
-    cfg, CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, dtype=jnp.float32
-  )
-  cache = PagedCache(
-    kv=kv,
-    block_tables=jnp.zeros((1, 4), jnp.int32),
-    slot_mapping=jnp.zeros((1, 2), jnp.int32),
-    cache_sliding_window=cfg.sliding_window,
-  )
-  with pytest.raises(ValueError, match="serves decode only: prefill of 2 tokens per row"):
-    windowed(jnp.ones((1, 2), jnp.int32), jnp.zeros((1, 2), jnp.int32), cache)

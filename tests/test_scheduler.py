@@ -117,3 +117,34 @@ def test_swap_out_without_host_room_names_the_request_and_the_pool(cache):
     r"\(0 free of 4 CPU blocks on shard 0\)",
   ):
     cache.swap_out([1], "second")
+
+
+def test_prompts_that_stall_on_a_windowed_cache_preempt_the_latest():
+  """On a cache that frees the blocks outside its window, prompts append
+  their chunks as they run. Two prompts that filled the 4 blocks with
+  nothing decoding stall: the latest is preempted, the other goes on."""
+  cfg = pj.CacheConfig(
+    block_size=4,
+    num_gpu_blocks=4,
+    num_cpu_blocks=0,
+    max_seqs=4,
+    max_blocks_per_seq=8,
+    watermark=0.0,
+    sliding_window=8,
+  )
+  cache = CacheManager(cfg, MODEL_CONFIG, max_chunk=4)
+  scheduler = Scheduler(cache, 4, 8, "recompute", max_len=32)
+  scheduler.add(_group("first", 24))
+  scheduler.add(_group("second", 24, arrival=1))
+  rounds = []
+  for _ in range(4):
+    out = scheduler.schedule()
+    rounds.append(([c.group.request_id for c in out.chunks], [g.request_id for g in out.preempted]))
+    scheduler.update(out)
+  assert rounds == [
+    (["first", "second"], []),
+    (["first", "second"], []),
+    ([], []),  # each needs a block before its oldest leaves the window
+    (["first"], ["second"]),
+  ]
+  assert cache.num_free_gpu_blocks() == 2  # "first": the blocks of positions 4 .. 11

@@ -89,10 +89,22 @@ class CacheManager:
     kv_cache_dtype: dtype of the KV pages; None for the model's dtype.
     mesh: a ``("data", "model")`` mesh (see `paged_jax.sharding`), or None
       for one device.
+    max_chunk: on a cache that frees the blocks outside its sliding window,
+      the most prompt tokens a sequence appends at once (`append_chunk`);
+      None on a cache that keeps every block (prompts are allocated whole).
   """
 
-  def __init__(self, cfg: CacheConfig, model_config, *, kv_cache_dtype=None, mesh=None):
+  def __init__(
+    self,
+    cfg: CacheConfig,
+    model_config,
+    *,
+    kv_cache_dtype=None,
+    mesh=None,
+    max_chunk: int | None = None,
+  ):
     self.cfg = cfg
+    self.max_chunk = max_chunk
     self.bm = BlockSpaceManager(cfg)
     mc = model_config
     dtype = jnp.dtype(mc.dtype if kv_cache_dtype is None else kv_cache_dtype)
@@ -224,6 +236,28 @@ class CacheManager:
     )
     return int(computed_blocks) * self.cfg.block_size
 
+  def append_chunk(self, slot: int, tokens: np.ndarray, request_id: str) -> bool:
+    """Appends a prompt chunk's `tokens` (at most `max_chunk`) to `slot`'s
+    sequence, on a cache that frees the blocks outside its window: the
+    blocks that leave the window go back to the pool. No block of a
+    prefilling sequence is shared (samples fork once the prompt is in), so
+    nothing is copied.
+
+    Returns:
+      False, changing nothing, if the shard has too few free GPU blocks for
+      the blocks the chunk starts; True once appended.
+    """
+    shard, local = self._local([slot])
+    before = int(np.asarray(self.state.num_tokens)[shard, local[0]])
+    needed = self.cfg.blocks_for(before + tokens.size) - self.cfg.blocks_for(before)
+    if needed > self.num_free_gpu_blocks(shard):
+      return False
+    padded = np.zeros((1, self.max_chunk), np.int32)
+    padded[0, : tokens.size] = tokens
+    _, plan = self._update(manager.append_slots, [slot], padded, np.array([tokens.size], np.int32))
+    self._check(plan, f"append of a {tokens.size}-token chunk of request {request_id!r}", shard)
+    return True
+
   def mark_computed(self, slots, num_computed) -> None:
     """Marks the first `num_computed` tokens' full blocks of each slot's
     sequence computed (prefix caching only)."""
@@ -296,6 +330,9 @@ class CacheManager:
       (manager.free, (no_group,)),
     ):
       _on_shard(op, self.state, shard, *args)
+    if self.max_chunk is not None:
+      chunk = np.zeros((1, self.max_chunk), np.int32)
+      _on_shard(manager.append_slots, self.state, shard, one, chunk, np.zeros(1, np.int32))
     for op, args in (
       (manager.can_allocate, (0,)),
       (BlockSpaceManager.num_free_gpu_blocks, ()),

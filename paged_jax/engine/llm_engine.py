@@ -24,6 +24,7 @@ from paged_jax.engine.scheduler import (
   admission_error,
 )
 from paged_jax.engine.sequence import SequenceGroup
+from paged_jax.models.paged import window_chunk
 
 
 class LLMEngine:
@@ -39,7 +40,10 @@ class LLMEngine:
     tokenizer: has `encode(text)` and `decode(ids)` (and `eos_token_id` or
       `eos_id`); None to serve token ids only.
     cache_config: the paged cache; `max_seqs` is the number of sequence
-      slots (running and swapped out).
+      slots (running and swapped out). With a `sliding_window` of `W`,
+      every layer of the model must slide over at most `W` keys; prompts
+      then run in chunks of at most `W - w + 1` tokens (`w` the widest
+      layer window), and so do prefill rows (`prefill_width`).
     max_num_seqs: sequences running at once; defaults to
       `cache_config.max_seqs`.
     max_num_batched_tokens: tokens one round puts through the model (one per
@@ -116,6 +120,9 @@ class LLMEngine:
       )
     if mesh is not None:
       mesh = sharding.serving_mesh(mesh)
+    max_chunk = _max_chunk(cache_config, model.config)
+    if max_chunk is not None:
+      prefill_width = min(prefill_width, max_chunk)
     compilation_cache.enable()  # on disk, see paged_jax.compilation_cache
     self.model_config = model.config
     self.tokenizer = tokenizer
@@ -127,7 +134,9 @@ class LLMEngine:
     )
     self.num_decode_steps = num_decode_steps
     self.max_logprobs = max_logprobs
-    self.cache = CacheManager(cache_config, model.config, kv_cache_dtype=kv_cache_dtype, mesh=mesh)
+    self.cache = CacheManager(
+      cache_config, model.config, kv_cache_dtype=kv_cache_dtype, mesh=mesh, max_chunk=max_chunk
+    )
     self.runner = ModelRunner(
       model,
       self.cache,
@@ -224,6 +233,7 @@ class LLMEngine:
       max_num_seqs=self.schedulers[0].max_num_seqs,
       num_prompt_tokens=num_prompt_tokens,
       params=params,
+      max_chunk=self.cache.max_chunk,
     )
 
   def _max_len(self) -> int:
@@ -403,3 +413,25 @@ def _constraints(rows) -> list:
     for row, (group, seq) in rows
     if group.automaton is not None
   ]
+
+
+def _max_chunk(cfg: CacheConfig, model_config) -> int | None:
+  """The most prompt tokens a sequence appends per round on a cache that
+  frees the blocks outside its window (`window_chunk`); None on a cache
+  that keeps every block.
+
+  Raises:
+    ValueError: if a layer attends beyond the cache's window, or the model's
+      config has no `layer_window(layer)` to say what its layers see.
+  """
+  if cfg.sliding_window is None:
+    return None
+  layer_window = getattr(model_config, "layer_window", None)
+  if layer_window is None:
+    raise ValueError(
+      f"this cache frees the blocks outside a window of {cfg.sliding_window} tokens, but "
+      f"the model's config has no layer_window(layer) that says which keys its layers see; "
+      f"use a CacheConfig without sliding_window"
+    )
+  windows = {layer: layer_window(layer) for layer in range(model_config.num_layers)}
+  return window_chunk(cfg.sliding_window, windows)

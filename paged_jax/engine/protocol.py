@@ -47,6 +47,10 @@ class ModelProtocol(Protocol):
   logits` (`hidden` float `[batch, tokens, features]`); then prefill
   computes the output layer only at the positions it samples from (and at
   every position only when a request asks for prompt log-probabilities).
+
+  On a cache with a `sliding_window`, `model.config.layer_window(l)` must
+  give each layer's window (None: global attention), and every layer must
+  pass it to `cache.attend` as `sliding_window=`.
   """
 
   config: ModelConfig

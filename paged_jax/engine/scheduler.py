@@ -42,11 +42,24 @@ def token_limit(max_len: int, num_prompt_tokens: int, params: SamplingParams) ->
   return min(params.max_tokens, max_len - num_prompt_tokens)
 
 
-def resident_blocks(cfg: CacheConfig, num_prompt_tokens: int, lengths) -> int:
+def blocks_held(cfg: CacheConfig, num_tokens: int, max_chunk: int | None = None) -> int:
+  """The most GPU blocks a sequence of `num_tokens` tokens holds at once:
+  every block, or on a cache that frees the blocks outside its window
+  (appending prompts in chunks of at most `max_chunk` tokens) the window's
+  plus one chunk's, since an append takes blocks before it frees them."""
+  every = cfg.blocks_for(num_tokens)
+  if cfg.sliding_window is None:
+    return every
+  return min(every, cfg.blocks_for(cfg.sliding_window) + 1 + cfg.blocks_for(max_chunk or 1))
+
+
+def resident_blocks(
+  cfg: CacheConfig, num_prompt_tokens: int, lengths, max_chunk: int | None = None
+) -> int:
   """GPU blocks sequences of `lengths` tokens take when their group is
   admitted again after a recompute preemption (each is prefilled on its own;
   with prefix caching they share the prompt's full blocks)."""
-  needed = sum(cfg.blocks_for(length) for length in lengths)
+  needed = sum(blocks_held(cfg, length, max_chunk) for length in lengths)
   if cfg.enable_prefix_caching:
     needed -= (len(lengths) - 1) * (num_prompt_tokens // cfg.block_size)
   return needed
@@ -60,6 +73,7 @@ def admission_error(
   num_prompt_tokens: int,
   params: SamplingParams,
   resident_lengths=None,
+  max_chunk: int | None = None,
 ) -> str | None:
   """Why a request can never be served, or None: the one answer to "can it
   ever fit", asked when it arrives and whenever it is to be admitted.
@@ -81,6 +95,8 @@ def admission_error(
     resident_lengths: tokens each unfinished sequence puts in the cache when
       the group is admitted again after a recompute preemption; None for a
       new request.
+    max_chunk: the most prompt tokens a sequence appends at once on a cache
+      that frees the blocks outside its window (see `blocks_held`).
   """
   n = params.n
   if n > max_num_seqs:
@@ -96,14 +112,13 @@ def admission_error(
       f"positions (the model's max_seq_len and the block table's {cfg.max_tokens_per_seq} tokens)"
     )
   limit = token_limit(max_len, num_prompt_tokens, params)
-  per_seq = cfg.blocks_for(num_prompt_tokens + limit - 1)
-  if cfg.sliding_window is not None:
-    per_seq = min(per_seq, cfg.blocks_for(cfg.sliding_window) + 1)
-  shared = min(num_prompt_tokens // cfg.block_size, per_seq)
+  per_seq = blocks_held(cfg, num_prompt_tokens + limit - 1, max_chunk)
+  # Under a window the samples' shared prompt blocks leave it as they decode.
+  shared = 0 if cfg.sliding_window else min(num_prompt_tokens // cfg.block_size, per_seq)
   needed = per_seq + (n - 1) * (per_seq - shared)
   admittable = cfg.num_gpu_blocks - cfg.watermark_blocks
   if needed > cfg.num_gpu_blocks or (
-    resident_lengths is None and cfg.blocks_for(num_prompt_tokens) > admittable
+    resident_lengths is None and blocks_held(cfg, num_prompt_tokens, max_chunk) > admittable
   ):
     return (
       f"needs {needed} GPU blocks (n={n} x ({num_prompt_tokens} prompt "
@@ -111,7 +126,7 @@ def admission_error(
       f"cache has {cfg.num_gpu_blocks} (watermark {cfg.watermark_blocks})"
     )
   if resident_lengths is not None:
-    resident = resident_blocks(cfg, num_prompt_tokens, resident_lengths)
+    resident = resident_blocks(cfg, num_prompt_tokens, resident_lengths, max_chunk)
     if resident > admittable:
       return (
         f"its sequences of {list(resident_lengths)} tokens need {resident} GPU blocks to be "
@@ -270,6 +285,7 @@ class Scheduler:
     self.free_slots = list(cache.shard_slots(shard))
     self.num_preemptions = 0
     self.prefill_tokens = 0
+    self._stalled = False  # a prompt chunk found too few free blocks this round
     # What the next round starts with: row changes and preemptions decided
     # since this round (swapped pages move before anything else runs).
     self._next = SchedulerOutput(shard=shard)
@@ -371,6 +387,9 @@ class Scheduler:
     out.decoding = list(self.running)
     out.stop_on_finish = bool(self.waiting or self.swapped)
     self._next = SchedulerOutput(shard=self.shard)
+    if self._stalled and not out.chunks and not self._num_decoding():
+      self._preempt()  # only prompts run and none found its blocks: the next round frees some
+    self._stalled = False
     return out
 
   def _admissible(self, group: SequenceGroup) -> tuple[AllocStatus, str | None]:
@@ -386,6 +405,7 @@ class Scheduler:
       num_prompt_tokens=prompt,
       params=group.params,
       resident_lengths=lengths,
+      max_chunk=self.cache.max_chunk,
     )
     if reason is not None:
       return AllocStatus.NEVER, reason
@@ -396,7 +416,7 @@ class Scheduler:
     if group.fresh:
       return self.cache.can_allocate(prompt, self.shard), None
     free = self.cache.num_free_gpu_blocks(self.shard) - self.cache.cfg.watermark_blocks
-    fits = resident_blocks(self.cache.cfg, prompt, lengths) <= free
+    fits = resident_blocks(self.cache.cfg, prompt, lengths, self.cache.max_chunk) <= free
     return (AllocStatus.OK if fits else AllocStatus.LATER), None
 
   def _new_row(self, group: SequenceGroup, seq: Sequence, slot: int, greedy: bool) -> NewRow:
@@ -423,14 +443,14 @@ class Scheduler:
     if group.fresh:
       leader = live[0]
       leader.prefill = group.prompt_token_ids
-      leader.num_computed = self.cache.allocate(leader.slot, leader.prefill, group.request_id)
+      leader.num_computed = self._allocate(leader, group.request_id)
       _score_whole_prompt(group, leader)
     else:
       for seq in live:
         seq.prefill = np.concatenate(
           [group.prompt_token_ids, np.asarray(seq.token_ids[:-1], np.int32)]
         )
-        seq.num_computed = self.cache.allocate(seq.slot, seq.prefill, group.request_id)
+        seq.num_computed = self._allocate(seq, group.request_id)
     self.running.append(group)
 
   def _admit_beams(self, group: SequenceGroup) -> None:
@@ -445,9 +465,16 @@ class Scheduler:
     group.beam_slots = slots
     leader.slot = slots[0]
     leader.prefill = group.prompt_token_ids[:-1]
-    leader.num_computed = self.cache.allocate(leader.slot, leader.prefill, group.request_id)
+    leader.num_computed = self._allocate(leader, group.request_id)
     _score_whole_prompt(group, leader)
     self.running.append(group)
+
+  def _allocate(self, seq: Sequence, request_id: str) -> int:
+    """Allocates the blocks of `seq.prefill`, or none yet on a cache that
+    frees the blocks outside its window (each chunk appends its tokens, see
+    `_plan_chunks`); returns the tokens already computed."""
+    tokens = seq.prefill if self.cache.max_chunk is None else seq.prefill[:0]
+    return self.cache.allocate(seq.slot, tokens, request_id)
 
   def _skip_prefixes_written_now(self, group: SequenceGroup, chunks: list[PrefillChunk]) -> None:
     """Starts a just-admitted group's prefill after the full blocks it
@@ -476,12 +503,21 @@ class Scheduler:
   def _plan_chunks(self, group: SequenceGroup, budget: int, out: SchedulerOutput) -> int:
     """Plans the group's next prompt chunks within `budget`; a sequence
     whose prompt they complete decodes from this round on (a fresh group's
-    samples once they drew their first token: `after_prefill`)."""
+    samples once they drew their first token: `after_prefill`). On a cache
+    that frees the blocks outside its window, a chunk has at most
+    `max_chunk` tokens and appends them now; a sequence whose chunk finds
+    too few free blocks waits (`_stalled`)."""
+    max_chunk = self.cache.max_chunk
     for seq in group.live():
       if seq.prefill is None or budget <= 0:
         continue
       start = seq.num_computed
-      count = min(seq.prefill.size - start, budget)
+      count = min(seq.prefill.size - start, budget, max_chunk or budget)
+      if max_chunk is not None and not self.cache.append_chunk(
+        seq.slot, seq.prefill[start : start + count], group.request_id
+      ):
+        self._stalled = True
+        continue
       seq.num_computed = start + count
       chunk = PrefillChunk(group, seq, seq.prefill[start : start + count], start)
       if group.params.prompt_logprobs is not None and group.fresh:

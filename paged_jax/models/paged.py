@@ -11,8 +11,10 @@ Sliding windows, first step: on a `CacheConfig` without a window every
 block is kept and a layer with a window masks its attention to it (the
 kernels' `sliding_window`), so windowed and hybrid models (Mistral, Qwen2's
 `max_window_layers`, Gemma 2 and 3) run with prefix caching and every other
-feature. A `CacheConfig` with a window frees the blocks that leave it; that
-cache serves only what never reads a freed block (see `PagedCache.attend`).
+feature. A `CacheConfig` with a window of `W` frees the blocks that leave
+it; that cache serves layers whose windows are at most `W`, and a sequence
+appends at most `W - w + 1` tokens per call (`window_chunk`), so that no
+query reads a freed block (see `PagedCache.attend`).
 The planned design, one block table per attention type, is in
 docs/semantics.md ("Sliding windows and hybrid models").
 
@@ -71,15 +73,16 @@ class PagedCache:
     attention to its last keys and `soft_cap` caps its logits.
 
     On a cache whose `CacheConfig` frees blocks outside a window of `W`
-    (`cache_sliding_window`), only decode (one token per row) of a layer
-    whose window is at most `W` is served: every other call would read
-    blocks the manager may have freed.
+    (`cache_sliding_window`), a layer's window `w` must be at most `W`, and
+    each sequence's tokens of the call must come from one `append_slots` of
+    at most `W - w + 1` tokens (`window_chunk`): the manager then still
+    holds every key the call's first token sees.
 
     Raises:
       ValueError: if `slot_mapping` does not match the tokens of `k`; on a
-        cache that frees blocks outside its window, for a call of more than
-        one token per row (prefill reads the prompt's keys from the pages)
-        or a layer whose window is None or wider than the cache's.
+        cache that frees blocks outside its window, for a layer whose window
+        is None or wider than the cache's, or rows of more than
+        `W - w + 1` tokens.
     """
     self._check_window(layer, sliding_window, tokens=k.shape[1])
     if self.slot_mapping.shape != k.shape[:2]:
@@ -104,23 +107,37 @@ class PagedCache:
     return out, self.replace(kv=kv)
 
   def _check_window(self, layer: int, sliding_window: int | None, *, tokens: int) -> None:
-    freed_outside = self.cache_sliding_window
-    if freed_outside is None:
+    cache_window = self.cache_sliding_window
+    if cache_window is None:
       return
-    if sliding_window is None or sliding_window > freed_outside:
-      seen = "the whole context" if sliding_window is None else f"a window of {sliding_window}"
+    most = window_chunk(cache_window, {layer: sliding_window})
+    if tokens > most:
+      raise ValueError(
+        f"rows of {tokens} tokens, but on a cache that frees the blocks outside a window of "
+        f"{cache_window} tokens layer {layer} (window {sliding_window}) takes at most {most} "
+        f"tokens per sequence and call: earlier ones would read freed blocks"
+      )
+
+
+def window_chunk(cache_window: int, layer_windows: dict[int, int | None]) -> int:
+  """The most tokens a sequence may append per call on a cache that frees
+  the blocks outside a window of `cache_window` tokens: `W - w + 1` for the
+  widest window `w` of `layer_windows` (layer -> window, None for global
+  attention), so that the call's first token still finds its whole window.
+
+  Raises:
+    ValueError: naming the first layer that attends to the whole context or
+      to a window wider than the cache's.
+  """
+  for layer, window in layer_windows.items():
+    if window is None or window > cache_window:
+      seen = "the whole context" if window is None else f"a window of {window}"
       raise ValueError(
         f"layer {layer} attends to {seen}, but this cache frees the blocks outside a window "
-        f"of {freed_outside} tokens; use a CacheConfig without sliding_window (every block "
-        f"kept, each layer masks its own window)"
+        f"of {cache_window} tokens; use a CacheConfig without sliding_window (every block "
+        f"kept, each layer masks its own window) or one whose window is at least the model's"
       )
-    if tokens > 1:
-      raise ValueError(
-        f"a cache that frees blocks outside a window of {freed_outside} tokens serves decode "
-        f"only: prefill of {tokens} tokens per row reads the prompt's keys from pages the "
-        f"manager may have freed; use a CacheConfig without sliding_window (every block "
-        f"kept, each layer masks its own window)"
-      )
+  return cache_window - max(layer_windows.values()) + 1
 
 
 @flax.struct.dataclass
