@@ -126,7 +126,8 @@ def engine_results(model):
   for width in (2, 4):
     for penalty in (1.0, 0.5, 2.0):
       cases.append((width, PROMPTS[0], eos, penalty))
-  engine = pj.LLMEngine(model, None, CFG, num_decode_steps=4)
+  # One decode loop (every slot, as beam groups run): `decode_row_buckets=()`.
+  engine = pj.LLMEngine(model, None, CFG, num_decode_steps=4, decode_row_buckets=())
   for i, (width, prompt, stop, penalty) in enumerate(cases):
     engine.add_request(
       str(i),
@@ -197,7 +198,7 @@ def test_beams_that_must_be_swapped_without_a_host_pool_raise(model):
     max_blocks_per_seq=8,
     watermark=0.0,
   )
-  engine = pj.LLMEngine(model, None, no_host, num_decode_steps=4)
+  engine = pj.LLMEngine(model, None, no_host, num_decode_steps=4, decode_row_buckets=())
   for i, prompt in enumerate(PROMPTS[1:]):
     engine.add_request(
       str(i), prompt, pj.SamplingParams(max_tokens=MAX_TOKENS, n=2, temperature=0.8, seed=i)
@@ -225,7 +226,7 @@ def test_beams_survive_preemption_by_swap(model):
     max_blocks_per_seq=8,
     watermark=0.0,
   )
-  engine = pj.LLMEngine(model, None, tight, num_decode_steps=4)
+  engine = pj.LLMEngine(model, None, tight, num_decode_steps=4, decode_row_buckets=())
   engine.add_request(
     "first", PROMPTS[1], pj.SamplingParams(max_tokens=MAX_TOKENS, n=2, temperature=0.8, seed=1)
   )
@@ -247,7 +248,9 @@ def test_beams_survive_preemption_by_swap(model):
 
 
 def test_aborting_beams_frees_their_blocks_and_slots(model):
-  engine = pj.LLMEngine(model, None, CFG, num_decode_steps=4)  # engine_results' programs
+  engine = pj.LLMEngine(
+    model, None, CFG, num_decode_steps=4, decode_row_buckets=()
+  )  # engine_results' programs
   engine.add_request(
     "beams", PROMPTS[1], pj.SamplingParams(n=4, use_beam_search=True, max_tokens=MAX_TOKENS)
   )

@@ -734,6 +734,7 @@ def test_a_cache_that_frees_blocks_outside_its_window_serves_long_sequences(pree
     max_num_batched_tokens=8,
     num_decode_steps=4,
     preemption_mode=preemption_mode,
+    decode_row_buckets=(),  # one decode loop: packed rows are tested in test_engine
     warmup=True,
   )
   assert llm.engine.runner.prefill_width == 5

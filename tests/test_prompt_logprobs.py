@@ -39,7 +39,14 @@ def reference(model):
 
 
 def _engine(model, budget=256):
-  return pj.LLMEngine(model, TOKENIZER, CFG, max_num_batched_tokens=budget, max_logprobs=TOP)
+  return pj.LLMEngine(
+    model,
+    TOKENIZER,
+    CFG,
+    max_num_batched_tokens=budget,
+    max_logprobs=TOP,
+    decode_row_buckets=(),  # one decode loop: packed rows are tested in test_engine
+  )
 
 
 @pytest.fixture(scope="module")

@@ -313,7 +313,8 @@ def test_the_engine_serves_from_an_int8_cache():
   cfg = CacheConfig(
     block_size=8, num_gpu_blocks=16, num_cpu_blocks=0, max_seqs=2, max_blocks_per_seq=8
   )
-  llm = pj.LLM(load_tiny(), ByteTokenizer(), cfg, kv_cache_dtype=jnp.int8)
+  # One decode loop (`decode_row_buckets=()`): packed rows are tested in test_engine.
+  llm = pj.LLM(load_tiny(), ByteTokenizer(), cfg, kv_cache_dtype=jnp.int8, decode_row_buckets=())
   kv = llm.engine.cache.kv
   assert kv.k[0].dtype == jnp.int8 and kv.k_scale[0].dtype == jnp.float32
   (out,) = llm.generate("LOVE, n. ", pj.SamplingParams(max_tokens=12))

@@ -23,7 +23,6 @@ CFG = pj.CacheConfig(
   block_size=8, num_gpu_blocks=96, num_cpu_blocks=8, max_seqs=8, max_blocks_per_seq=16
 )
 # 26 blocks of 4 hold about two of the sequences below at once: the runs preempt.
-# Four slots: two decode row buckets (1 and 4) to compile per automaton table.
 SMALL_CFG = pj.CacheConfig(
   block_size=4,
   num_gpu_blocks=26,
@@ -57,9 +56,12 @@ def tiny():
   return load_tiny()
 
 
+# The module's engines compile one decode loop each (`decode_row_buckets=()`,
+# every slot), the automaton steps inside; packed rows are tested in
+# test_engine and the random traces.
 @pytest.fixture(scope="module")
 def llm(tiny):
-  return pj.LLM(tiny, ByteTokenizer(), CFG)
+  return pj.LLM(tiny, ByteTokenizer(), CFG, decode_row_buckets=())
 
 
 # Over 10 s (the setup of its first test): the module's engine compiles its
@@ -130,7 +132,7 @@ def test_logprobs_are_those_of_the_masked_distribution(llm):
 
 
 def test_bad_constraints_are_refused_when_added_before_any_step(tiny):
-  engine = pj.LLMEngine(tiny, ByteTokenizer(), CFG)
+  engine = pj.LLMEngine(tiny, ByteTokenizer(), CFG, decode_row_buckets=())
   schema = {"type": "object", "properties": {"age": {"type": "integer", "minimum": 3}}}
   with pytest.raises(ValueError, match="'minimum'"):
     engine.add_request(
@@ -142,7 +144,7 @@ def test_bad_constraints_are_refused_when_added_before_any_step(tiny):
     )
   assert not engine.has_unfinished_requests()
   assert engine.stats.loop_launches == 0
-  without_tokenizer = pj.LLMEngine(tiny, None, CFG)
+  without_tokenizer = pj.LLMEngine(tiny, None, CFG, decode_row_buckets=())
   with pytest.raises(ValueError, match="need a tokenizer"):
     without_tokenizer.add_request(
       "c", [65, 66], pj.SamplingParams(structured_outputs=CONSTRAINTS[1])
@@ -178,7 +180,9 @@ def served_alone(llm):
 def test_prefix_caching_preemption_and_n2_keep_outputs_valid_and_equal(
   tiny, served_alone, preemption_mode
 ):
-  small = pj.LLM(tiny, ByteTokenizer(), SMALL_CFG, preemption_mode=preemption_mode)
+  small = pj.LLM(
+    tiny, ByteTokenizer(), SMALL_CFG, preemption_mode=preemption_mode, decode_row_buckets=()
+  )
   requests = _requests()
   outputs = small.generate([prompt for prompt, _ in requests], [params for _, params in requests])
   assert small.engine.stats.preemptions > 0

@@ -3,6 +3,7 @@ where the engine is served hardest: the randomized traces of
 tests/test_engine_random.py warm their engines up and run under
 `compile_guard.no_compiles`, which names any program that compiles."""
 
+import pytest
 from flax import nnx
 
 import paged_jax as pj
@@ -28,3 +29,20 @@ def test_compiled_programs_lists_the_bucket_set():
     "swap in",
     "request keys",
   ]
+
+
+def test_decode_row_buckets_choose_the_decode_programs():
+  model = models.Llama(BYTE_LLAMA, rngs=nnx.Rngs(1))
+  for buckets, rows in (((), [6]), ((2, 6), [2, 6]), ([3, 1], [1, 3, 6])):
+    engine = pj.LLMEngine(model, None, CFG, decode_row_buckets=buckets)
+    decode = [name for name in engine.compiled_programs() if name.startswith("decode loop")]
+    assert decode == [f"decode loop {r} rows x8 steps" for r in rows]
+
+
+@pytest.mark.parametrize("buckets", [(0,), (7,), (2.0,), (True,), 4])
+def test_decode_row_buckets_out_of_range_are_refused(buckets):
+  model = models.Llama(BYTE_LLAMA, rngs=nnx.Rngs(1))
+  with pytest.raises(
+    ValueError, match=r"decode_row_buckets must be a list or tuple of ints in 1\.\.6"
+  ):
+    pj.LLMEngine(model, None, CFG, decode_row_buckets=buckets)

@@ -65,6 +65,12 @@ class LLMEngine:
       may ask for; it sizes the decode loop's beam state.
     prefill_width: tokens per prefill row: a prompt chunk runs as rows of
       this many tokens (see `compiled_programs`).
+    decode_row_buckets: row counts per data shard the decode loop compiles
+      for besides `max_seqs` (vLLM's CUDA-graph capture sizes, here XLA
+      programs): a launch packs the decoding sequences into the smallest
+      that holds them. None: powers of four up to the first that holds
+      `max_num_seqs`; `()`: one program over every slot (fewest compiles,
+      most padding).
     warmup: compile every program the engine can launch now (`warmup()`),
       so that serving compiles nothing.
     seed: seed of the requests that give none.
@@ -90,6 +96,7 @@ class LLMEngine:
     max_logprobs: int = 5,
     max_beam_width: int = 4,
     prefill_width: int = 32,
+    decode_row_buckets=None,
     warmup: bool = False,
     seed: int = 0,
     key: jax.Array | None = None,
@@ -114,6 +121,17 @@ class LLMEngine:
       ):
         bound = f"in {low}..{high}" if high is not None else f">= {low}"
         raise ValueError(f"{name} must be an int {bound}, got {value!r}")
+    if decode_row_buckets is not None and not (
+      isinstance(decode_row_buckets, (list, tuple))
+      and all(
+        isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= cache_config.max_seqs
+        for b in decode_row_buckets
+      )
+    ):
+      raise ValueError(
+        f"decode_row_buckets must be a list or tuple of ints in 1..{cache_config.max_seqs} "
+        f"(rows per data shard), got {decode_row_buckets!r}"
+      )
     if preemption_mode not in PREEMPTION_MODES:
       raise ValueError(
         f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}"
@@ -147,6 +165,7 @@ class LLMEngine:
       prefill_width=prefill_width,
       max_prefill_rows=-(-max_num_batched_tokens // prefill_width) + max_num_seqs,
       max_decode_rows=max_num_seqs,
+      decode_row_buckets=decode_row_buckets,
     )
     self.inputs = InputProcessor(
       tokenizer,
@@ -182,7 +201,8 @@ class LLMEngine:
     `ceil(max_num_batched_tokens / prefill_width) + max_num_seqs` (a chunk
     adds at most one partly filled row); the decode loop runs each data
     shard's decoding sequences padded to a power of four below `max_seqs`
-    (up to the first that holds `max_num_seqs`), or every slot (`max_seqs`
+    (up to the first that holds `max_num_seqs`; or to one of
+    `decode_row_buckets`), or every slot (`max_seqs`
     per shard, with the beam step, which runs only in steps with a beam
     group); the block manager's
     calls over a group take its slots padded to `max_seqs`; swaps move

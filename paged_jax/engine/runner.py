@@ -62,7 +62,10 @@ class ModelRunner:
     prefill_width: tokens per prefill row (a chunk runs as rows of it).
     max_prefill_rows: the most prefill rows of one data shard in a round.
     max_decode_rows: the most sequences of one data shard that decode at
-      once (it bounds the decode row buckets).
+      once (it bounds the default decode row buckets).
+    decode_row_buckets: the decode launches' row counts per data shard,
+      besides `max_seqs` (always one); None for the default (see
+      `decode_buckets`).
   """
 
   def __init__(
@@ -77,10 +80,12 @@ class ModelRunner:
     prefill_width: int = 32,
     max_prefill_rows: int = 1,
     max_decode_rows: int | None = None,
+    decode_row_buckets=None,
   ):
     self.cache = cache
     self.prefill_width, self.max_prefill_rows = prefill_width, max_prefill_rows
     self.max_decode_rows = cache.cfg.max_seqs if max_decode_rows is None else max_decode_rows
+    self.decode_row_buckets = decode_row_buckets
     if mesh is not None:
       model = sharding.shard_model(model, mesh)
     self.graphdef, self.params = nnx.split(model)
@@ -301,12 +306,15 @@ class ModelRunner:
     return draw, scores
 
   def decode_buckets(self) -> list[int]:
-    """Every row count (per data shard) a decode launch can have: powers of
-    four below `max_seqs` that `max_decode_rows` reaches, then `max_seqs`
-    (every slot: a beam group's launches, or a full shard). Powers of four,
-    not two: each bucket costs a compile of the decode loop (in warm-up),
-    and a launch pads to at most four times its rows."""
+    """Every row count (per data shard) a decode launch can have, ascending:
+    `decode_row_buckets`, or by default the powers of four below `max_seqs`
+    that `max_decode_rows` reaches; then `max_seqs` (every slot: a beam
+    group's launches, or a full shard). Powers of four, not two: each
+    bucket costs a compile of the decode loop (in warm-up), and a launch
+    pads to at most four times its rows."""
     per_shard, buckets = self.cache.cfg.max_seqs, [1]
+    if self.decode_row_buckets is not None:
+      return sorted({*self.decode_row_buckets, per_shard})
     while buckets[-1] < min(self.max_decode_rows, per_shard):
       buckets.append(4 * buckets[-1])
     return [b for b in buckets if b < per_shard] + [per_shard]
