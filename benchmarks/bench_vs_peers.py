@@ -30,6 +30,7 @@ agreement: of the offline prompts, how many give exactly paged_jax's first
 Usage: python benchmarks/bench_vs_peers.py [--transformers-python PATH]
        [--vllm-python PATH] [--repeats 3] [--quick] [--dtypes float32 bfloat16]
        [--requests 32] [--rate 4] [--hf-dir DIR]
+       [--workloads offline single shared online]
 """
 
 from __future__ import annotations
@@ -129,6 +130,9 @@ def chat_prompt(tokenizer, question: str, system: str | None = None) -> list[int
     messages.insert(0, dict(role="system", content=system))
   text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
   return list(tokenizer.encode(text))
+
+
+WORKLOADS = ("offline", "single", "shared", "online")
 
 
 def build_workloads(tokenizer, args, max_len: int) -> dict[str, Workload]:
@@ -254,18 +258,18 @@ def bench_paged(dtype: str, workloads: dict[str, Workload], args, hf_dir=None):
   model, tokenizer = load_pretrained(MODEL, dtype=dtype, max_seq_len=args.max_seq_len)
   if hf_dir is not None:
     save_hf_folder(model, tokenizer, hf_dir)
-  shared = workloads["shared"]
-  max_seqs = max(32, len(workloads["offline"].prompts), len(shared.prompts) * shared.n)
+  max_seqs = max([32] + [len(w.prompts) * w.n for w in workloads.values()])
   rates, token_ids = {}, {}
   llm = paged_llm(model, tokenizer, max_seqs)
   for name, w in workloads.items():
     log(f"[paged_jax {dtype}] {name}")
     rates[name], token_ids[name] = measure(paged_run(llm, w), args.repeats)
   del llm
-  log(f"[paged_jax {dtype}] single, 1-slot engine")
-  rates["single_1slot"], _ = measure(
-    paged_run(paged_llm(model, tokenizer, 1), workloads["single"]), args.repeats
-  )
+  if "single" in workloads:
+    log(f"[paged_jax {dtype}] single, 1-slot engine")
+    rates["single_1slot"], _ = measure(
+      paged_run(paged_llm(model, tokenizer, 1), workloads["single"]), args.repeats
+    )
   gc.collect()
   return dict(tokens_per_s=rates, token_ids=token_ids, version=f"paged_jax, jax {jax.__version__}")
 
@@ -414,7 +418,9 @@ def agreement(reference: list[list[int]], other: list[list[int]], tokens: int) -
 def markdown_table(columns: dict[str, dict], workloads: dict[str, Workload]) -> str:
   """One row per workload, one column per engine x dtype."""
   rows = [(name, w.label) for name, w in workloads.items()]
-  rows.insert(2, ("single_1slot", workloads["single"].label + ", 1-slot engine"))
+  if "single" in workloads:
+    after = list(workloads).index("single") + 1
+    rows.insert(after, ("single_1slot", workloads["single"].label + ", 1-slot engine"))
   lines = [
     "| workload | " + " | ".join(columns) + " |",
     "| --- |" + " ---: |" * len(columns),
@@ -454,6 +460,9 @@ def parse_args():
   parser.add_argument("--max-seq-len", type=int, default=256)
   parser.add_argument("--hf-dir", type=pathlib.Path, help="keep the Hugging Face folder here")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument(
+    "--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS), help="which to run"
+  )
   args = parser.parse_args()
   if args.repeats is None:
     args.repeats = 1 if args.quick else 3
@@ -477,6 +486,7 @@ def run(args, workdir: pathlib.Path, load_at_start: float) -> None:
   hf_dir = args.hf_dir or workdir / "hf"
   tokenizer = smollm2_tokenizer()  # the GGUF's, without loading the weights
   workloads = build_workloads(tokenizer, args, args.max_seq_len)
+  workloads = {name: w for name, w in workloads.items() if name in args.workloads}
   peers = [
     (engine, label, getattr(args, flag)) for engine, label, flag in PEERS if getattr(args, flag)
   ]
@@ -515,7 +525,7 @@ def report(args, workloads, columns: dict[str, dict], peers, notes, load_at_star
   )
   print(markdown_table(columns, workloads))
   print()
-  if "paged_jax f32" in columns:
+  if "paged_jax f32" in columns and "offline" in workloads:
     tokens = min(AGREEMENT_TOKENS, workloads["offline"].max_tokens)
     reference = columns["paged_jax f32"]["token_ids"]["offline"]
     print("greedy agreement with paged_jax f32 (offline prompts, float32):")
