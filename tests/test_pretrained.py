@@ -507,6 +507,106 @@ def test_gguf_tokenizer_matches_its_tokenizer_json(gguf_checkpoint, bpe):
   assert tokenizer.chat_template == CHAT_TEMPLATE
 
 
+# SentencePiece vocabularies (tokenizer.ggml.model "llama": Llama 2, Mistral, Gemma).
+
+SPM_SPECIALS = {"<unk>": 2, "<s>": 3, "</s>": 3, "<start_of_turn>": 3, "<end_of_turn>": 3}
+# As in a vocabulary SentencePiece trains, every character of a piece is a piece.
+SPM_PIECES = ["▁", "a", "b", "c", "d", "e", "é", "▁a", "ab", "bc", "abc", "▁ab", "▁abc"]
+SPM_PIECES += ["cd", "dd", "▁d", "ca", "bca", "▁b", "▁▁", "ée"]
+
+
+def _spm_fields(tmp_path, add_space_prefix=None):
+  """A SentencePiece vocabulary's GGUF fields, written by the gguf package
+  and read back as the loader reads them: special tokens, the 256 byte
+  pieces, then normal pieces with distinct random scores."""
+  tokens = list(SPM_SPECIALS) + [f"<0x{b:02X}>" for b in range(256)] + SPM_PIECES
+  types = list(SPM_SPECIALS.values()) + [6] * 256 + [1] * len(SPM_PIECES)
+  scores = [0.0] * (len(tokens) - len(SPM_PIECES))
+  scores += np.random.default_rng(7).permutation(len(SPM_PIECES)).astype(float).tolist()
+  writer = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")
+  writer.add_tokenizer_model("llama")
+  writer.add_token_list(tokens)
+  writer.add_token_scores(scores)
+  writer.add_token_types(types)
+  writer.add_unk_token_id(0)
+  writer.add_bos_token_id(1)
+  writer.add_eos_token_id(2)
+  if add_space_prefix is not None:
+    writer.add_add_space_prefix(add_space_prefix)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.close()
+  reader = gguf.GGUFReader(str(tmp_path / "spm.gguf"))
+  return {key: field.contents() for key, field in reader.fields.items()}
+
+
+def _spm_reference(fields, text: str) -> list[int]:
+  """llama.cpp's SentencePiece tokenization, written out: split at special
+  tokens; put a space before each other part that follows a special token
+  or starts the text (with add_space_prefix); spaces to "▁"; merge the
+  adjacent pair whose join is the best-scoring normal piece (leftmost on a
+  tie) until none is; then each symbol is its piece or its bytes' pieces."""
+  tokens, scores = fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.scores"]
+  types = fields["tokenizer.ggml.token_type"]
+  normal = {t: (i, scores[i]) for i, t in enumerate(tokens) if types[i] == 1}
+  specials = {t: i for i, t in enumerate(tokens) if types[i] == 3}
+  space_prefix = fields.get("tokenizer.ggml.add_space_prefix", True)
+  parts, rest = [], text
+  while rest:
+    at = [(rest.find(t), -len(t), t) for t in specials if t in rest]
+    if not at:
+      parts.append(rest)
+      break
+    start, _, special = min(at)
+    parts += [rest[:start], specials[special]] if start else [specials[special]]
+    rest = rest[start + len(special) :]
+  ids, after_special = [], True
+  for part in parts:
+    if isinstance(part, int):
+      ids.append(part)
+      after_special = True
+      continue
+    symbols = list(((" " if space_prefix and after_special else "") + part).replace(" ", "▁"))
+    while True:
+      pairs = enumerate(zip(symbols, symbols[1:]))
+      joins = [(normal[a + b][1], -i) for i, (a, b) in pairs if a + b in normal]
+      if not joins:
+        break
+      i = -max(joins)[1]  # the best score, then the leftmost
+      symbols[i : i + 2] = [symbols[i] + symbols[i + 1]]
+    for symbol in symbols:
+      if symbol in normal:
+        ids.append(normal[symbol][0])
+      else:
+        ids += [tokens.index(f"<0x{b:02X}>") for b in symbol.encode()]
+    after_special = False
+  return ids
+
+
+SPM_TEXTS = ["abc", "a bc d", "abcd dd", "bca  ab", " lead", "éeé", "日本 a", "ab<start_of_turn>ca"]
+
+
+@pytest.mark.parametrize("add_space_prefix", [None, False])
+def test_gguf_sentencepiece_vocabulary_tokenizes_as_llama_cpp(tmp_path, add_space_prefix):
+  fields = _spm_fields(tmp_path, add_space_prefix)
+  tokenizer = models.PretrainedTokenizer.from_gguf_fields(fields)
+  for text in SPM_TEXTS + ["<s>a<end_of_turn>", ""]:
+    assert tokenizer.encode(text) == _spm_reference(fields, text), text
+  for text in SPM_TEXTS[:-1]:  # a special token adds a space after it
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+  assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (1, 2)
+
+
+def test_gguf_sentencepiece_vocabulary_without_scores_is_refused(tmp_path):
+  fields = dict(_spm_fields(tmp_path))
+  del fields["tokenizer.ggml.scores"]
+  with pytest.raises(ValueError, match="no tokenizer.ggml.scores field"):
+    models.PretrainedTokenizer.from_gguf_fields(fields)
+  fields["tokenizer.ggml.scores"] = [0.0]
+  with pytest.raises(ValueError, match=r"282 tokens, 1 scores and 282 token types"):
+    models.PretrainedTokenizer.from_gguf_fields(fields)
+
+
 # Tokenizers and chat templates.
 
 
@@ -672,7 +772,7 @@ def small_gguf_weights():
   [
     (dict(arch="gpt2"), "GGUF architecture 'gpt2' is not supported"),
     (dict(types=[T.Q2_K]), "tensor token_embd.weight has GGUF type Q2_K"),
-    (dict(tokenizer_model="llama"), "tokenizer.ggml.model 'llama' is not supported"),
+    (dict(tokenizer_model="bert"), "tokenizer.ggml.model 'bert' is not supported"),
     (
       dict(extra={"blk.0.attn_output.bias": np.ones(32, np.float32)}),
       r"unexpected tensor\(s\) blk.0.attn_output.bias",

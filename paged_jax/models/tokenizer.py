@@ -90,7 +90,8 @@ class ByteTokenizer:
 # chat template closes turns with one of them stops there.
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 # GGUF token types (llama.cpp's llama_token_type) that are special tokens.
-_GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
+_GGUF_NORMAL, _GGUF_CONTROL, _GGUF_USER_DEFINED = 1, 3, 4
+_SENTENCEPIECE_SPACE = "\u2581"  # "▁"
 
 
 class PretrainedTokenizer:
@@ -256,10 +257,23 @@ class PretrainedTokenizer:
   ) -> PretrainedTokenizer:
     """Builds the tokenizer stored in a GGUF file's metadata.
 
-    Only BPE vocabularies (`tokenizer.ggml.model` "gpt2", as SmolLM2, Qwen
-    and Llama 3 have) are supported. Tokens of the control and user-defined
-    types become special tokens. When the chat template closes turns with an
-    end-of-turn token (`<|im_end|>`, `<|eot_id|>`, ...), that token is the
+    Two kinds of vocabulary (`tokenizer.ggml.model`):
+
+    * "gpt2": byte-level BPE from `tokens` and `merges` (SmolLM2, Qwen,
+      Llama 3);
+    * "llama": SentencePiece BPE from `tokens` and `scores` (Llama 2,
+      Mistral, Gemma), tokenized as llama.cpp does: spaces become "▁", a
+      space is put before the text and after each special token when
+      `add_space_prefix` (default true), then the adjacent pair whose join
+      has the highest score merges first, and a character with no piece
+      falls back to its `<0xXX>` byte pieces. (The merges are derived from
+      the scores, between pieces, so every character of a piece must be a
+      piece, as in the vocabularies SentencePiece trains; pieces of equal
+      score may merge in another order than llama.cpp's leftmost-first.)
+
+    Tokens of the control and user-defined types become special tokens.
+    When the chat template closes turns with an end-of-turn token
+    (`<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`, ...), that token is the
     EOS, as in llama.cpp, whatever `eos_token_id` says.
 
     Args:
@@ -273,21 +287,16 @@ class PretrainedTokenizer:
       ValueError: if the vocabulary is missing or of another kind.
     """
     kind = fields.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    builders = {"gpt2": _gguf_byte_level_bpe, "llama": _gguf_sentencepiece_bpe}
+    if kind not in builders:
       raise ValueError(
-        f"{source}: tokenizer.ggml.model {kind!r} is not supported (only 'gpt2' BPE vocabularies)"
+        f"{source}: tokenizer.ggml.model {kind!r} is not supported (only 'gpt2' BPE and "
+        f"'llama' SentencePiece vocabularies)"
       )
-    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
-      if key not in fields:
-        raise ValueError(f"{source}: no {key} field")
+    if "tokenizer.ggml.tokens" not in fields:
+      raise ValueError(f"{source}: no tokenizer.ggml.tokens field")
     tokens = list(fields["tokenizer.ggml.tokens"])
-    merges = [tuple(merge.split(" ", 1)) for merge in fields["tokenizer.ggml.merges"]]
-    model = tokenizers.models.BPE(
-      {token: index for index, token in enumerate(tokens)}, merges, fuse_unk=False
-    )
-    tokenizer = tokenizers.Tokenizer(model)
-    tokenizer.pre_tokenizer = _gguf_pre_tokenizer(fields.get("tokenizer.ggml.pre"))
-    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    tokenizer = builders[kind](fields, tokens, source)
     token_types = fields.get("tokenizer.ggml.token_type", [])
     tokenizer.add_special_tokens(
       [
@@ -308,6 +317,66 @@ class PretrainedTokenizer:
       eos_token=_end_of_turn_or(token("tokenizer.ggml.eos_token_id"), template, tokens),
       chat_template=template,
     )
+
+
+def _gguf_byte_level_bpe(fields, tokens: list[str], source: str) -> tokenizers.Tokenizer:
+  """GPT-2's byte-level BPE from the GGUF's tokens and merges."""
+  if "tokenizer.ggml.merges" not in fields:
+    raise ValueError(f"{source}: no tokenizer.ggml.merges field")
+  merges = [tuple(merge.split(" ", 1)) for merge in fields["tokenizer.ggml.merges"]]
+  model = tokenizers.models.BPE(
+    {token: index for index, token in enumerate(tokens)}, merges, fuse_unk=False
+  )
+  tokenizer = tokenizers.Tokenizer(model)
+  tokenizer.pre_tokenizer = _gguf_pre_tokenizer(fields.get("tokenizer.ggml.pre"))
+  tokenizer.decoder = tokenizers.decoders.ByteLevel()
+  return tokenizer
+
+
+def _gguf_sentencepiece_bpe(fields, tokens: list[str], source: str) -> tokenizers.Tokenizer:
+  """SentencePiece BPE (llama.cpp's "llama" vocabulary) from the GGUF's
+  tokens and scores: a pair merges with the rank of its join's score."""
+  if "tokenizer.ggml.scores" not in fields:
+    raise ValueError(f"{source}: no tokenizer.ggml.scores field")
+  scores = [float(score) for score in fields["tokenizer.ggml.scores"]]
+  token_types = list(fields.get("tokenizer.ggml.token_type", [_GGUF_NORMAL] * len(tokens)))
+  if not len(scores) == len(token_types) == len(tokens):
+    raise ValueError(
+      f"{source}: {len(tokens)} tokens, {len(scores)} scores and {len(token_types)} token types"
+    )
+  pieces = {t for t, kind in zip(tokens, token_types) if kind == _GGUF_NORMAL}
+  merges = []  # (score of the join, its id, left, right)
+  for index, (piece, kind) in enumerate(zip(tokens, token_types)):
+    if kind != _GGUF_NORMAL:
+      continue
+    for cut in range(1, len(piece)):
+      left, right = piece[:cut], piece[cut:]
+      if left in pieces and right in pieces:
+        merges.append((-scores[index], index, left, right))
+  merges.sort()
+  unk_id = fields.get("tokenizer.ggml.unknown_token_id")
+  model = tokenizers.models.BPE(
+    {token: index for index, token in enumerate(tokens)},
+    [(left, right) for _, _, left, right in merges],
+    unk_token=None if unk_id is None else tokens[unk_id],
+    fuse_unk=True,
+    byte_fallback=True,
+  )
+  tokenizer = tokenizers.Tokenizer(model)
+  spaces = tokenizers.normalizers.Replace(" ", _SENTENCEPIECE_SPACE)
+  to_text = [
+    tokenizers.decoders.Replace(_SENTENCEPIECE_SPACE, " "),
+    tokenizers.decoders.ByteFallback(),
+    tokenizers.decoders.Fuse(),
+  ]
+  if fields.get("tokenizer.ggml.add_space_prefix", True):
+    prefix = tokenizers.normalizers.Prepend(_SENTENCEPIECE_SPACE)
+    tokenizer.normalizer = tokenizers.normalizers.Sequence([prefix, spaces])
+    to_text.append(tokenizers.decoders.Strip(" ", 1, 0))
+  else:
+    tokenizer.normalizer = spaces
+  tokenizer.decoder = tokenizers.decoders.Sequence(to_text)
+  return tokenizer
 
 
 def _end_of_turn_or(eos: str | None, template: str | None, vocabulary) -> str | None:
