@@ -669,29 +669,35 @@ WINDOWED = {
 }
 
 
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
 @pytest.mark.parametrize("name", WINDOWED)
 @pytest.mark.slow
-def test_paged_greedy_decoding_equals_dense_past_the_window(name):
-  """Slow (about 30 s of CPU): it compiles the engine's programs for one
-  model; the windows are what it checks, so it cannot share a model."""
+def test_paged_greedy_decoding_equals_dense_past_the_window(name, preemption_mode):
+  """Every block kept, each layer masking its own window, with prefix
+  caching: sequences of 4 to 5 windows in 20 blocks, so some are preempted.
+  Slow (about 30 s of CPU per model): it compiles the engine's programs for
+  one model; the windows are what it checks, so it cannot share a model."""
   model = _tiny(WINDOWED[name], seed=3)
   rng = np.random.default_rng(4)
   shared = rng.integers(0, 61, 8)  # two full blocks, cached for the later prompts
   prompts = [np.concatenate([shared, rng.integers(0, 61, n)]).astype(np.int32) for n in (2, 5, 7)]
   cfg = pj.CacheConfig(
     block_size=4,
-    num_gpu_blocks=64,
-    num_cpu_blocks=0,
+    num_gpu_blocks=20,
+    num_cpu_blocks=32,
     max_seqs=4,
     max_blocks_per_seq=16,
     enable_prefix_caching=True,
   )
-  llm = pj.LLM(model, None, cfg, num_decode_steps=4)
-  outputs = llm.generate(prompts, pj.SamplingParams(max_tokens=12, temperature=0.0))
-  dense = generate_dense(model, prompts, SamplingParams(max_tokens=12), jax.random.key(0))
-  for output, expected in zip(outputs, dense):  # 22 to 27 tokens, windows of 8
+  llm = pj.LLM(model, None, cfg, num_decode_steps=4, preemption_mode=preemption_mode)
+  outputs = llm.generate(prompts, pj.SamplingParams(max_tokens=24, temperature=0.0))
+  dense = generate_dense(model, prompts, SamplingParams(max_tokens=24), jax.random.key(0))
+  for output, expected in zip(outputs, dense):  # 34 to 39 tokens, windows of 8
     np.testing.assert_array_equal(output.outputs[0].token_ids, expected)
-  assert llm.engine.stats.prefix_cache_hit_rate > 0
+  stats = llm.engine.stats
+  assert stats.prefix_cache_hit_rate > 0
+  assert stats.preemptions > 0
+  assert (stats.swaps > 0) == (preemption_mode == "swap")
   # The same parameters without windows or soft-caps give other logits.
   plain = dict(WINDOWED[name], sliding_window=None, layer_types=None)
   plain.update(attn_logit_softcap=None, final_logit_softcap=None)
