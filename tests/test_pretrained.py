@@ -597,12 +597,23 @@ def test_gguf_sentencepiece_vocabulary_tokenizes_as_llama_cpp(tmp_path, add_spac
   assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (1, 2)
 
 
-def test_gguf_sentencepiece_vocabulary_without_scores_is_refused(tmp_path):
-  fields = dict(_spm_fields(tmp_path))
-  del fields["tokenizer.ggml.scores"]
-  with pytest.raises(ValueError, match="no tokenizer.ggml.scores field"):
-    models.PretrainedTokenizer.from_gguf_fields(fields)
-  fields["tokenizer.ggml.scores"] = [0.0]
+@pytest.mark.parametrize(
+  "kind, missing, message",
+  [
+    ("llama", "tokenizer.ggml.scores", "no tokenizer.ggml.scores field"),
+    ("llama", "tokenizer.ggml.tokens", "no tokenizer.ggml.tokens field"),
+    ("gpt2", "tokenizer.ggml.merges", "no tokenizer.ggml.merges field"),
+  ],
+)
+def test_gguf_vocabulary_fields_missing_are_named(tmp_path, kind, missing, message):
+  fields = dict(_spm_fields(tmp_path), **{"tokenizer.ggml.model": kind})
+  del fields[missing]
+  with pytest.raises(ValueError, match=f"my.gguf: {message}"):
+    models.PretrainedTokenizer.from_gguf_fields(fields, source="my.gguf")
+
+
+def test_gguf_sentencepiece_scores_of_another_length_are_refused(tmp_path):
+  fields = dict(_spm_fields(tmp_path), **{"tokenizer.ggml.scores": [0.0]})
   with pytest.raises(ValueError, match=r"282 tokens, 1 scores and 282 token types"):
     models.PretrainedTokenizer.from_gguf_fields(fields)
 
