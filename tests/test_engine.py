@@ -383,3 +383,9 @@ def test_a_model_off_the_protocol_is_refused():
   own.config = dataclasses.make_dataclass("C", ["num_layers"])(2)
   with pytest.raises(ValueError, match="lacks num_kv_heads, head_dim"):
     pj.LLM(own, TOKENIZER, CFG)
+
+
+def test_a_cache_that_frees_blocks_needs_the_models_layer_windows():
+  windowed = dataclasses.replace(CFG, sliding_window=8, enable_prefix_caching=False)
+  with pytest.raises(ValueError, match=r"the model's config has no layer_window\(layer\)"):
+    pj.LLMEngine(_OwnModel(nnx.Rngs(1)), TOKENIZER, windowed)

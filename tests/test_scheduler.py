@@ -2,6 +2,7 @@
 nothing to preempt, failures that name the request and what was short, and
 the one answer to "can this request ever fit"."""
 
+import dataclasses
 import types
 
 import numpy as np
@@ -104,6 +105,22 @@ def test_admission_error_is_the_same_answer_on_arrival_and_readmission():
   wide = pj.SamplingParams(n=5)
   assert "n=5 sequences exceed max_num_seqs=4" in admission_error(
     CFG, max_len=32, max_num_seqs=4, num_prompt_tokens=4, params=wide
+  )
+
+
+def test_admission_counts_a_window_and_a_chunk_per_sequence_on_a_freeing_cache():
+  """On a cache that frees the blocks outside a window of 8, a sequence
+  holds at most ceil(8 / 4) + 1 + ceil(chunk / 4) blocks however long."""
+  windowed = dataclasses.replace(CFG, sliding_window=8)
+  long = dict(max_len=32, max_num_seqs=4, params=pj.SamplingParams(max_tokens=8))
+  # 24 + 8 - 1 tokens span 8 blocks of the 6; held at once: 2 + 1 + 1 = 4.
+  assert "needs 8 GPU blocks" in admission_error(CFG, num_prompt_tokens=24, **long)
+  assert admission_error(windowed, num_prompt_tokens=24, max_chunk=4, **long) is None
+  # Chunks of 8: 2 + 1 + 2 = 5 blocks each; two samples share none of them.
+  assert admission_error(windowed, num_prompt_tokens=24, max_chunk=8, **long) is None
+  two = dict(long, params=pj.SamplingParams(max_tokens=8, n=2))
+  assert "needs 10 GPU blocks" in admission_error(
+    windowed, num_prompt_tokens=24, max_chunk=8, **two
   )
 
 
