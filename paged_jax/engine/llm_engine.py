@@ -16,6 +16,7 @@ from paged_jax.engine.input_processor import MAX_STOP_TOKENS, InputProcessor
 from paged_jax.engine.output_processor import OutputProcessor
 from paged_jax.engine.outputs import GenerationStats, RequestOutput
 from paged_jax.engine.params import SamplingParams
+from paged_jax.engine import speculative
 from paged_jax.engine.protocol import check_model
 from paged_jax.engine.runner import ModelRunner
 from paged_jax.engine.scheduler import (
@@ -71,6 +72,14 @@ class LLMEngine:
       that holds them. None: powers of four up to the first that holds
       `max_num_seqs`; `()`: one program over every slot (fewest compiles,
       most padding).
+    speculative_config: speculative decoding in vLLM's form:
+      `{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max":
+      4, "prompt_lookup_min": 1}` (prompt lookup) or `{"method":
+      "draft_model", "model": draft, "num_speculative_tokens": k}`; every
+      decode step then proposes up to `k` tokens per sequence and the model
+      checks them in one call (see `paged_jax.engine.speculative`). Beam
+      search is refused then, and a sequence holds at most
+      `max_tokens_per_seq - k` tokens (the lookahead slots). None: off.
     warmup: compile every program the engine can launch now (`warmup()`),
       so that serving compiles nothing.
     seed: seed of the requests that give none.
@@ -97,6 +106,7 @@ class LLMEngine:
     max_beam_width: int = 4,
     prefill_width: int = 32,
     decode_row_buckets=None,
+    speculative_config=None,
     warmup: bool = False,
     seed: int = 0,
     key: jax.Array | None = None,
@@ -138,7 +148,12 @@ class LLMEngine:
       )
     if mesh is not None:
       mesh = sharding.serving_mesh(mesh)
+    self.speculative, draft = speculative.parse_config(
+      speculative_config, model.config.vocab_size
+    )
     max_chunk = _max_chunk(cache_config, model.config)
+    if self.speculative is not None:
+      _check_speculation(self.speculative, cache_config, max_chunk)
     if max_chunk is not None:
       prefill_width = min(prefill_width, max_chunk)
     compilation_cache.enable()  # on disk, see paged_jax.compilation_cache
@@ -166,6 +181,7 @@ class LLMEngine:
       max_prefill_rows=-(-max_num_batched_tokens // prefill_width) + max_num_seqs,
       max_decode_rows=max_num_seqs,
       decode_row_buckets=decode_row_buckets,
+      speculative=self.speculative,
     )
     self.inputs = InputProcessor(
       tokenizer,
@@ -257,7 +273,8 @@ class LLMEngine:
     )
 
   def _max_len(self) -> int:
-    return min(self.model_config.max_seq_len, self.cfg.max_tokens_per_seq)
+    lookahead = 0 if self.speculative is None else self.speculative.num_speculative_tokens
+    return min(self.model_config.max_seq_len, self.cfg.max_tokens_per_seq - lookahead)
 
   def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
     """Queues a request; a prompt that can never fit finishes at the next
@@ -275,6 +292,11 @@ class LLMEngine:
         compiled (before any step).
     """
     params = SamplingParams() if params is None else params
+    if params.use_beam_search and self.speculative is not None:
+      raise ValueError(
+        f"request {request_id!r}: beam search does not run with speculative decoding "
+        f"(speculative_config); use an engine without it"
+      )
     if request_id in self._groups:
       raise ValueError(f"request_id {request_id!r} is already in use")
     group = self.inputs.group(request_id, prompt, params, self._key, self._arrivals)
@@ -358,8 +380,18 @@ class LLMEngine:
         for s in group.live()
         if s.slot >= 0
       ]
+      histories = []
+      if self.speculative is not None:
+        histories = [
+          (slot, np.concatenate([group.prompt_token_ids, seq.token_ids]).astype(np.int32))
+          for slot, (group, seq) in decoding
+        ]
       result = self._timed(
-        self.runner.decode, self.num_decode_steps, stop_on_finish, _constraints(decoding)
+        self.runner.decode,
+        self.num_decode_steps,
+        stop_on_finish,
+        _constraints(decoding),
+        histories,
       )
       for out in rounds:
         touched.update(self.processor.take_decode(out.decoding, result, self.runner.hypotheses))
@@ -422,6 +454,7 @@ class LLMEngine:
       cow_copies=counters["cow_copies"],
       preemptions=sum(s.num_preemptions for s in self.schedulers),
       swaps=self.cache.num_swapped_blocks,
+      **{name: counters[name] for name in counters if name.startswith("spec_decode_")},
     )
 
 
@@ -433,6 +466,27 @@ def _constraints(rows) -> list:
     for row, (group, seq) in rows
     if group.automaton is not None
   ]
+
+
+def _check_speculation(config, cfg: CacheConfig, max_chunk: int | None) -> None:
+  """Refuses speculation that the cache cannot hold.
+
+  Raises:
+    ValueError: if `k` lookahead slots leave no room in a block table, or a
+      cache that frees blocks outside its window takes fewer than `k + 1`
+      tokens per call.
+  """
+  k = config.num_speculative_tokens
+  if k >= cfg.max_tokens_per_seq:
+    raise ValueError(
+      f"num_speculative_tokens {k} leaves no room in a block table of "
+      f"{cfg.max_tokens_per_seq} tokens"
+    )
+  if max_chunk is not None and k + 1 > max_chunk:
+    raise ValueError(
+      f"num_speculative_tokens {k}: a step appends {k + 1} tokens, but this cache's window "
+      f"takes at most {max_chunk} per call; lower k or widen CacheConfig.sliding_window"
+    )
 
 
 def _max_chunk(cfg: CacheConfig, model_config) -> int | None:

@@ -90,6 +90,10 @@ class GenerationStats:
     cow_copies: blocks copied on write.
     preemptions: groups preempted for lack of blocks (recompute or swap).
     swaps: blocks moved between device and host (out and in).
+    spec_decode_num_drafts: speculative decoding: steps in which a sequence
+      had proposals (vLLM's `vllm:spec_decode_num_drafts`).
+    spec_decode_num_draft_tokens: tokens proposed.
+    spec_decode_num_accepted_tokens: proposed tokens the target accepted.
   """
 
   generated_tokens: int = 0
@@ -106,6 +110,22 @@ class GenerationStats:
   cow_copies: int = 0
   preemptions: int = 0
   swaps: int = 0
+  spec_decode_num_drafts: int = 0
+  spec_decode_num_draft_tokens: int = 0
+  spec_decode_num_accepted_tokens: int = 0
+
+  @property
+  def spec_decode_acceptance_rate(self) -> float:
+    """Accepted over proposed tokens (0.0 before any proposal)."""
+    proposed = self.spec_decode_num_draft_tokens
+    return self.spec_decode_num_accepted_tokens / proposed if proposed else 0.0
+
+  @property
+  def spec_decode_mean_accepted_length(self) -> float:
+    """Tokens emitted per step with proposals: 1 + accepted per draft (0.0
+    before any)."""
+    drafts = self.spec_decode_num_drafts
+    return 1.0 + self.spec_decode_num_accepted_tokens / drafts if drafts else 0.0
 
   @property
   def prefill_padding(self) -> float:

@@ -34,7 +34,7 @@ from paged_jax.block_manager import manager
 from paged_jax.block_manager.manager import BlockSpaceManager
 from paged_jax.block_manager.state import BlockManagerState, CopyPlan, on_every_shard
 from paged_jax.config import Status
-from paged_jax.engine import beam
+from paged_jax.engine import beam, speculative
 from paged_jax.engine.sampling import Draw, RowParams, is_stop, sample_rows
 from paged_jax.kv_cache import KVCache
 from paged_jax.models.paged import paged_cache
@@ -65,6 +65,31 @@ class DecodeLoop:
   cow_copies: jax.Array
   peak_blocks: jax.Array
   utilization_sum: jax.Array
+  spec: Speculation | None = None  # speculating loops only
+
+
+@flax.struct.dataclass
+class Speculation:
+  """What a speculating decode loop carries per row (`k` proposals a step).
+
+  Attributes:
+    history: int32 `[R, H]`, each row's tokens: prompt, output, and
+      `last_token` at `history_len - 1` (prompt lookup searches them).
+    history_len: int32 `[R]`.
+    pending: int32 `[R, k]`, accepted proposals the target computed but the
+      manager has not appended yet (the next step's `append_slots` does).
+    num_pending: int32 `[R]`.
+    emitted: int32 `[R]`, tokens drawn in this launch (their draw columns).
+    counts: int32 `[3]`: steps of a row with a proposal, proposed tokens,
+      accepted ones (over the launch).
+  """
+
+  history: jax.Array
+  history_len: jax.Array
+  pending: jax.Array
+  num_pending: jax.Array
+  emitted: jax.Array
+  counts: jax.Array
 
 
 def _per_shard(ids: jax.Array, num_shards: int, slots_per_shard: int) -> jax.Array:
@@ -218,17 +243,194 @@ def _decode_step(
   )
 
 
+def _speculative_step(
+  graphdef,
+  params_state,
+  rows: RowParams,
+  table: structured.AutomatonTable | None,
+  config: speculative.SpeculativeConfig,
+  loop: DecodeLoop,
+) -> DecodeLoop:
+  """One speculating decode step of every running row (no beams), or the
+  shards out of blocks.
+
+  Each row appends its pending proposals and last token with `k` lookahead
+  slots, proposes up to `k` tokens (`speculative.propose_ngram`; none for a
+  constrained row, and none past its token limit), and the target runs once
+  over the last token and the proposals. The row then emits the accepted
+  proposals and one token of the target's (see `paged_jax.engine.speculative`),
+  cut after a stop token; the accepted ones stay pending for the next
+  `append_slots`, which registers only them.
+  """
+  cfg = loop.state.cfg
+  bm = BlockSpaceManager(cfg)
+  spec, k = loop.spec, config.num_speculative_tokens
+  num_shards = loop.out_of_blocks.shape[0]
+  num_rows = loop.seq_ids.shape[0]
+  row_ids = jnp.arange(num_rows)
+  running = loop.seq_ids >= 0
+  local = _per_shard(loop.seq_ids, num_shards, cfg.max_seqs)
+  shaped = lambda a: a.reshape(num_shards, -1, *a.shape[1:])
+  flat = lambda a: a.reshape(-1, *a.shape[2:])
+  new_tokens = jnp.concatenate([spec.pending, spec.pending[:, :1]], axis=1)
+  new_tokens = new_tokens.at[row_ids, spec.num_pending].set(loop.last_token)
+  num_new = jnp.where(running, spec.num_pending + 1, 0)
+  state, plan = on_every_shard(functools.partial(bm.append_slots, num_lookahead_slots=k))(
+    loop.state, local, shaped(new_tokens), shaped(num_new)
+  )
+
+  def advance(_):
+    kv = kv_ops.copy_blocks(loop.kv, plan)
+    if cfg.enable_prefix_caching:
+      span = -(-(k + 1) // cfg.block_size) + 1
+      hits = functools.partial(unwritten_hit_copies, span=span)
+      kv = kv_ops.copy_blocks(kv, on_every_shard(hits)(loop.state, state, local, plan))
+    num_tokens = flat(on_every_shard(bm.get_num_tokens)(state, local))
+    drafts, count = speculative.propose_ngram(
+      spec.history, spec.history_len, k, config.prompt_lookup_min, config.prompt_lookup_max
+    )
+    room = jnp.maximum(loop.limit - loop.num_generated - 1, 0)
+    count = jnp.where(
+      running & (loop.automaton_state == structured.UNCONSTRAINED), jnp.minimum(count, room), 0
+    )
+    offsets = jnp.arange(k + 1)
+    tokens = jnp.concatenate([loop.last_token[:, None], drafts], axis=1)
+    queried = running[:, None] & (offsets[None, :] <= count[:, None])
+    positions = jnp.where(queried, num_tokens[:, None] - 1 + offsets[None, :], -1)
+    tables = flat(on_every_shard(bm.get_block_tables)(state, local))
+    cache = paged_cache(
+      kv=kv,
+      block_tables=tables,
+      slot_mapping=slots_of(tables, positions, cfg.block_size),
+      cache_sliding_window=cfg.sliding_window,
+    )
+    model = nnx.merge(graphdef, params_state)
+    logits, cache = model(
+      sharding.split_rows(tokens, kv), sharding.split_rows(positions, kv), cache
+    )
+    draw = _draw_every_position(logits, rows, loop, table, loop.draws.top_ids.shape[-1])
+    accepted = speculative.leading_true(
+      (drafts == draw.tokens[:, :k]) & (offsets[None, :k] < count[:, None])
+    )
+    stops = jnp.any(draw.tokens[..., None] == rows.stop_ids[:, None, :], axis=-1)
+    first_stop = jnp.where(jnp.any(stops, axis=1), jnp.argmax(stops, axis=1), k + 1)
+    num_emitted = jnp.where(running, jnp.minimum(accepted + 1, first_stop + 1), 0)
+    num_generated = loop.num_generated + num_emitted
+    done = running & ((num_generated >= loop.limit) | (first_stop < num_emitted))
+    automaton_state = loop.automaton_state
+    if table is not None:  # constrained rows emit one token
+      automaton_state = jnp.where(
+        running, structured.advance(table, automaton_state, draw.tokens[:, 0]), automaton_state
+      )
+      done = done | (running & structured.is_dead(table, automaton_state))
+    emitted = offsets[None, :] < num_emitted[:, None]
+    column = jnp.where(
+      emitted, spec.emitted[:, None] + offsets[None, :], loop.draws.tokens.shape[1]
+    )
+    draws = jax.tree.map(
+      lambda out, new: out.at[row_ids[:, None], column].set(new, mode="drop"), loop.draws, draw
+    )
+    at = jnp.where(emitted, spec.history_len[:, None] + offsets[None, :], spec.history.shape[1])
+    last = jnp.maximum(num_emitted - 1, 0)
+    used = cfg.num_gpu_blocks - on_every_shard(bm.num_free_gpu_blocks)(state)
+    freed, _ = on_every_shard(bm.free)(
+      state, _per_shard(jnp.where(done, loop.seq_ids, -1), num_shards, cfg.max_seqs)
+    )
+    proposed = jnp.stack([jnp.sum(count > 0), jnp.sum(count), jnp.sum(accepted)])
+    return loop.replace(
+      state=freed,
+      kv=cache.kv,
+      seq_ids=jnp.where(done, -1, loop.seq_ids),
+      last_token=jnp.where(running, draw.tokens[row_ids, last], loop.last_token),
+      num_generated=num_generated,
+      automaton_state=automaton_state,
+      draws=draws,
+      step=loop.step + 1,
+      rows_run=loop.rows_run + jnp.sum(running),
+      finished_any=loop.finished_any | jnp.any(done),
+      cow_copies=loop.cow_copies + jnp.sum(plan.count),
+      peak_blocks=jnp.maximum(loop.peak_blocks, jnp.max(used)),
+      utilization_sum=loop.utilization_sum
+      + jnp.sum(num_tokens) / jnp.maximum(jnp.sum(used) * cfg.block_size, 1),
+      spec=spec.replace(
+        history=spec.history.at[row_ids[:, None], at].set(draw.tokens, mode="drop"),
+        history_len=spec.history_len + num_emitted,
+        pending=draw.tokens[:, :k],
+        num_pending=jnp.where(done, 0, last),
+        emitted=spec.emitted + num_emitted,
+        counts=spec.counts + proposed.astype(jnp.int32),
+      ),
+    )
+
+  out_of_blocks = plan.status != Status.OK
+  return jax.lax.cond(
+    ~jnp.any(out_of_blocks), advance, lambda _: loop.replace(out_of_blocks=out_of_blocks), None
+  )
+
+
+def _draw_every_position(logits, rows: RowParams, loop: DecodeLoop, table, num_logprobs) -> Draw:
+  """The target's draw after every query position `[R, k + 1]`: position
+  `i` of a row is its output token `num_generated + i` (keyed so), masked by
+  the row's automaton at position 0 (a constrained row proposes nothing)."""
+  num_rows, width, vocab = logits.shape
+  every = lambda a: jnp.repeat(a, width, axis=0)
+  mask = None
+  if table is not None:
+    first = structured.allowed_mask(table, loop.automaton_state)
+    mask = jnp.ones((num_rows, width, vocab), bool).at[:, 0].set(first).reshape(-1, vocab)
+  index = (loop.num_generated[:, None] + jnp.arange(width)[None, :]).ravel()
+  draw = sample_rows(
+    logits.reshape(-1, vocab), jax.tree.map(every, rows), index, num_logprobs, mask
+  )
+  return jax.tree.map(lambda a: a.reshape(num_rows, width, *a.shape[1:]), draw)
+
+
+def slots_of(tables: jax.Array, positions: jax.Array, block_size: int) -> jax.Array:
+  """The cache slot of each position `[rows, width]` (-1: none) through the
+  rows' block tables."""
+  blocks = jnp.take_along_axis(tables, jnp.maximum(positions, 0) // block_size, axis=1)
+  return jnp.where(
+    (positions >= 0) & (blocks >= 0), blocks * block_size + positions % block_size, -1
+  )
+
+
+def _append_pending(loop: DecodeLoop) -> DecodeLoop:
+  """Appends each row's pending accepted proposals to the manager (their
+  K/V is in the cache already), so that between launches the manager holds
+  every token but `last_token`, as without speculation."""
+  cfg, spec = loop.state.cfg, loop.spec
+  bm = BlockSpaceManager(cfg)
+  num_shards = loop.out_of_blocks.shape[0]
+  local = _per_shard(loop.seq_ids, num_shards, cfg.max_seqs)
+  shaped = lambda a: a.reshape(num_shards, -1, *a.shape[1:])
+  state, plan = on_every_shard(bm.append_slots)(
+    loop.state, local, shaped(spec.pending), shaped(spec.num_pending)
+  )
+  kv = kv_ops.copy_blocks(loop.kv, plan)
+  if cfg.enable_prefix_caching:
+    span = -(-spec.pending.shape[1] // cfg.block_size) + 1
+    hits = functools.partial(unwritten_hit_copies, span=span)
+    kv = kv_ops.copy_blocks(kv, on_every_shard(hits)(loop.state, state, local, plan))
+  return loop.replace(
+    state=state, kv=kv, spec=spec.replace(num_pending=jnp.zeros_like(spec.num_pending))
+  )
+
+
 def unwritten_hit_copies(
-  before: BlockManagerState, after: BlockManagerState, seq_ids: jax.Array, cow: CopyPlan
+  before: BlockManagerState,
+  after: BlockManagerState,
+  seq_ids: jax.Array,
+  cow: CopyPlan,
+  span: int = 1,
 ) -> CopyPlan:
   """Copies that give cached blocks a decode step hit the K/V they lack.
 
-  When a decoding row fills its last block, `append_slots` shares a cached
-  block of the same content instead, if there is one (as vLLM 0.6's block
-  manager does), and the row's own block is released. A cached block that
-  is not computed may not hold that content's K/V yet: another sequence's
-  prompt registered it when it was allocated and its prefill has not reached
-  it (or never will: the sequence was aborted or preempted before). The row's
+  When a decoding row fills a block, `append_slots` shares a cached block
+  of the same content instead, if there is one (as vLLM 0.6's block manager
+  does), and the row's own block is released. A cached block that is not
+  computed may not hold that content's K/V yet: another sequence's prompt
+  registered it when it was allocated and its prefill has not reached it
+  (or never will: the sequence was aborted or preempted before). The row's
   own block holds the K/V of every position but the new token's, which the
   step writes into the shared block, so it is copied over first. (A computed
   block is not copied; one that a decode filled is rewritten with the same
@@ -240,33 +442,36 @@ def unwritten_hit_copies(
     seq_ids: int32[B] the step's local slots, -1 where no row runs.
     cow: that call's copy-on-write plan (its destinations are new blocks,
       not hits).
+    span: static; the blocks looked at per row, the last one's and those
+      before it (a step that appends more tokens fills more blocks).
 
   Returns:
     A CopyPlan of `(row's own block, shared block)` pairs, one per shared
-    block, B entries (-1 after `count`).
+    block, `B * span` entries (-1 after `count`).
   """
   cfg = before.cfg
   block_size, num_blocks = cfg.block_size, cfg.num_gpu_blocks
-  real = seq_ids >= 0
   last = jnp.maximum(manager.get_num_tokens(after, seq_ids) - 1, 0) // block_size
-  last_block = lambda state: jnp.take_along_axis(
-    manager.get_block_tables(state, seq_ids), last[:, None], axis=1
-  )[:, 0]
-  own, shared = last_block(before), last_block(after)
+  columns = last[:, None] - jnp.arange(span)[None, :]
+  blocks_at = lambda state: jnp.take_along_axis(
+    manager.get_block_tables(state, seq_ids), jnp.maximum(columns, 0), axis=1
+  ).ravel()
+  own, shared = blocks_at(before), blocks_at(after)
+  real = ((seq_ids >= 0)[:, None] & (columns >= 0)).ravel()
   content = before.gpu.content
   safe = jnp.clip(shared, 0, num_blocks - 1)
   unwritten = content.has_content[safe] & ~content.computed[safe]
   new_block = jnp.any(shared[:, None] == cow.dst[None, :], axis=1)
   hit = real & (own >= 0) & (shared >= 0) & (shared != own) & ~new_block & unwritten
-  rows = jnp.arange(seq_ids.shape[0], dtype=jnp.int32)
-  first_row = (
-    jnp.full(num_blocks, seq_ids.shape[0], jnp.int32)
+  entries = jnp.arange(hit.shape[0], dtype=jnp.int32)
+  first_entry = (
+    jnp.full(num_blocks, hit.shape[0], jnp.int32)
     .at[jnp.where(hit, shared, num_blocks)]
-    .min(rows, mode="drop")
+    .min(entries, mode="drop")
   )
-  keep = hit & (first_row[safe] == rows)
-  pos = jnp.where(keep, jnp.cumsum(keep) - 1, seq_ids.shape[0])
-  no_block = jnp.full(seq_ids.shape[0], -1, jnp.int32)
+  keep = hit & (first_entry[safe] == entries)
+  pos = jnp.where(keep, jnp.cumsum(keep) - 1, hit.shape[0])
+  no_block = jnp.full(hit.shape[0], -1, jnp.int32)
   return CopyPlan(
     src=no_block.at[pos].set(own, mode="drop"),
     dst=no_block.at[pos].set(shared, mode="drop"),
@@ -275,7 +480,7 @@ def unwritten_hit_copies(
   )
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
+@functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=(3,))
 def decode_loop(
   graphdef,
   params_state,
@@ -283,12 +488,16 @@ def decode_loop(
   loop: DecodeLoop,
   stop_on_finish,
   table: structured.AutomatonTable | None = None,
+  speculating: speculative.SpeculativeConfig | None = None,
 ) -> DecodeLoop:
   """Decodes until no row runs, a shard runs out of blocks, the launch's
   steps are done, or (if asked) a row finishes. `table` holds the automata
   of the constrained rows (None when none runs; one compile per table
-  bucket)."""
-  num_steps = loop.draws.tokens.shape[1]
+  bucket). With `speculating` (and `loop.spec`), each step is a
+  speculating one, and the rows' pending proposals are appended at the
+  end."""
+  per_step = 1 if speculating is None else speculating.num_speculative_tokens + 1
+  num_steps = loop.draws.tokens.shape[1] // per_step
 
   def keep_going(loop):
     return (
@@ -298,11 +507,13 @@ def decode_loop(
       & ~(stop_on_finish & loop.finished_any)
     )
 
-  loop = jax.lax.while_loop(
-    keep_going,
-    functools.partial(_decode_step, graphdef, params_state, rows, table),
-    loop,
-  )
+  if speculating is None:
+    step = functools.partial(_decode_step, graphdef, params_state, rows, table)
+  else:
+    step = functools.partial(_speculative_step, graphdef, params_state, rows, table, speculating)
+  loop = jax.lax.while_loop(keep_going, step, loop)
+  if speculating is not None:
+    loop = _append_pending(loop)
   kv = loop.kv
   return sharding.replicate(loop.replace(kv=None), kv).replace(kv=kv)
 
@@ -369,9 +580,8 @@ def prefill(
   """
   tables = on_every_shard(manager.get_block_tables)(states, local)
   tables = tables.reshape(-1, tables.shape[-1])
-  blocks = jnp.take_along_axis(tables, jnp.maximum(positions, 0) // block_size, axis=1)
-  writes = (positions >= write_from[:, None]) & (blocks >= 0)
-  slots = jnp.where(writes, blocks * block_size + positions % block_size, -1)
+  written = jnp.where(positions >= write_from[:, None], positions, -1)
+  slots = slots_of(tables, written, block_size)
   cache = paged_cache(
     kv=kv, block_tables=tables, slot_mapping=slots, cache_sliding_window=states.cfg.sliding_window
   )

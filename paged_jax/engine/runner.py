@@ -66,6 +66,8 @@ class ModelRunner:
     decode_row_buckets: the decode launches' row counts per data shard,
       besides `max_seqs` (always one); None for the default (see
       `decode_buckets`).
+    speculative: a `SpeculativeConfig`: every decode step speculates (no
+      beam groups then); None: none does.
   """
 
   def __init__(
@@ -81,8 +83,10 @@ class ModelRunner:
     max_prefill_rows: int = 1,
     max_decode_rows: int | None = None,
     decode_row_buckets=None,
+    speculative=None,
   ):
     self.cache = cache
+    self.speculative = speculative
     self.prefill_width, self.max_prefill_rows = prefill_width, max_prefill_rows
     self.max_decode_rows = cache.cfg.max_seqs if max_decode_rows is None else max_decode_rows
     self.decode_row_buckets = decode_row_buckets
@@ -118,6 +122,9 @@ class ModelRunner:
       prefill_positions=0,
       decode_positions=0,
       decode_tokens=0,
+      spec_decode_num_drafts=0,
+      spec_decode_num_draft_tokens=0,
+      spec_decode_num_accepted_tokens=0,
     )
 
   # Rows.
@@ -367,7 +374,7 @@ class ModelRunner:
       rows = np.full(self.cache.num_shards * rows_per_shard, -1, np.int32)
     loop = self._launch_decode(self.decode_carry(num_steps, rows), rows, False)
     self.cache.state, self.cache.kv = loop.state, loop.kv
-    if rows is None:
+    if loop.beams is not None:
       self.beams = loop.beams
       no_group = self._group_slots([])  # starting and forgetting a group (results dropped)
       programs.start_beams(self.beams, no_group, 1, 1.0)
@@ -378,23 +385,34 @@ class ModelRunner:
       self.rows if rows is None else jax.tree.map(lambda a: a[np.maximum(rows, 0)], self.rows)
     )
     return programs.decode_loop(
-      self.graphdef, self.params, params, carry, jnp.array(stop_on_finish), table
+      self.graphdef,
+      self.params,
+      params,
+      carry,
+      jnp.array(stop_on_finish),
+      table,
+      self.speculative,
     )
 
-  def decode_carry(self, num_steps: int, rows, automaton_state=None) -> programs.DecodeLoop:
+  def decode_carry(
+    self, num_steps: int, rows, automaton_state=None, histories=()
+  ) -> programs.DecodeLoop:
     """The decode loop's carry for a launch of up to `num_steps` steps on
     the slots `rows` (see `_decode_rows`), the rows' automata in
-    `automaton_state` (table states; None: unconstrained)."""
+    `automaton_state` (table states; None: unconstrained), and when
+    speculating the rows' tokens in `histories` (`(slot, token ids)`
+    pairs)."""
     slots = np.arange(self.seq_ids.shape[0]) if rows is None else rows
     take = lambda a: a[np.maximum(slots, 0)]
     num_rows, k = slots.shape[0], self.num_logprobs
     if automaton_state is None:
       automaton_state = np.full(num_rows, structured.UNCONSTRAINED, np.int32)
+    width = num_steps * (1 + self._num_speculative())
     draws = Draw(
-      tokens=jnp.zeros((num_rows, num_steps), jnp.int32),
-      logprob=jnp.zeros((num_rows, num_steps), jnp.float32),
-      top_ids=jnp.zeros((num_rows, num_steps, k), jnp.int32),
-      top_logprobs=jnp.zeros((num_rows, num_steps, k), jnp.float32),
+      tokens=jnp.zeros((num_rows, width), jnp.int32),
+      logprob=jnp.zeros((num_rows, width), jnp.float32),
+      top_ids=jnp.zeros((num_rows, width, k), jnp.int32),
+      top_logprobs=jnp.zeros((num_rows, width, k), jnp.float32),
     )
     return programs.DecodeLoop(
       state=self.cache.state,
@@ -403,7 +421,7 @@ class ModelRunner:
       last_token=take(self.last_token),
       num_generated=take(self.num_generated),
       limit=take(self.limit),
-      beams=self.beams if rows is None else None,
+      beams=self.beams if rows is None and self.speculative is None else None,
       automaton_state=automaton_state,
       draws=draws,
       step=jnp.int32(0),
@@ -413,18 +431,51 @@ class ModelRunner:
       cow_copies=jnp.int32(0),
       peak_blocks=jnp.int32(0),
       utilization_sum=jnp.float32(0.0),
+      spec=self._speculation(slots, histories),
     )
 
-  def decode(self, num_steps: int, stop_on_finish: bool, constraints=()) -> DecodeResult:
+  def _num_speculative(self) -> int:
+    return 0 if self.speculative is None else self.speculative.num_speculative_tokens
+
+  def _speculation(self, slots: np.ndarray, histories) -> programs.Speculation | None:
+    """A speculating launch's per-row carry: each row's tokens from
+    `histories` (`(slot, token ids)`), nothing pending."""
+    if self.speculative is None:
+      return None
+    k, num_rows = self._num_speculative(), slots.shape[0]
+    history = np.zeros((num_rows, self.cache.cfg.max_tokens_per_seq), np.int32)
+    history_len = np.zeros(num_rows, np.int32)
+    row_of = {int(slot): row for row, slot in enumerate(slots) if slot >= 0}
+    for slot, tokens in histories:
+      row = row_of.get(slot)
+      if row is not None:
+        history[row, : len(tokens)] = tokens
+        history_len[row] = len(tokens)
+    zeros = np.zeros(num_rows, np.int32)
+    return programs.Speculation(
+      history=history,
+      history_len=history_len,
+      pending=np.zeros((num_rows, k), np.int32),
+      num_pending=zeros,
+      emitted=zeros,
+      counts=np.zeros(3, np.int32),
+    )
+
+  def decode(
+    self, num_steps: int, stop_on_finish: bool, constraints=(), histories=()
+  ) -> DecodeResult:
     """Runs up to `num_steps` decode steps of the running rows (stopping
     after a step in which a row finished if `stop_on_finish`).
 
     Args:
-      num_steps: decode steps at most.
+      num_steps: decode steps at most (a speculating step draws up to
+        `num_speculative_tokens + 1` tokens per row).
       stop_on_finish: whether to stop after a step in which a row finished.
       constraints: `(slot, automaton, state)` triples of the constrained
         rows: each draws among the tokens its automaton allows, from
         `state` (the state after its last token) on.
+      histories: when speculating, `(slot, token ids)` of the running
+        rows: prompt and output so far, the last token included.
     """
     before = self.num_generated.copy()
     running = self.seq_ids >= 0
@@ -436,10 +487,10 @@ class ModelRunner:
     table, automaton_state = self._automata(
       slots.shape[0], [(row_of[slot], automaton, state) for slot, automaton, state in constraints]
     )
-    loop = self.decode_carry(num_steps, rows, automaton_state)
+    loop = self.decode_carry(num_steps, rows, automaton_state, histories)
     loop = self._launch_decode(loop, rows, stop_on_finish, table)  # masks only with a table
     self.cache.state, self.cache.kv = loop.state, loop.kv
-    if rows is None:
+    if loop.beams is not None:
       self.beams = loop.beams
     to_slots = lambda a: _scatter(np.asarray(a), slots, running.shape[0])
     ran = slots[live]
@@ -454,6 +505,11 @@ class ModelRunner:
     counters["decode_positions"] += slots.shape[0] * int(loop.step)
     counters["decode_tokens"] += int(loop.rows_run)
     counters["loop_launches"] += 1
+    if loop.spec is not None:
+      drafts, draft_tokens, accepted = np.asarray(loop.spec.counts).tolist()
+      counters["spec_decode_num_drafts"] += drafts
+      counters["spec_decode_num_draft_tokens"] += draft_tokens
+      counters["spec_decode_num_accepted_tokens"] += accepted
     return DecodeResult(
       draws=jax.tree.map(to_slots, loop.draws),
       counts=self.num_generated - before,

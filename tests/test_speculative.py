@@ -1,0 +1,208 @@
+"""Speculative decoding: prompt lookup and the rejection rule inside the
+compiled decode loop give exactly what decoding without them gives."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from scipy import stats
+
+import paged_jax as pj
+from paged_jax import models
+from paged_jax.engine import speculative
+from tests.tiny_models import BYTE_LLAMA, ENGINE_CFG
+
+TOKENIZER = models.ByteTokenizer()
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+# Repetitive prompts (prompt lookup finds matches), a shared prefix, ragged lengths.
+PROMPTS = (
+  "abcabcabcabc",
+  "THE DEVIL'S DOG, THE DEVIL'S ",
+  "WAR",
+  "THE DEVIL'S LOVE, n. A temporary",
+  "CAT, n. ",
+)
+GREEDY = pj.SamplingParams(max_tokens=20, ignore_eos=True, logprobs=2)
+SAMPLED = pj.SamplingParams(
+  max_tokens=20, temperature=0.9, top_k=50, top_p=0.95, seed=7, n=2, ignore_eos=True, logprobs=2
+)
+STOPPED = pj.SamplingParams(max_tokens=20, stop=["e", "c"], ignore_eos=True)
+PARAMS = (GREEDY, GREEDY, SAMPLED, STOPPED, SAMPLED)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return models.Llama(BYTE_LLAMA, rngs=nnx.Rngs(0))
+
+
+def _serve(engine, prompts=PROMPTS, params=PARAMS):
+  for i, (prompt, p) in enumerate(zip(prompts, params)):
+    engine.add_request(str(i), prompt, p)
+  finals = {}
+  while engine.has_unfinished_requests():
+    for out in engine.step():
+      if out.finished:
+        finals[out.request_id] = out
+    pj.check_invariants(engine.state)
+  return [finals[str(i)] for i in range(len(prompts))]
+
+
+def _completions(finals):
+  return [
+    [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in out.outputs] for out in finals
+  ]
+
+
+@pytest.fixture(scope="module")
+def plain(model):
+  """Without speculation, on tests/test_engine.py's cache and programs."""
+  finals = _serve(pj.LLMEngine(model, TOKENIZER, ENGINE_CFG, num_decode_steps=4))
+  assert all(out.outputs[0].finish_reason in ("length", "stop") for out in finals)
+  return finals
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_prompt_lookup_gives_the_tokens_of_plain_decoding(model, plain, preemption_mode):
+  # 14 blocks of 4 with prefix caching: the requests share blocks and
+  # preempt one another; greedy and seeded samples, n=2, stop strings.
+  engine = pj.LLMEngine(
+    model,
+    TOKENIZER,
+    ENGINE_CFG,
+    num_decode_steps=4,
+    preemption_mode=preemption_mode,
+    decode_row_buckets=(),
+    speculative_config=NGRAM,
+  )
+  got = _serve(engine)
+  assert _completions(got) == _completions(plain)
+  for spec_out, plain_out in zip(got, plain):
+    for a, b in zip(spec_out.outputs, plain_out.outputs):
+      np.testing.assert_allclose(a.cumulative_logprob, b.cumulative_logprob, rtol=1e-5)
+      if b.logprobs is not None:  # the target's, top 2 of every token
+        assert [sorted(d) for d in a.logprobs] == [sorted(d) for d in b.logprobs]
+        for d_a, d_b in zip(a.logprobs, b.logprobs):
+          np.testing.assert_allclose(
+            [d_a[t] for t in sorted(d_b)], [d_b[t] for t in sorted(d_b)], atol=1e-5
+          )
+  stats = engine.stats
+  assert stats.preemptions > 0 and stats.prefix_cache_hit_rate > 0
+  assert 0 < stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
+  assert stats.spec_decode_num_drafts <= stats.spec_decode_num_draft_tokens
+  assert 1.0 < stats.spec_decode_mean_accepted_length <= 1 + NGRAM["num_speculative_tokens"]
+  # Accepted tokens save steps: fewer steps than tokens per running row.
+  assert stats.decode_steps < stats.decode_tokens
+  assert engine.num_free_gpu_blocks() == ENGINE_CFG.num_gpu_blocks
+
+
+def _reference_lookup(tokens, k, shortest, longest):
+  """Prompt lookup written out: the longest suffix seen before, its latest
+  earlier occurrence, the tokens after it."""
+  for n in range(longest, shortest - 1, -1):
+    for start in range(len(tokens) - n - 1, -1, -1):
+      if tokens[start : start + n] == tokens[len(tokens) - n :]:
+        return tokens[start + n : start + n + k]
+  return []
+
+
+def test_prompt_lookup_finds_the_latest_longest_match():
+  rng = np.random.default_rng(0)
+  rows, width, k = 256, 24, 3
+  history = rng.integers(0, 3, (rows, width)).astype(np.int32)  # 3 symbols: many matches
+  length = rng.integers(0, width + 1, rows).astype(np.int32)
+  drafts, count = jax.jit(speculative.propose_ngram, static_argnums=(2, 3, 4))(
+    history, length, k, 1, 4
+  )
+  for row in range(rows):
+    want = _reference_lookup(history[row, : length[row]].tolist(), k, 1, 4)
+    assert np.asarray(drafts)[row, : count[row]].tolist() == want, row
+
+
+def _chi_square_p_value(counts, probs):
+  """The p-value of counts against probs (Pearson's test)."""
+  probs = np.asarray(probs, np.float64)
+  expected = probs / probs.sum() * counts.sum()
+  seen = expected > 0
+  return stats.chisquare(counts[seen], expected[seen]).pvalue
+
+
+def test_the_rejection_rule_keeps_the_target_distribution():
+  # A 6-token vocabulary, target p and draft q far apart. The first emitted
+  # token must follow p_0 whatever q is, and the second (after an accepted
+  # first draft) p_1.
+  vocab, k, samples = 6, 2, 40_000
+  p = jnp.array([[0.5, 0.2, 0.1, 0.1, 0.05, 0.05], [0.05, 0.05, 0.1, 0.2, 0.3, 0.3], [1 / 6] * 6])
+  q = jnp.array([[0.05, 0.05, 0.1, 0.1, 0.2, 0.5], [0.4, 0.3, 0.1, 0.1, 0.05, 0.05]])
+  keys = jax.random.split(jax.random.key(0), samples * (2 * k + 1)).reshape(samples, -1)
+  drafts = jax.vmap(jax.vmap(jax.random.categorical, in_axes=(0, 0)), in_axes=(0, None))(
+    keys[:, :k], jnp.log(q)
+  ).astype(jnp.int32)
+  accepted, tokens = jax.jit(speculative.accept_sampled)(
+    jnp.broadcast_to(p, (samples, k + 1, vocab)),
+    jnp.broadcast_to(q, (samples, k, vocab)),
+    drafts,
+    jnp.full(samples, k, jnp.int32),
+    keys[:, k:],
+  )
+  tokens, accepted = np.asarray(tokens), np.asarray(accepted)
+  first = np.bincount(tokens[:, 0], minlength=vocab)
+  assert _chi_square_p_value(first, np.asarray(p[0])) > 1e-3
+  second = np.bincount(tokens[accepted >= 1, 1], minlength=vocab)
+  assert _chi_square_p_value(second, np.asarray(p[1])) > 1e-3
+  # The test has power: accepting every draft would emit q_0, rejected at once.
+  always = np.bincount(np.asarray(drafts)[:, 0], minlength=vocab)
+  assert _chi_square_p_value(always, np.asarray(p[0])) < 1e-6
+  # The acceptance rate is sum(min(p, q)) for the first draft.
+  np.testing.assert_allclose(
+    np.mean(accepted >= 1), float(jnp.minimum(p[0], q[0]).sum()), atol=0.01
+  )
+
+
+@pytest.mark.parametrize(
+  "spec, message",
+  [
+    ("ngram", "speculative_config must be a dict or None"),
+    ({"method": "medusa"}, "method must be one of"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an int"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "n": 3}, "key 'n' is not understood"),
+    (
+      {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5},
+      r"prompt_lookup_min \(5\) must be at most prompt_lookup_max \(4\)",
+    ),
+    ({"method": "ngram", "num_speculative_tokens": 200}, "leaves no room in a block table"),
+    (
+      {"method": "draft_model", "num_speculative_tokens": 2, "model": None},
+      "must be a model with config.vocab_size",
+    ),
+  ],
+)
+def test_bad_speculative_configs_are_refused(model, spec, message):
+  with pytest.raises(ValueError, match=message):
+    pj.LLMEngine(model, TOKENIZER, ENGINE_CFG, speculative_config=spec)
+
+
+def test_a_draft_with_another_vocabulary_is_refused(model):
+  draft = models.Llama(dataclasses.replace(BYTE_LLAMA, vocab_size=300), rngs=nnx.Rngs(1))
+  spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 2}
+  with pytest.raises(
+    ValueError, match="the draft model's vocabulary has 300 tokens, the target's 258"
+  ):
+    pj.LLMEngine(model, TOKENIZER, ENGINE_CFG, speculative_config=spec)
+
+
+def test_beam_search_is_refused_while_speculating(model):
+  engine = pj.LLMEngine(model, TOKENIZER, ENGINE_CFG, speculative_config=NGRAM)
+  with pytest.raises(ValueError, match="beam search does not run with speculative decoding"):
+    engine.add_request("0", "WAR", pj.SamplingParams(n=2, use_beam_search=True))
+  assert not engine.has_unfinished_requests()
+
+
+def test_a_window_too_narrow_for_the_proposals_is_refused():
+  windowed = models.Llama(dataclasses.replace(BYTE_LLAMA, sliding_window=8), rngs=nnx.Rngs(0))
+  cfg = dataclasses.replace(ENGINE_CFG, sliding_window=10, enable_prefix_caching=False)
+  spec = {"method": "ngram", "num_speculative_tokens": 3}
+  with pytest.raises(ValueError, match="a step appends 4 tokens, but this cache's window takes"):
+    pj.LLMEngine(windowed, TOKENIZER, cfg, speculative_config=spec)
