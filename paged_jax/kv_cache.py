@@ -259,6 +259,36 @@ class KVCache:
     """The cache with its device pages (and scales) from ``part``."""
     return self.replace(k=part.k, v=part.v, k_scale=part.k_scale, v_scale=part.v_scale)
 
+  def layers(self, start: int) -> KVCache:
+    """The cache of layers `start ..` only: a second model's pages in the
+    same blocks (a speculative draft model's, after the target's)."""
+    return self.replace(
+      **{name: None if pages is None else pages[start:] for name, pages in self._layer_fields()}
+    )
+
+  def with_layers(self, start: int, part: KVCache) -> KVCache:
+    """The cache with layers `start ..` from `part` (see `layers`)."""
+    return self.replace(
+      **{
+        name: None if pages is None else pages[:start] + getattr(part, name)
+        for name, pages in self._layer_fields()
+      }
+    )
+
+  def stacked(self, other: KVCache) -> KVCache:
+    """One cache of this cache's layers, then `other`'s (the same blocks,
+    placement and dtype; each layer keeps its own heads and head size)."""
+    return self.replace(
+      **{
+        name: None if pages is None else pages + getattr(other, name)
+        for name, pages in self._layer_fields()
+      }
+    )
+
+  def _layer_fields(self):
+    names = ("k", "v", "k_host", "v_host", "k_scale", "v_scale", "k_scale_host", "v_scale_host")
+    return [(name, getattr(self, name)) for name in names]
+
   @property
   def dtype(self) -> jnp.dtype:
     return self.k[0].dtype
@@ -425,26 +455,50 @@ def copy_blocks(cache: KVCache, plan, *, impl: str = "auto") -> KVCache:
 
 def _copy_blocks(cache: KVCache, src, dst, count, impl: str) -> KVCache:
   """``copy_blocks`` of one plan on the cache's (or one device's) pages."""
-  pages = cache.k + cache.v
-  kernel = select_kernel(impl, tile_sizes=(cache.block_size, cache.head_dim))
-  if kernel is None:
-    pages = copy_blocks_kernels.copy_blocks_reference(pages, src, dst, count)
-  else:
+
+  def copy(pages):
+    kernel = select_kernel(impl, tile_sizes=(cache.block_size, pages[0].shape[-1]))
+    if kernel is None:
+      return copy_blocks_kernels.copy_blocks_reference(pages, src, dst, count)
     backend, interpret = kernel
-    pages = copy_blocks_kernels.copy_blocks(
+    return copy_blocks_kernels.copy_blocks(
       pages, src, dst, count, backend=backend, interpret=interpret
     )
+
+  pages = in_shape_groups(copy, cache.k + cache.v)
   layers = cache.num_layers
   cache = cache.replace(k=pages[:layers], v=pages[layers:])
   if not cache.quantized:
     return cache
   # Scales are [num_kv_heads, num_blocks, block_size]: copied in XLA as
   # pages with head_dim 1 (a gather and a scatter, in place when donated).
-  scales = copy_blocks_kernels.copy_blocks_reference(
-    [s[..., None] for s in cache.k_scale + cache.v_scale], src, dst, count
+  scales = in_shape_groups(
+    lambda scales: copy_blocks_kernels.copy_blocks_reference(
+      [s[..., None] for s in scales], src, dst, count
+    ),
+    cache.k_scale + cache.v_scale,
   )
   scales = tuple(s[..., 0] for s in scales)
   return cache.replace(k_scale=scales[:layers], v_scale=scales[layers:])
+
+
+def in_shape_groups(op, pages, *aligned) -> tuple:
+  """``op(pages, *aligned)`` on each group of layers whose ``pages`` have
+  one shape (a cache that holds a draft model's layers after the model's
+  has two), its per-layer results put back in layer order; ``aligned`` are
+  sequences indexed like ``pages`` (a layer's host pages). One group, the
+  common case, is one call."""
+  groups = {}
+  for i, page in enumerate(pages):
+    groups.setdefault((page.shape, page.dtype), []).append(i)
+  out = [None] * len(pages)
+  for members in groups.values():
+    results = op(
+      tuple(pages[i] for i in members), *(tuple(seq[i] for i in members) for seq in aligned)
+    )
+    for i, result in zip(members, results):
+      out[i] = result
+  return tuple(out)
 
 
 def swap_out(cache: KVCache, plan) -> KVCache:
@@ -548,11 +602,17 @@ def _swap_out(cache: KVCache, src, dst, count) -> KVCache:
     return _on_host(cache, _set_blocks)(host_arrays, targets, staged)
 
   layers = cache.num_layers
-  pages = move(cache.k + cache.v, cache.k_host + cache.v_host, _bits)
+  pages = in_shape_groups(
+    lambda device, host: move(device, host, _bits), cache.k + cache.v, cache.k_host + cache.v_host
+  )
   cache = cache.replace(k_host=pages[:layers], v_host=pages[layers:])
   if not cache.quantized:
     return cache
-  scales = move(cache.k_scale + cache.v_scale, cache.k_scale_host + cache.v_scale_host, lambda x: x)
+  scales = in_shape_groups(
+    lambda device, host: move(device, host, lambda x: x),
+    cache.k_scale + cache.v_scale,
+    cache.k_scale_host + cache.v_scale_host,
+  )
   return cache.replace(k_scale_host=scales[:layers], v_scale_host=scales[layers:])
 
 
@@ -568,15 +628,19 @@ def _swap_in(cache: KVCache, src, dst, count) -> KVCache:
     return _set_blocks(device_arrays, targets, staged)
 
   layers = cache.num_layers
-  pages = move(
+  pages = in_shape_groups(
+    lambda host, device: move(host, device, lambda x: lax.bitcast_convert_type(x, cache.dtype)),
     cache.k_host + cache.v_host,
     cache.k + cache.v,
-    lambda x: lax.bitcast_convert_type(x, cache.dtype),
   )
   cache = cache.replace(k=pages[:layers], v=pages[layers:])
   if not cache.quantized:
     return cache
-  scales = move(cache.k_scale_host + cache.v_scale_host, cache.k_scale + cache.v_scale, lambda x: x)
+  scales = in_shape_groups(
+    lambda host, device: move(host, device, lambda x: x),
+    cache.k_scale_host + cache.v_scale_host,
+    cache.k_scale + cache.v_scale,
+  )
   return cache.replace(k_scale=scales[:layers], v_scale=scales[layers:])
 
 

@@ -2,6 +2,7 @@
 compiled decode loop give exactly what decoding without them gives."""
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -11,9 +12,12 @@ from flax import nnx
 from scipy import stats
 
 import paged_jax as pj
-from paged_jax import models
+from paged_jax import compile_guard, models
 from paged_jax.engine import speculative
+from tests import engine_traces
 from tests.tiny_models import BYTE_LLAMA, ENGINE_CFG
+
+NUM_TRACES = int(os.environ.get("PAGED_JAX_RANDOM_TRACES", "1"))
 
 TOKENIZER = models.ByteTokenizer()
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
@@ -56,10 +60,15 @@ def _completions(finals):
   ]
 
 
+# The module's engines: tests/test_engine.py's cache (14 blocks of 4, prefix
+# caching; the runs preempt), prompts in chunks, one decode loop program.
+ENGINE_ARGS = dict(max_num_batched_tokens=8, num_decode_steps=4, decode_row_buckets=())
+
+
 @pytest.fixture(scope="module")
 def plain(model):
-  """Without speculation, on tests/test_engine.py's cache and programs."""
-  finals = _serve(pj.LLMEngine(model, TOKENIZER, ENGINE_CFG, num_decode_steps=4))
+  """Without speculation."""
+  finals = _serve(pj.LLMEngine(model, TOKENIZER, ENGINE_CFG, **ENGINE_ARGS))
   assert all(out.outputs[0].finish_reason in ("length", "stop") for out in finals)
   return finals
 
@@ -72,10 +81,9 @@ def test_prompt_lookup_gives_the_tokens_of_plain_decoding(model, plain, preempti
     model,
     TOKENIZER,
     ENGINE_CFG,
-    num_decode_steps=4,
     preemption_mode=preemption_mode,
-    decode_row_buckets=(),
     speculative_config=NGRAM,
+    **ENGINE_ARGS,
   )
   got = _serve(engine)
   assert _completions(got) == _completions(plain)
@@ -96,6 +104,29 @@ def test_prompt_lookup_gives_the_tokens_of_plain_decoding(model, plain, preempti
   # Accepted tokens save steps: fewer steps than tokens per running row.
   assert stats.decode_steps < stats.decode_tokens
   assert engine.num_free_gpu_blocks() == ENGINE_CFG.num_gpu_blocks
+
+
+def test_random_traces_while_speculating(model):
+  # tests/engine_traces.py (no beams: refused while speculating): every
+  # check after every step, and every reproducible request equal to itself
+  # served alone. After warm-up, serving compiles nothing.
+  engine = pj.LLMEngine(
+    model,
+    engine_traces.TOKENIZER,
+    ENGINE_CFG,
+    preemption_mode="swap",
+    speculative_config=NGRAM,
+    warmup=True,
+    **ENGINE_ARGS,
+  )
+  seeds = range(7000, 7000 + NUM_TRACES)
+  shape = engine_traces.TraceShape(max_prompt=24, beams=False)
+  engine_traces.check_all_free(engine)  # the warm-up changed nothing (compiles the checks)
+  with compile_guard.no_compiles("speculating traces after warm-up"):
+    summary = engine_traces.run_traces(engine, seeds, shape)
+  assert not summary["failures"], summary["failures"][0]
+  assert summary["compared"] > 0 and summary["preemptions"] > 0
+  assert engine.stats.spec_decode_num_accepted_tokens > 0
 
 
 def _reference_lookup(tokens, k, shortest, longest):
@@ -206,3 +237,91 @@ def test_a_window_too_narrow_for_the_proposals_is_refused():
   spec = {"method": "ngram", "num_speculative_tokens": 3}
   with pytest.raises(ValueError, match="a step appends 4 tokens, but this cache's window takes"):
     pj.LLMEngine(windowed, TOKENIZER, cfg, speculative_config=spec)
+
+
+# A 2-layer draft with other heads than the target's (its pages sit beside
+# the target's in the same blocks): random, so it proposes badly.
+RANDOM_DRAFT_CONFIG = dataclasses.replace(BYTE_LLAMA, num_layers=2, num_kv_heads=2, head_dim=4)
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_a_draft_model_gives_the_greedy_tokens_of_plain_decoding(model, plain, preemption_mode):
+  draft = models.Llama(RANDOM_DRAFT_CONFIG, rngs=nnx.Rngs(5))
+  spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 2}
+  engine = pj.LLMEngine(
+    model,
+    TOKENIZER,
+    ENGINE_CFG,
+    preemption_mode=preemption_mode,
+    speculative_config=spec,
+    **ENGINE_ARGS,
+  )
+  got = _serve(engine)
+  greedy = [i for i, p in enumerate(PARAMS) if p.temperature == 0.0]
+  assert [_completions(got)[i] for i in greedy] == [_completions(plain)[i] for i in greedy]
+  for i, p in enumerate(PARAMS):  # sampled ones have the target's distribution, not its draws
+    assert [len(o.token_ids) for o in got[i].outputs] == [p.max_tokens] * p.n
+  stats = engine.stats
+  assert stats.preemptions > 0 and stats.spec_decode_num_draft_tokens > 0
+  assert engine.num_free_gpu_blocks() == ENGINE_CFG.num_gpu_blocks
+
+
+@pytest.mark.slow  # its own programs; bench_spec_decode.py checks the same on SmolLM2
+def test_the_target_as_its_own_draft_is_accepted(model):
+  # p == q: every greedy and sampled proposal is accepted (up to the float
+  # rounding of one-token and several-token attention).
+  spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 2}
+  engine = pj.LLMEngine(model, TOKENIZER, ENGINE_CFG, speculative_config=spec, **ENGINE_ARGS)
+  _serve(engine)
+  assert engine.stats.spec_decode_acceptance_rate > 0.9
+
+
+# Six tokens: the joint distribution of two tokens has 36 outcomes.
+SMALL_VOCAB = dataclasses.replace(BYTE_LLAMA, vocab_size=6)
+TEMPERATURE = 0.1
+
+
+def test_a_sampled_draft_keeps_the_target_distribution():
+  # Each request's first speculating step proposes one token (its limit
+  # leaves room for one) and emits two: the accepted proposal or its
+  # replacement, then the next. Their joint frequencies over many samples
+  # must follow the target's own distribution, computed densely.
+  target = models.Llama(SMALL_VOCAB, rngs=nnx.Rngs(0))
+  draft = models.Llama(SMALL_VOCAB, rngs=nnx.Rngs(1))
+  cfg = pj.CacheConfig(block_size=4, num_gpu_blocks=96, max_seqs=32, max_blocks_per_seq=4)
+  spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 2}
+  engine = pj.LLMEngine(
+    target, None, cfg, num_decode_steps=1, decode_row_buckets=(), speculative_config=spec
+  )
+  prompt = [1, 4, 2]
+  # At temperature 0.1 the random models' distributions are far from uniform.
+  params = pj.SamplingParams(n=16, max_tokens=3, temperature=TEMPERATURE, ignore_eos=True)
+  for i in range(150):
+    engine.add_request(str(i), prompt, dataclasses.replace(params, seed=i))
+  counts = np.zeros((6, 6))
+  while engine.has_unfinished_requests():
+    for out in engine.step():
+      for completion in out.outputs if out.finished else ():
+        counts[tuple(completion.token_ids[1:])] += 1
+  stats = engine.stats
+  assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+  # The target's P(t1, t2) = sum over t0 of P(t0) P(t1 | t0) P(t2 | t0, t1).
+  p = _next_token_logprobs(target, prompt)
+  q = _next_token_logprobs(draft, prompt)
+  joint = lambda t1: np.exp(p[:, 0] + t1 + p[:, 2]).reshape(6, 6, 6).sum(axis=0).ravel()
+  assert _chi_square_p_value(counts.ravel(), joint(p[:, 1])) > 1e-3
+  # The test has power: taking every proposal as it comes would follow this.
+  assert _chi_square_p_value(counts.ravel(), joint(q[:, 1])) < 1e-6
+
+
+def _next_token_logprobs(model, prompt) -> np.ndarray:
+  """float64 `[216, 3]`: over every 3 tokens after `prompt`, each one's
+  log-probability under `model` at `TEMPERATURE` (a dense forward)."""
+  grid = np.stack(np.meshgrid(*[np.arange(6)] * 3, indexing="ij"), -1).reshape(-1, 3)
+  tokens = jnp.asarray(np.concatenate([np.tile(prompt, (len(grid), 1)), grid], axis=1))
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+  logits, _ = model(tokens, positions, models.init_dense_cache(model.config, len(grid)))
+  logits = logits[:, len(prompt) - 1 : -1].astype(jnp.float32) / TEMPERATURE
+  logprobs = jax.nn.log_softmax(logits, axis=-1)
+  chosen = jnp.take_along_axis(logprobs, tokens[:, len(prompt) :, None], axis=-1)[..., 0]
+  return np.asarray(chosen, np.float64)

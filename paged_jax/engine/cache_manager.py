@@ -92,6 +92,9 @@ class CacheManager:
     max_chunk: on a cache that frees the blocks outside its sliding window,
       the most prompt tokens a sequence appends at once (`append_chunk`);
       None on a cache that keeps every block (prompts are allocated whole).
+    draft_config: a speculative draft model's config: its K/V pages are
+      layers after the model's in the same cache (one block table, copies
+      and swaps move both); None for none.
   """
 
   def __init__(
@@ -102,21 +105,23 @@ class CacheManager:
     kv_cache_dtype=None,
     mesh=None,
     max_chunk: int | None = None,
+    draft_config=None,
   ):
     self.cfg = cfg
     self.max_chunk = max_chunk
     self.bm = BlockSpaceManager(cfg)
-    mc = model_config
-    dtype = jnp.dtype(mc.dtype if kv_cache_dtype is None else kv_cache_dtype)
+    dtype = jnp.dtype(model_config.dtype if kv_cache_dtype is None else kv_cache_dtype)
+    pages = lambda mc: KVCache.create(
+      cfg, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype=dtype, mesh=mesh
+    )
+    self.kv = pages(model_config)
+    if draft_config is not None:  # its layers after the model's, in the same blocks
+      self.kv = self.kv.stacked(pages(draft_config))
     if mesh is None:
       self.num_shards = 1
-      self.kv = KVCache.create(cfg, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype=dtype)
       self.replicated = self.kv.k[0].sharding
     else:
       self.num_shards = mesh.shape["data"]
-      self.kv = KVCache.create(
-        cfg, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype=dtype, mesh=mesh
-      )
       self.replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     # The states live where the pages do, so that every jitted call sees
     # the same input shardings before and after its first run (one compile).

@@ -11,12 +11,12 @@ from tqdm.auto import tqdm
 
 from paged_jax import compilation_cache, compile_guard, sharding
 from paged_jax.config import CacheConfig
+from paged_jax.engine import speculative
 from paged_jax.engine.cache_manager import CacheManager
 from paged_jax.engine.input_processor import MAX_STOP_TOKENS, InputProcessor
 from paged_jax.engine.output_processor import OutputProcessor
 from paged_jax.engine.outputs import GenerationStats, RequestOutput
 from paged_jax.engine.params import SamplingParams
-from paged_jax.engine import speculative
 from paged_jax.engine.protocol import check_model
 from paged_jax.engine.runner import ModelRunner
 from paged_jax.engine.scheduler import (
@@ -148,12 +148,11 @@ class LLMEngine:
       )
     if mesh is not None:
       mesh = sharding.serving_mesh(mesh)
-    self.speculative, draft = speculative.parse_config(
-      speculative_config, model.config.vocab_size
-    )
+    self.speculative, draft = speculative.parse_config(speculative_config, model.config.vocab_size)
     max_chunk = _max_chunk(cache_config, model.config)
     if self.speculative is not None:
-      _check_speculation(self.speculative, cache_config, max_chunk)
+      _check_speculation(self.speculative, cache_config, max_chunk, draft)
+    self.draft = draft
     if max_chunk is not None:
       prefill_width = min(prefill_width, max_chunk)
     compilation_cache.enable()  # on disk, see paged_jax.compilation_cache
@@ -168,7 +167,12 @@ class LLMEngine:
     self.num_decode_steps = num_decode_steps
     self.max_logprobs = max_logprobs
     self.cache = CacheManager(
-      cache_config, model.config, kv_cache_dtype=kv_cache_dtype, mesh=mesh, max_chunk=max_chunk
+      cache_config,
+      model.config,
+      kv_cache_dtype=kv_cache_dtype,
+      mesh=mesh,
+      max_chunk=max_chunk,
+      draft_config=None if draft is None else draft.config,
     )
     self.runner = ModelRunner(
       model,
@@ -182,6 +186,7 @@ class LLMEngine:
       max_decode_rows=max_num_seqs,
       decode_row_buckets=decode_row_buckets,
       speculative=self.speculative,
+      draft_model=draft,
     )
     self.inputs = InputProcessor(
       tokenizer,
@@ -274,7 +279,8 @@ class LLMEngine:
 
   def _max_len(self) -> int:
     lookahead = 0 if self.speculative is None else self.speculative.num_speculative_tokens
-    return min(self.model_config.max_seq_len, self.cfg.max_tokens_per_seq - lookahead)
+    most = min(self.model_config.max_seq_len, self.cfg.max_tokens_per_seq - lookahead)
+    return most if self.draft is None else min(most, self.draft.config.max_seq_len)
 
   def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
     """Queues a request; a prompt that can never fit finishes at the next
@@ -468,15 +474,23 @@ def _constraints(rows) -> list:
   ]
 
 
-def _check_speculation(config, cfg: CacheConfig, max_chunk: int | None) -> None:
+def _check_speculation(config, cfg: CacheConfig, max_chunk: int | None, draft) -> None:
   """Refuses speculation that the cache cannot hold.
 
   Raises:
-    ValueError: if `k` lookahead slots leave no room in a block table, or a
+    ValueError: if `k` lookahead slots leave no room in a block table, a
       cache that frees blocks outside its window takes fewer than `k + 1`
-      tokens per call.
+      tokens per call or would hold a draft model's pages, or the draft
+      does not follow the model protocol.
   """
   k = config.num_speculative_tokens
+  if draft is not None:
+    check_model(draft)
+    if cfg.sliding_window is not None:
+      raise ValueError(
+        "a draft model runs on a cache that keeps every block: use a CacheConfig without "
+        "sliding_window (each layer masks its own window) or the ngram method"
+      )
   if k >= cfg.max_tokens_per_seq:
     raise ValueError(
       f"num_speculative_tokens {k} leaves no room in a block table of "

@@ -35,7 +35,14 @@ from paged_jax.block_manager.manager import BlockSpaceManager
 from paged_jax.block_manager.state import BlockManagerState, CopyPlan, on_every_shard
 from paged_jax.config import Status
 from paged_jax.engine import beam, speculative
-from paged_jax.engine.sampling import Draw, RowParams, is_stop, sample_rows
+from paged_jax.engine.sampling import (
+  Draw,
+  RowParams,
+  is_stop,
+  row_keys,
+  sample_rows,
+  sampling_logits,
+)
 from paged_jax.kv_cache import KVCache
 from paged_jax.models.paged import paged_cache
 
@@ -249,15 +256,17 @@ def _speculative_step(
   rows: RowParams,
   table: structured.AutomatonTable | None,
   config: speculative.SpeculativeConfig,
+  draft,
   loop: DecodeLoop,
 ) -> DecodeLoop:
   """One speculating decode step of every running row (no beams), or the
   shards out of blocks.
 
   Each row appends its pending proposals and last token with `k` lookahead
-  slots, proposes up to `k` tokens (`speculative.propose_ngram`; none for a
-  constrained row, and none past its token limit), and the target runs once
-  over the last token and the proposals. The row then emits the accepted
+  slots, proposes up to `k` tokens (`speculative.propose_ngram`, or the
+  `draft` model's `(graphdef, params)`; none for a constrained row, and none
+  past its token limit), and the target runs once over the last token and
+  the proposals. The row then emits the accepted
   proposals and one token of the target's (see `paged_jax.engine.speculative`),
   cut after a stop token; the accepted ones stay pending for the next
   `append_slots`, which registers only them.
@@ -286,9 +295,14 @@ def _speculative_step(
       hits = functools.partial(unwritten_hit_copies, span=span)
       kv = kv_ops.copy_blocks(kv, on_every_shard(hits)(loop.state, state, local, plan))
     num_tokens = flat(on_every_shard(bm.get_num_tokens)(state, local))
-    drafts, count = speculative.propose_ngram(
-      spec.history, spec.history_len, k, config.prompt_lookup_min, config.prompt_lookup_max
-    )
+    tables = flat(on_every_shard(bm.get_block_tables)(state, local))
+    if draft is None:
+      drafts, count = speculative.propose_ngram(
+        spec.history, spec.history_len, k, config.prompt_lookup_min, config.prompt_lookup_max
+      )
+    else:
+      drafts, draft_dists, kv = _draft_proposals(draft, rows, loop, kv, tables, num_tokens, k)
+      count = jnp.full(num_rows, k, jnp.int32)
     room = jnp.maximum(loop.limit - loop.num_generated - 1, 0)
     count = jnp.where(
       running & (loop.automaton_state == structured.UNCONSTRAINED), jnp.minimum(count, room), 0
@@ -297,7 +311,6 @@ def _speculative_step(
     tokens = jnp.concatenate([loop.last_token[:, None], drafts], axis=1)
     queried = running[:, None] & (offsets[None, :] <= count[:, None])
     positions = jnp.where(queried, num_tokens[:, None] - 1 + offsets[None, :], -1)
-    tables = flat(on_every_shard(bm.get_block_tables)(state, local))
     cache = paged_cache(
       kv=kv,
       block_tables=tables,
@@ -312,6 +325,10 @@ def _speculative_step(
     accepted = speculative.leading_true(
       (drafts == draw.tokens[:, :k]) & (offsets[None, :k] < count[:, None])
     )
+    if draft is not None:  # sampled rows: the rule for a draft distribution
+      accepted, draw = _accept_sampled_drafts(
+        logits, rows, loop, drafts, draft_dists, count, accepted, draw
+      )
     stops = jnp.any(draw.tokens[..., None] == rows.stop_ids[:, None, :], axis=-1)
     first_stop = jnp.where(jnp.any(stops, axis=1), jnp.argmax(stops, axis=1), k + 1)
     num_emitted = jnp.where(running, jnp.minimum(accepted + 1, first_stop + 1), 0)
@@ -365,6 +382,27 @@ def _speculative_step(
   out_of_blocks = plan.status != Status.OK
   return jax.lax.cond(
     ~jnp.any(out_of_blocks), advance, lambda _: loop.replace(out_of_blocks=out_of_blocks), None
+  )
+
+
+def _accept_sampled_drafts(logits, rows, loop, drafts, draft_dists, count, accepted, draw):
+  """Greedy rows keep `accepted` and `draw` (point-mass proposals); sampled
+  rows take `speculative.accept_sampled`'s drafts and tokens, with the
+  target's log-probabilities of those."""
+  num_rows, width, vocab = logits.shape
+  every = lambda a: jnp.repeat(a, width, axis=0)
+  flat_logits = logits.reshape(-1, vocab)
+  target = jax.nn.softmax(sampling_logits(flat_logits, jax.tree.map(every, rows)), axis=-1)
+  index = loop.num_generated[:, None] + jnp.arange(width)[None, :]
+  keys = row_keys(jax.tree.map(every, rows), index.ravel()).reshape(num_rows, width)
+  sampled_accepted, tokens = speculative.accept_sampled(
+    target.reshape(num_rows, width, vocab), draft_dists, drafts, count, keys
+  )
+  greedy = rows.temperature <= 0.0
+  tokens = jnp.where(greedy[:, None], draw.tokens, tokens)
+  logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return jnp.where(greedy, accepted, sampled_accepted), draw.replace(
+    tokens=tokens, logprob=jnp.take_along_axis(logprobs, tokens[..., None], axis=-1)[..., 0]
   )
 
 
@@ -480,7 +518,7 @@ def unwritten_hit_copies(
   )
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=(3,))
+@functools.partial(jax.jit, static_argnums=(0, 6, 7), donate_argnums=(3,))
 def decode_loop(
   graphdef,
   params_state,
@@ -489,13 +527,16 @@ def decode_loop(
   stop_on_finish,
   table: structured.AutomatonTable | None = None,
   speculating: speculative.SpeculativeConfig | None = None,
+  draft_graphdef=None,
+  draft_params=None,
 ) -> DecodeLoop:
   """Decodes until no row runs, a shard runs out of blocks, the launch's
   steps are done, or (if asked) a row finishes. `table` holds the automata
   of the constrained rows (None when none runs; one compile per table
   bucket). With `speculating` (and `loop.spec`), each step is a
-  speculating one, and the rows' pending proposals are appended at the
-  end."""
+  speculating one (proposing with the draft model `draft_graphdef`,
+  `draft_params` when it has one), and the rows' pending proposals are
+  appended at the end."""
   per_step = 1 if speculating is None else speculating.num_speculative_tokens + 1
   num_steps = loop.draws.tokens.shape[1] // per_step
 
@@ -510,7 +551,10 @@ def decode_loop(
   if speculating is None:
     step = functools.partial(_decode_step, graphdef, params_state, rows, table)
   else:
-    step = functools.partial(_speculative_step, graphdef, params_state, rows, table, speculating)
+    draft = None if draft_graphdef is None else (draft_graphdef, draft_params)
+    step = functools.partial(
+      _speculative_step, graphdef, params_state, rows, table, speculating, draft
+    )
   loop = jax.lax.while_loop(keep_going, step, loop)
   if speculating is not None:
     loop = _append_pending(loop)
@@ -546,7 +590,9 @@ def score_next_tokens(logits, next_tokens, num_logprobs: int) -> PromptScores:
   )
 
 
-@functools.partial(jax.jit, static_argnums=(0, 11, 12), donate_argnums=(2,))
+@functools.partial(
+  jax.jit, static_argnums=(0, 11, 12), static_argnames=("draft_graphdef",), donate_argnums=(2,)
+)
 def prefill(
   graphdef,
   params_state,
@@ -563,6 +609,8 @@ def prefill(
   block_size,
   table=None,
   draw_states=None,
+  draft_params=None,
+  draft_graphdef=None,
 ):
   """Runs prompt chunks, then draws token 0 of sequences from their logits.
 
@@ -576,7 +624,9 @@ def prefill(
   scores them (see `score_next_tokens`; the vocabulary-wide work runs only
   when some row asks). A model with `hidden_states` and `logits` (see
   `ModelProtocol`) runs its output layer only at the drawing positions,
-  and at every position only when some row scores.
+  and at every position only when some row scores. With a speculative
+  draft model (`draft_graphdef`, `draft_params`), the chunks also run
+  through it, writing its layers of the cache.
   """
   tables = on_every_shard(manager.get_block_tables)(states, local)
   tables = tables.reshape(-1, tables.shape[-1])
@@ -604,7 +654,89 @@ def prefill(
     score,
     lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(score)),
   )
-  return sharding.replicate((draw, scores), kv), cache.kv
+  kv = cache.kv
+  if draft_graphdef is not None:
+    _, kv = _draft_call(
+      (draft_graphdef, draft_params),
+      kv,
+      model.config.num_layers,
+      tokens,
+      positions,
+      tables,
+      slots,
+      states.cfg.sliding_window,
+      logits=False,
+    )
+  return sharding.replicate((draw, scores), kv), kv
+
+
+def _draft_call(draft, kv, first_layer, tokens, positions, tables, slots, window, logits=True):
+  """The draft model's forward over its layers of `kv` (from `first_layer`
+  on): `(logits or, without `logits`, hidden states where the model has
+  them, the cache)`."""
+  model = nnx.merge(*draft)
+  cache = paged_cache(
+    kv=kv.layers(first_layer), block_tables=tables, slot_mapping=slots, cache_sliding_window=window
+  )
+  args = sharding.split_rows(tokens, kv), sharding.split_rows(positions, kv), cache
+  if not logits and hasattr(model, "hidden_states"):
+    out, cache = model.hidden_states(*args)
+  else:
+    out, cache = model(*args)
+  return out, kv.with_layers(first_layer, cache.kv)
+
+
+def _draft_draw(logits, rows: RowParams, index):
+  """A draft model's token per row (its argmax for greedy rows, else drawn
+  from its sampling distribution with the token's key salted) and that
+  distribution, float32 `[rows, vocab]`."""
+  processed = sampling_logits(logits, rows)
+  drawn = jax.vmap(jax.random.categorical)(row_keys(rows, index, salt=3), processed)
+  tokens = jnp.where(rows.temperature <= 0.0, jnp.argmax(logits, axis=-1), drawn)
+  return tokens.astype(jnp.int32), jax.nn.softmax(processed, axis=-1)
+
+
+def _draft_proposals(draft, rows: RowParams, loop: DecodeLoop, kv, tables, num_tokens, k):
+  """`k` tokens per row from the draft model, the distributions they were
+  drawn from (`[R, k]`, float32 `[R, k, vocab]`), and the cache with the
+  draft's K/V.
+
+  The first call runs the row's last `k + 1` tokens (from `spec.history`)
+  at their positions: the draft has not run the newest ones (the last
+  token, and proposals it made but never ran, the last of a launch's
+  included); rerunning older ones rewrites the same K/V. Then `k - 1` calls
+  run one proposal each. Proposal `j` is the row's output token
+  `num_generated + j`, keyed so (salted).
+  """
+  cfg, history = loop.state.cfg, loop.spec.history
+  first_layer = len(kv.k) - nnx.merge(*draft).config.num_layers
+  call = lambda kv, tokens, positions: _draft_call(
+    draft,
+    kv,
+    first_layer,
+    tokens,
+    positions,
+    tables,
+    slots_of(tables, positions, cfg.block_size),
+    cfg.sliding_window,
+  )
+  running = loop.seq_ids >= 0
+  recent = num_tokens[:, None] - (k + 1) + jnp.arange(k + 1)[None, :]
+  positions = jnp.where(running[:, None] & (recent >= 0), recent, -1)
+  tokens = jnp.take_along_axis(history, jnp.clip(recent, 0, history.shape[1] - 1), axis=1)
+  logits, kv = call(kv, tokens, positions)
+  token, probs = _draft_draw(logits[:, -1], rows, loop.num_generated)
+  tokens = jnp.zeros((token.shape[0], k), jnp.int32).at[:, 0].set(token)
+  dists = jnp.zeros((*probs.shape[:1], k, probs.shape[1]), jnp.float32).at[:, 0].set(probs)
+
+  def propose(j, carry):
+    tokens, dists, kv = carry
+    positions = jnp.where(running, num_tokens - 1 + j, -1)[:, None]
+    logits, kv = call(kv, jax.lax.dynamic_slice_in_dim(tokens, j - 1, 1, axis=1), positions)
+    token, probs = _draft_draw(logits[:, 0], rows, loop.num_generated + j)
+    return tokens.at[:, j].set(token), dists.at[:, j].set(probs), kv
+
+  return jax.lax.fori_loop(1, k, propose, (tokens, dists, kv))
 
 
 start_beams = jax.jit(beam.Beams.start)

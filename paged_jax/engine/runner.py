@@ -68,6 +68,8 @@ class ModelRunner:
       `decode_buckets`).
     speculative: a `SpeculativeConfig`: every decode step speculates (no
       beam groups then); None: none does.
+    draft_model: the draft model of a "draft_model" config (its K/V layers
+      follow the model's in `cache`), or None.
   """
 
   def __init__(
@@ -84,9 +86,15 @@ class ModelRunner:
     max_decode_rows: int | None = None,
     decode_row_buckets=None,
     speculative=None,
+    draft_model=None,
   ):
     self.cache = cache
     self.speculative = speculative
+    self.draft = {}  # the draft model's graphdef and params, as the programs take them
+    if draft_model is not None:
+      if mesh is not None:
+        draft_model = sharding.shard_model(draft_model, mesh)
+      self.draft = dict(zip(("draft_graphdef", "draft_params"), nnx.split(draft_model)))
     self.prefill_width, self.max_prefill_rows = prefill_width, max_prefill_rows
     self.max_decode_rows = cache.cfg.max_seqs if max_decode_rows is None else max_decode_rows
     self.decode_row_buckets = decode_row_buckets
@@ -309,6 +317,7 @@ class ModelRunner:
       cache.cfg.block_size,
       table,
       draw_states,
+      **self.draft,
     )
     return draw, scores
 
@@ -392,6 +401,7 @@ class ModelRunner:
       jnp.array(stop_on_finish),
       table,
       self.speculative,
+      **self.draft,
     )
 
   def decode_carry(

@@ -58,6 +58,34 @@ def _filtered(logits: jax.Array, top_k: jax.Array, top_p: jax.Array):
   return jnp.where(logits < jnp.maximum(kth, cutoff), -jnp.inf, logits)
 
 
+def sampling_logits(logits: jax.Array, params: RowParams) -> jax.Array:
+  """The float32 logits `[rows, vocab]` each row samples from: scaled by
+  its temperature, outside its top-k and top-p nucleus -inf (a greedy row's
+  are unchanged)."""
+  logits = logits.astype(jnp.float32)
+  greedy = params.temperature <= 0.0
+  scaled = logits / jnp.where(greedy, 1.0, params.temperature)[:, None]
+  truncating = ~greedy & ((params.top_k > 0) | (params.top_p < 1.0))
+  return jax.lax.cond(  # the vocabulary sort only when a row needs it
+    jnp.any(truncating),
+    lambda x: jnp.where(truncating[:, None], _filtered(x, params.top_k, params.top_p), x),
+    lambda x: x,
+    scaled,
+  )
+
+
+def row_keys(params: RowParams, index: jax.Array, salt: int | None = None) -> jax.Array:
+  """Each row's PRNG key for its output token `index[row]`: `fold_in(key,
+  index)`, what `sample_rows` draws with; with `salt`, that key folded with
+  it (another stream for the same token)."""
+
+  def key(data, i):
+    folded = jax.random.fold_in(jax.random.wrap_key_data(data), i)
+    return folded if salt is None else jax.random.fold_in(folded, salt)
+
+  return jax.vmap(key)(params.key_data, index)
+
+
 def sample_rows(
   logits: jax.Array,
   params: RowParams,
@@ -95,18 +123,8 @@ def sample_rows(
   greedy = params.temperature <= 0.0
 
   def draw(_):
-    scaled = logits / jnp.where(greedy, 1.0, params.temperature)[:, None]
-    truncating = ~greedy & ((params.top_k > 0) | (params.top_p < 1.0))
-    filtered = jax.lax.cond(  # the vocabulary sort only when a row needs it
-      jnp.any(truncating),
-      lambda x: jnp.where(truncating[:, None], _filtered(x, params.top_k, params.top_p), x),
-      lambda x: x,
-      scaled,
-    )
-    keys = jax.vmap(lambda data, i: jax.random.fold_in(jax.random.wrap_key_data(data), i))(
-      params.key_data, index
-    )
-    return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+    keys = row_keys(params, index)
+    return jax.vmap(jax.random.categorical)(keys, sampling_logits(logits, params)).astype(jnp.int32)
 
   argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   drawn = jax.lax.cond(jnp.all(greedy), lambda _: argmax, draw, None)
