@@ -360,6 +360,9 @@ def test_metrics_have_vllms_names(tiny, tiny_client):
     "vllm:time_to_first_token_seconds_count",
     "vllm:inter_token_latency_seconds_count",
     "vllm:e2e_request_latency_seconds_count",
+    "vllm:spec_decode_num_drafts_total",
+    "vllm:spec_decode_num_draft_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_total",
   ):
     assert name in metrics, name
   assert metrics["vllm:prompt_tokens_total"] >= len(b"DEBT, n. ")
@@ -446,6 +449,9 @@ def test_api_key_is_needed_except_for_health_and_metrics(tiny):
     (["--preemption-mode", "swap"], "--preemption-mode swap needs --swap-space > 0"),
     (["--max-logprobs", "-1"], "--max-logprobs must be >= 0"),
     (["--num-gpu-blocks-override", "0"], "--num-gpu-blocks-override: must be >= 1"),
+    (["--speculative-config", "{ngram}"], "--speculative-config: not JSON"),
+    (["--speculative-config", "[1]"], "--speculative-config: a JSON object is needed"),
+    (["--speculative-config", '{"method": "medusa"}'], "method must be one of"),
   ],
 )
 def test_bad_serve_options_exit_before_listening(argv, message, capsys):
@@ -454,6 +460,16 @@ def test_bad_serve_options_exit_before_listening(argv, message, capsys):
   with pytest.raises(SystemExit) as exit_info:
     main(["serve", "--model", "tiny", *argv])
   assert message in str(exit_info.value.code) + capsys.readouterr().err
+
+
+def test_a_draft_model_flag_loads_the_draft_as_the_model_flag_does():
+  from paged_jax.__main__ import _parser
+
+  spec = '{"method": "draft_model", "model": "tiny", "num_speculative_tokens": 2}'
+  args = _parser().parse_args(["serve", "--model", "tiny", "--speculative-config", spec])
+  config = cli._with_draft(args)
+  assert config["num_speculative_tokens"] == 2
+  assert config["model"].config == load_tiny().config
 
 
 # An unexpected error stays in its request: an app over a stub engine.

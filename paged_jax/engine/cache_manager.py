@@ -95,6 +95,8 @@ class CacheManager:
     draft_config: a speculative draft model's config: its K/V pages are
       layers after the model's in the same cache (one block table, copies
       and swaps move both); None for none.
+    lookahead: slots each decode step reserves past a sequence's tokens
+      (`num_speculative_tokens`; what a sequence holds at most counts them).
   """
 
   def __init__(
@@ -106,9 +108,11 @@ class CacheManager:
     mesh=None,
     max_chunk: int | None = None,
     draft_config=None,
+    lookahead: int = 0,
   ):
     self.cfg = cfg
     self.max_chunk = max_chunk
+    self.lookahead = lookahead
     self.bm = BlockSpaceManager(cfg)
     dtype = jnp.dtype(model_config.dtype if kv_cache_dtype is None else kv_cache_dtype)
     pages = lambda mc: KVCache.create(

@@ -173,6 +173,7 @@ class LLMEngine:
       mesh=mesh,
       max_chunk=max_chunk,
       draft_config=None if draft is None else draft.config,
+      lookahead=0 if self.speculative is None else self.speculative.num_speculative_tokens,
     )
     self.runner = ModelRunner(
       model,
@@ -275,6 +276,7 @@ class LLMEngine:
       num_prompt_tokens=num_prompt_tokens,
       params=params,
       max_chunk=self.cache.max_chunk,
+      lookahead=self.cache.lookahead,
     )
 
   def _max_len(self) -> int:

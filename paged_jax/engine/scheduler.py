@@ -74,6 +74,7 @@ def admission_error(
   params: SamplingParams,
   resident_lengths=None,
   max_chunk: int | None = None,
+  lookahead: int = 0,
 ) -> str | None:
   """Why a request can never be served, or None: the one answer to "can it
   ever fit", asked when it arrives and whenever it is to be admitted.
@@ -81,7 +82,8 @@ def admission_error(
   A request fits if its sequences and slots fit the budgets, its prompt
   leaves room for new tokens in `max_len` positions, and one group alone
   fits the GPU blocks: finishing (each of its `n` sequences holds `prompt +
-  max_tokens - 1` tokens; they share the prompt's full blocks) and being
+  max_tokens - 1` tokens and `lookahead` slots; they share the prompt's
+  full blocks) and being
   admitted (above the watermark: its prompt, or `resident_lengths` after a
   recompute preemption).
 
@@ -97,6 +99,8 @@ def admission_error(
       new request.
     max_chunk: the most prompt tokens a sequence appends at once on a cache
       that frees the blocks outside its window (see `blocks_held`).
+    lookahead: slots each decode step reserves past a sequence's tokens
+      (speculative decoding's proposals).
   """
   n = params.n
   if n > max_num_seqs:
@@ -112,7 +116,7 @@ def admission_error(
       f"positions (the model's max_seq_len and the block table's {cfg.max_tokens_per_seq} tokens)"
     )
   limit = token_limit(max_len, num_prompt_tokens, params)
-  per_seq = blocks_held(cfg, num_prompt_tokens + limit - 1, max_chunk)
+  per_seq = blocks_held(cfg, num_prompt_tokens + limit - 1 + lookahead, max_chunk)
   # Under a window the samples' shared prompt blocks leave it as they decode.
   shared = 0 if cfg.sliding_window else min(num_prompt_tokens // cfg.block_size, per_seq)
   needed = per_seq + (n - 1) * (per_seq - shared)
@@ -406,6 +410,7 @@ class Scheduler:
       params=group.params,
       resident_lengths=lengths,
       max_chunk=self.cache.max_chunk,
+      lookahead=self.cache.lookahead,
     )
     if reason is not None:
       return AllocStatus.NEVER, reason

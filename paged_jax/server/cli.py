@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import math
 import pathlib
@@ -47,6 +48,16 @@ def _non_negative(text: str) -> float:
   if not (math.isfinite(value) and value >= 0):
     raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
   return value
+
+
+def _speculative_config(text: str) -> dict:
+  try:
+    config = json.loads(text)
+  except json.JSONDecodeError as err:
+    raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
+  if not isinstance(config, dict):
+    raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
+  return config
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -97,6 +108,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
   serve.add_argument("--api-key", default=None)
   serve.add_argument("--max-logprobs", type=int, default=20)
   serve.add_argument("--seed", type=int, default=0)
+  serve.add_argument(
+    "--speculative-config",
+    type=_speculative_config,
+    default=None,
+    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+    '"prompt_lookup_max": 4}\'; a "draft_model" method takes the draft in "model" (what '
+    "--model takes, loaded with --dtype)",
+  )
   serve.add_argument("--log-level", default="info")
   return serve
 
@@ -122,6 +141,15 @@ def _load(args):
 
     dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
   return load_pretrained(args.model, dtype=dtype, max_seq_len=args.max_model_len)
+
+
+def _with_draft(args) -> dict | None:
+  """`--speculative-config` with a draft model's name loaded as the model."""
+  config = args.speculative_config
+  if config is None or config.get("method") != "draft_model" or "model" not in config:
+    return config
+  draft = argparse.Namespace(**{**vars(args), "model": config["model"]})
+  return {**config, "model": _load(draft)[0]}
 
 
 def _num_gpu_blocks(args, model, block_bytes: int, max_model_len: int) -> int:
@@ -161,12 +189,17 @@ def engine_builder(args):
     max_model_len = min(args.max_model_len or config.max_seq_len, config.max_seq_len)
     kv_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype]
     tp, dp = args.tensor_parallel_size, args.data_parallel_size
-    block_bytes = pj.bytes_per_block(
-      block_size=args.block_size,
-      num_layers=config.num_layers,
-      num_kv_heads=sharding.stored_kv_heads(config.num_kv_heads, tp) // tp,
-      head_dim=config.head_dim,
-      dtype=jnp.dtype(kv_dtype or config.dtype),
+    speculative_config = _with_draft(args)
+    draft = (speculative_config or {}).get("model")
+    block_bytes = sum(  # a draft's pages share the blocks
+      pj.bytes_per_block(
+        block_size=args.block_size,
+        num_layers=c.num_layers,
+        num_kv_heads=sharding.stored_kv_heads(c.num_kv_heads, tp) // tp,
+        head_dim=c.head_dim,
+        dtype=jnp.dtype(kv_dtype or config.dtype),
+      )
+      for c in (config, *([] if draft is None else [draft.config]))
     )
     num_cpu_blocks = pj.num_cpu_blocks_for_swap_space(args.swap_space, block_bytes)
     if args.preemption_mode == "swap" and num_cpu_blocks == 0:
@@ -190,6 +223,7 @@ def engine_builder(args):
       mesh=mesh,
       max_logprobs=args.max_logprobs,
       max_beam_width=MAX_BEAM_WIDTH,
+      speculative_config=speculative_config,
       warmup=True,
       seed=args.seed,
     )

@@ -170,9 +170,7 @@ class EngineThread:
       self.built = self._build()
       self.engine = self.built.engine
       self._warm_up()
-      stats = self.engine.stats
-      self._base_preemptions = stats.preemptions
-      self._base_prefill_tokens = stats.prefill_tokens
+      self._base = self.engine.stats  # the warm-up's counts do not count
       self._prefilled_prompt_tokens = 0
       self._counted: dict[int, int] = {}
       self._update_gauges()
@@ -294,11 +292,15 @@ class EngineThread:
     metrics.num_free_gpu_blocks.set(free)
     metrics.kv_cache_usage_perc.set(1.0 - free / total)
     stats = engine.stats
-    skipped = self._prefilled_prompt_tokens - (stats.prefill_tokens - self._base_prefill_tokens)
+    since = lambda name: getattr(stats, name) - getattr(self._base, name)
+    skipped = self._prefilled_prompt_tokens - since("prefill_tokens")
     for counter, total in (
-      (metrics.num_preemptions, stats.preemptions - self._base_preemptions),
+      (metrics.num_preemptions, since("preemptions")),
       (metrics.prefix_cache_queries, self._prefilled_prompt_tokens),
       (metrics.prefix_cache_hits, skipped),
+      (metrics.spec_decode_num_drafts, since("spec_decode_num_drafts")),
+      (metrics.spec_decode_num_draft_tokens, since("spec_decode_num_draft_tokens")),
+      (metrics.spec_decode_num_accepted_tokens, since("spec_decode_num_accepted_tokens")),
     ):
       counted = self._counted.get(id(counter), 0)
       if total > counted:  # counters never go down

@@ -90,6 +90,15 @@ class ServerMetrics:
       "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (prefill skipped them)."
     )
     self.num_preemptions = counter("vllm:num_preemptions", "Groups preempted by the scheduler.")
+    self.spec_decode_num_drafts = counter(
+      "vllm:spec_decode_num_drafts", "Speculative decoding: sequence steps with proposals."
+    )
+    self.spec_decode_num_draft_tokens = counter(
+      "vllm:spec_decode_num_draft_tokens", "Speculative decoding: tokens proposed."
+    )
+    self.spec_decode_num_accepted_tokens = counter(
+      "vllm:spec_decode_num_accepted_tokens", "Speculative decoding: proposed tokens accepted."
+    )
     self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of prefilled requests.")
     self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
     self.time_to_first_token = histogram(
