@@ -370,6 +370,42 @@ def serve_features(model, mesh, kv_cache_dtype=None) -> dict:
   }
 
 
+def speculating(model, mesh) -> dict:
+  """Tokens of `feature_requests` without the beam request (refused while
+  speculating) on ``mesh`` with prompt lookup and with a draft model (the
+  model itself), and their accepted proposals."""
+  result = {}
+  for name, spec in (
+    ("ngram", {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}),
+    (
+      "draft",
+      {"method": "draft_model", "model": model, "num_speculative_tokens": 2, "adaptive": False},
+    ),
+  ):
+    engine = pj.LLMEngine(
+      model,
+      None,
+      FEATURES_CFG,
+      mesh=mesh,
+      preemption_mode="swap",
+      num_decode_steps=4,
+      max_num_batched_tokens=32,
+      decode_row_buckets=(),
+      speculative_config=spec,
+    )
+    requests = feature_requests()[:3]
+    for i, (prompt, params) in enumerate(requests):
+      engine.add_request(str(i), prompt, params)
+    finals = {}
+    while engine.has_unfinished_requests():
+      for out in engine.step():
+        if out.finished:
+          finals[out.request_id] = out
+    result[name] = [[o.token_ids for o in finals[str(i)].outputs] for i in range(len(requests))]
+    result[f"{name}_accepted"] = engine.stats.spec_decode_num_accepted_tokens
+  return result
+
+
 def head_errors() -> dict[str, str]:
   """What a model of 6 query heads and 2 KV heads meets on a (1, 4) mesh: its
   KV heads fit (each stored twice), its query heads do not split over 4."""
@@ -468,6 +504,7 @@ def single_process(out: str) -> None:
   result["features_reference"] = serve_features(model, None)
   result["features_2x2"] = serve_features(model, sharding.make_mesh(2, 2))
   result["random_traces_2x2"] = random_traces(model, sharding.make_mesh(2, 2))
+  result["speculating_2x2"] = speculating(model, sharding.make_mesh(2, 2))
   result["ops_match"] = ops_match(sharding.make_mesh(2, 2))
   result["int8_ops_match"] = ops_match(sharding.make_mesh(2, 2), "int8")
   int8_mesh = sharding.make_mesh(2, 2)

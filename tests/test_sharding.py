@@ -164,6 +164,17 @@ def test_data_shards_serve_every_feature_as_one_device_does(meshes):
   assert "slots [0, 4] span several data shards" in got["errors"]["slots"]
 
 
+def test_speculation_on_two_data_shards_gives_the_tokens_of_one_device(meshes):
+  # Prompt lookup and a draft model on a (2, 2) mesh: the greedy and seeded
+  # requests' tokens equal those served without speculation on one device
+  # (the seeded one: prompt lookup only; a sampled draft keeps the
+  # distribution, not the draws).
+  want, got = meshes["features_reference"]["tokens"], meshes["speculating_2x2"]
+  assert got["ngram"] == want[:3]
+  assert got["draft"][1:] == want[1:3]
+  assert got["draft_accepted"] > 0
+
+
 @pytest.mark.slow
 def test_random_traces_on_two_data_shards(meshes):
   # tests/engine_traces.py on a (2, 2) mesh: every check after every step

@@ -20,7 +20,9 @@ from tests.tiny_models import BYTE_LLAMA, ENGINE_CFG
 NUM_TRACES = int(os.environ.get("PAGED_JAX_RANDOM_TRACES", "1"))
 
 TOKENIZER = models.ByteTokenizer()
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+# Every launch speculates (not only where it measures faster): the tests check
+# the speculating steps.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "adaptive": False}
 # Repetitive prompts (prompt lookup finds matches), a shared prefix, ragged lengths.
 PROMPTS = (
   "abcabcabcabc",
@@ -109,13 +111,15 @@ def test_prompt_lookup_gives_the_tokens_of_plain_decoding(model, plain, preempti
 def test_random_traces_while_speculating(model):
   # tests/engine_traces.py (no beams: refused while speculating): every
   # check after every step, and every reproducible request equal to itself
-  # served alone. After warm-up, serving compiles nothing.
+  # served alone. The engine picks speculating or plain launches by what
+  # they measure (`adaptive`), so both kinds run. After warm-up, serving
+  # compiles nothing.
   engine = pj.LLMEngine(
     model,
     engine_traces.TOKENIZER,
     ENGINE_CFG,
     preemption_mode="swap",
-    speculative_config=NGRAM,
+    speculative_config={**NGRAM, "adaptive": True},
     warmup=True,
     **ENGINE_ARGS,
   )
@@ -127,6 +131,23 @@ def test_random_traces_while_speculating(model):
   assert not summary["failures"], summary["failures"][0]
   assert summary["compared"] > 0 and summary["preemptions"] > 0
   assert engine.stats.spec_decode_num_accepted_tokens > 0
+
+
+def test_launches_speculate_where_that_measures_faster():
+  chooser = speculative.LaunchChooser(explore_every=4)
+  # Each kind runs first once per row count.
+  assert chooser.speculate(8) is True
+  chooser.record(8, True, seconds=2.0, steps=10, row_steps=80, tokens=120)  # 1.5 tokens a step
+  assert chooser.speculate(8) is False
+  chooser.record(8, False, seconds=1.0, steps=10, row_steps=80, tokens=80)
+  # Speculating: 1.5 tokens per 0.2 s; plain: 1 per 0.1 s. Plain wins, but
+  # every 4th launch explores the other kind.
+  assert [chooser.speculate(8) for _ in range(4)] == [False, True, False, False]
+  assert chooser.speculate(1) is True  # another row count: measured on its own
+  # Acceptance rises: speculating wins, and plain runs to explore.
+  for _ in range(4):
+    chooser.record(8, True, seconds=2.0, steps=10, row_steps=80, tokens=320)
+  assert [chooser.speculate(8) for _ in range(4)] == [True, False, True, True]
 
 
 def _reference_lookup(tokens, k, shortest, longest):
@@ -204,6 +225,7 @@ def test_the_rejection_rule_keeps_the_target_distribution():
       r"prompt_lookup_min \(5\) must be at most prompt_lookup_max \(4\)",
     ),
     ({"method": "ngram", "num_speculative_tokens": 200}, "leaves no room in a block table"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "adaptive": 1}, "adaptive must be a bool"),
     (
       {"method": "draft_model", "num_speculative_tokens": 2, "model": None},
       "must be a model with config.vocab_size",
@@ -247,7 +269,7 @@ RANDOM_DRAFT_CONFIG = dataclasses.replace(BYTE_LLAMA, num_layers=2, num_kv_heads
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
 def test_a_draft_model_gives_the_greedy_tokens_of_plain_decoding(model, plain, preemption_mode):
   draft = models.Llama(RANDOM_DRAFT_CONFIG, rngs=nnx.Rngs(5))
-  spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 2}
+  spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 2, "adaptive": False}
   engine = pj.LLMEngine(
     model,
     TOKENIZER,
@@ -270,7 +292,7 @@ def test_a_draft_model_gives_the_greedy_tokens_of_plain_decoding(model, plain, p
 def test_the_target_as_its_own_draft_is_accepted(model):
   # p == q: every greedy and sampled proposal is accepted (up to the float
   # rounding of one-token and several-token attention).
-  spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 2}
+  spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 2, "adaptive": False}
   engine = pj.LLMEngine(model, TOKENIZER, ENGINE_CFG, speculative_config=spec, **ENGINE_ARGS)
   _serve(engine)
   assert engine.stats.spec_decode_acceptance_rate > 0.9
@@ -289,7 +311,7 @@ def test_a_sampled_draft_keeps_the_target_distribution():
   target = models.Llama(SMALL_VOCAB, rngs=nnx.Rngs(0))
   draft = models.Llama(SMALL_VOCAB, rngs=nnx.Rngs(1))
   cfg = pj.CacheConfig(block_size=4, num_gpu_blocks=96, max_seqs=32, max_blocks_per_seq=4)
-  spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 2}
+  spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 2, "adaptive": False}
   engine = pj.LLMEngine(
     target, None, cfg, num_decode_steps=1, decode_row_buckets=(), speculative_config=spec
   )

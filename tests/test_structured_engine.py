@@ -214,3 +214,19 @@ def test_a_state_that_allows_no_token_finishes_the_row_with_abort(tiny, llm, mon
   assert completion.token_ids == [ord("a"), ord("b")]
   assert (completion.finish_reason, completion.stop_reason) == ("abort", "structured_outputs")
   assert outputs[1].outputs[0].finish_reason == "length"
+
+
+@pytest.mark.slow  # its own decode loop (speculating, with the automata)
+def test_speculation_leaves_constrained_and_unconstrained_rows_as_they_are(tiny, llm, mixed):
+  # Constrained rows draw one token a step, unconstrained ones speculate
+  # beside them: both give what the engine without speculation gives.
+  spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+  speculating = pj.LLM(tiny, ByteTokenizer(), CFG, decode_row_buckets=(), speculative_config=spec)
+  prompts = [PROMPT] * len(ALL_CONSTRAINTS) + [prompt for prompt, _ in UNCONSTRAINED]
+  params = [
+    pj.SamplingParams(max_tokens=96, structured_outputs=constraint)
+    for constraint in ALL_CONSTRAINTS
+  ] + [params for _, params in UNCONSTRAINED]
+  got = speculating.generate(prompts, params)
+  assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in mixed]
+  assert speculating.engine.stats.spec_decode_num_draft_tokens > 0

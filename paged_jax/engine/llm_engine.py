@@ -153,6 +153,9 @@ class LLMEngine:
     if self.speculative is not None:
       _check_speculation(self.speculative, cache_config, max_chunk, draft)
     self.draft = draft
+    self._chooser = None
+    if self.speculative is not None and self.speculative.adaptive:
+      self._chooser = speculative.LaunchChooser()
     if max_chunk is not None:
       prefill_width = min(prefill_width, max_chunk)
     compilation_cache.enable()  # on disk, see paged_jax.compilation_cache
@@ -226,7 +229,8 @@ class LLMEngine:
     (up to the first that holds `max_num_seqs`; or to one of
     `decode_row_buckets`), or every slot (`max_seqs`
     per shard, with the beam step, which runs only in steps with a beam
-    group); the block manager's
+    group), and with speculation each of those once more with speculating
+    steps; the block manager's
     calls over a group take its slots padded to `max_seqs`; swaps move
     fixed-capacity plans; a request's PRNG keys come from a few small
     host-side programs.
@@ -235,6 +239,10 @@ class LLMEngine:
     return (
       [f"prefill {shards * r}x{width} tokens" for r in self.runner.prefill_buckets()]
       + [f"decode loop {shards * r} rows x{steps} steps" for r in self.runner.decode_buckets()]
+      + [
+        f"speculating decode loop {shards * r} rows x{steps} steps"
+        for r in (self.runner.decode_buckets() if self.speculative is not None else ())
+      ]
       + ["block manager calls", "swap out", "swap in", "request keys"]
     )
 
@@ -388,19 +396,31 @@ class LLMEngine:
         for s in group.live()
         if s.slot >= 0
       ]
+      speculate = self._chooser is None or self._chooser.speculate(self.runner.next_decode_rows())
       histories = []
-      if self.speculative is not None:
+      if self.speculative is not None and speculate:
         histories = [
           (slot, np.concatenate([group.prompt_token_ids, seq.token_ids]).astype(np.int32))
           for slot, (group, seq) in decoding
         ]
+      start = time.perf_counter()
       result = self._timed(
         self.runner.decode,
         self.num_decode_steps,
         stop_on_finish,
         _constraints(decoding),
         histories,
+        speculate,
       )
+      if self._chooser is not None:
+        self._chooser.record(
+          result.num_rows,
+          speculate,
+          time.perf_counter() - start,
+          result.steps,
+          result.row_steps,
+          int(result.counts.sum()),
+        )
       for out in rounds:
         touched.update(self.processor.take_decode(out.decoding, result, self.runner.hypotheses))
     for scheduler, out in zip(self.schedulers, rounds):

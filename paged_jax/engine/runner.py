@@ -39,6 +39,9 @@ class DecodeResult:
     out_of_blocks: bool `[D]`, the data shards whose blocks ran out (the
       loop stopped for them).
     beams_done: bool `[S]`, leaders whose beam group has finished.
+    num_rows: the launch's rows (its row bucket, over every data shard).
+    steps: steps the loop ran.
+    row_steps: rows that decoded, summed over the steps.
   """
 
   draws: Draw
@@ -46,6 +49,9 @@ class DecodeResult:
   finished: np.ndarray
   out_of_blocks: np.ndarray
   beams_done: np.ndarray
+  num_rows: int = 0
+  steps: int = 0
+  row_steps: int = 0
 
 
 class ModelRunner:
@@ -335,6 +341,11 @@ class ModelRunner:
       buckets.append(4 * buckets[-1])
     return [b for b in buckets if b < per_shard] + [per_shard]
 
+  def next_decode_rows(self) -> int:
+    """The rows (over every data shard) the next decode launch runs."""
+    rows = self._decode_rows()
+    return self.seq_ids.shape[0] if rows is None else rows.shape[0]
+
   def _decode_rows(self) -> np.ndarray | None:
     """The slots of the next decode launch's rows (see `pack_decode_rows`);
     None for every slot in order, while a beam group runs."""
@@ -381,15 +392,19 @@ class ModelRunner:
     rows = None
     if rows_per_shard != self.cache.cfg.max_seqs:
       rows = np.full(self.cache.num_shards * rows_per_shard, -1, np.int32)
-    loop = self._launch_decode(self.decode_carry(num_steps, rows), rows, False)
-    self.cache.state, self.cache.kv = loop.state, loop.kv
+    for speculating in {self.speculative, None}:  # a speculating engine launches both
+      loop = self.decode_carry(num_steps, rows, speculating=speculating)
+      loop = self._launch_decode(loop, rows, False, speculating=speculating)
+      self.cache.state, self.cache.kv = loop.state, loop.kv
     if loop.beams is not None:
       self.beams = loop.beams
       no_group = self._group_slots([])  # starting and forgetting a group (results dropped)
       programs.start_beams(self.beams, no_group, 1, 1.0)
       programs.clear_beams(self.beams, no_group)
 
-  def _launch_decode(self, carry, rows, stop_on_finish: bool, table=None) -> programs.DecodeLoop:
+  def _launch_decode(
+    self, carry, rows, stop_on_finish: bool, table=None, speculating=None
+  ) -> programs.DecodeLoop:
     params = (
       self.rows if rows is None else jax.tree.map(lambda a: a[np.maximum(rows, 0)], self.rows)
     )
@@ -400,24 +415,24 @@ class ModelRunner:
       carry,
       jnp.array(stop_on_finish),
       table,
-      self.speculative,
-      **self.draft,
+      speculating,
+      **(self.draft if speculating is not None else {}),
     )
 
   def decode_carry(
-    self, num_steps: int, rows, automaton_state=None, histories=()
+    self, num_steps: int, rows, automaton_state=None, histories=(), speculating=None
   ) -> programs.DecodeLoop:
     """The decode loop's carry for a launch of up to `num_steps` steps on
     the slots `rows` (see `_decode_rows`), the rows' automata in
-    `automaton_state` (table states; None: unconstrained), and when
-    speculating the rows' tokens in `histories` (`(slot, token ids)`
-    pairs)."""
+    `automaton_state` (table states; None: unconstrained), and with
+    `speculating` (a `SpeculativeConfig`) the rows' tokens in `histories`
+    (`(slot, token ids)` pairs)."""
     slots = np.arange(self.seq_ids.shape[0]) if rows is None else rows
     take = lambda a: a[np.maximum(slots, 0)]
     num_rows, k = slots.shape[0], self.num_logprobs
     if automaton_state is None:
       automaton_state = np.full(num_rows, structured.UNCONSTRAINED, np.int32)
-    width = num_steps * (1 + self._num_speculative())
+    width = num_steps * (1 + _num_speculative(speculating))
     draws = Draw(
       tokens=jnp.zeros((num_rows, width), jnp.int32),
       logprob=jnp.zeros((num_rows, width), jnp.float32),
@@ -441,18 +456,16 @@ class ModelRunner:
       cow_copies=jnp.int32(0),
       peak_blocks=jnp.int32(0),
       utilization_sum=jnp.float32(0.0),
-      spec=self._speculation(slots, histories),
+      spec=self._speculation(slots, histories, speculating),
     )
 
-  def _num_speculative(self) -> int:
-    return 0 if self.speculative is None else self.speculative.num_speculative_tokens
-
-  def _speculation(self, slots: np.ndarray, histories) -> programs.Speculation | None:
+  def _speculation(self, slots: np.ndarray, histories, speculating):
     """A speculating launch's per-row carry: each row's tokens from
-    `histories` (`(slot, token ids)`), nothing pending."""
-    if self.speculative is None:
+    `histories` (`(slot, token ids)`), nothing pending; None when not
+    `speculating`."""
+    if speculating is None:
       return None
-    k, num_rows = self._num_speculative(), slots.shape[0]
+    k, num_rows = _num_speculative(speculating), slots.shape[0]
     history = np.zeros((num_rows, self.cache.cfg.max_tokens_per_seq), np.int32)
     history_len = np.zeros(num_rows, np.int32)
     row_of = {int(slot): row for row, slot in enumerate(slots) if slot >= 0}
@@ -472,7 +485,7 @@ class ModelRunner:
     )
 
   def decode(
-    self, num_steps: int, stop_on_finish: bool, constraints=(), histories=()
+    self, num_steps: int, stop_on_finish: bool, constraints=(), histories=(), speculate=True
   ) -> DecodeResult:
     """Runs up to `num_steps` decode steps of the running rows (stopping
     after a step in which a row finished if `stop_on_finish`).
@@ -486,7 +499,10 @@ class ModelRunner:
         `state` (the state after its last token) on.
       histories: when speculating, `(slot, token ids)` of the running
         rows: prompt and output so far, the last token included.
+      speculate: with a `speculative` config, whether this launch's steps
+        speculate (else they are plain ones).
     """
+    speculating = self.speculative if speculate else None
     before = self.num_generated.copy()
     running = self.seq_ids >= 0
     rows = self._decode_rows()
@@ -497,8 +513,8 @@ class ModelRunner:
     table, automaton_state = self._automata(
       slots.shape[0], [(row_of[slot], automaton, state) for slot, automaton, state in constraints]
     )
-    loop = self.decode_carry(num_steps, rows, automaton_state, histories)
-    loop = self._launch_decode(loop, rows, stop_on_finish, table)  # masks only with a table
+    loop = self.decode_carry(num_steps, rows, automaton_state, histories, speculating)
+    loop = self._launch_decode(loop, rows, stop_on_finish, table, speculating)  # masks with a table
     self.cache.state, self.cache.kv = loop.state, loop.kv
     if loop.beams is not None:
       self.beams = loop.beams
@@ -526,7 +542,14 @@ class ModelRunner:
       finished=running & (self.seq_ids < 0),
       out_of_blocks=np.array(loop.out_of_blocks),
       beams_done=np.asarray(self.beams.done),
+      num_rows=slots.shape[0],
+      steps=int(loop.step),
+      row_steps=int(loop.rows_run),
     )
+
+
+def _num_speculative(speculating) -> int:
+  return 0 if speculating is None else speculating.num_speculative_tokens
 
 
 def pack_decode_rows(running: np.ndarray, buckets: list[int]) -> np.ndarray | None:

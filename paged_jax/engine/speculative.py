@@ -36,6 +36,9 @@ _KEYS = {
   "ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"},
   "draft_model": {"method", "num_speculative_tokens", "model"},
 }
+# Ours, not vLLM's: whether launches that speculate give way to plain ones
+# where those measure faster (see `LaunchChooser`).
+_OPTIONS = {"adaptive"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,12 +51,16 @@ class SpeculativeConfig:
     num_speculative_tokens: `k`, tokens proposed per row and step.
     prompt_lookup_max: ngram: the longest suffix looked up.
     prompt_lookup_min: ngram: the shortest.
+    adaptive: whether the engine runs a decode launch without speculation
+      where that measures faster (`LaunchChooser`); False: every launch
+      speculates.
   """
 
   method: str
   num_speculative_tokens: int
   prompt_lookup_max: int = 4
   prompt_lookup_min: int = 1
+  adaptive: bool = True
 
 
 def parse_config(spec, vocab_size: int):
@@ -71,7 +78,7 @@ def parse_config(spec, vocab_size: int):
   method = spec.get("method")
   if method not in METHODS:
     raise ValueError(f"speculative_config method must be one of {METHODS}, got {method!r}")
-  unknown = sorted(set(spec) - _KEYS[method])
+  unknown = sorted(set(spec) - _KEYS[method] - _OPTIONS)
   if unknown:
     raise ValueError(
       f"speculative_config key {unknown[0]!r} is not understood for method {method!r} "
@@ -82,7 +89,10 @@ def parse_config(spec, vocab_size: int):
     num_speculative_tokens=spec.get("num_speculative_tokens"),
     prompt_lookup_max=spec.get("prompt_lookup_max", 4),
     prompt_lookup_min=spec.get("prompt_lookup_min", 1),
+    adaptive=spec.get("adaptive", True),
   )
+  if not isinstance(config.adaptive, bool):
+    raise ValueError(f"speculative_config adaptive must be a bool, got {config.adaptive!r}")
   for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
     value = getattr(config, name)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -103,6 +113,58 @@ def parse_config(spec, vocab_size: int):
         f"a draft must share the target's tokenizer"
       )
   return config, draft
+
+
+class LaunchChooser:
+  """Picks, per decode launch, speculating or plain steps: whichever gives
+  more tokens per second for the launch's row count.
+
+  Speculation pays only when its accepted tokens outweigh its wider model
+  call (`k + 1` query tokens a row: on a CPU about twice a one-token step).
+  The chooser keeps, per row count, a moving average of each kind's seconds
+  per step and of speculation's tokens per row and step, and picks the kind
+  with the higher rate; a kind not measured yet runs first, and every
+  `explore_every`-th launch of a row count runs the other kind, so that
+  both averages follow the text being written. Outputs do not depend on
+  the choice (speculation is exact).
+  """
+
+  def __init__(self, explore_every: int = 8, decay: float = 0.5):
+    self.explore_every, self.decay = explore_every, decay
+    self._seconds: dict[tuple[int, bool], float] = {}  # (rows, speculated) -> s per step
+    self._tokens: dict[int, float] = {}  # rows -> tokens per row and step, speculating
+    self._launches: dict[int, int] = {}
+
+  def speculate(self, num_rows: int) -> bool:
+    """Whether the next launch of `num_rows` rows speculates."""
+    launches = self._launches.get(num_rows, 0)
+    self._launches[num_rows] = launches + 1
+    for kind in (True, False):
+      if (num_rows, kind) not in self._seconds:
+        return kind
+    faster = self.tokens_per_second(num_rows, True) >= self.tokens_per_second(num_rows, False)
+    explore = launches % self.explore_every == self.explore_every - 1
+    return faster != explore
+
+  def tokens_per_second(self, num_rows: int, speculated: bool) -> float:
+    """The estimate of tokens per row and second of a kind of launch."""
+    tokens = self._tokens[num_rows] if speculated else 1.0
+    return tokens / self._seconds[num_rows, speculated]
+
+  def record(
+    self, num_rows: int, speculated: bool, seconds: float, steps: int, row_steps: int, tokens: int
+  ) -> None:
+    """Takes in a launch: its duration, steps, rows decoded over its steps
+    and tokens drawn."""
+    if steps == 0 or row_steps == 0:
+      return
+    self._average(self._seconds, (num_rows, speculated), seconds / steps)
+    if speculated:
+      self._average(self._tokens, num_rows, tokens / row_steps)
+
+  def _average(self, table: dict, key, value: float) -> None:
+    old = table.get(key)
+    table[key] = value if old is None else self.decay * old + (1 - self.decay) * value
 
 
 def propose_ngram(
