@@ -307,20 +307,25 @@ def feature_requests():
   return [(p.astype(np.int32), q) for p, q in zip(prompts, params)]
 
 
-def serve_features(model, mesh, kv_cache_dtype=None) -> dict:
-  """Tokens and log-probs of `feature_requests` on an engine on ``mesh``,
-  where each request went, and what the shards hold at the end; then where
-  one more request goes once all have finished (their loads are gone)."""
-  engine = pj.LLMEngine(
+def features_engine(model, mesh, **options) -> pj.LLMEngine:
+  """The engine of `serve_features` on ``mesh``, with more `options`."""
+  return pj.LLMEngine(
     model,
     None,
     FEATURES_CFG,
     mesh=mesh,
     preemption_mode="swap",
     num_decode_steps=4,
-    kv_cache_dtype=kv_cache_dtype,
     max_num_batched_tokens=32,
+    **options,
   )
+
+
+def serve_features(model, mesh, kv_cache_dtype=None) -> dict:
+  """Tokens and log-probs of `feature_requests` on an engine on ``mesh``,
+  where each request went, and what the shards hold at the end; then where
+  one more request goes once all have finished (their loads are gone)."""
+  engine = features_engine(model, mesh, kv_cache_dtype=kv_cache_dtype)
   requests = feature_requests()
   for i, (prompt, params) in enumerate(requests):
     engine.add_request(str(i), prompt, params)
@@ -382,17 +387,7 @@ def speculating(model, mesh) -> dict:
       {"method": "draft_model", "model": model, "num_speculative_tokens": 2, "adaptive": False},
     ),
   ):
-    engine = pj.LLMEngine(
-      model,
-      None,
-      FEATURES_CFG,
-      mesh=mesh,
-      preemption_mode="swap",
-      num_decode_steps=4,
-      max_num_batched_tokens=32,
-      decode_row_buckets=(),
-      speculative_config=spec,
-    )
+    engine = features_engine(model, mesh, decode_row_buckets=(), speculative_config=spec)
     requests = feature_requests()[:3]
     for i, (prompt, params) in enumerate(requests):
       engine.add_request(str(i), prompt, params)

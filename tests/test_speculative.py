@@ -134,20 +134,20 @@ def test_random_traces_while_speculating(model):
 
 
 def test_launches_speculate_where_that_measures_faster():
-  chooser = speculative.LaunchChooser(explore_every=4)
+  chooser = speculative.LaunchChooser(retry_every=3, remeasure_every=4)
   # Each kind runs first once per row count.
   assert chooser.speculate(8) is True
   chooser.record(8, True, seconds=2.0, steps=10, row_steps=80, tokens=120)  # 1.5 tokens a step
   assert chooser.speculate(8) is False
   chooser.record(8, False, seconds=1.0, steps=10, row_steps=80, tokens=80)
-  # Speculating: 1.5 tokens per 0.2 s; plain: 1 per 0.1 s. Plain wins, but
-  # every 4th launch explores the other kind.
-  assert [chooser.speculate(8) for _ in range(4)] == [False, True, False, False]
+  # Speculating: 1.5 tokens per 0.2 s; plain: 1 per 0.1 s. Plain wins, and
+  # every 3rd launch speculates again to see whether it accepts more now.
+  assert [chooser.speculate(8) for _ in range(6)] == [False, True, False, False, True, False]
   assert chooser.speculate(1) is True  # another row count: measured on its own
-  # Acceptance rises: speculating wins, and plain runs to explore.
+  # Acceptance rises: speculation wins; every 4th launch measures plain again.
   for _ in range(4):
     chooser.record(8, True, seconds=2.0, steps=10, row_steps=80, tokens=320)
-  assert [chooser.speculate(8) for _ in range(4)] == [True, False, True, True]
+  assert [chooser.speculate(8) for _ in range(8)] == [True, True, True, False] * 2
 
 
 def _reference_lookup(tokens, k, shortest, longest):
@@ -226,6 +226,10 @@ def test_the_rejection_rule_keeps_the_target_distribution():
     ),
     ({"method": "ngram", "num_speculative_tokens": 200}, "leaves no room in a block table"),
     ({"method": "ngram", "num_speculative_tokens": 2, "adaptive": 1}, "adaptive must be a bool"),
+    (
+      {"method": "draft_model", "num_speculative_tokens": 2, "model": None, "adaptive": True},
+      "adaptive needs the ngram method",
+    ),
     (
       {"method": "draft_model", "num_speculative_tokens": 2, "model": None},
       "must be a model with config.vocab_size",

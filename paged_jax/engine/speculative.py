@@ -51,9 +51,10 @@ class SpeculativeConfig:
     num_speculative_tokens: `k`, tokens proposed per row and step.
     prompt_lookup_max: ngram: the longest suffix looked up.
     prompt_lookup_min: ngram: the shortest.
-    adaptive: whether the engine runs a decode launch without speculation
-      where that measures faster (`LaunchChooser`); False: every launch
-      speculates.
+    adaptive: ngram: whether the engine runs a decode launch without
+      speculation where that measures faster (`LaunchChooser`; the
+      default); False: every launch speculates (a draft model's always do:
+      it must run every token).
   """
 
   method: str
@@ -89,10 +90,15 @@ def parse_config(spec, vocab_size: int):
     num_speculative_tokens=spec.get("num_speculative_tokens"),
     prompt_lookup_max=spec.get("prompt_lookup_max", 4),
     prompt_lookup_min=spec.get("prompt_lookup_min", 1),
-    adaptive=spec.get("adaptive", True),
+    adaptive=spec.get("adaptive", method == "ngram"),
   )
   if not isinstance(config.adaptive, bool):
     raise ValueError(f"speculative_config adaptive must be a bool, got {config.adaptive!r}")
+  if config.adaptive and method != "ngram":
+    raise ValueError(
+      "speculative_config adaptive needs the ngram method: a draft model must run every token, "
+      "so every launch speculates"
+    )
   for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
     value = getattr(config, name)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -123,28 +129,33 @@ class LaunchChooser:
   call (`k + 1` query tokens a row: on a CPU about twice a one-token step).
   The chooser keeps, per row count, a moving average of each kind's seconds
   per step and of speculation's tokens per row and step, and picks the kind
-  with the higher rate; a kind not measured yet runs first, and every
-  `explore_every`-th launch of a row count runs the other kind, so that
-  both averages follow the text being written. Outputs do not depend on
-  the choice (speculation is exact).
+  with the higher rate; a kind not measured yet runs first. What changes
+  with the text is how much speculation accepts, so while plain launches
+  win, every `retry_every`-th launch speculates again; while speculation
+  wins, every `remeasure_every`-th launch is a plain one (its cost drifts
+  little). Outputs do not depend on the choice (speculation is exact).
   """
 
-  def __init__(self, explore_every: int = 8, decay: float = 0.5):
-    self.explore_every, self.decay = explore_every, decay
+  def __init__(self, retry_every: int = 4, remeasure_every: int = 32, decay: float = 0.5):
+    self.retry_every, self.remeasure_every, self.decay = retry_every, remeasure_every, decay
     self._seconds: dict[tuple[int, bool], float] = {}  # (rows, speculated) -> s per step
     self._tokens: dict[int, float] = {}  # rows -> tokens per row and step, speculating
-    self._launches: dict[int, int] = {}
+    self._since: dict[tuple[int, bool], int] = {}  # launches since a kind last ran
 
   def speculate(self, num_rows: int) -> bool:
     """Whether the next launch of `num_rows` rows speculates."""
-    launches = self._launches.get(num_rows, 0)
-    self._launches[num_rows] = launches + 1
+    kind = self._pick(num_rows)
+    self._since[num_rows, kind] = 0
+    self._since[num_rows, not kind] = self._since.get((num_rows, not kind), 0) + 1
+    return kind
+
+  def _pick(self, num_rows: int) -> bool:
     for kind in (True, False):
       if (num_rows, kind) not in self._seconds:
         return kind
     faster = self.tokens_per_second(num_rows, True) >= self.tokens_per_second(num_rows, False)
-    explore = launches % self.explore_every == self.explore_every - 1
-    return faster != explore
+    every = self.remeasure_every if faster else self.retry_every
+    return faster != (self._since.get((num_rows, not faster), 0) >= every - 1)
 
   def tokens_per_second(self, num_rows: int, speculated: bool) -> float:
     """The estimate of tokens per row and second of a kind of launch."""
