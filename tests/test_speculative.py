@@ -134,20 +134,31 @@ def test_random_traces_while_speculating(model):
 
 
 def test_launches_speculate_where_that_measures_faster():
-  chooser = speculative.LaunchChooser(retry_every=3, remeasure_every=4)
+  chooser = speculative.LaunchChooser(retry_every=2, max_retry_every=4, remeasure_every=4)
   # Each kind runs first once per row count.
   assert chooser.speculate(8) is True
-  chooser.record(8, True, seconds=2.0, steps=10, row_steps=80, tokens=120)  # 1.5 tokens a step
+  slow = dict(seconds=2.0, steps=10, row_steps=80, tokens=120)  # 1.5 tokens per 0.2 s
+  chooser.record(8, True, **slow)
   assert chooser.speculate(8) is False
-  chooser.record(8, False, seconds=1.0, steps=10, row_steps=80, tokens=80)
-  # Speculating: 1.5 tokens per 0.2 s; plain: 1 per 0.1 s. Plain wins, and
-  # every 3rd launch speculates again to see whether it accepts more now.
-  assert [chooser.speculate(8) for _ in range(6)] == [False, True, False, False, True, False]
+  chooser.record(8, False, seconds=1.0, steps=10, row_steps=80, tokens=80)  # 1 per 0.1 s
+
+  def launches(count, speculating):
+    kinds = []
+    for _ in range(count):
+      kinds.append(chooser.speculate(8))
+      if kinds[-1]:
+        chooser.record(8, True, **speculating)
+    return kinds
+
+  # Plain wins; speculation runs again 2 launches after it last ran, then
+  # (having lost again) 4 after, at most.
+  assert launches(10, slow) == [True, False, False, False, True, False, False, False, True, False]
   assert chooser.speculate(1) is True  # another row count: measured on its own
-  # Acceptance rises: speculation wins; every 4th launch measures plain again.
-  for _ in range(4):
-    chooser.record(8, True, seconds=2.0, steps=10, row_steps=80, tokens=320)
-  assert [chooser.speculate(8) for _ in range(8)] == [True, True, True, False] * 2
+  # Acceptance rises: once a retry measures it, speculation wins, and every
+  # 4th launch measures plain again.
+  fast = dict(slow, tokens=480)
+  assert launches(4, fast) == [False, False, True, True]
+  assert launches(8, fast) == [True, False, True, True, True, False, True, True]
 
 
 def _reference_lookup(tokens, k, shortest, longest):

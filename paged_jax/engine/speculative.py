@@ -131,16 +131,26 @@ class LaunchChooser:
   per step and of speculation's tokens per row and step, and picks the kind
   with the higher rate; a kind not measured yet runs first. What changes
   with the text is how much speculation accepts, so while plain launches
-  win, every `retry_every`-th launch speculates again; while speculation
-  wins, every `remeasure_every`-th launch is a plain one (its cost drifts
-  little). Outputs do not depend on the choice (speculation is exact).
+  win, speculation runs again after `retry_every` launches, an interval
+  that doubles (up to `max_retry_every`) each time it loses again and
+  starts over when it wins; while speculation wins, every
+  `remeasure_every`-th launch is a plain one (its cost drifts little).
+  Outputs do not depend on the choice (speculation is exact).
   """
 
-  def __init__(self, retry_every: int = 4, remeasure_every: int = 32, decay: float = 0.5):
-    self.retry_every, self.remeasure_every, self.decay = retry_every, remeasure_every, decay
+  def __init__(
+    self,
+    retry_every: int = 4,
+    max_retry_every: int = 64,
+    remeasure_every: int = 32,
+    decay: float = 0.5,
+  ):
+    self.retry_every, self.max_retry_every = retry_every, max_retry_every
+    self.remeasure_every, self.decay = remeasure_every, decay
     self._seconds: dict[tuple[int, bool], float] = {}  # (rows, speculated) -> s per step
     self._tokens: dict[int, float] = {}  # rows -> tokens per row and step, speculating
     self._since: dict[tuple[int, bool], int] = {}  # launches since a kind last ran
+    self._retry: dict[int, int] = {}  # rows -> launches between speculation's retries
 
   def speculate(self, num_rows: int) -> bool:
     """Whether the next launch of `num_rows` rows speculates."""
@@ -153,9 +163,12 @@ class LaunchChooser:
     for kind in (True, False):
       if (num_rows, kind) not in self._seconds:
         return kind
-    faster = self.tokens_per_second(num_rows, True) >= self.tokens_per_second(num_rows, False)
-    every = self.remeasure_every if faster else self.retry_every
+    faster = self._speculation_faster(num_rows)
+    every = self.remeasure_every if faster else self._retry.get(num_rows, self.retry_every)
     return faster != (self._since.get((num_rows, not faster), 0) >= every - 1)
+
+  def _speculation_faster(self, num_rows: int) -> bool:
+    return self.tokens_per_second(num_rows, True) >= self.tokens_per_second(num_rows, False)
 
   def tokens_per_second(self, num_rows: int, speculated: bool) -> float:
     """The estimate of tokens per row and second of a kind of launch."""
@@ -172,6 +185,10 @@ class LaunchChooser:
     self._average(self._seconds, (num_rows, speculated), seconds / steps)
     if speculated:
       self._average(self._tokens, num_rows, tokens / row_steps)
+      if (num_rows, False) in self._seconds:
+        lost = not self._speculation_faster(num_rows)
+        retry = self._retry.get(num_rows, self.retry_every)
+        self._retry[num_rows] = min(2 * retry, self.max_retry_every) if lost else self.retry_every
 
   def _average(self, table: dict, key, value: float) -> None:
     old = table.get(key)
