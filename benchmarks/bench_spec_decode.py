@@ -8,7 +8,7 @@ Two workloads, prompts rendered by the chat template, greedy, up to
 * `open`: open-ended chat questions.
 
 Each runs at batch 1 (the first prompt) and batch 8, on one engine per
-method, all measured side by side in one run: no speculation, prompt lookup
+method, all measured side by side in one run, their runs interleaved: no speculation, prompt lookup
 (`ngram`: the engine speculates in the launches where that measures faster,
 `ngram-always`: in every launch), the target as its own draft (acceptance
 1: checks the machinery) and a random 2-layer draft with SmolLM2's
@@ -85,26 +85,40 @@ def speculative_config(method: str, model, k: int):
   return {"method": "draft_model", "model": draft, "num_speculative_tokens": k, "adaptive": False}
 
 
-def measure(llm: pj.LLM, prompts, params, repeats: int):
-  """Warm-up run, then `repeats` runs: median tokens/s, the warm-up's token
-  ids, and the stats of the measured runs."""
-  first = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+SPEC_COUNTERS = (
+  "spec_decode_num_drafts",
+  "spec_decode_num_draft_tokens",
+  "spec_decode_num_accepted_tokens",
+)
+
+
+def timed_run(llm: pj.LLM, prompts, params):
+  """`(tokens/s, token ids, stats of the run)` of one `generate`."""
   before = llm.engine.stats
-  rates = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start))
+  start = time.perf_counter()
+  outs = llm.generate(prompts, params)
+  seconds = time.perf_counter() - start
   after = llm.engine.stats
-  delta = {
-    name: getattr(after, name) - getattr(before, name)
-    for name in (
-      "spec_decode_num_drafts",
-      "spec_decode_num_draft_tokens",
-      "spec_decode_num_accepted_tokens",
-    )
-  }
-  return statistics.median(rates), first, pj.GenerationStats(**delta)
+  stats = pj.GenerationStats(**{n: getattr(after, n) - getattr(before, n) for n in SPEC_COUNTERS})
+  tokens = [o.outputs[0].token_ids for o in outs]
+  return sum(map(len, tokens)) / seconds, tokens, stats
+
+
+def measure(engines: dict, prompts, params, repeats: int) -> dict:
+  """Per method: a warm-up run, then `repeats` runs interleaved with the
+  other methods' (so that the machine's drift hits all alike): the median
+  tokens/s, the warm-up's token ids and the measured runs' counters."""
+  first = {m: timed_run(llm, prompts, params)[1] for m, llm in engines.items()}
+  rates = {m: [] for m in engines}
+  stats = {m: pj.GenerationStats() for m in engines}
+  for _ in range(repeats):
+    for method, llm in engines.items():
+      rate, _, run = timed_run(llm, prompts, params)
+      rates[method].append(rate)
+      stats[method] = pj.GenerationStats(
+        **{n: getattr(stats[method], n) + getattr(run, n) for n in SPEC_COUNTERS}
+      )
+  return {m: (statistics.median(rates[m]), first[m], stats[m]) for m in engines}
 
 
 def main() -> None:
@@ -135,25 +149,33 @@ def main() -> None:
     max_seqs=max_seqs,
     max_blocks_per_seq=blocks,
   )
-  results, reference = {}, {}
-  for method in ("none", *[m for m in args.methods if m != "none"]):
-    spec = speculative_config(method, model, args.k)
-    llm = pj.LLM(model, tokenizer, cfg, speculative_config=spec, warmup=True)
-    for workload, prompts in workloads.items():
-      for batch in args.batches:
-        rate, tokens, stats = measure(llm, prompts[:batch], params, args.repeats)
-        key = (workload, batch)
-        if method == "none":
-          reference[key] = tokens
-        results[method, workload, batch] = (rate, stats, tokens == reference[key])
+  methods = ("none", *[m for m in args.methods if m != "none"])
+  engines = {
+    method: pj.LLM(
+      model,
+      tokenizer,
+      cfg,
+      speculative_config=speculative_config(method, model, args.k),
+      warmup=True,
+    )
+    for method in methods
+  }
+  results = {}
+  for workload, prompts in workloads.items():
+    for batch in args.batches:
+      measured = measure(engines, prompts[:batch], params, args.repeats)
+      reference = measured["none"][1]
+      for method, (rate, tokens, stats) in measured.items():
+        results[method, workload, batch] = (rate, stats, tokens == reference)
         print(f"{method} {workload} batch {batch}: {rate:.1f} tokens/s", flush=True)
-    del llm
   print(
     f"\n{args.dtype}, k={args.k}, up to {args.max_tokens} tokens, greedy\n\n"
     "| method | workload | batch | tokens/s | speedup | acceptance | mean accepted length "
     "| tokens equal |\n| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"
   )
-  for (method, workload, batch), (rate, stats, equal) in results.items():
+  for (method, workload, batch), (rate, stats, equal) in sorted(
+    results.items(), key=lambda item: methods.index(item[0][0])
+  ):
     base = results["none", workload, batch][0]
     spec = method != "none"
     print(
