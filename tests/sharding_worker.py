@@ -6,6 +6,7 @@ mesh over two processes on localhost. ``jax.distributed.initialize`` must
 come before the library's import touches a backend, hence this small file.
 
 Usage: python -m tests.sharding_worker OUT.json
+       python -m tests.sharding_worker OUT.json --speculating
        python -m tests.sharding_worker OUT.json --port P --process_id I
 """
 
@@ -19,6 +20,7 @@ def main() -> None:
   parser.add_argument("out")
   parser.add_argument("--port", type=int)
   parser.add_argument("--process_id", type=int)
+  parser.add_argument("--speculating", action="store_true")
   args = parser.parse_args()
   if args.port is not None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -30,7 +32,9 @@ def main() -> None:
     )
   from tests import sharding_checks  # pylint: disable=import-outside-toplevel
 
-  if args.port is None:
+  if args.speculating:
+    sharding_checks.speculating(args.out)
+  elif args.port is None:
     sharding_checks.single_process(args.out)
   else:
     sharding_checks.multi_process(args.out)
