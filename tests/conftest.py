@@ -103,6 +103,7 @@ LONG_TESTS = (
   "tests/test_demo.py::test_demo_json_report",
   "tests/test_server.py::",
   "tests/test_structured_engine.py::",
+  "tests/test_speculative.py::",
   "tests/test_beam_search.py::",
   "tests/test_engine.py::",
   "tests/test_differential.py::",
