@@ -330,6 +330,9 @@ SMALL_VOCAB = dataclasses.replace(BYTE_LLAMA, vocab_size=6)
 TEMPERATURE = 0.1
 
 
+# The slow tier (its own models' programs, about 20 s); in CI the rule itself
+# is tested above.
+@pytest.mark.slow
 def test_a_sampled_draft_keeps_the_target_distribution():
   # Each request's first speculating step proposes one token (its limit
   # leaves room for one) and emits two: the accepted proposal or its
