@@ -290,10 +290,10 @@ def test_a_window_too_narrow_for_the_proposals_is_refused():
 RANDOM_DRAFT_CONFIG = dataclasses.replace(BYTE_LLAMA, num_layers=2, num_kv_heads=2, head_dim=4)
 
 
-# The slow tier: its own programs (about 20 s); in CI the draft model runs in
-# the sampled test below.
-@pytest.mark.slow
-@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+# Its own programs (about 20 s): CI runs the swap mode, the full suite both.
+@pytest.mark.parametrize(
+  "preemption_mode", [pytest.param("recompute", marks=pytest.mark.slow), "swap"]
+)
 def test_a_draft_model_gives_the_greedy_tokens_of_plain_decoding(model, plain, preemption_mode):
   draft = models.Llama(RANDOM_DRAFT_CONFIG, rngs=nnx.Rngs(5))
   spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 2, "adaptive": False}
@@ -331,7 +331,7 @@ TEMPERATURE = 0.1
 
 
 # The slow tier (its own models' programs, about 20 s); in CI the rule itself
-# is tested above.
+# is tested above and a draft model runs in the greedy test.
 @pytest.mark.slow
 def test_a_sampled_draft_keeps_the_target_distribution():
   # Each request's first speculating step proposes one token (its limit
