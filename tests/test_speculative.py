@@ -110,8 +110,6 @@ def test_prompt_lookup_gives_the_tokens_of_plain_decoding(model, plain, preempti
   assert 0 < stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
   assert stats.spec_decode_num_drafts <= stats.spec_decode_num_draft_tokens
   assert 1.0 < stats.spec_decode_mean_accepted_length <= 1 + NGRAM["num_speculative_tokens"]
-  # Accepted tokens save steps: fewer steps than tokens per running row.
-  assert stats.decode_steps < stats.decode_tokens
   assert engine.num_free_gpu_blocks() == ENGINE_CFG.num_gpu_blocks
 
 
@@ -137,9 +135,10 @@ def test_random_traces_while_speculating(model):
     summary = engine_traces.run_traces(engine, seeds, shape)
   assert not summary["failures"], summary["failures"][0]
   assert summary["compared"] > 0 and summary["preemptions"] > 0
-  # (How many launches speculate depends on their timings; the first of each
-  # row count does.)
-  assert engine.stats.spec_decode_num_drafts > 0
+  # Both kinds of launch ran (the first two of a row count always do; which
+  # ones follow depends on their timings).
+  rows = ENGINE_CFG.max_seqs
+  assert min(engine._chooser.tokens_per_second(rows, kind) for kind in (True, False)) > 0
 
 
 def test_launches_speculate_where_that_measures_faster():

@@ -229,8 +229,8 @@ class LLMEngine:
     (up to the first that holds `max_num_seqs`; or to one of
     `decode_row_buckets`), or every slot (`max_seqs`
     per shard, with the beam step, which runs only in steps with a beam
-    group), and with speculation each of those once more with speculating
-    steps; the block manager's
+    group), with speculation each of those with speculating steps (and
+    plain ones too when adaptive); the block manager's
     calls over a group take its slots padded to `max_seqs`; swaps move
     fixed-capacity plans; a request's PRNG keys come from a few small
     host-side programs.
@@ -238,10 +238,10 @@ class LLMEngine:
     width, shards, steps = self.runner.prefill_width, self.cache.num_shards, self.num_decode_steps
     return (
       [f"prefill {shards * r}x{width} tokens" for r in self.runner.prefill_buckets()]
-      + [f"decode loop {shards * r} rows x{steps} steps" for r in self.runner.decode_buckets()]
       + [
-        f"speculating decode loop {shards * r} rows x{steps} steps"
-        for r in (self.runner.decode_buckets() if self.speculative is not None else ())
+        f"{'speculating ' if kind else ''}decode loop {shards * r} rows x{steps} steps"
+        for kind in self.runner.decode_kinds()
+        for r in self.runner.decode_buckets()
       ]
       + ["block manager calls", "swap out", "swap in", "request keys"]
     )

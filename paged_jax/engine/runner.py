@@ -341,6 +341,13 @@ class ModelRunner:
       buckets.append(4 * buckets[-1])
     return [b for b in buckets if b < per_shard] + [per_shard]
 
+  def decode_kinds(self) -> list:
+    """The kinds of decode launch: the `speculative` config (speculating
+    steps) and/or None (plain ones); an adaptive config launches both."""
+    if self.speculative is None:
+      return [None]
+    return [self.speculative, None] if self.speculative.adaptive else [self.speculative]
+
   def next_decode_rows(self) -> int:
     """The rows (over every data shard) the next decode launch runs."""
     rows = self._decode_rows()
@@ -392,7 +399,7 @@ class ModelRunner:
     rows = None
     if rows_per_shard != self.cache.cfg.max_seqs:
       rows = np.full(self.cache.num_shards * rows_per_shard, -1, np.int32)
-    for speculating in {self.speculative, None}:  # a speculating engine launches both
+    for speculating in self.decode_kinds():
       loop = self.decode_carry(num_steps, rows, speculating=speculating)
       loop = self._launch_decode(loop, rows, False, speculating=speculating)
       self.cache.state, self.cache.kv = loop.state, loop.kv

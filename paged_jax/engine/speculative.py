@@ -61,7 +61,7 @@ class SpeculativeConfig:
   num_speculative_tokens: int
   prompt_lookup_max: int = 4
   prompt_lookup_min: int = 1
-  adaptive: bool = True
+  adaptive: bool = dataclasses.field(default=True, compare=False)  # the host's: one program
 
 
 def parse_config(spec, vocab_size: int):
