@@ -376,3 +376,37 @@ def _next_token_logprobs(model, prompt) -> np.ndarray:
   logprobs = jax.nn.log_softmax(logits, axis=-1)
   chosen = jnp.take_along_axis(logprobs, tokens[:, len(prompt) :, None], axis=-1)[..., 0]
   return np.asarray(chosen, np.float64)
+
+
+def test_a_draft_on_a_cache_that_frees_blocks_is_refused():
+  windowed = models.Llama(dataclasses.replace(BYTE_LLAMA, sliding_window=8), rngs=nnx.Rngs(0))
+  cfg = dataclasses.replace(ENGINE_CFG, sliding_window=16, enable_prefix_caching=False)
+  spec = {"method": "draft_model", "model": windowed, "num_speculative_tokens": 2}
+  with pytest.raises(ValueError, match="a draft model runs on a cache that keeps every block"):
+    pj.LLMEngine(windowed, TOKENIZER, cfg, speculative_config=spec)
+
+
+def test_admission_counts_the_lookahead_slots(model):
+  # 20 + 37 - 1 tokens fill the 14 blocks of 4 exactly; 3 lookahead slots
+  # need a 15th, so that request can never be served while speculating.
+  params = pj.SamplingParams(max_tokens=37)
+  plain_engine = pj.LLMEngine(model, TOKENIZER, ENGINE_CFG)
+  speculating = pj.LLMEngine(model, TOKENIZER, ENGINE_CFG, speculative_config=NGRAM)
+  assert plain_engine.admission_error(20, params) is None
+  assert "needs 15 GPU blocks (n=1 x (20 prompt + 37 new tokens + 3 lookahead slots)" in (
+    speculating.admission_error(20, params)
+  )
+
+
+def test_each_kind_of_decode_launch_is_compiled(model):
+  def loops(spec):
+    engine = pj.LLMEngine(model, TOKENIZER, ENGINE_CFG, speculative_config=spec, **ENGINE_ARGS)
+    return [name for name in engine.compiled_programs() if "decode loop" in name]
+
+  plain_loop, speculating_loop = (
+    "decode loop 6 rows x4 steps",
+    "speculating decode loop 6 rows x4 steps",
+  )
+  assert loops(None) == [plain_loop]
+  assert loops(NGRAM) == [speculating_loop]  # every launch speculates
+  assert loops({**NGRAM, "adaptive": True}) == [speculating_loop, plain_loop]

@@ -140,11 +140,7 @@ def _decode_step(
   )
 
   def advance(_):
-    kv = kv_ops.copy_blocks(loop.kv, plan)
-    if cfg.enable_prefix_caching:
-      kv = kv_ops.copy_blocks(
-        kv, on_every_shard(unwritten_hit_copies)(loop.state, state, local, plan)
-      )
+    kv = copy_for_append(loop.kv, loop.state, state, local, plan, 1)
     num_tokens = flat(on_every_shard(bm.get_num_tokens)(state, local))
     slot_mapping = on_every_shard(functools.partial(bm.get_slot_mapping, width=1))(
       state, local, shaped(running.astype(jnp.int32))
@@ -289,11 +285,7 @@ def _speculative_step(
   )
 
   def advance(_):
-    kv = kv_ops.copy_blocks(loop.kv, plan)
-    if cfg.enable_prefix_caching:
-      span = -(-(k + 1) // cfg.block_size) + 1
-      hits = functools.partial(unwritten_hit_copies, span=span)
-      kv = kv_ops.copy_blocks(kv, on_every_shard(hits)(loop.state, state, local, plan))
+    kv = copy_for_append(loop.kv, loop.state, state, local, plan, k + 1)
     num_tokens = flat(on_every_shard(bm.get_num_tokens)(state, local))
     tables = flat(on_every_shard(bm.get_block_tables)(state, local))
     if draft is None:
@@ -444,14 +436,23 @@ def _append_pending(loop: DecodeLoop) -> DecodeLoop:
   state, plan = on_every_shard(bm.append_slots)(
     loop.state, local, shaped(spec.pending), shaped(spec.num_pending)
   )
-  kv = kv_ops.copy_blocks(loop.kv, plan)
-  if cfg.enable_prefix_caching:
-    span = -(-spec.pending.shape[1] // cfg.block_size) + 1
-    hits = functools.partial(unwritten_hit_copies, span=span)
-    kv = kv_ops.copy_blocks(kv, on_every_shard(hits)(loop.state, state, local, plan))
+  kv = copy_for_append(loop.kv, loop.state, state, local, plan, spec.pending.shape[1])
   return loop.replace(
     state=state, kv=kv, spec=spec.replace(num_pending=jnp.zeros_like(spec.num_pending))
   )
+
+
+def copy_for_append(kv, before, after, local, plan: CopyPlan, num_cols: int) -> KVCache:
+  """The pages after an `append_slots` of up to `num_cols` tokens per row:
+  its copy-on-write `plan`, then, with prefix caching, the copies that give
+  the cached blocks it shared the K/V they lack (`unwritten_hit_copies`,
+  over every block such a call can fill)."""
+  kv = kv_ops.copy_blocks(kv, plan)
+  if not before.cfg.enable_prefix_caching:
+    return kv
+  span = -(-(num_cols - 1) // before.cfg.block_size) + 1
+  hits = functools.partial(unwritten_hit_copies, span=span)
+  return kv_ops.copy_blocks(kv, on_every_shard(hits)(before, after, local, plan))
 
 
 def unwritten_hit_copies(

@@ -126,7 +126,8 @@ def admission_error(
   ):
     return (
       f"needs {needed} GPU blocks (n={n} x ({num_prompt_tokens} prompt "
-      f"+ {limit} new tokens) in blocks of {cfg.block_size}), the "
+      f"+ {limit} new tokens{f' + {lookahead} lookahead slots' if lookahead else ''}) "
+      f"in blocks of {cfg.block_size}), the "
       f"cache has {cfg.num_gpu_blocks} (watermark {cfg.watermark_blocks})"
     )
   if resident_lengths is not None:
