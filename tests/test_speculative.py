@@ -142,31 +142,27 @@ def test_random_traces_while_speculating(model):
 
 
 def test_launches_speculate_where_that_measures_faster():
-  chooser = speculative.LaunchChooser(retry_every=2, max_retry_every=4, remeasure_every=4)
-  # Each kind runs first once per row count.
+  chooser = speculative.LaunchChooser(remeasure_every=4)
+  # Each kind is timed first, once per row count.
   assert chooser.speculate(8) is True
-  slow = dict(seconds=2.0, steps=10, row_steps=80, tokens=120)  # 1.5 tokens per 0.2 s
-  chooser.record(8, True, **slow)
+  chooser.record_time(8, True, seconds=2.0, steps=10)  # 0.2 s a step
+  chooser.record_tokens(8, tokens=120, row_steps=80)  # 1.5 tokens a row and step: 7.5/s
   assert chooser.speculate(8) is False
-  chooser.record(8, False, seconds=1.0, steps=10, row_steps=80, tokens=80)  # 1 per 0.1 s
+  chooser.record_time(8, False, seconds=1.0, steps=10)  # 0.1 s a step, 1 token: 10/s
 
-  def launches(count, speculating):
+  def launches(count, tokens_per_step):
     kinds = []
     for _ in range(count):
       kinds.append(chooser.speculate(8))
-      if kinds[-1]:
-        chooser.record(8, True, **speculating)
+      chooser.record_tokens(8, round(80 * tokens_per_step), 80)  # measured or computed
     return kinds
 
-  # Plain wins; speculation runs again 2 launches after it last ran, then
-  # (having lost again) 4 after, at most.
-  assert launches(10, slow) == [True, False, False, False, True, False, False, False, True, False]
-  assert chooser.speculate(1) is True  # another row count: measured on its own
-  # Acceptance rises: once a retry measures it, speculation wins, and every
-  # 4th launch measures plain again.
-  fast = dict(slow, tokens=480)
-  assert launches(4, fast) == [False, False, True, True]
-  assert launches(8, fast) == [True, False, True, True, True, False, True, True]
+  # Plain wins; every 4th launch times speculation again.
+  assert launches(8, 1.5) == [False, False, True, False, False, False, True, False]
+  assert chooser.speculate(1) is True  # another row count: timed on its own
+  # Acceptance rises: plain launches tell (what prompt lookup would have
+  # accepted), so the next launch speculates; every 4th is plain.
+  assert launches(8, 4.0) == [False, True, True, True, False, True, True, True]
 
 
 def _reference_lookup(tokens, k, shortest, longest):
@@ -190,6 +186,25 @@ def test_prompt_lookup_finds_the_latest_longest_match():
   for row in range(rows):
     want = _reference_lookup(history[row, : length[row]].tolist(), k, 1, 4)
     assert np.asarray(drafts)[row, : count[row]].tolist() == want, row
+  # The host's twin, as the launch chooser uses it: the proposals at
+  # `length` checked against the tokens after it.
+  config = speculative.SpeculativeConfig("ngram", k, prompt_lookup_max=4, prompt_lookup_min=1)
+  for row in range(rows):
+    proposal = np.asarray(drafts)[row, : count[row]]
+    after = history[row, length[row] : length[row] + count[row]]
+    want = int(np.cumprod(proposal[: len(after)] == after).sum())
+    at = range(length[row], length[row] + 1)  # one step
+    assert speculative.lookup_walk(history[row], at, config) == (1, want + 1), row
+
+
+def test_the_launch_choosers_walk_steps_as_speculation_would():
+  config = speculative.SpeculativeConfig("ngram", 2)
+  repeating = np.array([1, 2, 3] * 4, np.int32)
+  # At 4 the last "1" is followed by "2 3" before: both accepted, next step
+  # at 7, where "1 2 3 1" continues with "2 3" again: 2 steps, 6 tokens.
+  assert speculative.lookup_walk(repeating, range(4, 10), config) == (2, 6)
+  fresh = np.arange(5, 10, dtype=np.int32)  # nothing repeats: one token a step
+  assert speculative.lookup_walk(fresh, range(1, 5), config) == (4, 4)
 
 
 def _chi_square_p_value(counts, probs):

@@ -349,6 +349,27 @@ class LLMEngine:
     self._retire(group)
     self._pending.append(self.processor.output(group))
 
+  def _record_launch(self, decoding, result, speculated: bool, seconds: float) -> None:
+    """Tells the launch chooser a decode launch's time and speculation's
+    tokens per row and step: counted, or for a plain launch those of prompt
+    lookup's steps over the positions whose next `k` tokens are known (a
+    launch takes the positions after the previous one's)."""
+    chooser, k = self._chooser, self.speculative.num_speculative_tokens
+    chooser.record_time(result.num_rows, speculated, seconds, result.steps)
+    if speculated:
+      chooser.record_tokens(result.num_rows, int(result.counts.sum()), result.row_steps)
+      return
+    steps = drawn = 0
+    for slot, (group, seq) in decoding:
+      if seq.finished:
+        continue
+      tokens = np.concatenate([group.prompt_token_ids, seq.token_ids]).astype(np.int32)
+      drawn_before = len(tokens) - int(result.counts[slot])
+      at = range(max(len(group.prompt_token_ids) + 1, drawn_before - k), len(tokens) - k)
+      row_steps, row_drawn = speculative.lookup_walk(tokens, at, self.speculative)
+      steps, drawn = steps + row_steps, drawn + row_drawn
+    chooser.record_tokens(result.num_rows, drawn, steps)
+
   def _retire(self, group: SequenceGroup) -> None:
     del self._groups[group.request_id]
     self._loads[group.shard] -= group.load
@@ -403,7 +424,7 @@ class LLMEngine:
           (slot, np.concatenate([group.prompt_token_ids, seq.token_ids]).astype(np.int32))
           for slot, (group, seq) in decoding
         ]
-      start = time.perf_counter()
+      launched = time.perf_counter()
       result = self._timed(
         self.runner.decode,
         self.num_decode_steps,
@@ -412,17 +433,11 @@ class LLMEngine:
         histories,
         speculate,
       )
-      if self._chooser is not None:
-        self._chooser.record(
-          result.num_rows,
-          speculate,
-          time.perf_counter() - start,
-          result.steps,
-          result.row_steps,
-          int(result.counts.sum()),
-        )
+      seconds = time.perf_counter() - launched
       for out in rounds:
         touched.update(self.processor.take_decode(out.decoding, result, self.runner.hypotheses))
+      if self._chooser is not None:
+        self._record_launch(decoding, result, speculate, seconds)
     for scheduler, out in zip(self.schedulers, rounds):
       scheduler.update(
         out,

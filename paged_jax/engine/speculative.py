@@ -30,6 +30,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 METHODS = ("ngram", "draft_model")
 _KEYS = {
@@ -129,28 +130,20 @@ class LaunchChooser:
   call (`k + 1` query tokens a row: on a CPU about twice a one-token step).
   The chooser keeps, per row count, a moving average of each kind's seconds
   per step and of speculation's tokens per row and step, and picks the kind
-  with the higher rate; a kind not measured yet runs first. What changes
-  with the text is how much speculation accepts, so while plain launches
-  win, speculation runs again after `retry_every` launches, an interval
-  that doubles (up to `max_retry_every`) each time it loses again and
-  starts over when it wins; while speculation wins, every
-  `remeasure_every`-th launch is a plain one (its cost drifts little).
-  Outputs do not depend on the choice (speculation is exact).
+  with the higher rate. Speculation's tokens are measured in speculating
+  launches and, in plain ones, computed from the tokens drawn: prompt
+  lookup's outputs equal plain decoding's, so what it would have accepted is
+  known (`lookup_walk`) without running it. Seconds are measured only
+  by running a kind: one not timed yet runs first, and the slower kind runs
+  once every `remeasure_every` launches of its row count. Outputs do not
+  depend on the choice (speculation is exact).
   """
 
-  def __init__(
-    self,
-    retry_every: int = 4,
-    max_retry_every: int = 64,
-    remeasure_every: int = 32,
-    decay: float = 0.5,
-  ):
-    self.retry_every, self.max_retry_every = retry_every, max_retry_every
+  def __init__(self, remeasure_every: int = 32, decay: float = 0.5):
     self.remeasure_every, self.decay = remeasure_every, decay
     self._seconds: dict[tuple[int, bool], float] = {}  # (rows, speculated) -> s per step
     self._tokens: dict[int, float] = {}  # rows -> tokens per row and step, speculating
     self._since: dict[tuple[int, bool], int] = {}  # launches since a kind last ran
-    self._retry: dict[int, int] = {}  # rows -> launches between speculation's retries
 
   def speculate(self, num_rows: int) -> bool:
     """Whether the next launch of `num_rows` rows speculates."""
@@ -163,36 +156,65 @@ class LaunchChooser:
     for kind in (True, False):
       if (num_rows, kind) not in self._seconds:
         return kind
-    faster = self._speculation_faster(num_rows)
-    every = self.remeasure_every if faster else self._retry.get(num_rows, self.retry_every)
-    return faster != (self._since.get((num_rows, not faster), 0) >= every - 1)
-
-  def _speculation_faster(self, num_rows: int) -> bool:
-    return self.tokens_per_second(num_rows, True) >= self.tokens_per_second(num_rows, False)
+    faster = self.tokens_per_second(num_rows, True) >= self.tokens_per_second(num_rows, False)
+    return faster != (self._since.get((num_rows, not faster), 0) >= self.remeasure_every - 1)
 
   def tokens_per_second(self, num_rows: int, speculated: bool) -> float:
     """The estimate of tokens per row and second of a kind of launch."""
     tokens = self._tokens[num_rows] if speculated else 1.0
     return tokens / self._seconds[num_rows, speculated]
 
-  def record(
-    self, num_rows: int, speculated: bool, seconds: float, steps: int, row_steps: int, tokens: int
-  ) -> None:
-    """Takes in a launch: its duration, steps, rows decoded over its steps
-    and tokens drawn."""
-    if steps == 0 or row_steps == 0:
-      return
-    self._average(self._seconds, (num_rows, speculated), seconds / steps)
-    if speculated:
+  def record_time(self, num_rows: int, speculated: bool, seconds: float, steps: int) -> None:
+    """Takes in a launch's duration and steps."""
+    if steps > 0:
+      self._average(self._seconds, (num_rows, speculated), seconds / steps)
+
+  def record_tokens(self, num_rows: int, tokens: int, row_steps: int) -> None:
+    """Takes in speculation's tokens over `row_steps` rows' steps, measured
+    or computed."""
+    if row_steps > 0:
       self._average(self._tokens, num_rows, tokens / row_steps)
-      if (num_rows, False) in self._seconds:
-        lost = not self._speculation_faster(num_rows)
-        retry = self._retry.get(num_rows, self.retry_every)
-        self._retry[num_rows] = min(2 * retry, self.max_retry_every) if lost else self.retry_every
 
   def _average(self, table: dict, key, value: float) -> None:
     old = table.get(key)
     table[key] = value if old is None else self.decay * old + (1 - self.decay) * value
+
+
+def lookup_walk(tokens: np.ndarray, positions: range, config: SpeculativeConfig) -> tuple[int, int]:
+  """`(steps, tokens)` that speculating steps with prompt lookup would take
+  and draw over `positions` of a row's `tokens` (prompt and output): from
+  the first position on, a step at `t` looks up in `tokens[:t]`, checks its
+  proposals against `tokens[t:]` (the tokens the target drew) and draws its
+  accepted ones plus one, so the next step is at `t + accepted + 1`. The
+  host's twin of `propose_ngram`, for `LaunchChooser`."""
+  k, steps, drawn, t = config.num_speculative_tokens, 0, 0, positions.start
+  while t < positions.stop:
+    proposal = _lookup(tokens[:t], k, config.prompt_lookup_min, config.prompt_lookup_max)
+    checked = tokens[t : t + len(proposal)]
+    accepted = int(np.cumprod(proposal[: len(checked)] == checked).sum())
+    steps, drawn, t = steps + 1, drawn + accepted + 1, t + accepted + 1
+  return steps, drawn
+
+
+def _lookup(tokens: np.ndarray, num_tokens: int, min_n: int, max_n: int) -> np.ndarray:
+  """`propose_ngram`'s proposal for one row (byte search in C)."""
+  data = np.ascontiguousarray(tokens, "<i4").tobytes()
+  before_last = data[: len(data) - 4]  # an occurrence ends before the last token
+  for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+    start = _last_aligned(before_last, data[len(data) - 4 * n :])
+    if start >= 0:
+      return tokens[start + n : start + n + num_tokens]
+  return tokens[:0]
+
+
+def _last_aligned(haystack: bytes, needle: bytes) -> int:
+  """The element index of the last int32-aligned occurrence, or -1."""
+  end = len(haystack)
+  while (at := haystack.rfind(needle, 0, end)) >= 0:
+    if at % 4 == 0:
+      return at // 4
+    end = at + len(needle) - 1
+  return -1
 
 
 def propose_ngram(
