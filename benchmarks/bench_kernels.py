@@ -301,9 +301,7 @@ def decode_step_temp_fraction(sizes: Sizes, impl: str, dtype: str) -> float:
     outputs = []
     for layer in range(cache.num_layers):
       cache = kv_cache.write_kv(cache, layer, rows, rows, slots, impl=impl)
-      outputs.append(
-        attention.paged_attention(q, cache.k[layer], cache.v[layer], tables, lengths, impl=impl)
-      )
+      outputs.append(attention.paged_attention(q, *cache.pages(layer), tables, lengths, impl=impl))
     return cache, outputs
 
   compiled = (

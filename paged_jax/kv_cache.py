@@ -45,11 +45,14 @@ as vLLM does: XLA updates a donated array in place only after the reads it
 can order before the update, and a read of the same pages that does not feed
 the update (attention, then a copy) makes it copy the whole array.
 
-On the CPU backend, XLA computes a bfloat16 (or float16) scatter by
-converting the whole array to float32, so there the XLA paths copy a narrow
-float cache on every update (fp8 pages included); float32 and int8 caches,
-and every dtype on GPU and TPU, are updated in place. Host pages hold bit
-patterns, so the host side of a swap is in place on every backend.
+On the CPU backend, XLA computes a bfloat16 (or float16, fp8) scatter by
+converting the whole array to float32, a copy of the layer's pages for every
+token written. So there the device pages of floats narrower than 32 bits
+hold their bit patterns as unsigned ints of the same width (``bits_of`` is
+the float type), updated in place like integers; ``pages(layer)`` views them
+as floats, and attention's gathers read through the view. On GPU and TPU
+the pages hold the floats themselves. Host pages always hold bit patterns,
+so the host side of a swap is in place on every backend.
 """
 
 from __future__ import annotations
@@ -77,7 +80,9 @@ class KVCache:
   """Per-layer K/V pages in device memory and swap pages in host memory.
 
   Attributes:
-    k: per layer ``[num_kv_heads, num_gpu_blocks, block_size, head_dim]``.
+    k: per layer ``[num_kv_heads, num_gpu_blocks, block_size, head_dim]``,
+      of the cache's ``dtype`` or, where ``bits_of`` is set, its bit
+      patterns (read them with ``pages``).
     v: same as ``k``.
     k_host: per layer ``[num_kv_heads, num_cpu_blocks, block_size,
       head_dim]`` in host memory, holding the pages' bit patterns as unsigned
@@ -95,6 +100,9 @@ class KVCache:
     k_scale_host: quantized caches: per layer float32 ``[num_kv_heads,
       num_cpu_blocks, block_size]`` in host memory; None for float caches.
     v_scale_host: same as ``k_scale_host``, for V.
+    bits_of: the pages' float type where ``k`` and ``v`` hold its bit
+      patterns (narrow floats on the CPU backend); None where they hold the
+      values (static).
   """
 
   k: tuple[jax.Array, ...]
@@ -107,6 +115,7 @@ class KVCache:
   v_scale: tuple[jax.Array, ...] | None = None
   k_scale_host: tuple[jax.Array, ...] | None = None
   v_scale_host: tuple[jax.Array, ...] | None = None
+  bits_of: jnp.dtype | None = struct.field(pytree_node=False, default=None)
 
   @classmethod
   def create(
@@ -202,8 +211,10 @@ class KVCache:
     page = (cfg.block_size, head_dim)
     device_shape = (num_kv_heads, cfg.num_gpu_blocks, *page)
     host_shape = (num_kv_heads, cfg.num_cpu_blocks, *page)
+    platform = next(iter(device_sharding.device_set)).platform
+    bits_of = dtype if platform == "cpu" and _narrow_float(dtype) else None
     groups = [
-      (device_shape, dtype, device_sharding),
+      (device_shape, dtype if bits_of is None else _bits_dtype(dtype), device_sharding),
       (host_shape, _bits_dtype(dtype), host_sharding),
     ]
     if quantization.is_quantized(dtype):
@@ -230,6 +241,7 @@ class KVCache:
       device_sharding=device_sharding,
       host_sharding=host_sharding,
       **scale_fields,
+      bits_of=bits_of,
     )
 
   @property
@@ -291,7 +303,13 @@ class KVCache:
 
   @property
   def dtype(self) -> jnp.dtype:
-    return self.k[0].dtype
+    """The pages' element type (float, or int8 / fp8 of a quantized cache)."""
+    return self.k[0].dtype if self.bits_of is None else self.bits_of
+
+  def pages(self, layer: int) -> tuple[jax.Array, jax.Array]:
+    """Layer ``layer``'s device K and V pages viewed as ``dtype`` (what
+    attention reads)."""
+    return tuple(_as_values(self, pages[layer]) for pages in (self.k, self.v))
 
   @property
   def quantized(self) -> bool:
@@ -381,6 +399,10 @@ def write_kv(cache: KVCache, layer: int, k, v, slot_mapping, *, impl: str = "aut
   if is_concrete(slot_mapping):
     check_slot_mapping(slot_mapping, cache.num_gpu_blocks * cache.block_size)
   scales = {}
+  if not cache.quantized and not k.dtype == v.dtype == cache.dtype:
+    raise ValueError(
+      f"k, v and the cache must share one dtype, got {k.dtype}, {v.dtype}, {cache.dtype}"
+    )
   if cache.quantized:
     (k, k_scales), (v, v_scales) = (quantization.quantize(x, cache.dtype) for x in (k, v))
     k_scale, v_scale = write_kv_kernels.write_scales(
@@ -390,7 +412,7 @@ def write_kv(cache: KVCache, layer: int, k, v, slot_mapping, *, impl: str = "aut
       k_scale=_replace_layer(cache.k_scale, layer, k_scale),
       v_scale=_replace_layer(cache.v_scale, layer, v_scale),
     )
-  args = (cache.k[layer], cache.v[layer], k, v, slot_mapping)
+  args = (cache.k[layer], cache.v[layer], _as_stored(cache, k), _as_stored(cache, v), slot_mapping)
   kernel = select_kernel(impl, tile_sizes=(cache.head_dim,))
   if kernel is None:
     k_pages, v_pages = write_kv_kernels.write_kv_reference(*args)
@@ -560,12 +582,17 @@ def swap_in(cache: KVCache, plan) -> KVCache:
 def _jitted_for(cache: KVCache, swap):
   """``swap`` jitted with the cache donated and its shardings kept."""
   return _jit_swap(
-    swap, cache.num_layers, cache.device_sharding, cache.host_sharding, cache.quantized
+    swap,
+    cache.num_layers,
+    cache.device_sharding,
+    cache.host_sharding,
+    cache.quantized,
+    cache.bits_of,
   )
 
 
 @functools.cache
-def _jit_swap(swap, num_layers, device_sharding, host_sharding, quantized):
+def _jit_swap(swap, num_layers, device_sharding, host_sharding, quantized, bits_of):
   on_device = (device_sharding,) * num_layers
   on_host = (host_sharding,) * num_layers
   scales = {}
@@ -579,6 +606,7 @@ def _jit_swap(swap, num_layers, device_sharding, host_sharding, quantized):
     device_sharding=device_sharding,
     host_sharding=host_sharding,
     **scales,
+    bits_of=bits_of,
   )
   plan_shardings = (_replicated(device_sharding),) * 3
   return jax.jit(
@@ -629,7 +657,7 @@ def _swap_in(cache: KVCache, src, dst, count) -> KVCache:
 
   layers = cache.num_layers
   pages = in_shape_groups(
-    lambda host, device: move(host, device, lambda x: lax.bitcast_convert_type(x, cache.dtype)),
+    lambda host, device: move(host, device, lambda x: lax.bitcast_convert_type(x, device[0].dtype)),
     cache.k_host + cache.v_host,
     cache.k + cache.v,
   )
@@ -679,6 +707,21 @@ def _bits_dtype(dtype) -> jnp.dtype:
 
 def _bits(x: jax.Array) -> jax.Array:
   return lax.bitcast_convert_type(x, _bits_dtype(x.dtype))
+
+
+def _narrow_float(dtype) -> bool:
+  dtype = jnp.dtype(dtype)
+  return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4
+
+
+def _as_stored(cache: KVCache, x: jax.Array) -> jax.Array:
+  """``x`` (of the cache's dtype) as its device pages hold it."""
+  return x if cache.bits_of is None else lax.bitcast_convert_type(x, cache.k[0].dtype)
+
+
+def _as_values(cache: KVCache, pages: jax.Array) -> jax.Array:
+  """Device pages viewed as the cache's dtype."""
+  return pages if cache.bits_of is None else lax.bitcast_convert_type(pages, cache.bits_of)
 
 
 def _live_pairs(src, dst, count):

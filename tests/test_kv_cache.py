@@ -59,10 +59,15 @@ def test_create_allocates_zeroed_device_and_host_pages():
   device_shape = (KV_HEADS, CFG.num_gpu_blocks, CFG.block_size, HEAD_DIM)
   host_shape = (KV_HEADS, CFG.num_cpu_blocks, CFG.block_size, HEAD_DIM)
   assert len(cache.k) == len(cache.v) == len(cache.k_host) == 3
+  # On the CPU backend the device pages hold bfloat16 bits too (XLA:CPU
+  # would copy a whole float array per scatter); elsewhere the floats.
+  stored = jnp.uint16 if jax.default_backend() == "cpu" else jnp.bfloat16
+  assert cache.dtype == jnp.bfloat16
   for pages in cache.k + cache.v:
-    assert pages.shape == device_shape and pages.dtype == jnp.bfloat16
+    assert pages.shape == device_shape and pages.dtype == stored
     assert pages.sharding.memory_kind == "device"
-    assert not np.asarray(pages, np.float32).any()
+  for pages in cache.pages(2):
+    assert pages.dtype == jnp.bfloat16 and not np.asarray(pages, np.float32).any()
   for pages in cache.k_host + cache.v_host:
     assert pages.shape == host_shape and pages.dtype == jnp.uint16  # bits
     assert pages.sharding.memory_kind == "pinned_host"
@@ -243,7 +248,7 @@ def decode_inputs(seed=0):
 def test_attention_dispatch_on_cpu():
   cache = random_cache()
   q, tables, lengths = decode_inputs()
-  args = (q, cache.k[0], cache.v[0], tables, lengths)
+  args = (q, *cache.pages(0), tables, lengths)
   run = jax.jit(attention.paged_attention, static_argnames=("soft_cap", "impl"))
   expected = jax.jit(paged_attention_reference, static_argnames="soft_cap")(*args, soft_cap=9.0)
   auto = run(*args, soft_cap=9.0, impl="auto")
@@ -261,7 +266,7 @@ def test_prefill_dispatch_runs_the_reference():
   q, tables, lengths = decode_inputs()
   q = jnp.stack([q, 2 * q, -q], axis=1)
   query_lens = jnp.asarray([3, 2], jnp.int32)
-  args = (q, cache.k[1], cache.v[1], tables, lengths, query_lens)
+  args = (q, *cache.pages(1), tables, lengths, query_lens)
   got = jax.jit(attention.paged_prefill_attention, static_argnames="sliding_window")(
     *args, sliding_window=5
   )
@@ -276,7 +281,7 @@ def test_attention_checked_path_rejects_out_of_range_tables(prefill):
   cache = random_cache()
   q, tables, lengths = decode_inputs()
   tables = tables.at[1, 2].set(CFG.num_gpu_blocks)
-  args = (q, cache.k[0], cache.v[0], tables, lengths)
+  args = (q, *cache.pages(0), tables, lengths)
   with pytest.raises(ValueError, match=r"block_tables\[1, 2\] = 12"):
     if prefill:
       attention.paged_prefill_attention(q[:, None], *args[1:], jnp.ones(2, jnp.int32))
@@ -311,8 +316,7 @@ def test_decode_step_updates_the_cache_in_place(dtype):
       outputs.append(
         attention.paged_attention(
           q,
-          cache.k[layer],
-          cache.v[layer],
+          *cache.pages(layer),
           tables,
           lengths,
           impl="reference",

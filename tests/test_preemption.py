@@ -173,7 +173,7 @@ def decode_step(state, cache, seq_ids):
     k, v = token_kv(seq_ids, positions, layer, cache.dtype)
     cache = pj.write_kv(cache, layer, k, v, slots)
     q = token_query(seq_ids, positions, layer, cache.dtype)
-    outputs.append(pj.paged_attention(q, cache.k[layer], cache.v[layer], tables, lengths))
+    outputs.append(pj.paged_attention(q, *cache.pages(layer), tables, lengths))
   return state, cache, jnp.stack(outputs), cow.status, cow.count
 
 

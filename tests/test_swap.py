@@ -46,7 +46,8 @@ def random_cache(dtype, cfg=CFG, seed=0):
   rng = np.random.default_rng(seed)
 
   def fill(pages):
-    # Host pages hold bit patterns: random floats viewed as their bits.
+    # Host pages (and on the CPU backend narrow float device pages) hold bit
+    # patterns: random floats viewed as their bits.
     return tuple(
       jax.device_put(rng.standard_normal(p.shape).astype(dtype).view(p.dtype), p.sharding)
       for p in pages
@@ -58,7 +59,9 @@ def random_cache(dtype, cfg=CFG, seed=0):
 
 
 def device_pages(cache):
-  return [np.asarray(p) for p in cache.k + cache.v]
+  """Every layer's device K, then V, as floats."""
+  layers = [cache.pages(layer) for layer in range(cache.num_layers)]
+  return [np.asarray(k) for k, _ in layers] + [np.asarray(v) for _, v in layers]
 
 
 def host_pages(cache):
@@ -78,8 +81,7 @@ def write_tokens(cache, layer_rows, slots):
 def attention_of(cache, q, tables, lengths):
   tables, lengths = jnp.asarray(tables, jnp.int32), jnp.asarray(lengths, jnp.int32)
   return [
-    np.asarray(attend(q, cache.k[layer], cache.v[layer], tables, lengths))
-    for layer in range(cache.num_layers)
+    np.asarray(attend(q, *cache.pages(layer), tables, lengths)) for layer in range(cache.num_layers)
   ]
 
 
@@ -134,7 +136,10 @@ def test_pages_stay_in_their_memory_kinds_and_types():
   assert {p.sharding.memory_kind for p in host} == {"pinned_host"}
   assert {p.dtype for p in host} == {jnp.dtype(jnp.uint16)}
   assert {p.sharding.memory_kind for p in cache.k + cache.v} == {"device"}
-  assert {p.dtype for p in cache.k + cache.v} == {jnp.dtype(jnp.bfloat16)}
+  # Bits on the CPU backend (see test_kv_cache), floats elsewhere.
+  stored = jnp.uint16 if jax.default_backend() == "cpu" else jnp.bfloat16
+  assert {p.dtype for p in cache.k + cache.v} == {jnp.dtype(stored)}
+  assert {p.dtype for p in cache.pages(0) + cache.pages(1)} == {jnp.dtype(jnp.bfloat16)}
 
 
 @pytest.mark.parametrize("swap", [kv_cache.swap_out, kv_cache.swap_in], ids=["out", "in"])
@@ -219,12 +224,12 @@ def test_swap_memory_follows_the_plan_not_the_cache(swap, dtype):
 
 def test_swaps_compose_inside_a_jitted_step():
   cache = random_cache(jnp.bfloat16)
-  want = np.asarray(cache.v[1])[:, 3]
+  want = np.asarray(cache.pages(1)[1])[:, 3]
 
   def step(cache, out_plan, in_plan):
     return kv_cache.swap_in(kv_cache.swap_out(cache, out_plan), in_plan)
 
   cache = jax.jit(step, donate_argnums=0)(cache, make_plan([(3, 6)]), make_plan([(6, 10)]))
   np.testing.assert_array_equal(np.asarray(cache.host_pages(1)[1])[:, 6], want)
-  np.testing.assert_array_equal(np.asarray(cache.v[1])[:, 10], want)
+  np.testing.assert_array_equal(np.asarray(cache.pages(1)[1])[:, 10], want)
   assert cache.v_host[1].sharding.memory_kind == "pinned_host"

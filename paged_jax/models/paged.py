@@ -91,7 +91,7 @@ class PagedCache:
       )
     kv = write_kv(self.kv, layer, k, v, self.slot_mapping)
     lengths = (jnp.max(positions, axis=1) + 1).astype(jnp.int32)
-    k_pages, v_pages = kv.k[layer], kv.v[layer]
+    k_pages, v_pages = kv.pages(layer)
     options = dict(
       sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, **kv.scales(layer)
     )

@@ -71,9 +71,11 @@ def check_attention_args(
     raise ValueError(f"v_pages shape {v_pages.shape} differs from k_pages shape {k_pages.shape}")
   quantization.check_scales(k_pages, v_pages, k_scales, v_scales, kernel=kernel)
   if k_scales is None and not q.dtype == k_pages.dtype == v_pages.dtype:
+    bits = jnp.issubdtype(k_pages.dtype, jnp.unsignedinteger)
     raise ValueError(
       f"q, k_pages and v_pages must share one dtype, got "
       f"{q.dtype}, {k_pages.dtype}, {v_pages.dtype}"
+      + (" (a KVCache's pages of bit patterns are read with `cache.pages(layer)`)" if bits else "")
     )
   if not jnp.issubdtype(q.dtype, jnp.floating):
     raise ValueError(f"q must be a float array, got {q.dtype}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_kernels import quantization
 from pallas_kernels.paged_attention import common
@@ -160,6 +161,16 @@ def paged_prefill_attention_reference(
   return out.astype(q.dtype)
 
 
+def take_blocks(pages, tables):
+  """``pages[:, tables]``; floats narrower than 32 bits are gathered as their
+  bit patterns (XLA:CPU computes a narrow-float gather on a float32 copy of
+  the whole page array)."""
+  if not (jnp.issubdtype(pages.dtype, jnp.floating) and pages.dtype.itemsize < 4):
+    return pages[:, tables]
+  bits = lax.bitcast_convert_type(pages, jnp.dtype(f"uint{8 * pages.dtype.itemsize}"))
+  return lax.bitcast_convert_type(bits[:, tables], pages.dtype)
+
+
 def gather_context(k_pages, v_pages, block_tables, lengths, k_scales, v_scales):
   """Gathers each sequence's pages into contiguous keys and values.
 
@@ -181,7 +192,7 @@ def gather_context(k_pages, v_pages, block_tables, lengths, k_scales, v_scales):
   key_in_context = jnp.repeat(has_block, block_size, axis=1) & (key_pos[None, :] < lengths[:, None])
 
   def gather(pages, scales):
-    pages = pages[:, safe_tables].reshape(num_kv_heads, batch, context, head_dim)
+    pages = take_blocks(pages, safe_tables).reshape(num_kv_heads, batch, context, head_dim)
     if scales is None:
       return pages
     scales = scales[:, safe_tables].reshape(num_kv_heads, batch, context)
