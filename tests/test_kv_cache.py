@@ -44,8 +44,9 @@ def random_cache(cfg=CFG, dtype=jnp.float32, seed=0):
   cache = kv_cache.KVCache.create(cfg, LAYERS, KV_HEADS, HEAD_DIM, dtype)
   rng = np.random.default_rng(seed)
 
-  def fill(pages):
-    return tuple(jnp.asarray(rng.standard_normal(p.shape), dtype) for p in pages)
+  def fill(pages):  # as the pages hold them (bits on the CPU backend for narrow floats)
+    values = (jnp.asarray(rng.standard_normal(p.shape), dtype) for p in pages)
+    return tuple(jax.lax.bitcast_convert_type(x, p.dtype) for x, p in zip(values, pages))
 
   return cache.replace(k=fill(cache.k), v=fill(cache.v))
 
@@ -302,12 +303,21 @@ def test_attention_checked_path_rejects_out_of_range_tables(prefill):
       attention.paged_attention(*args)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "int8"])
-def test_decode_step_updates_the_cache_in_place(dtype):
+@pytest.mark.parametrize(
+  "dtype,attention_impl",
+  [
+    ("float32", "reference"),
+    ("int8", "reference"),
+    ("bfloat16", "reference"),
+    ("bfloat16", "auto"),  # on CPU the chunked loop, which reads the pages in every chunk
+    ("float8_e4m3fn", "reference"),
+  ],
+)
+def test_decode_step_updates_the_cache_in_place(dtype, attention_impl):
   """copy_blocks, then write_kv and paged_attention per layer, jitted with
   the cache donated, hold no second copy of the cache, scales included
-  (reference implementations, CPU; float32 and int8 because XLA:CPU converts
-  bfloat16 and fp8 arrays to scatter into them)."""
+  (reference copies and writes; on the CPU backend bfloat16 and fp8 pages
+  are bits, which XLA:CPU scatters into and gathers from in place)."""
   cfg = CacheConfig(
     block_size=8, num_gpu_blocks=512, num_cpu_blocks=16, max_seqs=4, max_blocks_per_seq=4
   )
@@ -316,8 +326,9 @@ def test_decode_step_updates_the_cache_in_place(dtype):
   else:
     cache = random_cache(cfg, dtype)
   q, tables, lengths = decode_inputs()
-  q = q.astype(jnp.float32)
-  new_k = jnp.ones((2, KV_HEADS, HEAD_DIM), jnp.float32)
+  values = jnp.float32 if cache.quantized else cache.dtype  # what write_kv and attention take
+  q = q.astype(values)
+  new_k = jnp.ones((2, KV_HEADS, HEAD_DIM), values)
   slots = jnp.asarray([9 * 8 + 4, 8 * 8 + 0], jnp.int32)
   plan = make_plan([(20, 9)], capacity=4)  # copy-on-write of seq 0's block
 
@@ -332,7 +343,7 @@ def test_decode_step_updates_the_cache_in_place(dtype):
           *cache.pages(layer),
           tables,
           lengths,
-          impl="reference",
+          impl=attention_impl,
           **cache.scales(layer),
         )
       )

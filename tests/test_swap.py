@@ -192,12 +192,11 @@ def test_count_beyond_capacity_raises():
   [
     (kv_cache._swap_out, jnp.float32),
     (kv_cache._swap_in, jnp.float32),
-    # On the CPU backend a bfloat16 scatter into the device pages converts
-    # them (see kv_cache), so only swap_out, whose scatter is host-side on
-    # bits, is in place there for bfloat16.
+    # Bits on both sides on the CPU backend (see kv_cache).
     (kv_cache._swap_out, jnp.bfloat16),
+    (kv_cache._swap_in, jnp.bfloat16),
   ],
-  ids=["out", "in", "out-bfloat16"],
+  ids=["out", "in", "out-bfloat16", "in-bfloat16"],
 )
 def test_swap_memory_follows_the_plan_not_the_cache(swap, dtype):
   """In place, and temporaries of the planned blocks only, whatever the cache
