@@ -70,8 +70,8 @@ from jax.experimental.compute_on import compute_on
 from paged_jax import sharding
 from paged_jax.attention import check_block_size, is_concrete, select_kernel
 from paged_jax.kv_memory import check_cache_dtype, host_memory_kind
+from pallas_kernels import bits, quantization
 from pallas_kernels import copy_blocks as copy_blocks_kernels
-from pallas_kernels import quantization
 from pallas_kernels import write_kv as write_kv_kernels
 
 
@@ -212,10 +212,10 @@ class KVCache:
     device_shape = (num_kv_heads, cfg.num_gpu_blocks, *page)
     host_shape = (num_kv_heads, cfg.num_cpu_blocks, *page)
     platform = next(iter(device_sharding.device_set)).platform
-    bits_of = dtype if platform == "cpu" and _narrow_float(dtype) else None
+    bits_of = dtype if platform == "cpu" and bits.is_narrow_float(dtype) else None
     groups = [
-      (device_shape, dtype if bits_of is None else _bits_dtype(dtype), device_sharding),
-      (host_shape, _bits_dtype(dtype), host_sharding),
+      (device_shape, dtype if bits_of is None else bits.bits_dtype(dtype), device_sharding),
+      (host_shape, bits.bits_dtype(dtype), host_sharding),
     ]
     if quantization.is_quantized(dtype):
       scale = quantization.SCALE_DTYPE
@@ -701,17 +701,8 @@ def _on_host(cache: KVCache, fn):
   return compute_on("device_host")(jax.jit(fn))
 
 
-def _bits_dtype(dtype) -> jnp.dtype:
-  return jnp.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}")
-
-
 def _bits(x: jax.Array) -> jax.Array:
-  return lax.bitcast_convert_type(x, _bits_dtype(x.dtype))
-
-
-def _narrow_float(dtype) -> bool:
-  dtype = jnp.dtype(dtype)
-  return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4
+  return lax.bitcast_convert_type(x, bits.bits_dtype(x.dtype))
 
 
 def _as_stored(cache: KVCache, x: jax.Array) -> jax.Array:

@@ -142,6 +142,36 @@ def test_random_traces_while_speculating(model):
   assert min(engine._chooser.tokens_per_second(rows, kind) for kind in (True, False)) > 0
 
 
+def test_plain_launches_walk_each_position_once(model, monkeypatch):
+  # The adaptive engine, every launch plain (the `plain` fixture's programs):
+  # after each launch it walks prompt lookup's steps over the positions whose
+  # next k tokens are known, so a request's walks cover the positions from
+  # the one after its first output token on, each once.
+  engine = pj.LLMEngine(
+    model, TOKENIZER, ENGINE_CFG, speculative_config={**NGRAM, "adaptive": True}, **ENGINE_ARGS
+  )
+  engine._chooser.speculate = lambda num_rows: False
+  walked = []
+  walk = speculative.lookup_walk
+
+  def recording_walk(tokens, positions, config):
+    walked.append(positions)
+    return walk(tokens, positions, config)
+
+  monkeypatch.setattr(speculative, "lookup_walk", recording_walk)
+  engine.add_request("0", PROMPTS[0], pj.SamplingParams(max_tokens=20, ignore_eos=True))
+  while engine.has_unfinished_requests():
+    before = dict(engine.timing)
+    outputs = engine.step()
+    # A round's wall time spans all of it: its prefill and decode launches.
+    wall, device = (engine.timing[n] - before[n] for n in ("wall_s", "device_s"))
+    assert wall >= device
+  k, num_prompt = NGRAM["num_speculative_tokens"], len(outputs[0].prompt_token_ids)
+  assert len(walked) > 2 and walked[0].start == num_prompt + 1
+  assert all(a.stop == b.start for a, b in zip(walked, walked[1:]))
+  assert walked[-1].stop <= num_prompt + 20 - k
+
+
 def test_launches_speculate_where_that_measures_faster():
   chooser = speculative.LaunchChooser(remeasure_every=4)
   # Each kind is timed first, once per row count.

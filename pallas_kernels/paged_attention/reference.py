@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import quantization
+from pallas_kernels import bits, quantization
 from pallas_kernels.paged_attention import common
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -165,10 +165,10 @@ def take_blocks(pages, tables):
   """``pages[:, tables]``; floats narrower than 32 bits are gathered as their
   bit patterns (XLA:CPU computes a narrow-float gather on a float32 copy of
   the whole page array)."""
-  if not (jnp.issubdtype(pages.dtype, jnp.floating) and pages.dtype.itemsize < 4):
+  if not bits.is_narrow_float(pages.dtype):
     return pages[:, tables]
-  bits = lax.bitcast_convert_type(pages, jnp.dtype(f"uint{8 * pages.dtype.itemsize}"))
-  return lax.bitcast_convert_type(bits[:, tables], pages.dtype)
+  patterns = lax.bitcast_convert_type(pages, bits.bits_dtype(pages.dtype))
+  return lax.bitcast_convert_type(patterns[:, tables], pages.dtype)
 
 
 def gather_context(k_pages, v_pages, block_tables, lengths, k_scales, v_scales):
