@@ -86,6 +86,12 @@ def _parser() -> argparse.ArgumentParser:
   demo.add_argument("--num-cpu-blocks", type=int, default=64)
   demo.add_argument("--max-seqs", type=_positive, default=32)
   demo.add_argument(
+    "--max-num-batched-tokens",
+    type=_positive,
+    default=512,
+    help="prompt tokens a round computes at most (bounds the prefill buckets)",
+  )
+  demo.add_argument(
     "--max-tokens", type=_positive, default=40, help="tokens generated per sequence at most"
   )
   demo.add_argument("--seed", type=int, default=0)
@@ -199,13 +205,20 @@ def run_demo(args, parser) -> dict:
   )
   params = [dataclasses.replace(sampling, n=n) for n in counts]
   # Preemption by swap; the tokenizer's EOS stops.
-  llm = LLM(model, tokenizer or ByteTokenizer(), cfg, preemption_mode="swap", seed=args.seed)
+  llm = LLM(
+    model,
+    tokenizer or ByteTokenizer(),
+    cfg,
+    preemption_mode="swap",
+    seed=args.seed,
+    max_num_batched_tokens=args.max_num_batched_tokens,
+  )
   for index, (prompt, p) in enumerate(zip(prompts, params)):
     error = llm.engine.admission_error(prompt.size, p)
     if error is not None:
       parser.error(f"request {index}: {error}")
-  # Every program compiles first (the default 512-token budget bounds the
-  # prefill buckets), so the timed run compiles nothing.
+  # Every program compiles first (the token budget bounds the prefill
+  # buckets), so the timed run compiles nothing.
   llm.engine.warmup()
   start = time.perf_counter()
   outputs = llm.generate(prompts, params, progress=not args.json)

@@ -46,11 +46,12 @@ def test_bad_options_exit_with_code_2_and_a_message(argv, message, capsys):
 # them back from the run's compilation cache).
 def test_demo_json_report(capsys):
   argv = ["demo", "--model", "tiny", "--num-requests", "2", "--max-tokens", "4"]
-  assert main([*argv, "--max-seqs", "16", "--num-cpu-blocks", "0", "--json"]) == 0
+  small = ["--max-seqs", "4", "--max-num-batched-tokens", "64", "--num-cpu-blocks", "0"]
+  assert main([*argv, *small, "--json"]) == 0
   out, err = capsys.readouterr()
-  # ceil(512 / 32) + 16 prefill rows at most: buckets 1 .. 32; decode rows
-  # 1, 4 and 16; 4 other programs.
-  assert "warm-up: 13 programs (" in err
+  # ceil(64 / 32) + 4 prefill rows at most: buckets 1 .. 8; decode rows 1
+  # and 4; 4 other programs.
+  assert "warm-up: 10 programs (" in err
   report = json.loads(out)  # the warm-up's summary went to stderr
   assert report["requests"] == 2
   assert report["sequences"] == 5  # the second request asks for 4 samples
