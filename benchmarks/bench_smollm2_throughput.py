@@ -50,12 +50,13 @@ def main() -> None:
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     times.append(time.perf_counter() - start)
-  stats = llm.engine.stats
+  stats, timing = llm.engine.stats, llm.engine.timing
   print(
     f"{args.dtype}, {requests} requests on {args.slots} slots: "
     f"{requests * args.max_tokens / min(times):.1f} tokens/s (runs: "
     f"{', '.join(f'{t:.1f} s' for t in times)}); decode padding {stats.decode_padding:.0%}, "
-    f"prefill padding {stats.prefill_padding:.0%}"
+    f"prefill padding {stats.prefill_padding:.0%}; host share of the rounds' wall time "
+    f"{1 - timing['device_s'] / timing['wall_s']:.1%} over {timing['rounds']} rounds"
   )
   print("first tokens:", [o.outputs[0].token_ids[:8] for o in outputs[:2]])
 

@@ -3,11 +3,14 @@ where the engine is served hardest: the randomized traces of
 tests/test_engine_random.py warm their engines up and run under
 `compile_guard.no_compiles`, which names any program that compiles."""
 
+import dataclasses
+
 import pytest
 from flax import nnx
 
 import paged_jax as pj
 from paged_jax import models
+from paged_jax.engine import runner
 from tests.tiny_models import BYTE_LLAMA
 
 CFG = pj.CacheConfig(block_size=4, num_gpu_blocks=12, max_seqs=6, max_blocks_per_seq=16)
@@ -37,6 +40,18 @@ def test_decode_row_buckets_choose_the_decode_programs():
     engine = pj.LLMEngine(model, None, CFG, decode_row_buckets=buckets)
     decode = [name for name in engine.compiled_programs() if name.startswith("decode loop")]
     assert decode == [f"decode loop {r} rows x8 steps" for r in rows]
+
+
+@pytest.mark.parametrize(
+  "dtype, rows",
+  [("bfloat16", [2, 4, 6]), ("float16", [1, 4, 6]), ("float32", [1, 4, 6])],
+)
+def test_bfloat16_models_on_cpu_decode_at_least_two_rows(dtype, rows):
+  # XLA:CPU's one-row bfloat16 products are 8-15x slower than two-row ones.
+  model = models.Llama(dataclasses.replace(BYTE_LLAMA, dtype=dtype), rngs=nnx.Rngs(1))
+  engine = pj.LLMEngine(model, None, CFG, max_num_seqs=4)
+  assert engine.runner.decode_buckets() == rows
+  assert runner.min_decode_rows(dtype, "gpu") == runner.min_decode_rows(dtype, "tpu") == 1
 
 
 @pytest.mark.parametrize("buckets", [(0,), (7,), (2.0,), (True,), 4])

@@ -70,7 +70,8 @@ class LLMEngine:
       for besides `max_seqs` (vLLM's CUDA-graph capture sizes, here XLA
       programs): a launch packs the decoding sequences into the smallest
       that holds them. None: powers of four up to the first that holds
-      `max_num_seqs`; `()`: one program over every slot (fewest compiles,
+      `max_num_seqs` (from 2 for a bfloat16 model on the CPU backend, see
+      `runner.min_decode_rows`); `()`: one program over every slot (fewest compiles,
       most padding).
     speculative_config: speculative decoding in vLLM's form:
       `{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max":

@@ -99,6 +99,31 @@ class Speculation:
   counts: jax.Array
 
 
+class HashedGraph:
+  """A model's `nnx.GraphDef` as a static jit argument, hashed once.
+
+  jit hashes its static arguments on every call, and hashing a graphdef
+  walks the whole model (3 ms for SmolLM2, against a 30 ms decode step);
+  the runner keeps one of these per model, so a launch's cache lookup is an
+  identity check.
+  """
+
+  __slots__ = ("graphdef", "_hash")
+
+  def __init__(self, graphdef):
+    self.graphdef, self._hash = graphdef, hash(graphdef)
+
+  def __hash__(self) -> int:
+    return self._hash
+
+  def __eq__(self, other) -> bool:
+    return self is other or (isinstance(other, HashedGraph) and self.graphdef == other.graphdef)
+
+  def merge(self, params):
+    """The model, as `nnx.merge` builds it."""
+    return nnx.merge(self.graphdef, params)
+
+
 def _per_shard(ids: jax.Array, num_shards: int, slots_per_shard: int) -> jax.Array:
   """Rows' global slots `[R]` (-1: none) as each shard's local slots
   `[D, R/D]` (row `r` holds a slot of shard `r // (R/D)`)."""
@@ -152,7 +177,7 @@ def _decode_step(
       cache_sliding_window=cfg.sliding_window,
     )
     positions = jnp.where(running, num_tokens - 1, -1)[:, None]
-    model = nnx.merge(graphdef, params_state)
+    model = graphdef.merge(params_state)
     logits, cache = model(
       sharding.split_rows(loop.last_token[:, None], kv), sharding.split_rows(positions, kv), cache
     )
@@ -309,7 +334,7 @@ def _speculative_step(
       slot_mapping=slots_of(tables, positions, cfg.block_size),
       cache_sliding_window=cfg.sliding_window,
     )
-    model = nnx.merge(graphdef, params_state)
+    model = graphdef.merge(params_state)
     logits, cache = model(
       sharding.split_rows(tokens, kv), sharding.split_rows(positions, kv), cache
     )
@@ -636,7 +661,7 @@ def prefill(
   cache = paged_cache(
     kv=kv, block_tables=tables, slot_mapping=slots, cache_sliding_window=states.cfg.sliding_window
   )
-  model = nnx.merge(graphdef, params_state)
+  model = graphdef.merge(params_state)
   args = sharding.split_rows(tokens, kv), sharding.split_rows(positions, kv), cache
   if hasattr(model, "hidden_states") and hasattr(model, "logits"):
     hidden, cache = model.hidden_states(*args)
@@ -675,7 +700,8 @@ def _draft_call(draft, kv, first_layer, tokens, positions, tables, slots, window
   """The draft model's forward over its layers of `kv` (from `first_layer`
   on): `(logits or, without `logits`, hidden states where the model has
   them, the cache)`."""
-  model = nnx.merge(*draft)
+  graph, params = draft
+  model = graph.merge(params)
   cache = paged_cache(
     kv=kv.layers(first_layer), block_tables=tables, slot_mapping=slots, cache_sliding_window=window
   )
@@ -710,7 +736,8 @@ def _draft_proposals(draft, rows: RowParams, loop: DecodeLoop, kv, tables, num_t
   `num_generated + j`, keyed so (salted).
   """
   cfg, history = loop.state.cfg, loop.spec.history
-  first_layer = len(kv.k) - nnx.merge(*draft).config.num_layers
+  graph, params = draft
+  first_layer = len(kv.k) - graph.merge(params).config.num_layers
   call = lambda kv, tokens, positions: _draft_call(
     draft,
     kv,
