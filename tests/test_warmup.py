@@ -10,7 +10,7 @@ from flax import nnx
 
 import paged_jax as pj
 from paged_jax import models
-from paged_jax.engine import runner
+from paged_jax.engine import programs, runner
 from tests.tiny_models import BYTE_LLAMA
 
 CFG = pj.CacheConfig(block_size=4, num_gpu_blocks=12, max_seqs=6, max_blocks_per_seq=16)
@@ -61,3 +61,19 @@ def test_decode_row_buckets_out_of_range_are_refused(buckets):
     ValueError, match=r"decode_row_buckets must be a list or tuple of ints in 1\.\.6"
   ):
     pj.LLMEngine(model, None, CFG, decode_row_buckets=buckets)
+
+
+def test_a_launch_looks_its_model_up_without_hashing_the_graphdef(monkeypatch):
+  # jit hashes static arguments on every call; a graphdef's hash walks the model.
+  graph = lambda config: programs.HashedGraph(nnx.split(models.Llama(config, rngs=nnx.Rngs(1)))[0])
+  one, same = graph(BYTE_LLAMA), graph(BYTE_LLAMA)
+  assert one == same and hash(one) == hash(same)  # two engines of one model share programs
+  assert one != graph(dataclasses.replace(BYTE_LLAMA, num_layers=2))
+  calls = []
+  graphdef_type = type(one.graphdef)
+  original = graphdef_type.__hash__
+  monkeypatch.setattr(graphdef_type, "__hash__", lambda self: calls.append(1) or original(self))
+  assert {one: "program"}[one] == "program" and hash(one) == hash(same)
+  assert calls == []
+  engine = pj.LLMEngine(models.Llama(BYTE_LLAMA, rngs=nnx.Rngs(1)), None, CFG)
+  assert isinstance(engine.runner.graphdef, programs.HashedGraph)
