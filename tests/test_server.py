@@ -449,6 +449,7 @@ def test_api_key_is_needed_except_for_health_and_metrics(tiny):
     (["--preemption-mode", "swap"], "--preemption-mode swap needs --swap-space > 0"),
     (["--max-logprobs", "-1"], "--max-logprobs must be >= 0"),
     (["--num-gpu-blocks-override", "0"], "--num-gpu-blocks-override: must be >= 1"),
+    (["--num-scheduler-steps", "0"], "--num-scheduler-steps: must be >= 1"),
     (["--speculative-config", "{ngram}"], "--speculative-config: not JSON"),
     (["--speculative-config", "[1]"], "--speculative-config: a JSON object is needed"),
     (["--speculative-config", '{"method": "medusa"}'], "method must be one of"),
@@ -460,6 +461,16 @@ def test_bad_serve_options_exit_before_listening(argv, message, capsys):
   with pytest.raises(SystemExit) as exit_info:
     main(["serve", "--model", "tiny", *argv])
   assert message in str(exit_info.value.code) + capsys.readouterr().err
+
+
+def test_num_scheduler_steps_sets_the_engines_decode_steps_per_launch(monkeypatch):
+  from paged_jax.__main__ import _parser
+
+  built = {}
+  monkeypatch.setattr(pj, "LLMEngine", lambda *args, **kwargs: built.update(kwargs))
+  args = _parser().parse_args(["serve", "--model", "tiny", "--num-scheduler-steps", "2"])
+  cli.engine_builder(args)()
+  assert built["num_decode_steps"] == 2
 
 
 def test_a_draft_model_flag_loads_the_draft_as_the_model_flag_does():

@@ -82,6 +82,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
   serve.add_argument("--max-model-len", type=_positive, default=None, help="default: the model's")
   serve.add_argument("--max-num-seqs", type=_positive, default=32)
   serve.add_argument("--max-num-batched-tokens", type=_positive, default=512)
+  serve.add_argument(
+    "--num-scheduler-steps",
+    type=_positive,
+    default=8,
+    help="decode steps per launch (the engine's num_decode_steps)",
+  )
   serve.add_argument("--block-size", type=_positive, default=16)
   serve.add_argument("--num-gpu-blocks-override", type=_positive, default=None)
   serve.add_argument(
@@ -218,6 +224,7 @@ def engine_builder(args):
       tokenizer,
       cache_config,
       max_num_batched_tokens=args.max_num_batched_tokens,
+      num_decode_steps=args.num_scheduler_steps,
       preemption_mode=args.preemption_mode,
       kv_cache_dtype=kv_dtype,
       mesh=mesh,
