@@ -4,7 +4,8 @@ Serves `--slots` prompts at once (one per sequence slot; `--slots 1 --requests
 1` is a single stream on a 1-slot engine, `--requests 1` alone one stream on a
 `--slots` engine), `--max-tokens` each, greedy, `ignore_eos`, after warm-up;
 prints the best of `--repeats` runs in tokens/s, the first tokens of the first
-outputs (to compare two trees' greedy tokens) and the engine's padding. To
+outputs (to compare two trees' greedy tokens), the engine's padding and the
+share of its rounds' wall time spent outside the launches (the host's). To
 compare two checkouts side by side, run it with `PYTHONPATH=<checkout>` for
 each, back to back.
 
