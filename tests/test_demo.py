@@ -17,6 +17,7 @@ from paged_jax.__main__ import main
   "argv, message",
   [
     (["demo", "--num-requests", "0"], "--num-requests: must be >= 1"),
+    (["demo", "--max-num-batched-tokens", "0"], "--max-num-batched-tokens: must be >= 1"),
     (["demo", "--block-size", "x"], "--block-size: invalid"),
     (["demo", "--model", "tiny", "--num-gpu-blocks", "2"], "cannot hold one 128-token sequence"),
     (["demo", "--num-cpu-blocks", "-1"], "--num-cpu-blocks must be >= 0"),

@@ -31,6 +31,7 @@ from pallas_kernels.paged_attention import (
   paged_attention_reference,
   paged_prefill_attention_chunked,
   paged_prefill_attention_reference,
+  reference,
   tpu,
 )
 
@@ -560,3 +561,16 @@ def test_xla_attention_propagates_nan_read_inside_the_context(attention):
   out = attention(q, k_pages, v_pages, tables, np.array([3, 6], np.int32))
   assert np.all(np.isnan(np.asarray(out[0])))
   assert np.all(np.isfinite(np.asarray(out[1])))
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's narrow-float gathers")
+def test_bfloat16_blocks_are_gathered_as_bits():
+  # XLA:CPU gathers bfloat16 from a float32 copy of the whole page array.
+  pages = jax.random.normal(jax.random.key(0), (2, 64, 4, 8)).astype(jnp.bfloat16)
+  tables = jax.random.randint(jax.random.key(1), (3, 5), 0, 64)
+  np.testing.assert_array_equal(
+    np.asarray(reference.take_blocks(pages, tables), np.float32),
+    np.asarray(pages[:, tables], np.float32),
+  )
+  compiled = jax.jit(reference.take_blocks).lower(pages, tables).compile().as_text()
+  assert "f32[2,64,4,8]" not in compiled
