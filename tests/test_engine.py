@@ -206,9 +206,9 @@ def test_outputs_finish_with_a_reason_and_logprobs(reference):
 
 
 def test_stats_count_the_prefill_and_decode_padding(model):
-  # Prompts of 5, 5 and 36 tokens in one round: 1 + 1 + 2 rows of 32
-  # positions, the 4-row bucket. Then three sequences decode 2 tokens
-  # each in the 4-row bucket.
+  # Prompts of 5, 5 and 36 tokens in one round: 46 tokens packed into the
+  # 64-token bucket (1 + 1 + 2 tiles of 32, of 4). Then three sequences
+  # decode 2 tokens each in the 4-row bucket.
   engine = pj.LLMEngine(model, TOKENIZER, CFG, num_decode_steps=4)
   params = pj.SamplingParams(max_tokens=3, ignore_eos=True)
   for request_id, length in (("short", 5), ("small", 5), ("long", 36)):
@@ -216,8 +216,8 @@ def test_stats_count_the_prefill_and_decode_padding(model):
   while engine.has_unfinished_requests():
     engine.step()
   stats = engine.stats
-  assert (stats.prefill_tokens, stats.prefill_positions) == (46, 4 * 32)
-  assert stats.prefill_padding == pytest.approx(1 - 46 / 128)
+  assert (stats.prefill_tokens, stats.prefill_positions) == (46, 64)
+  assert stats.prefill_padding == pytest.approx(1 - 46 / 64)
   assert stats.preemptions == 0
   assert (stats.decode_tokens, stats.decode_positions) == (3 * 2, 4 * 2)
   assert stats.decode_padding == pytest.approx(0.25)

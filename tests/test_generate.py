@@ -104,6 +104,64 @@ def test_paged_logits_match_dense_for_prefill_and_decode(model):
   np.testing.assert_allclose(paged_logits, dense_logits, atol=1e-5, rtol=0)
 
 
+def test_a_packed_call_equals_one_row_per_sequence(model):
+  # Prefill packs several sequences' tokens into one row (`query_tiles`):
+  # the logits and the written pages must be those of one row each.
+  forward = _jitted_forward(model)
+  rng = np.random.default_rng(3)
+  lengths, starts = np.array([7, 3, 12]), np.array([0, 7, 10])
+  cfg = pj.CacheConfig(
+    block_size=4, num_gpu_blocks=32, num_cpu_blocks=0, max_seqs=3, max_blocks_per_seq=4
+  )
+  bm = pj.BlockSpaceManager(cfg)
+  allocate, block_tables = jax.jit(bm.allocate), jax.jit(bm.get_block_tables)
+  state = bm.init()
+  tokens = np.zeros((3, 12), np.int32)
+  for row, length in enumerate(lengths):
+    tokens[row, :length] = rng.integers(0, CONFIG.vocab_size, length)
+    state, _ = allocate(state, jnp.array([row]), tokens[row], int(length))
+  positions = np.where(np.arange(12) < lengths[:, None], np.arange(12), -1)
+  tables = np.asarray(block_tables(state, jnp.arange(3, dtype=jnp.int32)))
+  slots = np.where(positions >= 0, tables[np.arange(3)[:, None], positions // 4] * 4, -1)
+  slots = np.where(positions >= 0, slots + positions % 4, -1).astype(np.int32)
+  kv = pj.KVCache.create(
+    cfg, CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, dtype=jnp.float32
+  )
+  kv = kv.replace(
+    k=tuple(jnp.full_like(k, jnp.nan) for k in kv.k),
+    v=tuple(jnp.full_like(v, jnp.nan) for v in kv.v),
+  )
+  rows_cache = PagedCache(kv=kv, block_tables=tables, slot_mapping=slots)
+  row_logits, rows_cache = forward(tokens, positions, rows_cache)
+
+  # 22 tokens packed into 24, attending in 2 + 1 + 3 tiles of 4 (of 8).
+  packed_tokens = np.zeros((1, 24), np.int32)
+  packed_positions = np.full((1, 24), -1, np.int32)
+  packed_slots = np.full((1, 24), -1, np.int32)
+  tiles = np.full((8, 4), -1, np.int32)
+  tile_tables = np.full((8, 4), -1, np.int32)
+  tile = 0
+  for row, (length, start) in enumerate(zip(lengths, starts)):
+    packed_tokens[0, start : start + length] = tokens[row, :length]
+    packed_positions[0, start : start + length] = positions[row, :length]
+    packed_slots[0, start : start + length] = slots[row, :length]
+    for offset in range(0, length, 4):
+      cells = np.arange(start + offset, start + min(length, offset + 4))
+      tiles[tile, : cells.size], tile_tables[tile] = cells, tables[row]
+      tile += 1
+  packed_cache = PagedCache(
+    kv=kv, block_tables=tile_tables, slot_mapping=packed_slots, query_tiles=tiles
+  )
+  packed_logits, packed_cache = forward(packed_tokens, packed_positions, packed_cache)
+  for row, (length, start) in enumerate(zip(lengths, starts)):
+    np.testing.assert_allclose(
+      packed_logits[0, start : start + length], row_logits[row, :length], atol=1e-5, rtol=0
+    )
+  pages = lambda cache: cache.kv.k + cache.kv.v
+  for packed, per_row in zip(pages(packed_cache), pages(rows_cache)):
+    np.testing.assert_allclose(packed, per_row, atol=1e-5, rtol=0)  # NaN where neither wrote
+
+
 # Over 10 s: each cache config compiles an engine. With prefix caching (its
 # decode loop twice the size, 20 s of compiles) it is `slow`, for the full
 # suite: in CI, test_structured_engine checks the prefix-cached engine's

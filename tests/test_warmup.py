@@ -21,9 +21,11 @@ def test_compiled_programs_lists_the_bucket_set():
   engine = pj.LLMEngine(
     model, models.ByteTokenizer(), CFG, max_num_seqs=4, max_num_batched_tokens=48, prefill_width=16
   )
-  # ceil(48 / 16) + 4 = 7 rows at most: buckets 1, 2, 4, 8.
-  assert engine.compiled_programs()[:4] == [f"prefill {r}x16 tokens" for r in (1, 2, 4, 8)]
-  assert engine.compiled_programs()[4:] == [
+  # 48 tokens in ceil(48 / 16) + 4 = 7 tiles at most: 16, 32 and 64 tokens.
+  assert engine.compiled_programs()[:3] == [
+    f"prefill {t} tokens in {t // 8} tiles of 16" for t in (16, 32, 64)
+  ]
+  assert engine.compiled_programs()[3:] == [
     "decode loop 1 rows x8 steps",
     "decode loop 4 rows x8 steps",
     "decode loop 6 rows x8 steps",
@@ -32,6 +34,15 @@ def test_compiled_programs_lists_the_bucket_set():
     "swap in",
     "request keys",
   ]
+
+
+def test_prefill_packs_its_tokens_into_the_smallest_shape_that_holds_them():
+  # (tokens, tiles) per shard: (width * 2**i, 2 * 2**i).
+  assert runner.prefill_shape(32, 46, 4) == (64, 4)
+  assert runner.prefill_shape(32, 512, 30) == (512, 32)
+  # Many short chunks fill more tiles than their tokens would: a larger shape.
+  assert runner.prefill_shape(32, 5, 5) == (128, 8)
+  assert runner.prefill_shape(16, 1, 1) == (16, 2)
 
 
 def test_decode_row_buckets_choose_the_decode_programs():

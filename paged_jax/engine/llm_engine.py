@@ -44,7 +44,7 @@ class LLMEngine:
       slots (running and swapped out). With a `sliding_window` of `W`,
       every layer of the model must slide over at most `W` keys; prompts
       then run in chunks of at most `W - w + 1` tokens (`w` the widest
-      layer window), and so do prefill rows (`prefill_width`).
+      layer window), and so do prefill tiles (`prefill_width`).
     max_num_seqs: sequences running at once; defaults to
       `cache_config.max_seqs`.
     max_num_batched_tokens: tokens one round puts through the model (one per
@@ -64,8 +64,10 @@ class LLMEngine:
     max_logprobs: the largest `SamplingParams.logprobs` accepted.
     max_beam_width: the most beams (`n` with `use_beam_search`) a request
       may ask for; it sizes the decode loop's beam state.
-    prefill_width: tokens per prefill row: a prompt chunk runs as rows of
-      this many tokens (see `compiled_programs`).
+    prefill_width: tokens per prefill attention tile: a round's prompt
+      chunks run packed, without padding between them, through the model's
+      matmuls and attend in tiles of this many tokens (see
+      `compiled_programs`).
     decode_row_buckets: row counts per data shard the decode loop compiles
       for besides `max_seqs` (vLLM's CUDA-graph capture sizes, here XLA
       programs): a launch packs the decoding sequences into the smallest
@@ -187,6 +189,7 @@ class LLMEngine:
       stop_width=MAX_STOP_TOKENS,
       max_beam_width=max_beam_width,
       prefill_width=prefill_width,
+      max_prefill_tokens=max_num_batched_tokens,
       max_prefill_rows=-(-max_num_batched_tokens // prefill_width) + max_num_seqs,
       max_decode_rows=max_num_seqs,
       decode_row_buckets=decode_row_buckets,
@@ -222,10 +225,12 @@ class LLMEngine:
   def compiled_programs(self) -> list[str]:
     """Every program the engine launches, one per shape: the bucket set.
 
-    Prefill runs a round's prompt chunks as rows of `prefill_width` tokens,
-    each data shard's rows padded to a power of two up to the bucket of
-    `ceil(max_num_batched_tokens / prefill_width) + max_num_seqs` (a chunk
-    adds at most one partly filled row); the decode loop runs each data
+    Prefill runs each data shard's prompt chunks packed into one row of
+    tokens, attending in tiles of `prefill_width` tokens: `prefill_width *
+    2**i` tokens in `2 * 2**i` tiles per shard, up to the first shape that
+    holds `max_num_batched_tokens` tokens and
+    `ceil(max_num_batched_tokens / prefill_width) + max_num_seqs` tiles (a
+    chunk adds at most one partly filled tile); the decode loop runs each data
     shard's decoding sequences padded to a power of four below `max_seqs`
     (up to the first that holds `max_num_seqs`; or to one of
     `decode_row_buckets`), or every slot (`max_seqs`
@@ -238,7 +243,10 @@ class LLMEngine:
     """
     width, shards, steps = self.runner.prefill_width, self.cache.num_shards, self.num_decode_steps
     return (
-      [f"prefill {shards * r}x{width} tokens" for r in self.runner.prefill_buckets()]
+      [
+        f"prefill {shards * t} tokens in {shards * r} tiles of {width}"
+        for t, r in self.runner.prefill_buckets()
+      ]
       + [
         f"{'speculating ' if kind else ''}decode loop {shards * r} rows x{steps} steps"
         for kind in self.runner.decode_kinds()
@@ -256,7 +264,7 @@ class LLMEngine:
       RuntimeError: if requests are already running.
     """
     runner, steps = self.runner, self.num_decode_steps
-    launches = [lambda r=r: runner.warm_up_prefill(r) for r in runner.prefill_buckets()]
+    launches = [lambda b=b: runner.warm_up_prefill(b) for b in runner.prefill_buckets()]
     launches += [lambda r=r: runner.warm_up_decode(steps, r) for r in runner.decode_buckets()]
     launches += [self.cache.warm_up, self._warm_up_request_keys]
     start = time.perf_counter()

@@ -72,7 +72,7 @@ class GenerationStats:
     prefill_tokens: tokens that ran through prefill (prefix-cache hits skip
       some; recomputed preempted sequences run theirs again).
     prefill_positions: token positions the prefill launches computed: the
-      prefill tokens plus the padding of their row buckets
+      prefill tokens plus the padding of their token buckets
       (`LLMEngine.compiled_programs`); `prefill_padding` is the padded share.
     decode_steps: iterations of the decode loop.
     decode_positions: rows the decode launches computed, summed over their

@@ -11,12 +11,13 @@ rows' logits before sampling and advances their states in the carry, and a
 row whose state allows no token finishes; without one the step masks
 nothing. It hands control back early when a data shard's blocks
 run out (the scheduler preempts) or, if asked, when a row finishes (the
-scheduler admits more). `prefill` runs prompt chunks and draws the first
-token of the sequences whose prompt they complete. The decode loop's rows
-are the running sequences, each data shard's padded to a power of four, or
-every global sequence slot (see `paged_jax.engine.cache_manager`) while a
-beam group runs; every program compiles once per shape (both programs'
-rows are bucketed).
+scheduler admits more). `prefill` runs prompt chunks, each data shard's
+packed into one token axis, and draws the first token of the sequences
+whose prompt they complete. The decode loop's rows are the running
+sequences, each data shard's padded to a power of four, or every global
+sequence slot (see `paged_jax.engine.cache_manager`) while a beam group
+runs; every program compiles once per shape (the decode loop's rows and
+prefill's tokens are bucketed).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from paged_jax.engine.sampling import (
   sampling_logits,
 )
 from paged_jax.kv_cache import KVCache
-from paged_jax.models.paged import paged_cache
+from paged_jax.models.paged import paged_cache, take_tiles, tile_token_index, untile
 
 
 @flax.struct.dataclass
@@ -593,9 +594,9 @@ class PromptScores:
   """Log-probabilities of the prompt tokens that follow each chunk position.
 
   Attributes:
-    logprob: float32 `[rows, width]`, of the next prompt token.
-    top_ids: int32 `[rows, width, k]`, the most likely next tokens.
-    top_logprobs: float32 `[rows, width, k]`, their log-probabilities.
+    logprob: float32 `[rows, tokens]`, of the next prompt token.
+    top_ids: int32 `[rows, tokens, k]`, the most likely next tokens.
+    top_logprobs: float32 `[rows, tokens, k]`, their log-probabilities.
   """
 
   logprob: jax.Array
@@ -617,7 +618,7 @@ def score_next_tokens(logits, next_tokens, num_logprobs: int) -> PromptScores:
 
 
 @functools.partial(
-  jax.jit, static_argnums=(0, 11, 12), static_argnames=("draft_graphdef",), donate_argnums=(2,)
+  jax.jit, static_argnums=(0, 12, 13), static_argnames=("draft_graphdef",), donate_argnums=(2,)
 )
 def prefill(
   graphdef,
@@ -626,10 +627,11 @@ def prefill(
   states,
   tokens,
   positions,
+  tiles,
+  tile_slots,
   write_from,
   next_tokens,
-  local,
-  chunk_of,
+  last_token_of,
   rows,
   num_logprobs,
   block_size,
@@ -638,28 +640,39 @@ def prefill(
   draft_params=None,
   draft_graphdef=None,
 ):
-  """Runs prompt chunks, then draws token 0 of sequences from their logits.
+  """Runs prompt chunks packed per data shard, then draws token 0 of
+  sequences from their logits.
 
-  Rows of `tokens` and `positions` are chunks (padding has position -1),
-  `rows / D` per data shard; `local` int32 `[D, rows / D]` are the chunks'
-  slots in their shard. A row's positions before `write_from[row]` already
-  hold their K/V in the cache and are not written again. Draw `i` samples
-  from the last position of chunk `chunk_of[i]` with the sampling
-  parameters `rows[i]`, masked by `table`'s automaton state `draw_states[i]`
-  when there is a `table`. Where a row has `next_tokens` (>= 0), it also
-  scores them (see `score_next_tokens`; the vocabulary-wide work runs only
-  when some row asks). A model with `hidden_states` and `logits` (see
-  `ModelProtocol`) runs its output layer only at the drawing positions,
-  and at every position only when some row scores. With a speculative
-  draft model (`draft_graphdef`, `draft_params`), the chunks also run
-  through it, writing its layers of the cache.
+  `tokens` and `positions` `[D, T]` hold each data shard's chunks one after
+  another (padding has position -1), so the model's matmuls run `T` tokens
+  per shard whatever the chunks' lengths; attention runs per tile (see
+  `PagedCache.query_tiles`): `tiles` `[D * R, W]` index the tokens of each
+  tile in its shard's row, and `tile_slots` int32 `[D, R]` are the tiles'
+  slots in their shard (-1: no tile). A tile's positions before
+  `write_from[tile]` already hold their K/V in the cache and are not
+  written again. Draw `i` samples from the token at `last_token_of[i]` (an
+  index into the `D * T` tokens) with the sampling parameters `rows[i]`,
+  masked by `table`'s automaton state `draw_states[i]` when there is a
+  `table`. Where a token has `next_tokens` (>= 0), it also scores them (see
+  `score_next_tokens`; the vocabulary-wide work runs only when some token
+  asks). A model with `hidden_states` and `logits` (see `ModelProtocol`)
+  runs its output layer only at the drawing tokens, and at every token
+  only when some token scores. With a speculative draft model
+  (`draft_graphdef`, `draft_params`), the chunks also run through it,
+  writing its layers of the cache.
   """
-  tables = on_every_shard(manager.get_block_tables)(states, local)
+  tables = on_every_shard(manager.get_block_tables)(states, tile_slots)
   tables = tables.reshape(-1, tables.shape[-1])
-  written = jnp.where(positions >= write_from[:, None], positions, -1)
-  slots = slots_of(tables, written, block_size)
+  flat = tile_token_index(tiles, *positions.shape)
+  tile_positions = take_tiles(positions, flat, -1)
+  written = jnp.where(tile_positions >= write_from[:, None], tile_positions, -1)
+  slots = untile(slots_of(tables, written, block_size), flat, positions.shape, -1)
   cache = paged_cache(
-    kv=kv, block_tables=tables, slot_mapping=slots, cache_sliding_window=states.cfg.sliding_window
+    kv=kv,
+    block_tables=tables,
+    slot_mapping=slots,
+    cache_sliding_window=states.cfg.sliding_window,
+    query_tiles=tiles,
   )
   model = graphdef.merge(params_state)
   args = sharding.split_rows(tokens, kv), sharding.split_rows(positions, kv), cache
@@ -669,9 +682,8 @@ def prefill(
   else:  # the output layer already ran at every position
     hidden, cache = model(*args)
     logits_of = lambda logits: logits
-  last = jnp.maximum(jnp.sum(positions >= 0, axis=1) - 1, 0)
-  last_logits = logits_of(hidden[chunk_of, last[chunk_of]])
-  index = jnp.zeros(chunk_of.shape, jnp.int32)
+  last_logits = logits_of(hidden.reshape(-1, hidden.shape[-1])[last_token_of])
+  index = jnp.zeros(last_token_of.shape, jnp.int32)
   mask = None if table is None else structured.allowed_mask(table, draw_states)
   draw = sample_rows(last_logits, rows, index, num_logprobs, mask)
   score = lambda: score_next_tokens(logits_of(hidden), next_tokens, num_logprobs)
@@ -692,18 +704,25 @@ def prefill(
       slots,
       states.cfg.sliding_window,
       logits=False,
+      query_tiles=tiles,
     )
   return sharding.replicate((draw, scores), kv), kv
 
 
-def _draft_call(draft, kv, first_layer, tokens, positions, tables, slots, window, logits=True):
+def _draft_call(
+  draft, kv, first_layer, tokens, positions, tables, slots, window, logits=True, query_tiles=None
+):
   """The draft model's forward over its layers of `kv` (from `first_layer`
   on): `(logits or, without `logits`, hidden states where the model has
-  them, the cache)`."""
+  them, the cache)`; `query_tiles` for a packed call (see `PagedCache`)."""
   graph, params = draft
   model = graph.merge(params)
   cache = paged_cache(
-    kv=kv.layers(first_layer), block_tables=tables, slot_mapping=slots, cache_sliding_window=window
+    kv=kv.layers(first_layer),
+    block_tables=tables,
+    slot_mapping=slots,
+    cache_sliding_window=window,
+    query_tiles=query_tiles,
   )
   args = sharding.split_rows(tokens, kv), sharding.split_rows(positions, kv), cache
   if not logits and hasattr(model, "hidden_states"):

@@ -65,8 +65,10 @@ class ModelRunner:
     mesh: the mesh the model's weights are split over, or None.
     max_beam_width: the most beams a beam-search request may ask for
       (static: it sizes the beam state).
-    prefill_width: tokens per prefill row (a chunk runs as rows of it).
-    max_prefill_rows: the most prefill rows of one data shard in a round.
+    prefill_width: tokens per prefill attention tile (a chunk attends as
+      tiles of it).
+    max_prefill_tokens: the most prompt tokens of one data shard in a round.
+    max_prefill_rows: the most prefill tiles of one data shard in a round.
     max_decode_rows: the most sequences of one data shard that decode at
       once (it bounds the default decode row buckets).
     decode_row_buckets: the decode launches' row counts per data shard,
@@ -88,6 +90,7 @@ class ModelRunner:
     mesh=None,
     max_beam_width: int = 4,
     prefill_width: int = 32,
+    max_prefill_tokens: int = 32,
     max_prefill_rows: int = 1,
     max_decode_rows: int | None = None,
     decode_row_buckets=None,
@@ -103,6 +106,7 @@ class ModelRunner:
       graphdef, params = nnx.split(draft_model)
       self.draft = dict(draft_graphdef=programs.HashedGraph(graphdef), draft_params=params)
     self.prefill_width, self.max_prefill_rows = prefill_width, max_prefill_rows
+    self.max_prefill_tokens = max_prefill_tokens
     self.max_decode_rows = cache.cfg.max_seqs if max_decode_rows is None else max_decode_rows
     self.decode_row_buckets = decode_row_buckets
     if mesh is not None:
@@ -192,14 +196,14 @@ class ModelRunner:
     ]
 
   # Launches.
-  def prefill_rows(self, num_rows: int) -> int:
-    """The row bucket that holds `num_rows` prefill rows of one shard."""
-    return programs.bucket(num_rows)
-
-  def prefill_buckets(self) -> list[int]:
-    """Every row count (per data shard) a prefill launch can have: powers of
-    two up to the bucket of `max_prefill_rows`."""
-    return [1 << i for i in range(self.prefill_rows(self.max_prefill_rows).bit_length())]
+  def prefill_buckets(self) -> list[tuple[int, int]]:
+    """Every shape (per data shard) a prefill launch can have: `(tokens,
+    tiles)` pairs `(prefill_width * 2**i, 2 * 2**i)`, from one tile's
+    tokens up to the first pair that holds `max_prefill_tokens` tokens in
+    `max_prefill_rows` tiles (a launch whose chunks fill more tiles than
+    twice their tokens' takes a larger pair)."""
+    largest = prefill_shape(self.prefill_width, self.max_prefill_tokens, self.max_prefill_rows)
+    return [(self.prefill_width << i, 2 << i) for i in range(largest[1].bit_length() - 1)]
 
   def _automata(self, num_rows: int, constraints):
     """The device table of the constrained rows' automata and every row's
@@ -223,9 +227,11 @@ class ModelRunner:
   def prefill(self, chunks, samples, constraints=()) -> tuple[Draw, list]:
     """Runs prompt chunks, then draws token 0 of the sequences in `samples`.
 
-    A chunk runs as rows of `prefill_width` tokens (its last row padded),
-    and the rows of each data shard are padded to a power of two, so prefill
-    compiles once per row bucket (`prefill_buckets`), whatever the chunks.
+    Each data shard's chunks are packed one after another into one row of
+    tokens for the model's matmuls, and cut into tiles of `prefill_width`
+    tokens for attention (a chunk's last tile padded); the shards' tokens
+    and tiles are padded to a shape of `prefill_buckets`, so prefill
+    compiles once per bucket, whatever the chunks.
 
     Args:
       chunks: `PrefillChunk`s: `tokens` go to positions `start ..` of the
@@ -243,69 +249,77 @@ class ModelRunner:
     """
     cache, width = self.cache, self.prefill_width
     num_shards, per_shard = cache.num_shards, cache.cfg.max_seqs
-    pieces = [
-      (chunk.seq.slot // per_shard, index, offset)
-      for index, chunk in enumerate(chunks)
-      for offset in range(0, chunk.tokens.size, width)
-    ]
-    counts = np.bincount([shard for shard, _, _ in pieces], minlength=num_shards)
-    per_row = self.prefill_rows(int(counts.max()))
-    num_rows = num_shards * per_row
-    tokens = np.zeros((num_rows, width), np.int32)
-    positions = np.full((num_rows, width), -1, np.int32)
-    write_from = np.zeros(num_rows, np.int32)
-    next_tokens = np.full((num_rows, width), -1, np.int32)
-    local = np.full((num_shards, per_row), -1, np.int32)
-    filled = np.zeros(num_shards, np.int64)
-    rows_of = [[] for _ in chunks]
-    for shard, index, offset in pieces:
-      chunk, row = chunks[index], shard * per_row + filled[shard]
-      piece = slice(offset, offset + width)
-      size = chunk.tokens[piece].size
-      tokens[row, :size] = chunk.tokens[piece]
-      positions[row, :size] = np.arange(chunk.start + offset, chunk.start + offset + size)
-      write_from[row] = chunk.write_from
+    shard_of = [chunk.seq.slot // per_shard for chunk in chunks]
+    num_tokens = np.bincount(shard_of, [c.tokens.size for c in chunks], minlength=num_shards)
+    num_tiles = np.bincount(
+      shard_of, [-(-c.tokens.size // width) for c in chunks], minlength=num_shards
+    )
+    per_tokens, per_tiles = prefill_shape(width, int(num_tokens.max()), int(num_tiles.max()))
+    tokens = np.zeros((num_shards, per_tokens), np.int32)
+    positions = np.full((num_shards, per_tokens), -1, np.int32)
+    next_tokens = np.full((num_shards, per_tokens), -1, np.int32)
+    tiles = np.full((num_shards * per_tiles, width), -1, np.int32)
+    tile_slots = np.full((num_shards, per_tiles), -1, np.int32)
+    write_from = np.zeros(num_shards * per_tiles, np.int32)
+    tokens_used, tiles_used = np.zeros(num_shards, np.int64), np.zeros(num_shards, np.int64)
+    first_token = []  # each chunk's first token, as an index into the D * T tokens
+    for chunk, shard in zip(chunks, shard_of):
+      start, size = int(tokens_used[shard]), chunk.tokens.size
+      first_token.append(shard * per_tokens + start)
+      tokens[shard, start : start + size] = chunk.tokens
+      positions[shard, start : start + size] = np.arange(chunk.start, chunk.start + size)
       if chunk.next_tokens is not None:
-        next_tokens[row, :size] = chunk.next_tokens[piece]
-      local[shard, filled[shard]] = chunk.seq.slot % per_shard
-      filled[shard] += 1
-      rows_of[index].append(row)
-    self.counters["prefill_positions"] += num_rows * width
+        next_tokens[shard, start : start + size] = chunk.next_tokens
+      for offset in range(0, size, width):
+        tile = int(tiles_used[shard])
+        cells = np.arange(start + offset, min(start + size, start + offset + width))
+        tiles[shard * per_tiles + tile, : cells.size] = cells
+        tile_slots[shard, tile] = chunk.seq.slot % per_shard
+        write_from[shard * per_tiles + tile] = chunk.write_from
+        tiles_used[shard] += 1
+      tokens_used[shard] += size
+    self.counters["prefill_positions"] += num_shards * per_tokens
     num_draws = num_shards * per_shard  # one compile, whatever the samples
-    chunk_of = np.zeros(num_draws, np.int32)
+    last_token_of = np.zeros(num_draws, np.int32)
     sample_slots = np.zeros(num_draws, np.int32)
     for i, (chunk, slot) in enumerate(samples):
-      chunk_of[i], sample_slots[i] = rows_of[chunk][-1], slot
+      last_token_of[i] = first_token[chunk] + chunks[chunk].tokens.size - 1
+      sample_slots[i] = slot
     table, draw_states = self._automata(num_draws, constraints)
     if table is None:  # the same program as warm-up's, which has no states
       draw_states = None
     draw, scores = self._launch_prefill(
-      tokens, positions, write_from, next_tokens, local, chunk_of, sample_slots, table, draw_states
+      tokens,
+      positions,
+      tiles,
+      tile_slots,
+      write_from,
+      next_tokens,
+      last_token_of,
+      sample_slots,
+      table,
+      draw_states,
     )
     draws = jax.tree.map(lambda a: np.asarray(a)[: len(samples)], draw)
     scored = [chunk.next_tokens is not None for chunk in chunks]
     if any(scored):
-      scores = jax.tree.map(np.asarray, scores)
+      scores = jax.tree.map(lambda a: np.asarray(a).reshape(-1, *a.shape[2:]), scores)
     return draws, [
-      jax.tree.map(
-        lambda a, rows=rows_of[index], size=chunk.tokens.size: a[rows].reshape(-1, *a.shape[2:])[
-          :size
-        ],
-        scores,
-      )
+      jax.tree.map(lambda a, first=first, size=chunk.tokens.size: a[first : first + size], scores)
       if wanted
       else None
-      for index, (chunk, wanted) in enumerate(zip(chunks, scored))
+      for chunk, first, wanted in zip(chunks, first_token, scored)
     ]
 
   def _launch_prefill(
     self,
     tokens,
     positions,
+    tiles,
+    tile_slots,
     write_from,
     next_tokens,
-    local,
-    chunk_of,
+    last_token_of,
     samples,
     table=None,
     draw_states=None,
@@ -318,10 +332,11 @@ class ModelRunner:
       cache.state,
       tokens,
       positions,
+      tiles,
+      tile_slots,
       write_from,
       next_tokens,
-      local,
-      chunk_of,
+      last_token_of,
       jax.tree.map(lambda a: a[samples], self.rows),
       self.num_logprobs,
       cache.cfg.block_size,
@@ -370,25 +385,26 @@ class ModelRunner:
     if self.has_running_rows():
       raise RuntimeError("warm-up launches only while no row decodes")
 
-  def warm_up_prefill(self, rows_per_shard: int) -> None:
-    """Compiles prefill of `rows_per_shard` rows per shard, on rows that do
-    nothing (the pages and states stay as they are).
+  def warm_up_prefill(self, shape: tuple[int, int]) -> None:
+    """Compiles prefill of `shape` (`(tokens, tiles)` per shard, one of
+    `prefill_buckets`) on tokens that do nothing (the pages and states stay
+    as they are).
 
     Raises:
       RuntimeError: if a row decodes.
     """
     self._refuse_while_decoding()
-    cache = self.cache
-    num_rows = cache.num_shards * rows_per_shard
-    shape = (num_rows, self.prefill_width)
+    num_shards, (per_tokens, per_tiles) = self.cache.num_shards, shape
+    no_tokens = np.full((num_shards, per_tokens), -1, np.int32)
     self._launch_prefill(
-      np.zeros(shape, np.int32),
-      np.full(shape, -1, np.int32),
-      np.zeros(num_rows, np.int32),
-      np.full(shape, -1, np.int32),
-      np.full((cache.num_shards, rows_per_shard), -1, np.int32),
-      np.zeros(cache.num_slots, np.int32),
-      np.zeros(cache.num_slots, np.int32),
+      np.zeros_like(no_tokens),
+      no_tokens,
+      np.full((num_shards * per_tiles, self.prefill_width), -1, np.int32),
+      np.full((num_shards, per_tiles), -1, np.int32),
+      np.zeros(num_shards * per_tiles, np.int32),
+      no_tokens,
+      np.zeros(self.cache.num_slots, np.int32),
+      np.zeros(self.cache.num_slots, np.int32),
     )
 
   def warm_up_decode(self, num_steps: int, rows_per_shard: int) -> None:
@@ -558,6 +574,16 @@ class ModelRunner:
       steps=int(loop.step),
       row_steps=int(loop.rows_run),
     )
+
+
+def prefill_shape(width: int, num_tokens: int, num_tiles: int) -> tuple[int, int]:
+  """The prefill shape per data shard, `(tokens, tiles)`, for `num_tokens`
+  tokens in `num_tiles` tiles of `width`: the smallest `(width * 2**i, 2 *
+  2**i)` that holds both."""
+  tokens, tiles = width, 2
+  while tokens < num_tokens or tiles < num_tiles:
+    tokens, tiles = 2 * tokens, 2 * tiles
+  return tokens, tiles
 
 
 def _num_speculative(speculating) -> int:

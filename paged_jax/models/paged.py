@@ -41,17 +41,27 @@ class PagedCache:
 
   Attributes:
     kv: the pages of every layer.
-    block_tables: int32 `[batch, max_blocks_per_seq]`, -1 where no block.
+    block_tables: int32 `[batch, max_blocks_per_seq]`, -1 where no block:
+      one table per row of the call, or with `query_tiles` per tile.
     slot_mapping: int32 `[batch, tokens]`, the cache slot of each new token,
       -1 for padding.
     cache_sliding_window: the `CacheConfig`'s `sliding_window` (static): the
       manager frees the blocks that leave it. None: every block is kept.
+    query_tiles: None (each row of the call is one sequence's tokens), or
+      for a packed call (each row holds several sequences' tokens, one after
+      another: prefill packs a data shard's prompt chunks so that the
+      model's matmuls run no padding), int32 `[tiles, width]`: the tokens
+      of each attention tile, as indices into its row's tokens (-1:
+      padding). A tile holds consecutive tokens of one sequence, the
+      sequence of `block_tables[tile]`; tiles are grouped by row, `tiles /
+      batch` each.
   """
 
   kv: KVCache
   block_tables: jax.Array
   slot_mapping: jax.Array
   cache_sliding_window: int | None = flax.struct.field(pytree_node=False, default=None)
+  query_tiles: jax.Array | None = None
 
   def attend(
     self,
@@ -69,7 +79,8 @@ class PagedCache:
 
     A row's new tokens come first, padding (position -1) after them. One
     token per row runs the decode kernel, more run prefill attention over the
-    cached pages and the new tokens. `sliding_window` masks this layer's
+    cached pages and the new tokens; a packed call (`query_tiles`) runs
+    prefill attention tile by tile. `sliding_window` masks this layer's
     attention to its last keys and `soft_cap` caps its logits.
 
     On a cache whose `CacheConfig` frees blocks outside a window of `W`
@@ -81,35 +92,37 @@ class PagedCache:
     Raises:
       ValueError: if `slot_mapping` does not match the tokens of `k`; on a
         cache that frees blocks outside its window, for a layer whose window
-        is None or wider than the cache's, or rows of more than
-        `W - w + 1` tokens.
+        is None or wider than the cache's, or rows (a packed call's tiles)
+        of more than `W - w + 1` tokens.
     """
-    self._check_window(layer, sliding_window, tokens=k.shape[1])
+    tiles = self.query_tiles
+    self._check_window(layer, sliding_window, call_tokens=k.shape[1])
     if self.slot_mapping.shape != k.shape[:2]:
       raise ValueError(
         f"slot_mapping shape {self.slot_mapping.shape} must be [batch, tokens] = {k.shape[:2]}"
       )
     kv = write_kv(self.kv, layer, k, v, self.slot_mapping)
-    lengths = (jnp.max(positions, axis=1) + 1).astype(jnp.int32)
     k_pages, v_pages = kv.pages(layer)
     options = dict(
       sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, **kv.scales(layer)
     )
-    if positions.shape[1] == 1:
+    if tiles is not None:
+      out = _attend_tiles(q, k_pages, v_pages, self.block_tables, positions, tiles, options)
+    elif positions.shape[1] == 1:
+      lengths = (jnp.max(positions, axis=1) + 1).astype(jnp.int32)
       out = paged_attention(q[:, 0], k_pages, v_pages, self.block_tables, lengths, **options)[
         :, None
       ]
     else:
-      query_lens = jnp.sum(positions >= 0, axis=1).astype(jnp.int32)
-      out = paged_prefill_attention(
-        q, k_pages, v_pages, self.block_tables, lengths, query_lens, **options
-      )
+      out = _prefill_attention(q, k_pages, v_pages, self.block_tables, positions, options)
     return out, self.replace(kv=kv)
 
-  def _check_window(self, layer: int, sliding_window: int | None, *, tokens: int) -> None:
+  def _check_window(self, layer: int, sliding_window: int | None, *, call_tokens: int) -> None:
+    """Checks a sequence's tokens per call: a row's, or a packed call's tile's."""
     cache_window = self.cache_sliding_window
     if cache_window is None:
       return
+    tokens = call_tokens if self.query_tiles is None else self.query_tiles.shape[1]
     most = window_chunk(cache_window, {layer: sliding_window})
     if tokens > most:
       raise ValueError(
@@ -117,6 +130,51 @@ class PagedCache:
         f"{cache_window} tokens layer {layer} (window {sliding_window}) takes at most {most} "
         f"tokens per sequence and call: earlier ones would read freed blocks"
       )
+
+
+def _prefill_attention(q, k_pages, v_pages, block_tables, positions, options) -> jax.Array:
+  """Prefill attention of rows whose tokens sit at `positions` (-1 after)."""
+  lengths = (jnp.max(positions, axis=1) + 1).astype(jnp.int32)
+  query_lens = jnp.sum(positions >= 0, axis=1).astype(jnp.int32)
+  return paged_prefill_attention(q, k_pages, v_pages, block_tables, lengths, query_lens, **options)
+
+
+def _attend_tiles(q, k_pages, v_pages, tile_tables, positions, tiles, options) -> jax.Array:
+  """Prefill attention of a packed call: the queries `q` `[rows, tokens,
+  ...]` gathered into their `tiles` (see `PagedCache.query_tiles`),
+  attended with the tiles' tables, and put back in token order (zeros for
+  tokens in no tile)."""
+  flat = tile_token_index(tiles, *positions.shape)
+  tile_positions = take_tiles(positions, flat, -1)
+  queries = take_tiles(q, flat)
+  out = _prefill_attention(queries, k_pages, v_pages, tile_tables, tile_positions, options)
+  return untile(out, flat, positions.shape)
+
+
+def tile_token_index(tiles: jax.Array, rows: int, tokens: int) -> jax.Array:
+  """Each cell of a packed call's `tiles` (see `PagedCache.query_tiles`) as
+  an index into the call's `rows * tokens` tokens, flattened; `rows *
+  tokens` (past the end) for padding."""
+  row_of_tile = jnp.arange(tiles.shape[0]) // (tiles.shape[0] // rows)
+  return jnp.where(tiles >= 0, row_of_tile[:, None] * tokens + tiles, rows * tokens)
+
+
+def take_tiles(x: jax.Array, flat: jax.Array, fill=0) -> jax.Array:
+  """`x` `[rows, tokens, ...]` gathered into tiles `[tiles, width, ...]` by
+  `flat` (`tile_token_index`), `fill` in the padding."""
+  values = x.reshape(-1, *x.shape[2:])
+  taken = values[jnp.minimum(flat, values.shape[0] - 1)]
+  valid = (flat < values.shape[0]).reshape(*flat.shape, *(1,) * (x.ndim - 2))
+  return jnp.where(valid, taken, fill)
+
+
+def untile(x: jax.Array, flat: jax.Array, shape, fill=0) -> jax.Array:
+  """Tiles `[tiles, width, ...]` back in token order `[*shape, ...]` (the
+  inverse of `take_tiles`; `fill` for tokens in no tile)."""
+  rest = x.shape[2:]
+  packed = jnp.full((shape[0] * shape[1], *rest), fill, x.dtype)
+  packed = packed.at[flat.ravel()].set(x.reshape(-1, *rest), mode="drop")
+  return packed.reshape(*shape, *rest)
 
 
 def window_chunk(cache_window: int, layer_windows: dict[int, int | None]) -> int:
@@ -164,7 +222,8 @@ class ShardedPagedCache(PagedCache):
       ValueError: as `PagedCache.attend` does, or if the query heads (of
         `q`) or the KV heads (of `k`) do not split over the model axis.
     """
-    self._check_window(layer, sliding_window, tokens=k.shape[1])
+    tiles = self.query_tiles
+    self._check_window(layer, sliding_window, call_tokens=k.shape[1])
     mesh = self.kv.mesh
     sharding.check_heads(q.shape[2], k.shape[2], mesh.shape["model"])
     repeat = self.kv.num_kv_heads // k.shape[2]
@@ -175,12 +234,13 @@ class ShardedPagedCache(PagedCache):
     device = self.kv.device_part()
     pages = jax.tree.map(lambda _: sharding.PAGES, device)
 
-    def local(kv, tables, slots, q, k, v, positions):
+    def local(kv, tables, slots, q, k, v, positions, tiles):
       cache = PagedCache(
         kv=kv,
         block_tables=tables,
         slot_mapping=slots,
         cache_sliding_window=self.cache_sliding_window,
+        query_tiles=tiles,
       )
       out, cache = cache.attend(
         layer,
@@ -195,21 +255,27 @@ class ShardedPagedCache(PagedCache):
       return out, cache.kv
 
     out, written = sharding.per_device(
-      local, mesh, (pages, rows, rows, heads, heads, heads, rows), (heads, pages)
-    )(device, self.block_tables, self.slot_mapping, q, k, v, positions)
+      local, mesh, (pages, rows, rows, heads, heads, heads, rows, rows), (heads, pages)
+    )(device, self.block_tables, self.slot_mapping, q, k, v, positions, tiles)
     return out, self.replace(kv=self.kv.with_device_part(written))
 
 
 def paged_cache(
-  kv: KVCache, block_tables: jax.Array, slot_mapping: jax.Array, cache_sliding_window=None
+  kv: KVCache,
+  block_tables: jax.Array,
+  slot_mapping: jax.Array,
+  cache_sliding_window=None,
+  query_tiles=None,
 ) -> PagedCache:
   """The paged backend of one model call: per device when `kv` is on a mesh
-  (rows grouped by data shard, `rows / data` each); `cache_sliding_window` is
-  the `CacheConfig`'s window (see `PagedCache`)."""
+  (rows grouped by data shard, `rows / data` each; so are a packed call's
+  tiles); `cache_sliding_window` is the `CacheConfig`'s window and
+  `query_tiles` a packed call's tiles (see `PagedCache`)."""
   cls = PagedCache if kv.mesh is None else ShardedPagedCache
   return cls(
     kv=kv,
     block_tables=block_tables,
     slot_mapping=slot_mapping,
     cache_sliding_window=cache_sliding_window,
+    query_tiles=query_tiles,
   )
