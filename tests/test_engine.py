@@ -2,6 +2,7 @@
 stop, stream, abort and fail the way users rely on."""
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,8 @@ import paged_jax as pj
 from paged_jax import models
 from paged_jax.block_manager import manager
 from paged_jax.engine.cache_manager import CacheManager
-from paged_jax.engine.runner import pack_decode_rows
+from paged_jax.engine.runner import pack_decode_rows, pack_prefill
+from paged_jax.engine.scheduler import PrefillChunk
 from tests.tiny_models import BYTE_LLAMA, ENGINE_CFG
 
 MODEL_CONFIG = BYTE_LLAMA
@@ -233,6 +235,30 @@ def test_decode_rows_pack_each_shards_decoding_slots_into_a_bucket():
   assert pack_decode_rows(np.zeros((1, 6), bool), [1, 2, 4, 6]).tolist() == [-1]
   # Five slots of a shard decode: every slot, in order.
   assert pack_decode_rows(np.array([[True] * 5 + [False]]), [1, 2, 4, 6]) is None
+
+
+def test_prefill_packs_each_shards_chunks_into_one_token_axis():
+  # Slots 0..3 on shard 0, 4..7 on shard 1; tiles of 4 tokens.
+  chunk = lambda slot, size, start=0, write_from=0: PrefillChunk(
+    None, types.SimpleNamespace(slot=slot), np.arange(100, 100 + size), start, [], write_from
+  )
+  chunks = [chunk(1, 5, start=8, write_from=10), chunk(6, 3), chunk(2, 2)]
+  packed = pack_prefill(chunks, width=4, num_shards=2, per_shard=4)
+  # Shard 0 holds 7 tokens in 3 tiles: the (8 tokens, 4 tiles) shape.
+  assert packed.tokens.shape == (2, 8) and packed.tiles.shape == (8, 4)
+  assert packed.first_token == [0, 8, 5]
+  assert packed.positions.tolist() == [
+    [8, 9, 10, 11, 12, 0, 1, -1],
+    [0, 1, 2, -1, -1, -1, -1, -1],
+  ]
+  assert packed.tokens[0, :7].tolist() == [100, 101, 102, 103, 104, 100, 101]
+  assert packed.tiles.tolist() == [
+    [0, 1, 2, 3], [4, -1, -1, -1], [5, 6, -1, -1], [-1] * 4,
+    [0, 1, 2, -1], [-1] * 4, [-1] * 4, [-1] * 4,
+  ]  # fmt: skip
+  assert packed.tile_slots.tolist() == [[1, 1, 2, -1], [2, -1, -1, -1]]
+  assert packed.write_from.tolist() == [10, 10, 0, 0, 0, 0, 0, 0]
+  assert (packed.next_tokens == -1).all()
 
 
 def test_stop_strings_spanning_tokens_abort_and_streaming(model, reference):

@@ -247,54 +247,26 @@ class ModelRunner:
       `(draws, scores)`: NumPy draws, one per pair of `samples`, and per
       chunk None or its `PromptScores` (NumPy, one entry per token).
     """
-    cache, width = self.cache, self.prefill_width
+    cache = self.cache
     num_shards, per_shard = cache.num_shards, cache.cfg.max_seqs
-    shard_of = [chunk.seq.slot // per_shard for chunk in chunks]
-    num_tokens = np.bincount(shard_of, [c.tokens.size for c in chunks], minlength=num_shards)
-    num_tiles = np.bincount(
-      shard_of, [-(-c.tokens.size // width) for c in chunks], minlength=num_shards
-    )
-    per_tokens, per_tiles = prefill_shape(width, int(num_tokens.max()), int(num_tiles.max()))
-    tokens = np.zeros((num_shards, per_tokens), np.int32)
-    positions = np.full((num_shards, per_tokens), -1, np.int32)
-    next_tokens = np.full((num_shards, per_tokens), -1, np.int32)
-    tiles = np.full((num_shards * per_tiles, width), -1, np.int32)
-    tile_slots = np.full((num_shards, per_tiles), -1, np.int32)
-    write_from = np.zeros(num_shards * per_tiles, np.int32)
-    tokens_used, tiles_used = np.zeros(num_shards, np.int64), np.zeros(num_shards, np.int64)
-    first_token = []  # each chunk's first token, as an index into the D * T tokens
-    for chunk, shard in zip(chunks, shard_of):
-      start, size = int(tokens_used[shard]), chunk.tokens.size
-      first_token.append(shard * per_tokens + start)
-      tokens[shard, start : start + size] = chunk.tokens
-      positions[shard, start : start + size] = np.arange(chunk.start, chunk.start + size)
-      if chunk.next_tokens is not None:
-        next_tokens[shard, start : start + size] = chunk.next_tokens
-      for offset in range(0, size, width):
-        tile = int(tiles_used[shard])
-        cells = np.arange(start + offset, min(start + size, start + offset + width))
-        tiles[shard * per_tiles + tile, : cells.size] = cells
-        tile_slots[shard, tile] = chunk.seq.slot % per_shard
-        write_from[shard * per_tiles + tile] = chunk.write_from
-        tiles_used[shard] += 1
-      tokens_used[shard] += size
-    self.counters["prefill_positions"] += num_shards * per_tokens
+    packed = pack_prefill(chunks, self.prefill_width, num_shards, per_shard)
+    self.counters["prefill_positions"] += packed.tokens.size
     num_draws = num_shards * per_shard  # one compile, whatever the samples
     last_token_of = np.zeros(num_draws, np.int32)
     sample_slots = np.zeros(num_draws, np.int32)
     for i, (chunk, slot) in enumerate(samples):
-      last_token_of[i] = first_token[chunk] + chunks[chunk].tokens.size - 1
+      last_token_of[i] = packed.first_token[chunk] + chunks[chunk].tokens.size - 1
       sample_slots[i] = slot
     table, draw_states = self._automata(num_draws, constraints)
     if table is None:  # the same program as warm-up's, which has no states
       draw_states = None
     draw, scores = self._launch_prefill(
-      tokens,
-      positions,
-      tiles,
-      tile_slots,
-      write_from,
-      next_tokens,
+      packed.tokens,
+      packed.positions,
+      packed.tiles,
+      packed.tile_slots,
+      packed.write_from,
+      packed.next_tokens,
       last_token_of,
       sample_slots,
       table,
@@ -308,7 +280,7 @@ class ModelRunner:
       jax.tree.map(lambda a, first=first, size=chunk.tokens.size: a[first : first + size], scores)
       if wanted
       else None
-      for chunk, first, wanted in zip(chunks, first_token, scored)
+      for chunk, first, wanted in zip(chunks, packed.first_token, scored)
     ]
 
   def _launch_prefill(
@@ -574,6 +546,67 @@ class ModelRunner:
       steps=int(loop.step),
       row_steps=int(loop.rows_run),
     )
+
+
+@dataclasses.dataclass
+class PackedPrefill:
+  """A prefill launch's chunks, packed per data shard (see `pack_prefill`).
+
+  Attributes:
+    tokens, positions, next_tokens: int32 `[D, T]`: each shard's chunks one
+      after another, then padding (position -1, next token -1).
+    tiles: int32 `[D * R, W]`, each tile's tokens as indices into its
+      shard's `T` (-1: padding); a chunk fills `ceil(length / W)` tiles.
+    tile_slots: int32 `[D, R]`, each tile's sequence slot in its shard (-1:
+      no tile).
+    write_from: int32 `[D * R]`, its chunk's `write_from`.
+    first_token: each chunk's first token, as an index into the `D * T`.
+  """
+
+  tokens: np.ndarray
+  positions: np.ndarray
+  next_tokens: np.ndarray
+  tiles: np.ndarray
+  tile_slots: np.ndarray
+  write_from: np.ndarray
+  first_token: list[int]
+
+
+def pack_prefill(chunks, width: int, num_shards: int, per_shard: int) -> PackedPrefill:
+  """Packs `PrefillChunk`s into the smallest `prefill_shape` that holds
+  every shard's, with attention tiles of `width` tokens (`per_shard`:
+  sequence slots per data shard)."""
+  shard_of = [chunk.seq.slot // per_shard for chunk in chunks]
+  num_tokens = np.bincount(shard_of, [c.tokens.size for c in chunks], minlength=num_shards)
+  num_tiles = np.bincount(shard_of, [-(-c.tokens.size // width) for c in chunks], num_shards)
+  per_tokens, per_tiles = prefill_shape(width, int(num_tokens.max()), int(num_tiles.max()))
+  no_tokens = np.full((num_shards, per_tokens), -1, np.int32)
+  packed = PackedPrefill(
+    tokens=np.zeros_like(no_tokens),
+    positions=no_tokens,
+    next_tokens=no_tokens.copy(),
+    tiles=np.full((num_shards * per_tiles, width), -1, np.int32),
+    tile_slots=np.full((num_shards, per_tiles), -1, np.int32),
+    write_from=np.zeros(num_shards * per_tiles, np.int32),
+    first_token=[],
+  )
+  tokens_used, tiles_used = np.zeros(num_shards, np.int64), np.zeros(num_shards, np.int64)
+  for chunk, shard in zip(chunks, shard_of):
+    start, size = int(tokens_used[shard]), chunk.tokens.size
+    packed.first_token.append(shard * per_tokens + start)
+    packed.tokens[shard, start : start + size] = chunk.tokens
+    packed.positions[shard, start : start + size] = np.arange(chunk.start, chunk.start + size)
+    if chunk.next_tokens is not None:
+      packed.next_tokens[shard, start : start + size] = chunk.next_tokens
+    for offset in range(0, size, width):
+      tile = shard * per_tiles + int(tiles_used[shard])
+      cells = np.arange(start + offset, min(start + size, start + offset + width))
+      packed.tiles[tile, : cells.size] = cells
+      packed.tile_slots.reshape(-1)[tile] = chunk.seq.slot % per_shard
+      packed.write_from[tile] = chunk.write_from
+      tiles_used[shard] += 1
+    tokens_used[shard] += size
+  return packed
 
 
 def prefill_shape(width: int, num_tokens: int, num_tiles: int) -> tuple[int, int]:
