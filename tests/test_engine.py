@@ -15,6 +15,7 @@ from paged_jax import models
 from paged_jax.block_manager import manager
 from paged_jax.engine.cache_manager import CacheManager
 from paged_jax.engine.runner import pack_decode_rows, pack_prefill
+from paged_jax.engine.sampling import greedy_tokens
 from paged_jax.engine.scheduler import PrefillChunk
 from tests.tiny_models import BYTE_LLAMA, ENGINE_CFG
 
@@ -259,6 +260,17 @@ def test_prefill_packs_each_shards_chunks_into_one_token_axis():
   assert packed.tile_slots.tolist() == [[1, 1, 2, -1], [2, -1, -1, -1]]
   assert packed.write_from.tolist() == [10, 10, 0, 0, 0, 0, 0, 0]
   assert (packed.next_tokens == -1).all()
+
+
+def test_greedy_tokens_are_jnp_argmax():
+  rng = np.random.default_rng(0)
+  logits = rng.integers(-3, 4, (6, 50)).astype(np.float32)  # ties in every row
+  logits[1, 7] = logits[1, 30] = np.nan  # the first NaN, as jnp.argmax
+  logits[2] = -np.inf  # a row whose mask allows nothing
+  logits[3, :] = 2.0
+  expected = jnp.argmax(logits, axis=-1)
+  np.testing.assert_array_equal(jax.jit(greedy_tokens)(logits), expected)
+  assert expected[1] == 7 and expected[2] == 0
 
 
 def test_stop_strings_spanning_tokens_abort_and_streaming(model, reference):

@@ -126,7 +126,7 @@ def sample_rows(
     keys = row_keys(params, index)
     return jax.vmap(jax.random.categorical)(keys, sampling_logits(logits, params)).astype(jnp.int32)
 
-  argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  argmax = greedy_tokens(logits)
   drawn = jax.lax.cond(jnp.all(greedy), lambda _: argmax, draw, None)
   tokens = jnp.where(greedy, argmax, drawn)
   logprob = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
@@ -134,6 +134,16 @@ def sample_rows(
   return Draw(
     tokens=tokens, logprob=logprob, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs
   )
+
+
+def greedy_tokens(logits: jax.Array) -> jax.Array:
+  """int32 `[rows]`: `jnp.argmax(logits, axis=-1)` (the first largest
+  logit; the first NaN in a row that has one), as a max and a min, which
+  XLA:CPU runs 2 to 4 times faster than its argmax over a vocabulary."""
+  best = jnp.max(logits, axis=-1, keepdims=True)
+  hits = jnp.where(jnp.isnan(best), jnp.isnan(logits), logits == best)
+  index = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+  return jnp.min(jnp.where(hits, index, logits.shape[-1]), axis=-1)
 
 
 def is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
