@@ -476,14 +476,8 @@ def copy_blocks(cache: KVCache, plan, *, impl: str = "auto") -> KVCache:
 
 
 def _copy_blocks(cache: KVCache, src, dst, count, impl: str) -> KVCache:
-  """``copy_blocks`` of one plan on the cache's (or one device's) pages;
-  nothing runs for an empty plan (most decode steps copy no block, and the
-  copy's gathers over every layer would cost as much as a full plan's)."""
-  copy = functools.partial(_copy_planned_blocks, src=src, dst=dst, count=count, impl=impl)
-  return jax.lax.cond(count > 0, copy, lambda cache: cache, cache)
+  """``copy_blocks`` of one plan on the cache's (or one device's) pages."""
 
-
-def _copy_planned_blocks(cache: KVCache, src, dst, count, impl: str) -> KVCache:
   def copy(pages):
     kernel = select_kernel(impl, tile_sizes=(cache.block_size, pages[0].shape[-1]))
     if kernel is None:
