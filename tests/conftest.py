@@ -106,6 +106,7 @@ LONG_TESTS = (
   "tests/test_speculative.py::",
   "tests/test_beam_search.py::",
   "tests/test_engine.py::",
+  "tests/test_families.py::",
   "tests/test_differential.py::",
   "tests/test_kernels_paged_attention.py::",
   "tests/test_generate.py::",

@@ -671,12 +671,12 @@ WINDOWED = {
 
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
 @pytest.mark.parametrize("name", WINDOWED)
-@pytest.mark.slow
 def test_paged_greedy_decoding_equals_dense_past_the_window(name, preemption_mode):
   """Every block kept, each layer masking its own window, with prefix
   caching: sequences of 4 to 5 windows in 20 blocks, so some are preempted.
-  Slow (about 30 s of CPU per model): it compiles the engine's programs for
-  one model; the windows are what it checks, so it cannot share a model."""
+  About 30 s of CPU per model: it compiles the engine's programs for one
+  model (the two preemption modes share them); the windows are what it
+  checks, so it cannot share another module's model."""
   model = _tiny(WINDOWED[name], seed=3)
   rng = np.random.default_rng(4)
   shared = rng.integers(0, 61, 8)  # two full blocks, cached for the later prompts
