@@ -54,24 +54,21 @@ def _jitted_forward(model):
   ).__get__(state)
 
 
-def test_paged_logits_match_dense_for_prefill_and_decode(model):
-  forward = _jitted_forward(model)
-  rng = np.random.default_rng(2)
-  lengths = np.array([7, 3, 12], np.int32)
+def _allocated_prompts(rng, lengths):
+  """Random prompts of `lengths` (at most 12) in slots 0, 1, ..., allocated
+  on a fresh manager: `(manager, state, tokens, positions, NaN pages)`."""
   cfg = pj.CacheConfig(
     block_size=4, num_gpu_blocks=32, num_cpu_blocks=0, max_seqs=3, max_blocks_per_seq=4
   )
   bm = pj.BlockSpaceManager(cfg)
   # Jitted: eagerly each manager op runs op by op (seconds per call).
-  allocate, append_slots = jax.jit(bm.allocate), jax.jit(bm.append_slots)
-  block_tables, slot_mapping = jax.jit(bm.get_block_tables), manager.jit_op(bm.get_slot_mapping)
+  allocate = jax.jit(bm.allocate)
   state = bm.init()
-  tokens = np.zeros((3, 12), np.int32)
+  tokens = np.zeros((len(lengths), 12), np.int32)
   for row, length in enumerate(lengths):
     tokens[row, :length] = rng.integers(0, CONFIG.vocab_size, length)
     state, _ = allocate(state, jnp.array([row]), tokens[row], int(length))
   positions = np.where(np.arange(12) < lengths[:, None], np.arange(12), -1)
-  ids = jnp.arange(3, dtype=jnp.int32)
   kv = pj.KVCache.create(
     cfg, CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, dtype=jnp.float32
   )
@@ -79,6 +76,17 @@ def test_paged_logits_match_dense_for_prefill_and_decode(model):
     k=tuple(jnp.full_like(k, jnp.nan) for k in kv.k),
     v=tuple(jnp.full_like(v, jnp.nan) for v in kv.v),
   )
+  return bm, state, tokens, positions, kv
+
+
+def test_paged_logits_match_dense_for_prefill_and_decode(model):
+  forward = _jitted_forward(model)
+  rng = np.random.default_rng(2)
+  lengths = np.array([7, 3, 12], np.int32)
+  bm, state, tokens, positions, kv = _allocated_prompts(rng, lengths)
+  append_slots = jax.jit(bm.append_slots)
+  block_tables, slot_mapping = jax.jit(bm.get_block_tables), manager.jit_op(bm.get_slot_mapping)
+  ids = jnp.arange(3, dtype=jnp.int32)
   paged = PagedCache(
     kv=kv,
     block_tables=block_tables(state, ids),
@@ -108,29 +116,11 @@ def test_a_packed_call_equals_one_row_per_sequence(model):
   # Prefill packs several sequences' tokens into one row (`query_tiles`):
   # the logits and the written pages must be those of one row each.
   forward = _jitted_forward(model)
-  rng = np.random.default_rng(3)
   lengths, starts = np.array([7, 3, 12]), np.array([0, 7, 10])
-  cfg = pj.CacheConfig(
-    block_size=4, num_gpu_blocks=32, num_cpu_blocks=0, max_seqs=3, max_blocks_per_seq=4
-  )
-  bm = pj.BlockSpaceManager(cfg)
-  allocate, block_tables = jax.jit(bm.allocate), jax.jit(bm.get_block_tables)
-  state = bm.init()
-  tokens = np.zeros((3, 12), np.int32)
-  for row, length in enumerate(lengths):
-    tokens[row, :length] = rng.integers(0, CONFIG.vocab_size, length)
-    state, _ = allocate(state, jnp.array([row]), tokens[row], int(length))
-  positions = np.where(np.arange(12) < lengths[:, None], np.arange(12), -1)
-  tables = np.asarray(block_tables(state, jnp.arange(3, dtype=jnp.int32)))
+  bm, state, tokens, positions, kv = _allocated_prompts(np.random.default_rng(3), lengths)
+  tables = np.asarray(jax.jit(bm.get_block_tables)(state, jnp.arange(3, dtype=jnp.int32)))
   slots = np.where(positions >= 0, tables[np.arange(3)[:, None], positions // 4] * 4, -1)
   slots = np.where(positions >= 0, slots + positions % 4, -1).astype(np.int32)
-  kv = pj.KVCache.create(
-    cfg, CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, dtype=jnp.float32
-  )
-  kv = kv.replace(
-    k=tuple(jnp.full_like(k, jnp.nan) for k in kv.k),
-    v=tuple(jnp.full_like(v, jnp.nan) for v in kv.v),
-  )
   rows_cache = PagedCache(kv=kv, block_tables=tables, slot_mapping=slots)
   row_logits, rows_cache = forward(tokens, positions, rows_cache)
 
