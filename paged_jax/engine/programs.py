@@ -789,8 +789,3 @@ def _draft_proposals(draft, rows: RowParams, loop: DecodeLoop, kv, tables, num_t
 
 start_beams = jax.jit(beam.Beams.start)
 clear_beams = jax.jit(beam.Beams.clear)
-
-
-def bucket(size: int, minimum: int = 1) -> int:
-  """The power of two >= size (one compile per bucket, not per length)."""
-  return max(minimum, 1 << max(size - 1, 0).bit_length())
