@@ -846,6 +846,25 @@ def test_a_cache_that_frees_blocks_serves_calls_that_see_their_whole_window(wind
   assert logits.shape == (1, tokens, 61)
 
 
+@pytest.mark.parametrize("tile_width", [2, 3])
+def test_a_cache_that_frees_blocks_checks_a_packed_calls_tiles(tile_width):
+  # Window 3 on a cache of 4: at most 2 tokens per sequence and call. A
+  # packed call of 6 tokens holds 6 / tile_width sequences' chunks, a tile
+  # each: the tiles' width counts, not the row's.
+  model = _tiny(dict(sliding_window=3), seed=0)
+  tiles = jnp.arange(6, dtype=jnp.int32).reshape(-1, tile_width)
+  cache = _paged_call(4, 6).replace(
+    block_tables=jnp.zeros((tiles.shape[0], 4), jnp.int32), query_tiles=tiles
+  )
+  positions = jnp.tile(jnp.arange(tile_width, dtype=jnp.int32), 6 // tile_width)[None]
+  call = lambda: model(jnp.ones((1, 6), jnp.int32), positions, cache)
+  if tile_width == 2:
+    assert jax.eval_shape(call)[0].shape == (1, 6, 61)
+  else:
+    with pytest.raises(ValueError, match=r"rows of 3 tokens.*takes at most 2 tokens"):
+      jax.eval_shape(call)
+
+
 def test_config_fields_round_trip_through_a_dict():
   config = _tiny(WINDOWED["gemma_hybrid_window_8"], seed=0).config
   assert models.LlamaConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config

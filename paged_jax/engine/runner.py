@@ -260,18 +260,7 @@ class ModelRunner:
     table, draw_states = self._automata(num_draws, constraints)
     if table is None:  # the same program as warm-up's, which has no states
       draw_states = None
-    draw, scores = self._launch_prefill(
-      packed.tokens,
-      packed.positions,
-      packed.tiles,
-      packed.tile_slots,
-      packed.write_from,
-      packed.next_tokens,
-      last_token_of,
-      sample_slots,
-      table,
-      draw_states,
-    )
+    draw, scores = self._launch_prefill(packed, last_token_of, sample_slots, table, draw_states)
     draws = jax.tree.map(lambda a: np.asarray(a)[: len(samples)], draw)
     scored = [chunk.next_tokens is not None for chunk in chunks]
     if any(scored):
@@ -284,17 +273,7 @@ class ModelRunner:
     ]
 
   def _launch_prefill(
-    self,
-    tokens,
-    positions,
-    tiles,
-    tile_slots,
-    write_from,
-    next_tokens,
-    last_token_of,
-    samples,
-    table=None,
-    draw_states=None,
+    self, packed: PackedPrefill, last_token_of, samples, table=None, draw_states=None
   ):
     cache = self.cache
     (draw, scores), cache.kv = programs.prefill(
@@ -302,12 +281,12 @@ class ModelRunner:
       self.params,
       cache.kv,
       cache.state,
-      tokens,
-      positions,
-      tiles,
-      tile_slots,
-      write_from,
-      next_tokens,
+      packed.tokens,
+      packed.positions,
+      packed.tiles,
+      packed.tile_slots,
+      packed.write_from,
+      packed.next_tokens,
       last_token_of,
       jax.tree.map(lambda a: a[samples], self.rows),
       self.num_logprobs,
@@ -366,18 +345,9 @@ class ModelRunner:
       RuntimeError: if a row decodes.
     """
     self._refuse_while_decoding()
-    num_shards, (per_tokens, per_tiles) = self.cache.num_shards, shape
-    no_tokens = np.full((num_shards, per_tokens), -1, np.int32)
-    self._launch_prefill(
-      np.zeros_like(no_tokens),
-      no_tokens,
-      np.full((num_shards * per_tiles, self.prefill_width), -1, np.int32),
-      np.full((num_shards, per_tiles), -1, np.int32),
-      np.zeros(num_shards * per_tiles, np.int32),
-      no_tokens,
-      np.zeros(self.cache.num_slots, np.int32),
-      np.zeros(self.cache.num_slots, np.int32),
-    )
+    no_draws = np.zeros(self.cache.num_slots, np.int32)
+    packed = PackedPrefill.empty(self.cache.num_shards, shape, self.prefill_width)
+    self._launch_prefill(packed, no_draws, no_draws)
 
   def warm_up_decode(self, num_steps: int, rows_per_shard: int) -> None:
     """Compiles the decode loop of `num_steps` steps on `rows_per_shard`
@@ -571,6 +541,21 @@ class PackedPrefill:
   write_from: np.ndarray
   first_token: list[int]
 
+  @classmethod
+  def empty(cls, num_shards: int, shape: tuple[int, int], width: int) -> PackedPrefill:
+    """No chunk in `shape` (`(tokens, tiles)` per shard) with tiles of `width`."""
+    per_tokens, per_tiles = shape
+    no_tokens = np.full((num_shards, per_tokens), -1, np.int32)
+    return cls(
+      tokens=np.zeros_like(no_tokens),
+      positions=no_tokens,
+      next_tokens=no_tokens.copy(),
+      tiles=np.full((num_shards * per_tiles, width), -1, np.int32),
+      tile_slots=np.full((num_shards, per_tiles), -1, np.int32),
+      write_from=np.zeros(num_shards * per_tiles, np.int32),
+      first_token=[],
+    )
+
 
 def pack_prefill(chunks, width: int, num_shards: int, per_shard: int) -> PackedPrefill:
   """Packs `PrefillChunk`s into the smallest `prefill_shape` that holds
@@ -580,16 +565,7 @@ def pack_prefill(chunks, width: int, num_shards: int, per_shard: int) -> PackedP
   num_tokens = np.bincount(shard_of, [c.tokens.size for c in chunks], minlength=num_shards)
   num_tiles = np.bincount(shard_of, [-(-c.tokens.size // width) for c in chunks], num_shards)
   per_tokens, per_tiles = prefill_shape(width, int(num_tokens.max()), int(num_tiles.max()))
-  no_tokens = np.full((num_shards, per_tokens), -1, np.int32)
-  packed = PackedPrefill(
-    tokens=np.zeros_like(no_tokens),
-    positions=no_tokens,
-    next_tokens=no_tokens.copy(),
-    tiles=np.full((num_shards * per_tiles, width), -1, np.int32),
-    tile_slots=np.full((num_shards, per_tiles), -1, np.int32),
-    write_from=np.zeros(num_shards * per_tiles, np.int32),
-    first_token=[],
-  )
+  packed = PackedPrefill.empty(num_shards, (per_tokens, per_tiles), width)
   tokens_used, tiles_used = np.zeros(num_shards, np.int64), np.zeros(num_shards, np.int64)
   for chunk, shard in zip(chunks, shard_of):
     start, size = int(tokens_used[shard]), chunk.tokens.size
