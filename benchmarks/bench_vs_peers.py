@@ -282,9 +282,8 @@ def save_hf_folder(model, tokenizer, directory: pathlib.Path) -> None:
   float32 model.safetensors, tokenizer.json, tokenizer_config.json).
 
   The tensor names and layouts are those paged_jax's own Hugging Face loader
-  reads (`checkpoints._hf_sources`), inverted: torch's [out, in] matrices
-  are the transposes of our kernels. The config is checked to read back as
-  the model's.
+  reads (`checkpoints._hf_sources`); our kernels are stored [out, in], as
+  torch's. The config is checked to read back as the model's.
   """
   config = model.config
   plain_llama = dict(
@@ -353,9 +352,8 @@ def hf_weights(model) -> dict[str, np.ndarray]:
   leaves, _ = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
   ours = {"/".join(str(k.key) for k in path): leaf for path, leaf in leaves}
   weights = {}
-  for path, (name, shape, layout) in checkpoints._hf_sources(model.config).items():
+  for path, (name, shape, _) in checkpoints._hf_sources(model.config).items():
     value = np.asarray(ours.pop(path), np.float32)
-    value = np.ascontiguousarray(value.T if layout is np.transpose else value)
     if value.shape != shape:
       raise ValueError(f"{path} exports as {value.shape}, {name} needs {shape}")
     weights[name] = value

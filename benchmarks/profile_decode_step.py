@@ -248,7 +248,7 @@ def layer_timings(model, kv, reps, repeats):
         for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
       )
     )
-  dot = lambda x, w: layers.dot_general_f32_accumulation(x, w, (((1,), (0,)), ((), ())))
+  dot = lambda x, w: layers.dot_transposed(x, w).astype(x.dtype)
 
   def chain(ws, x):
     def body(_, x):
@@ -441,16 +441,13 @@ def machine_bounds(repeats):
     out[f"matmul_2048_{dt}_GFLOPs"] = 2 * m**3 / timed(mm, x, x, repeats=repeats) / 1e9
     # decode shape: [32, 576] x [576, 1536], 64 in a loop
     xs = jnp.ones((ROWS, 576), dt)
-    w = jnp.ones((576, 1536), dt) * 0.001
-    w2 = jnp.ones((1536, 576), dt) * 0.001
+    w = jnp.ones((1536, 576), dt) * 0.001  # [out, in], as the model's
+    w2 = jnp.ones((576, 1536), dt) * 0.001
 
     def small(x, w, w2):
       def body(_, x):
-        return layers.dot_general_f32_accumulation(
-          layers.dot_general_f32_accumulation(x, w, (((1,), (0,)), ((), ()))),
-          w2,
-          (((1,), (0,)), ((), ())),
-        )
+        hidden = layers.dot_transposed(x, w).astype(dt)
+        return layers.dot_transposed(hidden, w2).astype(dt)
 
       return jax.lax.fori_loop(0, 64, body, x)
 

@@ -136,11 +136,11 @@ def stored_kv_heads(num_kv_heads: int, tp: int) -> int:
 # (path pattern, spec) in order; the first match wins, unmatched is replicated.
 # Paths are nnx state paths joined by "/", e.g. "blocks/0/attention/q_proj/kernel".
 _RULES = (
-  (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)/kernel$", P(None, "model")),
+  (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)/kernel$", P("model", None)),
   (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)/bias$", P("model")),
-  (r"(o_proj|down_proj)/kernel$", P("model", None)),
+  (r"(o_proj|down_proj)/kernel$", P(None, "model")),
   (r"embed/embedding$", P("model", None)),
-  (r"lm_head/kernel$", P(None, "model")),
+  (r"lm_head/kernel$", P("model", None)),
 )
 
 

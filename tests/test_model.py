@@ -150,10 +150,10 @@ def test_gqa_shapes():
   config = dataclasses.replace(GQA_CONFIG, num_q_heads=8, num_kv_heads=2)
   model = nnx.eval_shape(lambda: models.Llama(config, rngs=nnx.Rngs(0)))
   attention = model.blocks[0].attention
-  assert attention.q_proj.kernel.shape == (32, 8 * 8)
-  assert attention.k_proj.kernel.shape == (32, 2 * 8)
-  assert attention.v_proj.kernel.shape == (32, 2 * 8)
-  assert attention.o_proj.kernel.shape == (8 * 8, 32)
+  assert attention.q_proj.kernel.shape == (8 * 8, 32)  # [out, in], as torch's
+  assert attention.k_proj.kernel.shape == (2 * 8, 32)
+  assert attention.v_proj.kernel.shape == (2 * 8, 32)
+  assert attention.o_proj.kernel.shape == (32, 8 * 8)
   cache = models.init_dense_cache(config, batch_size=2, max_len=7)
   assert cache.num_layers == 2
   assert all(k.shape == (2, 7, 2, 8) for k in cache.k + cache.v)
@@ -368,7 +368,7 @@ def test_load_model_errors(tmp_path):
   models.save_model(models.Llama(GQA_CONFIG, rngs=nnx.Rngs(0)), tmp_path)
   config_file = tmp_path / pretrained.CONFIG_FILE
   config_file.write_text(json.dumps(dataclasses.replace(GQA_CONFIG, mlp_hidden=40).to_dict()))
-  with pytest.raises(ValueError, match=r"blocks/0/mlp/down_proj/kernel has shape \(48, 32\)"):
+  with pytest.raises(ValueError, match=r"blocks/0/mlp/down_proj/kernel has shape \(32, 48\)"):
     models.load_model(tmp_path)
   config_file.write_text(json.dumps(dataclasses.replace(GQA_CONFIG, tie_embeddings=True).to_dict()))
   with pytest.raises(ValueError, match=r"unexpected \['lm_head/kernel'\]"):

@@ -304,15 +304,15 @@ def test_a_mesh_of_explicit_axes_is_served_with_auto_axes():
 @pytest.mark.parametrize(
   "path, shape, tp, kv_heads, spec",
   [
-    ("blocks/0/attention/q_proj/kernel", (256, 256), 4, 2, sharding.P(None, "model")),
-    ("blocks/0/attention/k_proj/kernel", (256, 64), 2, 2, sharding.P(None, "model")),
-    ("blocks/0/attention/k_proj/kernel", (256, 64), 4, 2, sharding.P()),
+    ("blocks/0/attention/q_proj/kernel", (256, 256), 4, 2, sharding.P("model", None)),
+    ("blocks/0/attention/k_proj/kernel", (64, 256), 2, 2, sharding.P("model", None)),
+    ("blocks/0/attention/k_proj/kernel", (64, 256), 4, 2, sharding.P()),
     ("blocks/1/attention/q_proj/bias", (256,), 4, 4, sharding.P("model")),
-    ("blocks/0/attention/o_proj/kernel", (256, 256), 4, 2, sharding.P("model", None)),
-    ("blocks/0/mlp/down_proj/kernel", (512, 256), 2, 2, sharding.P("model", None)),
+    ("blocks/0/attention/o_proj/kernel", (256, 256), 4, 2, sharding.P(None, "model")),
+    ("blocks/0/mlp/down_proj/kernel", (256, 512), 2, 2, sharding.P(None, "model")),
     ("embed/embedding", (258, 256), 2, 2, sharding.P("model", None)),
     ("embed/embedding", (258, 256), 4, 2, sharding.P(None, None)),
-    ("lm_head/kernel", (256, 260), 4, 2, sharding.P(None, "model")),
+    ("lm_head/kernel", (260, 256), 4, 2, sharding.P("model", None)),
     ("blocks/0/attention/q_norm/scale", (32,), 4, 2, sharding.P()),
     ("final_norm/scale", (256,), 4, 2, sharding.P()),
   ],
@@ -336,9 +336,9 @@ def test_shard_model_places_every_parameter_by_its_rule():
   )
   sharded = sharding.shard_model(model, sharding.make_mesh(1, 1))
   kernel = sharded.blocks[0].attention.q_proj.kernel[...]
-  assert kernel.sharding.spec == sharding.P(None, "model")
+  assert kernel.sharding.spec == sharding.P("model", None)
   down = sharded.blocks[0].mlp.down_proj.kernel[...]
-  assert down.sharding.spec == sharding.P("model", None)
+  assert down.sharding.spec == sharding.P(None, "model")
   assert sharded.final_norm.scale[...].sharding.spec == sharding.P()
   np.testing.assert_array_equal(kernel, model.blocks[0].attention.q_proj.kernel[...])
 

@@ -343,8 +343,8 @@ def _hf_sources(config: LlamaConfig) -> dict[str, _Source]:
   kv_width = config.num_kv_heads * config.head_dim
   hidden, mlp = config.hidden, config.mlp_hidden
 
-  def linear(name, out_features, in_features):  # torch stores [out, in]
-    return (name, (out_features, in_features), np.transpose)
+  def linear(name, out_features, in_features):  # torch's [out, in], as ours
+    return (name, (out_features, in_features), lambda x: x)
 
   def vector(name, size):
     return (name, (size,), lambda x: x)
@@ -675,7 +675,7 @@ def _gguf_sources(config: LlamaConfig, arch: str) -> dict[str, _Source]:
       name = renamed[name]
     if arch in _GGUF_PERMUTED and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
       heads = config.num_q_heads if "q_proj" in rest else config.num_kv_heads
-      layout = (lambda unpermute: lambda x: np.transpose(unpermute(x)))(_unpermute_rows(heads))
+      layout = _unpermute_rows(heads)
     if config.norm_weight_offset and rest.endswith("norm.weight"):
       layout = (lambda offset: lambda x: x - offset)(config.norm_weight_offset)
     sources[path] = (name, shape, layout)

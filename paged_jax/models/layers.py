@@ -69,18 +69,22 @@ RopeScaling = Llama3RopeScaling | LinearRopeScaling
 ACTIVATIONS = ("silu", "gelu_tanh")
 
 
-def dot_general_f32_accumulation(lhs, rhs, dimension_numbers, precision=None, **kwargs):
-  """`lax.dot_general` that accumulates in float32 and returns `lhs`'s dtype.
+def dot_transposed(x: jax.Array, w: jax.Array) -> jax.Array:
+  """Float32 `x @ w.T`, accumulated in float32, for `x` `[..., K]` and a
+  weight `w` `[N, K]` stored as torch checkpoints store it.
 
-  For bfloat16 operands XLA:CPU then takes its fast matmul path (its plain
-  bfloat16 dot runs at half the float32 speed or worse); the result is the
-  float32-accumulated product rounded once, as GPUs and TPUs compute it.
+  Every backend computes the same product; the form is the one XLA:CPU runs
+  fastest. Several rows go through one `dot_general` contracting both last
+  axes (its bfloat16 matmul; a weight stored `[K, N]` is up to 2x slower
+  there, and 10x slower with a bfloat16 result). A single bfloat16 row is
+  `jnp.dot` with `w.T`, which XLA:CPU fuses into one loop over the weight's
+  rows (its other forms first convert the whole weight to float32: 15x
+  slower).
   """
-  kwargs.pop("preferred_element_type", None)
-  out = jax.lax.dot_general(
-    lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=jnp.float32, **kwargs
-  )
-  return out.astype(lhs.dtype)
+  if x.dtype == jnp.bfloat16 and math.prod(x.shape[:-1]) == 1:
+    return jnp.dot(x, w.T, preferred_element_type=jnp.float32)
+  contract = (((x.ndim - 1,), (1,)), ((), ()))
+  return jax.lax.dot_general(x, w, contract, preferred_element_type=jnp.float32)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:

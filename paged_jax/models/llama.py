@@ -296,6 +296,25 @@ class RMSNorm(nnx.Module):
     return layers.rms_norm(x, self.scale[...], self.eps, self.offset)
 
 
+class Linear(nnx.Module):
+  """`x @ kernel.T + bias` with the kernel stored `[out, in]`, as torch
+  checkpoints store it (see `layers.dot_transposed` for why), accumulated
+  in float32 and rounded once to `dtype`."""
+
+  def __init__(
+    self, in_features: int, out_features: int, *, use_bias: bool, dtype, param_dtype, rngs
+  ):
+    init = nnx.initializers.lecun_normal(in_axis=-1, out_axis=-2)
+    self.kernel = nnx.Param(init(rngs.params(), (out_features, in_features), param_dtype))
+    self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else nnx.data(None)
+    self.dtype = dtype
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    y = layers.dot_transposed(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+    y = y.astype(self.dtype)
+    return y if self.bias is None else y + self.bias[...].astype(self.dtype)
+
+
 def _linear(
   in_features: int,
   out_features: int,
@@ -303,14 +322,13 @@ def _linear(
   rngs: nnx.Rngs,
   *,
   use_bias: bool = False,
-) -> nnx.Linear:
-  return nnx.Linear(
+) -> Linear:
+  return Linear(
     in_features,
     out_features,
     use_bias=use_bias,
     dtype=config.compute_dtype,
     param_dtype=config.parameter_dtype,
-    dot_general=layers.dot_general_f32_accumulation,
     rngs=rngs,
   )
 
@@ -487,9 +505,7 @@ class Llama(nnx.Module):
     """Float32 next-token logits `[..., vocab_size]` of hidden states `[..., hidden]`."""
     if self.lm_head is None:  # tied: float32 logits straight from the float32 accumulation
       embedding = self.embed.embedding[...].astype(self.config.compute_dtype)
-      logits = jnp.dot(
-        hidden.astype(embedding.dtype), embedding.T, preferred_element_type=jnp.float32
-      )
+      logits = layers.dot_transposed(hidden.astype(embedding.dtype), embedding)
     else:
       logits = self.lm_head(hidden)
     return layers.apply_soft_cap(logits.astype(jnp.float32), self.config.final_logit_softcap)

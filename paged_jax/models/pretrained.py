@@ -3,7 +3,9 @@
 A model directory holds `config.json` (the `LlamaConfig` fields) and
 `weights.msgpack` (the parameters as a nested dict, serialised with
 `flax.serialization`). Weights may be stored in a narrower dtype to keep files
-small; loading restores each parameter to the model's float32.
+small; loading restores each parameter to the model's float32. Files keep
+the linear layers' kernels `[in, out]`, as paged_jax's first releases wrote
+them; the model holds them `[out, in]` (see `llama.Linear`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def save_model(
   directory.mkdir(parents=True, exist_ok=True)
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   params = jax.tree.map(lambda x: np.asarray(x.astype(weights_dtype)), params)
+  params = _transposed_kernels(params)
   (directory / CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
   (directory / WEIGHTS_FILE).write_bytes(serialization.msgpack_serialize(params))
 
@@ -60,7 +63,9 @@ def load_model(directory: str | pathlib.Path) -> Llama:
     if not (directory / name).is_file():
       raise FileNotFoundError(f"no {name} in model directory {directory}")
   config = LlamaConfig.from_dict(json.loads((directory / CONFIG_FILE).read_text()))
-  stored = serialization.msgpack_restore((directory / WEIGHTS_FILE).read_bytes())
+  stored = _transposed_kernels(
+    serialization.msgpack_restore((directory / WEIGHTS_FILE).read_bytes())
+  )
   abstract_model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
   graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
   params = _checked_params(nnx.to_pure_dict(abstract_params), stored)
@@ -111,6 +116,13 @@ def _checked_params(expected: dict, stored: dict) -> dict:
       raise ValueError(f"parameter {path} has shape {shape}, the config needs {tuple(spec.shape)}")
   return jax.tree_util.tree_map_with_path(
     lambda path, spec: jnp.asarray(stored_flat[_path_string(path)], dtype=spec.dtype), expected
+  )
+
+
+def _transposed_kernels(params: dict) -> dict:
+  """`params` with every 2-D linear kernel transposed (file <-> model layout)."""
+  return jax.tree_util.tree_map_with_path(
+    lambda path, x: x.T if str(path[-1].key) == "kernel" and np.ndim(x) == 2 else x, params
   )
 
 
