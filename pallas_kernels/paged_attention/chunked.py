@@ -111,8 +111,12 @@ def paged_prefill_attention_chunked(
     weights = jnp.exp(logits - shift[..., None])
     rescale = jnp.exp(row_max - shift)
     total = total * rescale + jnp.sum(weights, axis=-1)
-    out = out * rescale[..., None] + jnp.einsum(
-      "bkgts,kbsd->bkgtd", weights, values, preferred_element_type=jnp.float32, precision=_HIGHEST
+    out = out * rescale[..., None] + jnp.einsum(  # weights in the values' dtype, as on GPUs
+      "bkgts,kbsd->bkgtd",
+      weights.astype(values.dtype),
+      values,
+      preferred_element_type=jnp.float32,
+      precision=_HIGHEST,
     )
     return new_max, total, out
 
