@@ -9,13 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from scipy import stats
 
 import paged_jax as pj
 from paged_jax import models
 from paged_jax.block_manager import manager
 from paged_jax.engine.cache_manager import CacheManager
 from paged_jax.engine.runner import pack_decode_rows, pack_prefill
-from paged_jax.engine.sampling import greedy_tokens
+from paged_jax.engine.sampling import categorical_rows, greedy_tokens
 from paged_jax.engine.scheduler import PrefillChunk
 from tests.tiny_models import BYTE_LLAMA, ENGINE_CFG
 
@@ -271,6 +272,30 @@ def test_greedy_tokens_are_jnp_argmax():
   expected = jnp.argmax(logits, axis=-1)
   np.testing.assert_array_equal(jax.jit(greedy_tokens)(logits), expected)
   assert expected[1] == 7 and expected[2] == 0
+
+
+def test_categorical_rows_draws_each_rows_softmax():
+  # 3 rows over 21 tokens in blocks of 4 (the last block partly padding):
+  # row 0 is spread out, row 1 has -inf tokens and a whole -inf block, row 2
+  # puts almost everything on one token of the padded block.
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(3, 21)).astype(np.float32)
+  logits[1, [0, 4, 5, 6, 7, 13]] = -np.inf
+  logits[2, 20] = 6.0
+  samples = 40_000
+  keys = jax.random.split(jax.random.key(0), samples * 3).reshape(samples, 3)
+  draw = jax.jit(jax.vmap(lambda k: categorical_rows(k, jnp.asarray(logits), block=4)))
+  tokens = np.asarray(draw(keys))
+  probs = np.asarray(jax.nn.softmax(logits, axis=-1), np.float64)
+  for row in range(3):
+    counts = np.bincount(tokens[:, row], minlength=21)
+    assert counts[probs[row] == 0].sum() == 0  # never a -inf token
+    seen = probs[row] > 0
+    expected = probs[row][seen] / probs[row][seen].sum() * samples
+    assert stats.chisquare(counts[seen], expected).pvalue > 1e-3, row
+  # A row draws the same token whatever the batch around it.
+  alone = jax.jit(lambda k: categorical_rows(k, jnp.asarray(logits[1:2]), block=4))(keys[0, 1:2])
+  assert int(alone[0]) == tokens[0, 1]
 
 
 def test_stop_strings_spanning_tokens_abort_and_streaming(model, reference):

@@ -39,6 +39,7 @@ from paged_jax.engine import beam, speculative
 from paged_jax.engine.sampling import (
   Draw,
   RowParams,
+  categorical_rows,
   greedy_tokens,
   is_stop,
   row_keys,
@@ -738,7 +739,7 @@ def _draft_draw(logits, rows: RowParams, index):
   from its sampling distribution with the token's key salted) and that
   distribution, float32 `[rows, vocab]`."""
   processed = sampling_logits(logits, rows)
-  drawn = jax.vmap(jax.random.categorical)(row_keys(rows, index, salt=3), processed)
+  drawn = categorical_rows(row_keys(rows, index, salt=3), processed)
   tokens = jnp.where(rows.temperature <= 0.0, greedy_tokens(logits), drawn)
   return tokens.astype(jnp.int32), jax.nn.softmax(processed, axis=-1)
 

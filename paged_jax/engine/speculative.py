@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged_jax.engine.sampling import categorical_rows
+
 METHODS = ("ngram", "draft_model")
 _KEYS = {
   "ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"},
@@ -301,9 +303,7 @@ def accept_sampled(
   ]
   rejected = (accepted < count)[:, None]
   weights = jnp.where(rejected, jnp.maximum(p_next - q_next, 0.0), p_next)
-  replacement = jax.vmap(jax.random.categorical)(fold(2)[rows, accepted], jnp.log(weights)).astype(
-    jnp.int32
-  )
+  replacement = categorical_rows(fold(2)[rows, accepted], jnp.log(weights))
   tokens = jnp.concatenate([drafts, drafts[:, :1]], axis=1)
   tokens = tokens.at[rows, accepted].set(replacement)
   return accepted, tokens
