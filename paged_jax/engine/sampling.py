@@ -141,9 +141,9 @@ def sample_rows(
 
 def categorical_rows(keys: jax.Array, logits: jax.Array, block: int = 128) -> jax.Array:
   """int32 `[rows]`: one token per row drawn from `softmax(logits[row])`
-  with `keys[row]`, as `jax.random.categorical` draws (another token for the
-  same key), from 2 x sqrt-vocabulary random numbers instead of one per
-  token.
+  with `keys[row]`: the distribution of `jax.random.categorical` (not its
+  token for the same key), from `vocab / block + block` random numbers per
+  row instead of one per token.
 
   The vocabulary is cut into blocks of `block` tokens: a row draws a block by
   its total probability, then a token of that block by its probability in
