@@ -119,7 +119,7 @@ def sample_rows(
   logits = logits.astype(jnp.float32)
   if logit_mask is not None:
     logits = jnp.where(logit_mask, logits, -jnp.inf)
-  log_total = jax.nn.logsumexp(logits, axis=-1, keepdims=True)  # log-probability = logit - it
+  logprobs = jax.nn.log_softmax(logits, axis=-1)
   greedy = params.temperature <= 0.0
 
   def draw(_):
@@ -129,13 +129,10 @@ def sample_rows(
   argmax = greedy_tokens(logits)
   drawn = jax.lax.cond(jnp.all(greedy), lambda _: argmax, draw, None)
   tokens = jnp.where(greedy, argmax, drawn)
-  logprob = (jnp.take_along_axis(logits, tokens[:, None], axis=-1) - log_total)[:, 0]
-  top_logits, top_ids = jax.lax.top_k(logits, num_logprobs)
+  logprob = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+  top_logprobs, top_ids = jax.lax.top_k(logprobs, num_logprobs)
   return Draw(
-    tokens=tokens,
-    logprob=logprob,
-    top_ids=top_ids.astype(jnp.int32),
-    top_logprobs=top_logits - log_total,
+    tokens=tokens, logprob=logprob, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs
   )
 
 
