@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from flax import nnx, serialization
 from hypothesis import strategies as st
 
 from paged_jax import models
@@ -373,6 +373,10 @@ def test_save_and_load_round_trip(tmp_path):
   expected = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   actual = nnx.to_pure_dict(nnx.state(loaded, nnx.Param))
   jax.tree.map(np.testing.assert_array_equal, actual, expected)
+  # The file keeps kernels [in, out], as the shipped model and older files do.
+  stored = serialization.msgpack_restore((tmp_path / pretrained.WEIGHTS_FILE).read_bytes())
+  down = model.blocks[0].mlp.down_proj.kernel[...]
+  np.testing.assert_array_equal(stored["blocks"][0]["mlp"]["down_proj"]["kernel"], down.T)
 
 
 def test_load_model_errors(tmp_path):
