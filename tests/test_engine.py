@@ -117,6 +117,67 @@ def test_outputs_do_not_depend_on_scheduling(model, reference, mode, budget, rev
   _all_blocks_free(engine)
 
 
+def _mixing_engine(model, mix: bool = True) -> pj.LLMEngine:
+  """Prompt chunks run with the running sequences' first decode step of a
+  round, in one launch (`mix_prefill_and_decode`; packed rows of a bucket)."""
+  return pj.LLMEngine(
+    model,
+    TOKENIZER,
+    CFG,
+    max_num_seqs=4,
+    max_num_batched_tokens=8,
+    num_decode_steps=4,
+    decode_row_buckets=(4,),
+    mix_prefill_and_decode=mix,
+  )
+
+
+def _record_mixed_steps(engine, monkeypatch) -> list:
+  """The `DecodeResult` of every mixed launch's decode step, as they run;
+  a prefill launch apart fails."""
+  steps = []
+  prefill_and_step = engine.runner.prefill_and_step
+
+  def recorded(*args):
+    draws, scores, first = prefill_and_step(*args)
+    steps.append(first)
+    return draws, scores, first
+
+  monkeypatch.setattr(engine.runner, "prefill_and_step", recorded)
+  monkeypatch.setattr(engine.runner, "prefill", None)
+  return steps
+
+
+def test_prompts_mixed_with_a_decode_step_give_the_same_outputs(model, reference, monkeypatch):
+  engine = _mixing_engine(model)
+  mixed_steps = _record_mixed_steps(engine, monkeypatch)
+  finals, _ = _serve(engine, _requests())
+  assert _tokens(finals) == _tokens(reference)
+  assert [o.text for o in finals["2"].outputs] == [o.text for o in reference["2"].outputs]
+  assert sum(step.row_steps > 0 for step in mixed_steps) >= 3
+  assert engine.stats.preemptions > 0
+  _all_blocks_free(engine)
+
+
+def test_a_mixed_step_out_of_blocks_runs_the_chunks_and_preempts(model, monkeypatch):
+  # After its first round "a" holds 12 tokens in 3 full blocks, so its next
+  # step needs a block; "b"'s 44-token prompt takes the 11 free ones.
+  greedy = pj.SamplingParams(max_tokens=12, ignore_eos=True)
+  finals = []
+  for mix in (True, False):
+    engine = _mixing_engine(model, mix)
+    if mix:
+      mixed_steps = _record_mixed_steps(engine, monkeypatch)
+    engine.add_request("a", list(range(65, 73)), greedy)
+    engine.step()
+    engine.add_request("b", list(range(70, 114)), greedy)
+    finals.append(_serve(engine, [])[0])
+    assert engine.stats.preemptions == 1
+    _all_blocks_free(engine)
+  assert [bool(step.out_of_blocks.any()) for step in mixed_steps[:2]] == [False, True]
+  assert _tokens(finals[0]) == _tokens(finals[1])
+
+
 def test_prompts_admitted_together_compute_their_shared_blocks_once(model, reference):
   # Requests 1 and 2 share "THE DEVIL'S " (3 blocks); 2 reads them as 1's
   # chunk writes them in the same launch.
@@ -397,6 +458,11 @@ def test_bad_engine_arguments_and_requests_raise(model):
   engine.add_request("a", [1], GREEDY)
   with pytest.raises(ValueError, match="already in use"):
     engine.add_request("a", [2])
+  with pytest.raises(ValueError, match="mix_prefill_and_decode must be a bool"):
+    pj.LLMEngine(model, TOKENIZER, CFG, mix_prefill_and_decode="yes")
+  ngram = {"method": "ngram", "num_speculative_tokens": 2}
+  with pytest.raises(ValueError, match="mix_prefill_and_decode does not work with speculative"):
+    pj.LLMEngine(model, TOKENIZER, CFG, mix_prefill_and_decode=True, speculative_config=ngram)
 
 
 class _Config:

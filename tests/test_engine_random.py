@@ -55,9 +55,14 @@ def model():
   return models.Llama(BYTE_LLAMA, rngs=nnx.Rngs(0))
 
 
-def make_engine(model, preemption_mode: str, enable_prefix_caching: bool) -> pj.LLMEngine:
+def make_engine(
+  model, preemption_mode: str, enable_prefix_caching: bool, mix: bool = False
+) -> pj.LLMEngine:
   """Engines of one cache config share their compiled programs, whatever the
-  preemption mode (and with prefix caching, test_engine's too)."""
+  preemption mode (and with prefix caching, test_engine's too); `mix` runs
+  prompt chunks with a decode step (`mix_prefill_and_decode`), every launch
+  over every slot (one decode bucket: fewer programs to compile; beam groups
+  ride along in the mixed step)."""
   return pj.LLMEngine(
     model,
     engine_traces.TOKENIZER,
@@ -65,25 +70,29 @@ def make_engine(model, preemption_mode: str, enable_prefix_caching: bool) -> pj.
     max_num_batched_tokens=8,  # prompts go in chunks
     preemption_mode=preemption_mode,
     num_decode_steps=4,
+    mix_prefill_and_decode=mix,
+    decode_row_buckets=() if mix else None,
     warmup=True,
   )
 
 
 @pytest.mark.parametrize(
-  "preemption_mode, enable_prefix_caching, first_seed",
+  "preemption_mode, enable_prefix_caching, first_seed, mix",
   [
     # Without prefix caching (its own programs, about 30 s of compiles): the full suite.
-    pytest.param("recompute", False, 0, id="recompute", marks=pytest.mark.slow),
-    pytest.param("swap", False, 1000, id="swap", marks=pytest.mark.slow),
-    pytest.param("recompute", True, 2001, id="recompute-prefix-caching"),
-    pytest.param("swap", True, 3006, id="swap-prefix-caching"),
+    pytest.param("recompute", False, 0, False, id="recompute", marks=pytest.mark.slow),
+    pytest.param("swap", False, 1000, False, id="swap", marks=pytest.mark.slow),
+    pytest.param("recompute", True, 2001, False, id="recompute-prefix-caching"),
+    pytest.param("swap", True, 3006, False, id="swap-prefix-caching"),
+    # Prompt chunks with a decode step in one launch (its own programs).
+    pytest.param("swap", True, 4000, True, id="swap-prefix-caching-mixed"),
   ],
 )
 # Over 10 s where its warm-up compiles the engine's programs (alone, about 25 s
 # on 2 cores; in CI test_engine's tests ran first and most are warm); the
 # traces themselves take a few seconds.
-def test_random_traces(model, preemption_mode, enable_prefix_caching, first_seed, capsys):
-  engine = make_engine(model, preemption_mode, enable_prefix_caching)
+def test_random_traces(model, preemption_mode, enable_prefix_caching, first_seed, mix, capsys):
+  engine = make_engine(model, preemption_mode, enable_prefix_caching, mix)
   num_programs = len(engine.compiled_programs())
   assert f"warm-up: {num_programs} programs (" in capsys.readouterr().err
   seeds = range(first_seed, first_seed + NUM_TRACES)

@@ -152,6 +152,57 @@ def test_a_packed_call_equals_one_row_per_sequence(model):
     np.testing.assert_allclose(packed, per_row, atol=1e-5, rtol=0)  # NaN where neither wrote
 
 
+def test_a_ragged_call_equals_a_prompt_call_and_a_decode_call(model):
+  # Decode tokens ride at the end of a packed row (`decode_tables`): the
+  # chunk's logits are its own call's, the decode tokens' a decode call's,
+  # and the pages hold what both calls write.
+  forward = _jitted_forward(model)
+  lengths = np.array([7, 3, 12])
+  bm, state, tokens, positions, kv = _allocated_prompts(np.random.default_rng(4), lengths)
+  ids = jnp.arange(3, dtype=jnp.int32)
+  tables = jax.jit(bm.get_block_tables)
+  slot_mapping = manager.jit_op(bm.get_slot_mapping)
+  prompt_tables, prompt_slots = tables(state, ids), slot_mapping(state, ids, lengths, width=12)
+  prompts = PagedCache(kv=kv, block_tables=prompt_tables[:2], slot_mapping=prompt_slots[:2])
+  kv = forward(tokens[:2], positions[:2], prompts)[1].kv  # sequences 0 and 1 decode next
+
+  decoding = ids[:2]
+  next_tokens = np.array([[5], [9]], np.int32)
+  state, plan = jax.jit(bm.append_slots)(state, decoding, next_tokens, jnp.ones(2, jnp.int32))
+  assert int(plan.status) == pj.Status.OK
+  decode_tables = tables(state, decoding)
+  decode_slots = slot_mapping(state, decoding, jnp.ones(2, jnp.int32), width=1)
+  decode_positions = lengths[:2, None].astype(np.int32)
+  decode = PagedCache(kv=kv, block_tables=decode_tables, slot_mapping=decode_slots)
+  decode_logits, decode = forward(next_tokens, decode_positions, decode)
+  chunk = PagedCache(kv=decode.kv, block_tables=prompt_tables[2:], slot_mapping=prompt_slots[2:])
+  chunk_logits, apart = forward(tokens[2:], positions[2:], chunk)
+
+  # One row: the 12-token chunk in 3 tiles of 4 (of 4), 4 padding, 2 decode tokens.
+  ragged_tokens = np.zeros((1, 18), np.int32)
+  ragged_positions = np.full((1, 18), -1, np.int32)
+  ragged_slots = np.full((1, 18), -1, np.int32)
+  ragged_tokens[0, :12], ragged_positions[0, :12] = tokens[2], positions[2]
+  ragged_slots[0, :12] = prompt_slots[2]
+  ragged_tokens[0, 16:], ragged_positions[0, 16:] = next_tokens[:, 0], decode_positions[:, 0]
+  ragged_slots[0, 16:] = decode_slots[:, 0]
+  tiles = np.full((4, 4), -1, np.int32)
+  tiles[:3] = np.arange(12).reshape(3, 4)
+  ragged = PagedCache(
+    kv=kv,
+    block_tables=np.repeat(np.asarray(prompt_tables[2:]), 4, axis=0),
+    slot_mapping=ragged_slots,
+    query_tiles=tiles,
+    decode_tables=decode_tables,
+  )
+  logits, ragged = forward(ragged_tokens, ragged_positions, ragged)
+  np.testing.assert_allclose(logits[0, :12], chunk_logits[0], atol=1e-5, rtol=0)
+  np.testing.assert_allclose(logits[0, 16:], decode_logits[:, 0], atol=1e-5, rtol=0)
+  pages = lambda cache: cache.kv.k + cache.kv.v
+  for together, separately in zip(pages(ragged), pages(apart)):
+    np.testing.assert_allclose(together, separately, atol=1e-5, rtol=0)  # NaN where neither wrote
+
+
 # Over 10 s: each cache config compiles an engine. With prefix caching (its
 # decode loop twice the size, 20 s of compiles) it is `slow`, for the full
 # suite: in CI, test_structured_engine checks the prefix-cached engine's

@@ -173,15 +173,23 @@ def served_alone(llm):
 
 # Over 10 s: a tight cache with prefix caching compiles its engine's programs,
 # the automaton steps inside the decode loop included. CI runs "swap" (a group
-# preempted mid-prompt is recomputed even so); "recompute" is `slow`.
+# preempted mid-prompt is recomputed even so), also with prompt chunks mixed
+# into a decode step (the automata step on the device in both launches of a
+# round); "recompute" is `slow`.
 @pytest.mark.parametrize(
-  "preemption_mode", [pytest.param("recompute", marks=pytest.mark.slow), "swap"]
+  "preemption_mode, mix",
+  [pytest.param("recompute", False, marks=pytest.mark.slow), ("swap", False), ("swap", True)],
 )
 def test_prefix_caching_preemption_and_n2_keep_outputs_valid_and_equal(
-  tiny, served_alone, preemption_mode
+  tiny, served_alone, preemption_mode, mix
 ):
   small = pj.LLM(
-    tiny, ByteTokenizer(), SMALL_CFG, preemption_mode=preemption_mode, decode_row_buckets=()
+    tiny,
+    ByteTokenizer(),
+    SMALL_CFG,
+    preemption_mode=preemption_mode,
+    decode_row_buckets=(),
+    mix_prefill_and_decode=mix,
   )
   requests = _requests()
   outputs = small.generate([prompt for prompt, _ in requests], [params for _, params in requests])

@@ -75,6 +75,14 @@ class LLMEngine:
       `max_num_seqs` (from 2 for a bfloat16 model on the CPU backend, see
       `runner.min_decode_rows`); `()`: one program over every slot (fewest compiles,
       most padding).
+    mix_prefill_and_decode: run a round's prompt chunks and the first
+      decode step of its running sequences through the model together, in
+      one ragged launch (`ModelRunner.prefill_and_step`; vLLM's chunked
+      prefill batches them so), the loop's other steps after it; not with
+      speculation. It reads the weights once less per round with prompts,
+      but compiles a program per prefill and decode bucket pair. False
+      (default): prompts run in their own launch, which measured as fast
+      on the CPU backend with a fifth of the warm-up (benchmarks/RESULTS.md).
     speculative_config: speculative decoding in vLLM's form:
       `{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max":
       4, "prompt_lookup_min": 1}` (prompt lookup) or `{"method":
@@ -109,6 +117,7 @@ class LLMEngine:
     max_beam_width: int = 4,
     prefill_width: int = 32,
     decode_row_buckets=None,
+    mix_prefill_and_decode: bool = False,
     speculative_config=None,
     warmup: bool = False,
     seed: int = 0,
@@ -152,6 +161,13 @@ class LLMEngine:
     if mesh is not None:
       mesh = sharding.serving_mesh(mesh)
     self.speculative, draft = speculative.parse_config(speculative_config, model.config.vocab_size)
+    if not isinstance(mix_prefill_and_decode, bool):
+      raise ValueError(f"mix_prefill_and_decode must be a bool, got {mix_prefill_and_decode!r}")
+    if mix_prefill_and_decode and self.speculative is not None:
+      raise ValueError(
+        "mix_prefill_and_decode does not work with speculative_config: a speculating round "
+        "runs its prompt chunks in their own launch"
+      )
     max_chunk = _max_chunk(cache_config, model.config)
     if self.speculative is not None:
       _check_speculation(self.speculative, cache_config, max_chunk, draft)
@@ -171,6 +187,7 @@ class LLMEngine:
       else getattr(tokenizer, "eos_token_id", getattr(tokenizer, "eos_id", None))
     )
     self.num_decode_steps = num_decode_steps
+    self.mix_prefill_and_decode = mix_prefill_and_decode
     self.max_logprobs = max_logprobs
     self.cache = CacheManager(
       cache_config,
@@ -236,7 +253,9 @@ class LLMEngine:
     `decode_row_buckets`), or every slot (`max_seqs`
     per shard, with the beam step, which runs only in steps with a beam
     group), with speculation each of those with speculating steps (and
-    plain ones too when adaptive); the block manager's
+    plain ones too when adaptive); with `mix_prefill_and_decode`, prompt
+    chunks run with a decode step instead of apart, one program per
+    prefill shape and decode row count; the block manager's
     calls over a group take its slots padded to `max_seqs`; swaps move
     fixed-capacity plans; a request's PRNG keys come from a few small
     host-side programs.
@@ -245,15 +264,33 @@ class LLMEngine:
     return (
       [
         f"prefill {shards * t} tokens in {shards * r} tiles of {width}"
-        for t, r in self.runner.prefill_buckets()
+        for t, r in self._prefill_buckets()
       ]
       + [
         f"{'speculating ' if kind else ''}decode loop {shards * r} rows x{steps} steps"
         for kind in self.runner.decode_kinds()
         for r in self.runner.decode_buckets()
       ]
+      + [
+        f"prefill {shards * t} tokens in {shards * tiles} tiles of {width} with a decode step "
+        f"of {shards * r} rows"
+        for (t, tiles), r in self._prefill_and_step_shapes()
+      ]
       + ["block manager calls", "swap out", "swap in", "request keys"]
     )
+
+  def _prefill_buckets(self) -> list:
+    """The shapes of prefill launches apart from decode steps: those of
+    `runner.prefill_buckets()`, none when prompts mix with decode steps."""
+    return [] if self.mix_prefill_and_decode else self.runner.prefill_buckets()
+
+  def _prefill_and_step_shapes(self) -> list:
+    """`((tokens, tiles), rows)` per shard of every launch that runs prompt
+    chunks with a decode step: each prefill bucket with each decode bucket,
+    when prompts mix with decode steps."""
+    if not self.mix_prefill_and_decode:
+      return []
+    return [(b, r) for b in self.runner.prefill_buckets() for r in self.runner.decode_buckets()]
 
   def warmup(self) -> None:
     """Compiles every program of `compiled_programs()` (the persistent
@@ -264,8 +301,12 @@ class LLMEngine:
       RuntimeError: if requests are already running.
     """
     runner, steps = self.runner, self.num_decode_steps
-    launches = [lambda b=b: runner.warm_up_prefill(b) for b in runner.prefill_buckets()]
+    launches = [lambda b=b: runner.warm_up_prefill(b) for b in self._prefill_buckets()]
     launches += [lambda r=r: runner.warm_up_decode(steps, r) for r in runner.decode_buckets()]
+    launches += [
+      lambda b=b, r=r: runner.warm_up_prefill_and_step(b, r, steps)
+      for b, r in self._prefill_and_step_shapes()
+    ]
     launches += [self.cache.warm_up, self._warm_up_request_keys]
     start = time.perf_counter()
     with compile_guard.count_compiles() as compiles:
@@ -406,26 +447,28 @@ class LLMEngine:
     outputs, self._pending = self._pending, []
     touched: dict[str, SequenceGroup] = {}
     chunks = [chunk for out in rounds for chunk in out.chunks]
+    stop_on_finish = any(out.stop_on_finish for out in rounds)
+    result = first = None
     if chunks:
       drawing = [(chunk.group, s) for chunk in chunks for s in chunk.samples]
       samples = [(row, s.slot) for row, chunk in enumerate(chunks) for s in chunk.samples]
-      draws, scores = self._timed(
-        self.runner.prefill, chunks, samples, _constraints(enumerate(drawing))
-      )
+      sample_constraints = _constraints(enumerate(drawing))
+      if self.mix_prefill_and_decode:
+        draws, scores, first = self._timed(
+          self.runner.prefill_and_step,
+          chunks,
+          samples,
+          sample_constraints,
+          _constraints(_decoding(rounds)),
+          self.num_decode_steps,
+        )
+      else:
+        draws, scores = self._timed(self.runner.prefill, chunks, samples, sample_constraints)
       touched.update(self.processor.take_prefill(chunks, draws, scores))
       for scheduler, out in zip(self.schedulers, rounds):
         self.runner.apply(scheduler.after_prefill(out))
-    result = None
-    if self.runner.has_running_rows():
-      stop_on_finish = any(out.stop_on_finish for out in rounds)
-      decoding = [
-        (s.slot, (group, s))
-        for out in rounds
-        for group in out.decoding
-        if not group.beam
-        for s in group.live()
-        if s.slot >= 0
-      ]
+    if self.runner.has_running_rows() or first is not None:
+      decoding = _decoding(rounds)
       speculate = self._chooser is None or self._chooser.speculate(self.runner.next_decode_rows())
       histories = []
       if self.speculative is not None and speculate:
@@ -433,14 +476,18 @@ class LLMEngine:
           (slot, np.concatenate([group.prompt_token_ids, seq.token_ids]).astype(np.int32))
           for slot, (group, seq) in decoding
         ]
+      constraints = _constraints(decoding)
+      if first is not None:  # the host takes the first step's tokens after the loop
+        constraints = _past_first_step(constraints, first)
       launched = time.perf_counter()
       result = self._timed(
         self.runner.decode,
         self.num_decode_steps,
         stop_on_finish,
-        _constraints(decoding),
+        constraints,
         histories,
         speculate,
+        first,
       )
       seconds = time.perf_counter() - launched
       for out in rounds:
@@ -510,6 +557,19 @@ class LLMEngine:
     )
 
 
+def _decoding(rounds) -> list:
+  """`(slot, (group, seq))` of the rounds' sequences that hold a slot,
+  beam groups' aside."""
+  return [
+    (s.slot, (group, s))
+    for out in rounds
+    for group in out.decoding
+    if not group.beam
+    for s in group.live()
+    if s.slot >= 0
+  ]
+
+
 def _constraints(rows) -> list:
   """`(row, automaton, state)` of the constrained sequences among `(row,
   (group, seq))` pairs, for the runner's launches."""
@@ -517,6 +577,17 @@ def _constraints(rows) -> list:
     (row, group.automaton, seq.automaton_state)
     for row, (group, seq) in rows
     if group.automaton is not None
+  ]
+
+
+def _past_first_step(constraints, first) -> list:
+  """`(slot, automaton, state)` constraints moved past the token each slot
+  drew in a round's `first` step (a `DecodeResult`), if it drew one."""
+  return [
+    (slot, automaton, automaton.next_state(state, int(first.draws.tokens[slot, 0])))
+    if first.counts[slot]
+    else (slot, automaton, state)
+    for slot, automaton, state in constraints
   ]
 
 

@@ -156,6 +156,50 @@ def _decode_step(
   automaton steps; a row whose new state allows no token finishes. Without
   one (None, no constrained row runs), nothing is masked.
   """
+  state, plan = _append_last_tokens(loop)
+  out_of_blocks = plan.status != Status.OK
+  advance = lambda _: _advance(graphdef, params_state, rows, table, loop, state, plan)[0]
+  return jax.lax.cond(
+    ~jnp.any(out_of_blocks), advance, lambda _: loop.replace(out_of_blocks=out_of_blocks), None
+  )
+
+
+def _append_last_tokens(loop: DecodeLoop):
+  """`append_slots` of every running row's last token, on every shard."""
+  cfg = loop.state.cfg
+  num_shards = loop.out_of_blocks.shape[0]
+  running = loop.seq_ids >= 0
+  shaped = lambda a: a.reshape(num_shards, -1, *a.shape[1:])
+  return on_every_shard(BlockSpaceManager(cfg).append_slots)(
+    loop.state,
+    _per_shard(loop.seq_ids, num_shards, cfg.max_seqs),
+    shaped(loop.last_token[:, None]),
+    shaped(running.astype(jnp.int32)),
+  )
+
+
+def _call_model(model, tokens, positions, cache, kv):
+  """The model's logits `[R, 1, vocab]` at the decode rows' tokens, and
+  the cache after the call; nothing else."""
+  logits, cache = model(sharding.split_rows(tokens, kv), sharding.split_rows(positions, kv), cache)
+  return logits, cache, None
+
+
+def _advance(
+  graphdef,
+  params_state,
+  rows: RowParams,
+  table: structured.AutomatonTable | None,
+  loop: DecodeLoop,
+  state: BlockManagerState,
+  plan: CopyPlan,
+  call_model=_call_model,
+):
+  """The decode step after its `append_slots` (`state`, `plan`): the
+  model call, draws, stop checks, the beam step and frees (see
+  `_decode_step`). `call_model(model, tokens, positions, cache, kv)` runs
+  the rows' tokens `[R, 1]` through the model: `(logits [R, 1, vocab],
+  cache, extra)`. Returns `(loop, extra)`."""
   cfg = loop.state.cfg
   bm = BlockSpaceManager(cfg)
   num_shards = loop.out_of_blocks.shape[0]
@@ -163,115 +207,103 @@ def _decode_step(
   local = _per_shard(loop.seq_ids, num_shards, cfg.max_seqs)
   shaped = lambda a: a.reshape(num_shards, -1, *a.shape[1:])
   flat = lambda a: a.reshape(-1, *a.shape[2:])
-  state, plan = on_every_shard(bm.append_slots)(
-    loop.state, local, shaped(loop.last_token[:, None]), shaped(running.astype(jnp.int32))
+  kv = copy_for_append(loop.kv, loop.state, state, local, plan, 1)
+  num_tokens = flat(on_every_shard(bm.get_num_tokens)(state, local))
+  slot_mapping = on_every_shard(functools.partial(bm.get_slot_mapping, width=1))(
+    state, local, shaped(running.astype(jnp.int32))
   )
-
-  def advance(_):
-    kv = copy_for_append(loop.kv, loop.state, state, local, plan, 1)
-    num_tokens = flat(on_every_shard(bm.get_num_tokens)(state, local))
-    slot_mapping = on_every_shard(functools.partial(bm.get_slot_mapping, width=1))(
-      state, local, shaped(running.astype(jnp.int32))
-    )
-    cache = paged_cache(
-      kv=kv,
-      block_tables=flat(on_every_shard(bm.get_block_tables)(state, local)),
-      slot_mapping=flat(slot_mapping),
-      cache_sliding_window=cfg.sliding_window,
-    )
-    positions = jnp.where(running, num_tokens - 1, -1)[:, None]
-    model = graphdef.merge(params_state)
-    logits, cache = model(
-      sharding.split_rows(loop.last_token[:, None], kv), sharding.split_rows(positions, kv), cache
-    )
-    num_logprobs = loop.draws.top_ids.shape[-1]
-    mask = None if table is None else structured.allowed_mask(table, loop.automaton_state)
-    draw = sample_rows(logits[:, 0], rows, loop.num_generated, num_logprobs, mask)
-    column = jnp.where(running, loop.step, loop.draws.tokens.shape[1])
-    draws = jax.tree.map(
-      lambda out, new: out.at[jnp.arange(out.shape[0]), column].set(new, mode="drop"),
-      loop.draws,
-      draw,
-    )
-    sampled = running if loop.beams is None else running & (loop.beams.leader < 0)
-    num_generated = loop.num_generated + sampled
-    done = sampled & ((num_generated >= loop.limit) | is_stop(draw.tokens, rows.stop_ids))
-    automaton_state = loop.automaton_state
-    if table is not None:
-      automaton_state = jnp.where(
-        sampled, structured.advance(table, automaton_state, draw.tokens), automaton_state
-      )
-      done = done | (sampled & structured.is_dead(table, automaton_state))
-    used = cfg.num_gpu_blocks - on_every_shard(bm.num_free_gpu_blocks)(state)
-    held = jnp.sum(num_tokens)
-    seq_ids = jnp.where(done, -1, loop.seq_ids)
-    last_token = jnp.where(sampled, draw.tokens, loop.last_token)
-    s, per = running.shape[0], cfg.max_seqs
-    num_pairs = 0 if loop.beams is None else s * 2 * loop.beams.hyp_len.shape[1]
-
-    def beam_step(_):
-      beams, moves = beam.step(
-        loop.beams,
-        jax.nn.log_softmax(logits[:, 0].astype(jnp.float32)),
-        running,
-        rows.stop_ids,
-        loop.limit,
-        seq_ids,
-        last_token,
-        num_generated,
-      )
-      forked, _ = on_every_shard(bm.fork_each)(
-        state,
-        _pairs_per_shard(moves.fork_parents, num_shards, per),
-        _pairs_per_shard(moves.fork_children, num_shards, per),
-      )
-      return forked, beams, moves
-
-    def no_beams(_):
-      return (
-        state,
-        loop.beams,
-        beam.BeamMoves(
-          fork_parents=jnp.full(num_pairs, -1),
-          fork_children=jnp.full(num_pairs, -1),
-          dropped=jnp.zeros(s, bool),
-          seq_ids=seq_ids,
-          last_token=last_token,
-          num_generated=num_generated,
-          finished=jnp.zeros(s, bool),
-        ),
-      )
-
-    if loop.beams is None:
-      forked, beams, moves = no_beams(None)
-    else:
-      forked, beams, moves = jax.lax.cond(
-        jnp.any(running & (loop.beams.leader >= 0)), beam_step, no_beams, None
-      )
-    freed, _ = on_every_shard(bm.free)(
-      forked, _per_shard(jnp.where(done | moves.dropped, loop.seq_ids, -1), num_shards, per)
-    )
-    return loop.replace(
-      state=freed,
-      kv=cache.kv,
-      seq_ids=moves.seq_ids,
-      last_token=moves.last_token,
-      num_generated=moves.num_generated,
-      beams=beams,
-      automaton_state=automaton_state,
-      draws=draws,
-      step=loop.step + 1,
-      rows_run=loop.rows_run + jnp.sum(running),
-      finished_any=loop.finished_any | jnp.any(done) | jnp.any(moves.finished),
-      cow_copies=loop.cow_copies + jnp.sum(plan.count),
-      peak_blocks=jnp.maximum(loop.peak_blocks, jnp.max(used)),
-      utilization_sum=loop.utilization_sum + held / jnp.maximum(jnp.sum(used) * cfg.block_size, 1),
-    )
-
-  out_of_blocks = plan.status != Status.OK
-  return jax.lax.cond(
-    ~jnp.any(out_of_blocks), advance, lambda _: loop.replace(out_of_blocks=out_of_blocks), None
+  cache = paged_cache(
+    kv=kv,
+    block_tables=flat(on_every_shard(bm.get_block_tables)(state, local)),
+    slot_mapping=flat(slot_mapping),
+    cache_sliding_window=cfg.sliding_window,
   )
+  positions = jnp.where(running, num_tokens - 1, -1)[:, None]
+  model = graphdef.merge(params_state)
+  logits, cache, extra = call_model(model, loop.last_token[:, None], positions, cache, kv)
+  num_logprobs = loop.draws.top_ids.shape[-1]
+  mask = None if table is None else structured.allowed_mask(table, loop.automaton_state)
+  draw = sample_rows(logits[:, 0], rows, loop.num_generated, num_logprobs, mask)
+  column = jnp.where(running, loop.step, loop.draws.tokens.shape[1])
+  draws = jax.tree.map(
+    lambda out, new: out.at[jnp.arange(out.shape[0]), column].set(new, mode="drop"),
+    loop.draws,
+    draw,
+  )
+  sampled = running if loop.beams is None else running & (loop.beams.leader < 0)
+  num_generated = loop.num_generated + sampled
+  done = sampled & ((num_generated >= loop.limit) | is_stop(draw.tokens, rows.stop_ids))
+  automaton_state = loop.automaton_state
+  if table is not None:
+    automaton_state = jnp.where(
+      sampled, structured.advance(table, automaton_state, draw.tokens), automaton_state
+    )
+    done = done | (sampled & structured.is_dead(table, automaton_state))
+  used = cfg.num_gpu_blocks - on_every_shard(bm.num_free_gpu_blocks)(state)
+  held = jnp.sum(num_tokens)
+  seq_ids = jnp.where(done, -1, loop.seq_ids)
+  last_token = jnp.where(sampled, draw.tokens, loop.last_token)
+  s, per = running.shape[0], cfg.max_seqs
+  num_pairs = 0 if loop.beams is None else s * 2 * loop.beams.hyp_len.shape[1]
+
+  def beam_step(_):
+    beams, moves = beam.step(
+      loop.beams,
+      jax.nn.log_softmax(logits[:, 0].astype(jnp.float32)),
+      running,
+      rows.stop_ids,
+      loop.limit,
+      seq_ids,
+      last_token,
+      num_generated,
+    )
+    forked, _ = on_every_shard(bm.fork_each)(
+      state,
+      _pairs_per_shard(moves.fork_parents, num_shards, per),
+      _pairs_per_shard(moves.fork_children, num_shards, per),
+    )
+    return forked, beams, moves
+
+  def no_beams(_):
+    return (
+      state,
+      loop.beams,
+      beam.BeamMoves(
+        fork_parents=jnp.full(num_pairs, -1),
+        fork_children=jnp.full(num_pairs, -1),
+        dropped=jnp.zeros(s, bool),
+        seq_ids=seq_ids,
+        last_token=last_token,
+        num_generated=num_generated,
+        finished=jnp.zeros(s, bool),
+      ),
+    )
+
+  if loop.beams is None:
+    forked, beams, moves = no_beams(None)
+  else:
+    forked, beams, moves = jax.lax.cond(
+      jnp.any(running & (loop.beams.leader >= 0)), beam_step, no_beams, None
+    )
+  freed, _ = on_every_shard(bm.free)(
+    forked, _per_shard(jnp.where(done | moves.dropped, loop.seq_ids, -1), num_shards, per)
+  )
+  return loop.replace(
+    state=freed,
+    kv=cache.kv,
+    seq_ids=moves.seq_ids,
+    last_token=moves.last_token,
+    num_generated=moves.num_generated,
+    beams=beams,
+    automaton_state=automaton_state,
+    draws=draws,
+    step=loop.step + 1,
+    rows_run=loop.rows_run + jnp.sum(running),
+    finished_any=loop.finished_any | jnp.any(done) | jnp.any(moves.finished),
+    cow_copies=loop.cow_copies + jnp.sum(plan.count),
+    peak_blocks=jnp.maximum(loop.peak_blocks, jnp.max(used)),
+    utilization_sum=loop.utilization_sum + held / jnp.maximum(jnp.sum(used) * cfg.block_size, 1),
+  ), extra
 
 
 def _speculative_step(
@@ -620,7 +652,7 @@ def score_next_tokens(logits, next_tokens, num_logprobs: int) -> PromptScores:
 
 
 @functools.partial(
-  jax.jit, static_argnums=(0, 12, 13), static_argnames=("draft_graphdef",), donate_argnums=(2,)
+  jax.jit, static_argnums=(0, 12), static_argnames=("draft_graphdef",), donate_argnums=(2,)
 )
 def prefill(
   graphdef,
@@ -636,7 +668,6 @@ def prefill(
   last_token_of,
   rows,
   num_logprobs,
-  block_size,
   table=None,
   draw_states=None,
   draft_params=None,
@@ -663,12 +694,7 @@ def prefill(
   (`draft_graphdef`, `draft_params`), the chunks also run through it,
   writing its layers of the cache.
   """
-  tables = on_every_shard(manager.get_block_tables)(states, tile_slots)
-  tables = tables.reshape(-1, tables.shape[-1])
-  flat = tile_token_index(tiles, *positions.shape)
-  tile_positions = take_tiles(positions, flat, -1)
-  written = jnp.where(tile_positions >= write_from[:, None], tile_positions, -1)
-  slots = untile(slots_of(tables, written, block_size), flat, positions.shape, -1)
+  tables, slots = _prompt_tables_and_slots(states, positions, tiles, tile_slots, write_from)
   cache = paged_cache(
     kv=kv,
     block_tables=tables,
@@ -678,22 +704,12 @@ def prefill(
   )
   model = graphdef.merge(params_state)
   args = sharding.split_rows(tokens, kv), sharding.split_rows(positions, kv), cache
-  if hasattr(model, "hidden_states") and hasattr(model, "logits"):
-    hidden, cache = model.hidden_states(*args)
-    logits_of = model.logits
-  else:  # the output layer already ran at every position
-    hidden, cache = model(*args)
-    logits_of = lambda logits: logits
+  hidden, cache, logits_of = _hidden_states(model, args)
   last_logits = logits_of(hidden.reshape(-1, hidden.shape[-1])[last_token_of])
   index = jnp.zeros(last_token_of.shape, jnp.int32)
   mask = None if table is None else structured.allowed_mask(table, draw_states)
   draw = sample_rows(last_logits, rows, index, num_logprobs, mask)
-  score = lambda: score_next_tokens(logits_of(hidden), next_tokens, num_logprobs)
-  scores = jax.lax.cond(
-    jnp.any(next_tokens >= 0),
-    score,
-    lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(score)),
-  )
+  scores = _scores_if_asked(logits_of, hidden, next_tokens, num_logprobs)
   kv = cache.kv
   if draft_graphdef is not None:
     _, kv = _draft_call(
@@ -709,6 +725,126 @@ def prefill(
       query_tiles=tiles,
     )
   return sharding.replicate((draw, scores), kv), kv
+
+
+def _prompt_tables_and_slots(states, positions, tiles, tile_slots, write_from):
+  """A packed prompt call's block table per tile and cache slot per token
+  (-1 where a token's K/V is written already, or padding); see `prefill`."""
+  tables = on_every_shard(manager.get_block_tables)(states, tile_slots)
+  tables = tables.reshape(-1, tables.shape[-1])
+  flat = tile_token_index(tiles, *positions.shape)
+  tile_positions = take_tiles(positions, flat, -1)
+  written = jnp.where(tile_positions >= write_from[:, None], tile_positions, -1)
+  slots = untile(slots_of(tables, written, states.cfg.block_size), flat, positions.shape, -1)
+  return tables, slots
+
+
+def _hidden_states(model, args):
+  """`(hidden states, cache, logits_of)` of a model call on `args`:
+  `logits_of` maps hidden states to logits, so a model with
+  `hidden_states` and `logits` (see `ModelProtocol`) runs its output layer
+  only where asked; another model's call gives logits already."""
+  if hasattr(model, "hidden_states") and hasattr(model, "logits"):
+    hidden, cache = model.hidden_states(*args)
+    return hidden, cache, model.logits
+  logits, cache = model(*args)
+  return logits, cache, lambda logits: logits
+
+
+def _scores_if_asked(logits_of, hidden, next_tokens, num_logprobs: int) -> PromptScores:
+  """`score_next_tokens` at every position, run only when some token asks
+  (`next_tokens >= 0`); zeros otherwise."""
+  score = lambda: score_next_tokens(logits_of(hidden), next_tokens, num_logprobs)
+  return jax.lax.cond(
+    jnp.any(next_tokens >= 0),
+    score,
+    lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(score)),
+  )
+
+
+@functools.partial(jax.jit, static_argnums=(0, 12), donate_argnums=(3,))
+def prefill_and_decode_step(
+  graphdef,
+  params_state,
+  rows: RowParams,
+  loop: DecodeLoop,
+  tokens,
+  positions,
+  tiles,
+  tile_slots,
+  write_from,
+  next_tokens,
+  last_token_of,
+  sample_params: RowParams,
+  num_logprobs: int,
+  table=None,
+  draw_states=None,
+):
+  """Runs prompt chunks and the first decode step of the running rows in
+  one ragged model call, and draws token 0 of sequences whose prompt the
+  chunks complete.
+
+  Each data shard's token axis holds its prompt chunks packed (`tokens`,
+  `positions` `[D, T]`, attended in `tiles`; as in `prefill`), then its
+  decode rows' last tokens, one per row (attended by the decode kernel,
+  see `PagedCache.decode_tables`): the model's weights are read once for
+  both. The rows' step is `_decode_step`'s, except that when a shard is out
+  of blocks no row decodes (the chunks still run) and `out_of_blocks` says
+  so. Draw `i` samples from the prompt token at `last_token_of[i]` with
+  `sample_params[i]`, masked by `table`'s state `draw_states[i]` when there
+  is a `table`, which also holds the rows' automata (`loop.automaton_state`).
+
+  Returns:
+    `(loop after the step, draws, prompt scores)` as `decode_loop` and
+    `prefill` return them.
+  """
+  state, plan = _append_last_tokens(loop)
+  out_of_blocks = plan.status != Status.OK
+  blocked = jnp.any(out_of_blocks)
+  state = jax.tree.map(lambda new, old: jnp.where(blocked, old, new), state, loop.state)
+  plan = plan.replace(count=jnp.where(blocked, 0, plan.count))
+  prompt_tables, prompt_slots = _prompt_tables_and_slots(
+    state, positions, tiles, tile_slots, write_from
+  )
+  num_shards, num_prompt_tokens = tokens.shape
+
+  def call_model(model, row_tokens, row_positions, cache, kv):
+    per_shard = lambda a: a.reshape(num_shards, -1)
+    ragged = paged_cache(
+      kv=cache.kv,
+      block_tables=prompt_tables,
+      slot_mapping=jnp.concatenate([prompt_slots, per_shard(cache.slot_mapping)], axis=1),
+      cache_sliding_window=cache.cache_sliding_window,
+      query_tiles=tiles,
+      decode_tables=cache.block_tables,
+    )
+    args = (
+      sharding.split_rows(jnp.concatenate([tokens, per_shard(row_tokens)], axis=1), kv),
+      sharding.split_rows(jnp.concatenate([positions, per_shard(row_positions)], axis=1), kv),
+      ragged,
+    )
+    hidden, ragged, logits_of = _hidden_states(model, args)
+    prompt_hidden = hidden[:, :num_prompt_tokens]
+    row_hidden = hidden[:, num_prompt_tokens:].reshape(-1, hidden.shape[-1])
+    sample_hidden = prompt_hidden.reshape(-1, hidden.shape[-1])[last_token_of]
+    logits = logits_of(jnp.concatenate([row_hidden, sample_hidden]))
+    num_rows = row_tokens.shape[0]
+    scores = _scores_if_asked(logits_of, prompt_hidden, next_tokens, num_logprobs)
+    return logits[:num_rows, None], ragged, (logits[num_rows:], scores)
+
+  running = jnp.where(blocked, -1, loop.seq_ids)
+  stepped, (sample_logits, scores) = _advance(
+    graphdef, params_state, rows, table, loop.replace(seq_ids=running), state, plan, call_model
+  )
+  stepped = stepped.replace(
+    seq_ids=jnp.where(blocked, loop.seq_ids, stepped.seq_ids), out_of_blocks=out_of_blocks
+  )
+  index = jnp.zeros(last_token_of.shape, jnp.int32)
+  mask = None if table is None else structured.allowed_mask(table, draw_states)
+  draw = sample_rows(sample_logits, sample_params, index, num_logprobs, mask)
+  kv = stepped.kv
+  stepped, draw, scores = sharding.replicate((stepped.replace(kv=None), draw, scores), kv)
+  return stepped.replace(kv=kv), draw, scores
 
 
 def _draft_call(

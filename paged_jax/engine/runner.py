@@ -247,21 +247,32 @@ class ModelRunner:
       `(draws, scores)`: NumPy draws, one per pair of `samples`, and per
       chunk None or its `PromptScores` (NumPy, one entry per token).
     """
+    packed, last_token_of, sample_slots = self._pack_prompts(chunks, samples)
+    table, draw_states = self._automata(last_token_of.shape[0], constraints)
+    if table is None:  # the same program as warm-up's, which has no states
+      draw_states = None
+    draw, scores = self._launch_prefill(packed, last_token_of, sample_slots, table, draw_states)
+    return self._prompt_outputs(chunks, packed, len(samples), draw, scores)
+
+  def _pack_prompts(self, chunks, samples):
+    """`(packed chunks, last_token_of, sample slots)` of a launch with
+    prompt chunks (see `prefill`): one draw per slot, whatever the samples."""
     cache = self.cache
     num_shards, per_shard = cache.num_shards, cache.cfg.max_seqs
     packed = pack_prefill(chunks, self.prefill_width, num_shards, per_shard)
     self.counters["prefill_positions"] += packed.tokens.size
-    num_draws = num_shards * per_shard  # one compile, whatever the samples
+    num_draws = num_shards * per_shard
     last_token_of = np.zeros(num_draws, np.int32)
     sample_slots = np.zeros(num_draws, np.int32)
     for i, (chunk, slot) in enumerate(samples):
       last_token_of[i] = packed.first_token[chunk] + chunks[chunk].tokens.size - 1
       sample_slots[i] = slot
-    table, draw_states = self._automata(num_draws, constraints)
-    if table is None:  # the same program as warm-up's, which has no states
-      draw_states = None
-    draw, scores = self._launch_prefill(packed, last_token_of, sample_slots, table, draw_states)
-    draws = jax.tree.map(lambda a: np.asarray(a)[: len(samples)], draw)
+    return packed, last_token_of, sample_slots
+
+  @staticmethod
+  def _prompt_outputs(chunks, packed, num_samples: int, draw, scores) -> tuple[Draw, list]:
+    """A prompt launch's device outputs as `prefill` returns them."""
+    draws = jax.tree.map(lambda a: np.asarray(a)[:num_samples], draw)
     scored = [chunk.next_tokens is not None for chunk in chunks]
     if any(scored):
       scores = jax.tree.map(lambda a: np.asarray(a).reshape(-1, *a.shape[2:]), scores)
@@ -290,7 +301,6 @@ class ModelRunner:
       last_token_of,
       jax.tree.map(lambda a: a[samples], self.rows),
       self.num_logprobs,
-      cache.cfg.block_size,
       table,
       draw_states,
       **self.draft,
@@ -375,19 +385,20 @@ class ModelRunner:
   def _launch_decode(
     self, carry, rows, stop_on_finish: bool, table=None, speculating=None
   ) -> programs.DecodeLoop:
-    params = (
-      self.rows if rows is None else jax.tree.map(lambda a: a[np.maximum(rows, 0)], self.rows)
-    )
     return programs.decode_loop(
       self.graphdef,
       self.params,
-      params,
+      self._row_params(rows),
       carry,
       jnp.array(stop_on_finish),
       table,
       speculating,
       **(self.draft if speculating is not None else {}),
     )
+
+  def _row_params(self, rows) -> RowParams:
+    """The sampling parameters of a launch's `rows` (see `_decode_rows`)."""
+    return self.rows if rows is None else jax.tree.map(lambda a: a[np.maximum(rows, 0)], self.rows)
 
   def decode_carry(
     self, num_steps: int, rows, automaton_state=None, histories=(), speculating=None
@@ -455,7 +466,13 @@ class ModelRunner:
     )
 
   def decode(
-    self, num_steps: int, stop_on_finish: bool, constraints=(), histories=(), speculate=True
+    self,
+    num_steps: int,
+    stop_on_finish: bool,
+    constraints=(),
+    histories=(),
+    speculate=True,
+    first: DecodeResult | None = None,
   ) -> DecodeResult:
     """Runs up to `num_steps` decode steps of the running rows (stopping
     after a step in which a row finished if `stop_on_finish`).
@@ -471,23 +488,59 @@ class ModelRunner:
         rows: prompt and output so far, the last token included.
       speculate: with a `speculative` config, whether this launch's steps
         speculate (else they are plain ones).
+      first: the round's first step, run with its prompt chunks
+        (`prefill_and_step`): the loop runs the other `num_steps - 1` (none
+        when no row runs, a shard ran out of blocks, or a row finished and
+        `stop_on_finish`), and the result covers both.
     """
+    if first is not None and first.row_steps == 0:
+      first = None  # no row ran with the prompt chunks: the loop runs every step
+    if first is not None and not self._continues(first, stop_on_finish):
+      return first
     speculating = self.speculative if speculate else None
+    rows = self._decode_rows()
+    table, automaton_state = self._automata(*self._row_constraints(rows, constraints))
+    loop = self.decode_carry(num_steps, rows, automaton_state, histories, speculating)
+    start = 0 if first is None else 1  # the first step ran with the prompt chunks
+    result = self._take_step_results(
+      rows,
+      lambda: self._launch_decode(
+        loop.replace(step=jnp.int32(start)), rows, stop_on_finish, table, speculating
+      ),
+      start,
+    )
+    self.counters["loop_launches"] += 1
+    return result if first is None else _after_first_step(first, result)
+
+  def _continues(self, first: DecodeResult, stop_on_finish: bool) -> bool:
+    """Whether a round's decode loop runs after its `first` step."""
+    stopped = bool(first.out_of_blocks.any()) or (stop_on_finish and bool(first.finished.any()))
+    return self.has_running_rows() and not stopped
+
+  def _row_constraints(self, rows, constraints) -> tuple[int, list]:
+    """The launch's row count and its `(row, automaton, state)` triples from
+    `(slot, automaton, state)` ones of the running slots."""
+    slots = np.arange(self.seq_ids.shape[0]) if rows is None else rows
+    row_of = np.full(self.seq_ids.shape[0], -1)
+    row_of[slots[slots >= 0]] = np.flatnonzero(slots >= 0)
+    return slots.shape[0], [
+      (row_of[slot], automaton, state)
+      for slot, automaton, state in constraints
+      if row_of[slot] >= 0 and self.seq_ids[slot] >= 0
+    ]
+
+  def _take_step_results(self, rows, launch, start: int = 0) -> DecodeResult:
+    """Runs `launch()` (a decode loop from step `start`, or a first step, on
+    `rows`, see `_decode_rows`), takes its carry back into the pages, the
+    beams and the slots' state, and returns what it did per slot."""
     before = self.num_generated.copy()
     running = self.seq_ids >= 0
-    rows = self._decode_rows()
     slots = np.arange(running.shape[0]) if rows is None else rows
-    live = slots >= 0
-    row_of = np.full(running.shape[0], -1)
-    row_of[slots[live]] = np.flatnonzero(live)
-    table, automaton_state = self._automata(
-      slots.shape[0], [(row_of[slot], automaton, state) for slot, automaton, state in constraints]
-    )
-    loop = self.decode_carry(num_steps, rows, automaton_state, histories, speculating)
-    loop = self._launch_decode(loop, rows, stop_on_finish, table, speculating)  # masks with a table
+    loop = launch()
     self.cache.state, self.cache.kv = loop.state, loop.kv
     if loop.beams is not None:
       self.beams = loop.beams
+    live = slots >= 0
     to_slots = lambda a: _scatter(np.asarray(a), slots, running.shape[0])
     ran = slots[live]
     self.seq_ids[ran] = np.asarray(loop.seq_ids)[live]
@@ -497,10 +550,10 @@ class ModelRunner:
     counters["cow_copies"] += int(loop.cow_copies)
     counters["peak_blocks"] = max(counters["peak_blocks"], int(loop.peak_blocks))
     counters["utilization_sum"] += float(loop.utilization_sum)
-    counters["decode_steps"] += int(loop.step)
-    counters["decode_positions"] += slots.shape[0] * int(loop.step)
+    steps = int(loop.step) - start
+    counters["decode_steps"] += steps
+    counters["decode_positions"] += slots.shape[0] * steps
     counters["decode_tokens"] += int(loop.rows_run)
-    counters["loop_launches"] += 1
     if loop.spec is not None:
       drafts, draft_tokens, accepted = np.asarray(loop.spec.counts).tolist()
       counters["spec_decode_num_drafts"] += drafts
@@ -513,9 +566,116 @@ class ModelRunner:
       out_of_blocks=np.array(loop.out_of_blocks),
       beams_done=np.asarray(self.beams.done),
       num_rows=slots.shape[0],
-      steps=int(loop.step),
+      steps=steps,
       row_steps=int(loop.rows_run),
     )
+
+  def prefill_and_step(
+    self, chunks, samples, constraints=(), row_constraints=(), num_steps: int = 1
+  ) -> tuple[Draw, list, DecodeResult]:
+    """Runs prompt chunks and the first decode step of the running rows in
+    one ragged launch (`programs.prefill_and_decode_step`), drawing token 0
+    of the sequences in `samples`; `decode(..., first=...)` runs the
+    round's other steps. Not while speculating (prefill runs apart then).
+
+    Args:
+      chunks, samples, constraints: as for `prefill`.
+      row_constraints: `(slot, automaton, state)` triples of the
+        constrained running rows, as for `decode`.
+      num_steps: the round's decode steps (the step's draws are the first
+        column of a launch of that many).
+
+    Returns:
+      `(draws, scores, result)`: `prefill`'s outputs, and the decode
+      step's `DecodeResult` (per slot).
+    """
+    packed, last_token_of, sample_slots = self._pack_prompts(chunks, samples)
+    rows = self._decode_rows()
+    num_rows, triples = self._row_constraints(rows, row_constraints)
+    num_draws = last_token_of.shape[0]
+    drawing = [(num_rows + sample, automaton, state) for sample, automaton, state in constraints]
+    table, states = self._automata(num_rows + num_draws, triples + drawing)
+    loop = self.decode_carry(num_steps, rows, states[:num_rows])
+    draw_states = None if table is None else states[num_rows:]
+    outputs = {}
+
+    def launch():
+      stepped, outputs["draw"], outputs["scores"] = self._launch_prefill_and_step(
+        loop, rows, packed, last_token_of, sample_slots, table, draw_states
+      )
+      return stepped
+
+    result = self._take_step_results(rows, launch)
+    draws, scores = self._prompt_outputs(
+      chunks, packed, len(samples), outputs["draw"], outputs["scores"]
+    )
+    return draws, scores, result
+
+  def _launch_prefill_and_step(
+    self, loop, rows, packed: PackedPrefill, last_token_of, samples, table=None, draw_states=None
+  ):
+    return programs.prefill_and_decode_step(
+      self.graphdef,
+      self.params,
+      self._row_params(rows),
+      loop,
+      packed.tokens,
+      packed.positions,
+      packed.tiles,
+      packed.tile_slots,
+      packed.write_from,
+      packed.next_tokens,
+      last_token_of,
+      jax.tree.map(lambda a: a[samples], self.rows),
+      self.num_logprobs,
+      table,
+      draw_states,
+    )
+
+  def warm_up_prefill_and_step(
+    self, shape: tuple[int, int], rows_per_shard: int, num_steps: int
+  ) -> None:
+    """Compiles `prefill_and_step` of prefill `shape` (see
+    `warm_up_prefill`) with `rows_per_shard` decode rows per shard, on
+    tokens and rows that do nothing.
+
+    Raises:
+      RuntimeError: if a row decodes.
+    """
+    self._refuse_while_decoding()
+    rows = None
+    if rows_per_shard != self.cache.cfg.max_seqs:
+      rows = np.full(self.cache.num_shards * rows_per_shard, -1, np.int32)
+    no_draws = np.zeros(self.cache.num_slots, np.int32)
+    packed = PackedPrefill.empty(self.cache.num_shards, shape, self.prefill_width)
+    loop = self.decode_carry(num_steps, rows)
+    loop, _, _ = self._launch_prefill_and_step(loop, rows, packed, no_draws, no_draws)
+    self.cache.state, self.cache.kv = loop.state, loop.kv
+    if loop.beams is not None:
+      self.beams = loop.beams
+
+
+def _after_first_step(first: DecodeResult, rest: DecodeResult) -> DecodeResult:
+  """A round's decode results: its `first` step (run with the prompt
+  chunks; at most one token per slot, in column 0) followed by the loop
+  that ran its other steps (their draws from column 1 on). Each slot's
+  tokens end up in order from column 0."""
+  ran_first = first.counts > 0
+  merge = lambda a, b: np.where(
+    ran_first.reshape(-1, *(1,) * (a.ndim - 1)),
+    np.concatenate([a[:, :1], b[:, 1:]], axis=1),
+    np.concatenate([b[:, 1:], b[:, :1]], axis=1),
+  )
+  return DecodeResult(
+    draws=jax.tree.map(merge, first.draws, rest.draws),
+    counts=first.counts + rest.counts,
+    finished=first.finished | rest.finished,
+    out_of_blocks=rest.out_of_blocks,
+    beams_done=rest.beams_done,
+    num_rows=rest.num_rows,
+    steps=first.steps + rest.steps,
+    row_steps=first.row_steps + rest.row_steps,
+  )
 
 
 @dataclasses.dataclass

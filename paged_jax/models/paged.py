@@ -55,6 +55,11 @@ class PagedCache:
       padding). A tile holds consecutive tokens of one sequence, the
       sequence of `block_tables[tile]`; tiles are grouped by row, `tiles /
       batch` each.
+    decode_tables: None, or for a ragged packed call (prompt chunks and
+      decode tokens in one call), int32 `[batch * n, max_blocks_per_seq]`:
+      the last `n` tokens of each row are one-token queries, each of its own
+      sequence (whose table this is), attended by the decode kernel; the
+      tiles index the tokens before them.
   """
 
   kv: KVCache
@@ -62,6 +67,7 @@ class PagedCache:
   slot_mapping: jax.Array
   cache_sliding_window: int | None = flax.struct.field(pytree_node=False, default=None)
   query_tiles: jax.Array | None = None
+  decode_tables: jax.Array | None = None
 
   def attend(
     self,
@@ -80,7 +86,8 @@ class PagedCache:
     A row's new tokens come first, padding (position -1) after them. One
     token per row runs the decode kernel, more run prefill attention over the
     cached pages and the new tokens; a packed call (`query_tiles`) runs
-    prefill attention tile by tile. `sliding_window` masks this layer's
+    prefill attention tile by tile, and with `decode_tables` the decode
+    kernel on each row's last tokens. `sliding_window` masks this layer's
     attention to its last keys and `soft_cap` caps its logits.
 
     On a cache whose `CacheConfig` frees blocks outside a window of `W`
@@ -108,6 +115,10 @@ class PagedCache:
     )
     if tiles is not None:
       out = _attend_tiles(q, k_pages, v_pages, self.block_tables, positions, tiles, options)
+      if self.decode_tables is not None:
+        out = _attend_decode_tokens(
+          out, q, k_pages, v_pages, self.decode_tables, positions, options
+        )
     elif positions.shape[1] == 1:
       lengths = (jnp.max(positions, axis=1) + 1).astype(jnp.int32)
       out = paged_attention(q[:, 0], k_pages, v_pages, self.block_tables, lengths, **options)[
@@ -149,6 +160,17 @@ def _attend_tiles(q, k_pages, v_pages, tile_tables, positions, tiles, options) -
   queries = take_tiles(q, flat)
   out = _prefill_attention(queries, k_pages, v_pages, tile_tables, tile_positions, options)
   return untile(out, flat, positions.shape)
+
+
+def _attend_decode_tokens(out, q, k_pages, v_pages, decode_tables, positions, options):
+  """`out` with each row's last `n` tokens (`decode_tables`, see
+  `PagedCache`) replaced by their decode attention, each query to its own
+  sequence (padding: position -1, a zero output)."""
+  rows, n = q.shape[0], decode_tables.shape[0] // q.shape[0]
+  queries = q[:, -n:].reshape(rows * n, *q.shape[2:])
+  lengths = (positions[:, -n:].reshape(-1) + 1).astype(jnp.int32)
+  attended = paged_attention(queries, k_pages, v_pages, decode_tables, lengths, **options)
+  return out.at[:, -n:].set(attended.reshape(rows, n, *q.shape[2:]).astype(out.dtype))
 
 
 def tile_token_index(tiles: jax.Array, rows: int, tokens: int) -> jax.Array:
@@ -234,13 +256,14 @@ class ShardedPagedCache(PagedCache):
     device = self.kv.device_part()
     pages = jax.tree.map(lambda _: sharding.PAGES, device)
 
-    def local(kv, tables, slots, q, k, v, positions, tiles):
+    def local(kv, tables, slots, q, k, v, positions, tiles, decode_tables):
       cache = PagedCache(
         kv=kv,
         block_tables=tables,
         slot_mapping=slots,
         cache_sliding_window=self.cache_sliding_window,
         query_tiles=tiles,
+        decode_tables=decode_tables,
       )
       out, cache = cache.attend(
         layer,
@@ -255,8 +278,8 @@ class ShardedPagedCache(PagedCache):
       return out, cache.kv
 
     out, written = sharding.per_device(
-      local, mesh, (pages, rows, rows, heads, heads, heads, rows, rows), (heads, pages)
-    )(device, self.block_tables, self.slot_mapping, q, k, v, positions, tiles)
+      local, mesh, (pages, rows, rows, heads, heads, heads, rows, rows, rows), (heads, pages)
+    )(device, self.block_tables, self.slot_mapping, q, k, v, positions, tiles, self.decode_tables)
     return out, self.replace(kv=self.kv.with_device_part(written))
 
 
@@ -266,11 +289,13 @@ def paged_cache(
   slot_mapping: jax.Array,
   cache_sliding_window=None,
   query_tiles=None,
+  decode_tables=None,
 ) -> PagedCache:
   """The paged backend of one model call: per device when `kv` is on a mesh
   (rows grouped by data shard, `rows / data` each; so are a packed call's
-  tiles); `cache_sliding_window` is the `CacheConfig`'s window and
-  `query_tiles` a packed call's tiles (see `PagedCache`)."""
+  tiles and decode tables); `cache_sliding_window` is the `CacheConfig`'s
+  window, `query_tiles` a packed call's tiles and `decode_tables` a ragged
+  call's (see `PagedCache`)."""
   cls = PagedCache if kv.mesh is None else ShardedPagedCache
   return cls(
     kv=kv,
@@ -278,4 +303,5 @@ def paged_cache(
     slot_mapping=slot_mapping,
     cache_sliding_window=cache_sliding_window,
     query_tiles=query_tiles,
+    decode_tables=decode_tables,
   )

@@ -88,6 +88,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     default=8,
     help="decode steps per launch (the engine's num_decode_steps)",
   )
+  serve.add_argument(
+    "--mix-prefill-and-decode",
+    action="store_true",
+    help="run a round's prompt chunks with its first decode step, in one ragged launch",
+  )
   serve.add_argument("--block-size", type=_positive, default=16)
   serve.add_argument("--num-gpu-blocks-override", type=_positive, default=None)
   serve.add_argument(
@@ -231,6 +236,7 @@ def engine_builder(args):
       max_logprobs=args.max_logprobs,
       max_beam_width=MAX_BEAM_WIDTH,
       speculative_config=speculative_config,
+      mix_prefill_and_decode=args.mix_prefill_and_decode,
       warmup=True,
       seed=args.seed,
     )
