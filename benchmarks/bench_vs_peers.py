@@ -215,9 +215,10 @@ def measure(run, repeats: int) -> tuple[float, list[list[int]] | None]:
 # paged_jax.
 
 
-def paged_llm(model, tokenizer, max_seqs: int) -> pj.LLM:
+def paged_llm(model, tokenizer, max_seqs: int, mix: bool = False) -> pj.LLM:
   """`pj.LLM` with its default options on a cache of `max_seqs` full-length
-  sequences (prefix caching on), every program compiled first."""
+  sequences (prefix caching on), every program compiled first; `mix`: with
+  `mix_prefill_and_decode`."""
   blocks = -(-model.config.max_seq_len // BLOCK_SIZE)
   cfg = pj.CacheConfig(
     block_size=BLOCK_SIZE,
@@ -227,7 +228,7 @@ def paged_llm(model, tokenizer, max_seqs: int) -> pj.LLM:
     max_blocks_per_seq=blocks,
     enable_prefix_caching=True,
   )
-  return pj.LLM(model, tokenizer, cfg, warmup=True)
+  return pj.LLM(model, tokenizer, cfg, mix_prefill_and_decode=mix, warmup=True)
 
 
 def paged_run(llm: pj.LLM, w: Workload):
@@ -260,7 +261,7 @@ def bench_paged(dtype: str, workloads: dict[str, Workload], args, hf_dir=None):
     save_hf_folder(model, tokenizer, hf_dir)
   max_seqs = max([32] + [len(w.prompts) * w.n for w in workloads.values()])
   rates, token_ids = {}, {}
-  llm = paged_llm(model, tokenizer, max_seqs)
+  llm = paged_llm(model, tokenizer, max_seqs, args.mix_prefill_and_decode)
   for name, w in workloads.items():
     log(f"[paged_jax {dtype}] {name}")
     rates[name], token_ids[name] = measure(paged_run(llm, w), args.repeats)
@@ -268,7 +269,8 @@ def bench_paged(dtype: str, workloads: dict[str, Workload], args, hf_dir=None):
   if "single" in workloads:
     log(f"[paged_jax {dtype}] single, 1-slot engine")
     rates["single_1slot"], _ = measure(
-      paged_run(paged_llm(model, tokenizer, 1), workloads["single"]), args.repeats
+      paged_run(paged_llm(model, tokenizer, 1, args.mix_prefill_and_decode), workloads["single"]),
+      args.repeats,
     )
   gc.collect()
   return dict(tokens_per_s=rates, token_ids=token_ids, version=f"paged_jax, jax {jax.__version__}")
@@ -458,6 +460,11 @@ def parse_args():
   parser.add_argument("--max-seq-len", type=int, default=256)
   parser.add_argument("--hf-dir", type=pathlib.Path, help="keep the Hugging Face folder here")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument(
+    "--mix-prefill-and-decode",
+    action="store_true",
+    help="paged_jax runs prompt chunks with a decode step (the engine's mix_prefill_and_decode)",
+  )
   parser.add_argument(
     "--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS), help="which to run"
   )

@@ -4,7 +4,9 @@
 # Installs nothing: it needs what such a machine has (JAX with CUDA, flax,
 # chex, optax, pytest). It runs the paged-attention kernel tests compiled on
 # the GPU (the Mosaic GPU kernel and the Triton kernel against the XLA
-# reference), then bench_kernels.py at Llama-3-8B decode shapes (32 q heads,
+# reference), the ragged model call (prompt tiles and decode tokens in one
+# call, the decode tokens through the GPU kernel) against separate calls,
+# then bench_kernels.py at Llama-3-8B decode shapes (32 q heads,
 # 8 KV heads, head_dim 128, bfloat16, length 4096, batch 1 and 64, block
 # size 16 and 64) against JAX's shipped kernel, the XLA reference and a
 # device copy of the same bytes. Everything goes into one results file.
@@ -41,6 +43,11 @@ print("jax", jax.__version__, jax.default_backend(), jax.devices())' 2>&1
   section "kernel tests, compiled on the GPU"
   timeout 200 python -m pytest -p no:cacheprovider --noconftest -q -rs \
     --durations=10 tests/test_kernels_mosaic_gpu.py 2>&1 | tail -n 60
+  echo "pytest exit status: ${PIPESTATUS[0]}"
+
+  section "ragged and packed model calls, compiled on the GPU"
+  timeout 120 python -m pytest -p no:cacheprovider --noconftest -q -rs \
+    tests/test_generate.py -k "ragged_call or packed_call" 2>&1 | tail -n 20
   echo "pytest exit status: ${PIPESTATUS[0]}"
 
   section "bench_kernels.py, Llama-3-8B decode"

@@ -832,9 +832,9 @@ def prefill_and_decode_step(
     scores = _scores_if_asked(logits_of, prompt_hidden, next_tokens, num_logprobs)
     return logits[:num_rows, None], ragged, (logits[num_rows:], scores)
 
-  running = jnp.where(blocked, -1, loop.seq_ids)
+  decoding = loop.replace(seq_ids=jnp.where(blocked, -1, loop.seq_ids))
   stepped, (sample_logits, scores) = _advance(
-    graphdef, params_state, rows, table, loop.replace(seq_ids=running), state, plan, call_model
+    graphdef, params_state, rows, table, decoding, state, plan, call_model
   )
   stepped = stepped.replace(
     seq_ids=jnp.where(blocked, loop.seq_ids, stepped.seq_ids), out_of_blocks=out_of_blocks

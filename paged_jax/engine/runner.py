@@ -502,13 +502,9 @@ class ModelRunner:
     table, automaton_state = self._automata(*self._row_constraints(rows, constraints))
     loop = self.decode_carry(num_steps, rows, automaton_state, histories, speculating)
     start = 0 if first is None else 1  # the first step ran with the prompt chunks
-    result = self._take_step_results(
-      rows,
-      lambda: self._launch_decode(
-        loop.replace(step=jnp.int32(start)), rows, stop_on_finish, table, speculating
-      ),
-      start,
-    )
+    loop = loop.replace(step=jnp.int32(start))
+    loop = self._launch_decode(loop, rows, stop_on_finish, table, speculating)
+    result = self._take_step_results(rows, loop, start)
     self.counters["loop_launches"] += 1
     return result if first is None else _after_first_step(first, result)
 
@@ -529,14 +525,13 @@ class ModelRunner:
       if row_of[slot] >= 0 and self.seq_ids[slot] >= 0
     ]
 
-  def _take_step_results(self, rows, launch, start: int = 0) -> DecodeResult:
-    """Runs `launch()` (a decode loop from step `start`, or a first step, on
-    `rows`, see `_decode_rows`), takes its carry back into the pages, the
+  def _take_step_results(self, rows, loop, start: int = 0) -> DecodeResult:
+    """Takes the carry of a launch on `rows` (see `_decode_rows`; a decode
+    loop run from step `start`, or a first step) back into the pages, the
     beams and the slots' state, and returns what it did per slot."""
     before = self.num_generated.copy()
     running = self.seq_ids >= 0
     slots = np.arange(running.shape[0]) if rows is None else rows
-    loop = launch()
     self.cache.state, self.cache.kv = loop.state, loop.kv
     if loop.beams is not None:
       self.beams = loop.beams
@@ -597,18 +592,11 @@ class ModelRunner:
     table, states = self._automata(num_rows + num_draws, triples + drawing)
     loop = self.decode_carry(num_steps, rows, states[:num_rows])
     draw_states = None if table is None else states[num_rows:]
-    outputs = {}
-
-    def launch():
-      stepped, outputs["draw"], outputs["scores"] = self._launch_prefill_and_step(
-        loop, rows, packed, last_token_of, sample_slots, table, draw_states
-      )
-      return stepped
-
-    result = self._take_step_results(rows, launch)
-    draws, scores = self._prompt_outputs(
-      chunks, packed, len(samples), outputs["draw"], outputs["scores"]
+    loop, draw, scores = self._launch_prefill_and_step(
+      loop, rows, packed, last_token_of, sample_slots, table, draw_states
     )
+    result = self._take_step_results(rows, loop)
+    draws, scores = self._prompt_outputs(chunks, packed, len(samples), draw, scores)
     return draws, scores, result
 
   def _launch_prefill_and_step(
