@@ -21,7 +21,7 @@ from paged_jax import sharding
 from paged_jax.block_manager import manager
 from paged_jax.engine import programs
 from paged_jax.engine.cache_manager import CacheManager
-from paged_jax.engine.runner import ModelRunner
+from paged_jax.engine.runner import ModelRunner, PackedPrefill
 from paged_jax.models import LlamaConfig, load_tiny
 from paged_jax.models.paged import paged_cache
 from tests import engine_traces
@@ -156,22 +156,22 @@ def step_collectives(model, mesh) -> dict[str, list[list[str]]]:
   decode = programs.decode_loop.lower(
     runner.graphdef, runner.params, runner.rows, runner.decode_carry(4, None), np.array(True)
   )
-  data, rows, width = cache.num_shards, 2, 16
-  draw_rows = jax.tree.map(lambda a: a[: data * CFG.max_seqs], runner.rows)
+  packed = PackedPrefill.empty(cache.num_shards, (32, 2), runner.prefill_width)
+  draws = cache.num_shards * CFG.max_seqs
   prefill = programs.prefill.lower(
     runner.graphdef,
     runner.params,
     cache.kv,
     cache.state,
-    np.zeros((data * rows, width), np.int32),
-    np.zeros((data * rows, width), np.int32),
-    np.zeros(data * rows, np.int32),
-    np.full((data * rows, width), -1, np.int32),
-    np.zeros((data, rows), np.int32),
-    np.zeros(data * CFG.max_seqs, np.int32),
-    draw_rows,
+    packed.tokens,
+    packed.positions,
+    packed.tiles,
+    packed.tile_slots,
+    packed.write_from,
+    packed.next_tokens,
+    np.zeros(draws, np.int32),
+    jax.tree.map(lambda a: a[:draws], runner.rows),
     0,
-    CFG.block_size,
   )
   plan = np.zeros(8, np.int32)
   kv = cache.kv
@@ -321,11 +321,12 @@ def features_engine(model, mesh, **options) -> pj.LLMEngine:
   )
 
 
-def serve_features(model, mesh, kv_cache_dtype=None) -> dict:
-  """Tokens and log-probs of `feature_requests` on an engine on ``mesh``,
-  where each request went, and what the shards hold at the end; then where
-  one more request goes once all have finished (their loads are gone)."""
-  engine = features_engine(model, mesh, kv_cache_dtype=kv_cache_dtype)
+def serve_features(model, mesh, kv_cache_dtype=None, **options) -> dict:
+  """Tokens and log-probs of `feature_requests` on an engine on ``mesh``
+  (with more engine `options`), where each request went, and what the
+  shards hold at the end; then where one more request goes once all have
+  finished (their loads are gone)."""
+  engine = features_engine(model, mesh, kv_cache_dtype=kv_cache_dtype, **options)
   requests = feature_requests()
   for i, (prompt, params) in enumerate(requests):
     engine.add_request(str(i), prompt, params)
@@ -500,6 +501,9 @@ def single_process(out: str) -> None:
   result["head_errors"] = head_errors()
   result["features_reference"] = serve_features(model, None)
   result["features_2x2"] = serve_features(model, sharding.make_mesh(2, 2))
+  result["features_2x2_mixed"] = serve_features(
+    model, sharding.make_mesh(2, 2), mix_prefill_and_decode=True
+  )
   result["random_traces_2x2"] = random_traces(model, sharding.make_mesh(2, 2))
   result["ops_match"] = ops_match(sharding.make_mesh(2, 2))
   result["int8_ops_match"] = ops_match(sharding.make_mesh(2, 2), "int8")

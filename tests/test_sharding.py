@@ -164,6 +164,19 @@ def test_data_shards_serve_every_feature_as_one_device_does(meshes):
   assert "slots [0, 4] span several data shards" in got["errors"]["slots"]
 
 
+@pytest.mark.slow
+def test_mixed_rounds_on_data_shards_serve_as_one_device_does(meshes):
+  # Prompt chunks with a decode step in one ragged call, split over the mesh.
+  want, got = meshes["features_reference"], meshes["features_2x2_mixed"]
+  assert got["tokens"] == want["tokens"]
+  np.testing.assert_allclose(
+    [x for row in got["logprobs"] for x in row],
+    [x for row in want["logprobs"] for x in row],
+    atol=1e-4,
+  )
+  assert got["all_free"] and got["preemptions"] > 0
+
+
 @pytest.mark.slow  # its own process: three engines compile (about a minute)
 def test_speculation_on_two_data_shards_gives_the_tokens_of_one_device(tmp_path):
   # Prompt lookup and a draft model on a (2, 2) mesh: the greedy and seeded
