@@ -463,7 +463,7 @@ def test_bad_serve_options_exit_before_listening(argv, message, capsys):
   assert message in str(exit_info.value.code) + capsys.readouterr().err
 
 
-def test_num_scheduler_steps_sets_the_engines_decode_steps_per_launch(monkeypatch):
+def test_num_scheduler_steps_and_mixing_set_the_engines_options(monkeypatch):
   from paged_jax.__main__ import _parser
 
   built = {}
@@ -471,6 +471,10 @@ def test_num_scheduler_steps_sets_the_engines_decode_steps_per_launch(monkeypatc
   args = _parser().parse_args(["serve", "--model", "tiny", "--num-scheduler-steps", "2"])
   cli.engine_builder(args)()
   assert built["num_decode_steps"] == 2
+  assert built["mix_prefill_and_decode"] is False
+  args = _parser().parse_args(["serve", "--model", "tiny", "--mix-prefill-and-decode"])
+  cli.engine_builder(args)()
+  assert built["mix_prefill_and_decode"] is True
 
 
 def test_a_draft_model_flag_loads_the_draft_as_the_model_flag_does():
