@@ -13,7 +13,9 @@ nothing. It hands control back early when a data shard's blocks
 run out (the scheduler preempts) or, if asked, when a row finishes (the
 scheduler admits more). `prefill` runs prompt chunks, each data shard's
 packed into one token axis, and draws the first token of the sequences
-whose prompt they complete. The decode loop's rows are the running
+whose prompt they complete; `prefill_and_decode_step` runs them together
+with the running rows' decode step, in one ragged model call (mixed
+rounds). The decode loop's rows are the running
 sequences, each data shard's padded to a power of four, or every global
 sequence slot (see `paged_jax.engine.cache_manager`) while a beam group
 runs; every program compiles once per shape (the decode loop's rows and
