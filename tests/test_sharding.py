@@ -146,12 +146,7 @@ def test_no_step_moves_a_cache_between_devices(meshes):
 @pytest.mark.slow
 def test_data_shards_serve_every_feature_as_one_device_does(meshes):
   want, got = meshes["features_reference"], meshes["features_2x2"]
-  assert got["tokens"] == want["tokens"]
-  np.testing.assert_allclose(
-    [x for row in got["logprobs"] for x in row],
-    [x for row in want["logprobs"] for x in row],
-    atol=1e-4,
-  )
+  _assert_same_tokens_and_logprobs(got, want)
   # Each request went to the shard with the fewest tokens outstanding, and
   # finished requests no longer count: a new one goes to shard 0 again.
   assert got["shards"] == [0, 1, 1, 0]
@@ -168,13 +163,18 @@ def test_data_shards_serve_every_feature_as_one_device_does(meshes):
 def test_mixed_rounds_on_data_shards_serve_as_one_device_does(meshes):
   # Prompt chunks with a decode step in one ragged call, split over the mesh.
   want, got = meshes["features_reference"], meshes["features_2x2_mixed"]
+  _assert_same_tokens_and_logprobs(got, want)
+  assert got["all_free"] and got["preemptions"] > 0
+
+
+def _assert_same_tokens_and_logprobs(got: dict, want: dict) -> None:
+  """`serve_features` results with equal tokens and close log-probabilities."""
   assert got["tokens"] == want["tokens"]
   np.testing.assert_allclose(
     [x for row in got["logprobs"] for x in row],
     [x for row in want["logprobs"] for x in row],
     atol=1e-4,
   )
-  assert got["all_free"] and got["preemptions"] > 0
 
 
 @pytest.mark.slow  # its own process: three engines compile (about a minute)
