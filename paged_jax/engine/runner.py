@@ -292,12 +292,7 @@ class ModelRunner:
       self.params,
       cache.kv,
       cache.state,
-      packed.tokens,
-      packed.positions,
-      packed.tiles,
-      packed.tile_slots,
-      packed.write_from,
-      packed.next_tokens,
+      *packed.arrays(),
       last_token_of,
       jax.tree.map(lambda a: a[samples], self.rows),
       self.num_logprobs,
@@ -607,12 +602,7 @@ class ModelRunner:
       self.params,
       self._row_params(rows),
       loop,
-      packed.tokens,
-      packed.positions,
-      packed.tiles,
-      packed.tile_slots,
-      packed.write_from,
-      packed.next_tokens,
+      *packed.arrays(),
       last_token_of,
       jax.tree.map(lambda a: a[samples], self.rows),
       self.num_logprobs,
@@ -688,6 +678,18 @@ class PackedPrefill:
   tile_slots: np.ndarray
   write_from: np.ndarray
   first_token: list[int]
+
+  def arrays(self) -> tuple[np.ndarray, ...]:
+    """The arrays the prompt programs take, in their order: `tokens,
+    positions, tiles, tile_slots, write_from, next_tokens`."""
+    return (
+      self.tokens,
+      self.positions,
+      self.tiles,
+      self.tile_slots,
+      self.write_from,
+      self.next_tokens,
+    )
 
   @classmethod
   def empty(cls, num_shards: int, shape: tuple[int, int], width: int) -> PackedPrefill:
