@@ -117,14 +117,14 @@ def test_outputs_do_not_depend_on_scheduling(model, reference, mode, budget, rev
   _all_blocks_free(engine)
 
 
-def _mixing_engine(model, mix: bool = True) -> pj.LLMEngine:
+def _mixing_engine(model, mix: bool = True, max_num_seqs: int = 4) -> pj.LLMEngine:
   """Prompt chunks run with the running sequences' first decode step of a
   round, in one launch (`mix_prefill_and_decode`; packed rows of a bucket)."""
   return pj.LLMEngine(
     model,
     TOKENIZER,
     CFG,
-    max_num_seqs=4,
+    max_num_seqs=max_num_seqs,
     max_num_batched_tokens=8,
     num_decode_steps=4,
     decode_row_buckets=(4,),
@@ -176,6 +176,26 @@ def test_a_mixed_step_out_of_blocks_runs_the_chunks_and_preempts(model, monkeypa
     _all_blocks_free(engine)
   assert [bool(step.out_of_blocks.any()) for step in mixed_steps[:2]] == [False, True]
   assert _tokens(finals[0]) == _tokens(finals[1])
+
+
+def test_a_row_finishing_in_the_mixed_step_ends_the_round_while_groups_wait(model):
+  # "a" draws its 6th and last token in round 2's mixed step, where "b"'s
+  # prompt completes; "c" waits for a slot, so the round hands back after
+  # that step (as the decode loop does after a step in which a row finished).
+  engine = _mixing_engine(model, max_num_seqs=2)
+  engine.add_request("a", [65, 66, 67], pj.SamplingParams(max_tokens=6, ignore_eos=True))
+  engine.step()  # a's prompt, then 4 decode steps: 5 tokens
+  assert engine.stats.loop_launches == 1
+  for request_id in ("b", "c"):
+    engine.add_request(request_id, [68, 69, 70], GREEDY)
+  outputs = {out.request_id: out for out in engine.step()}
+  assert outputs["a"].finished and len(outputs["a"].outputs[0].token_ids) == 6
+  assert len(outputs["b"].outputs[0].token_ids) == 1  # its first token only
+  assert "c" not in outputs
+  assert engine.stats.loop_launches == 1
+  while engine.has_unfinished_requests():
+    engine.step()
+  _all_blocks_free(engine)
 
 
 def test_prompts_admitted_together_compute_their_shared_blocks_once(model, reference):
