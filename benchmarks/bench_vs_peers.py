@@ -215,10 +215,10 @@ def measure(run, repeats: int) -> tuple[float, list[list[int]] | None]:
 # paged_jax.
 
 
-def paged_llm(model, tokenizer, max_seqs: int, mix: bool = False) -> pj.LLM:
-  """`pj.LLM` with its default options on a cache of `max_seqs` full-length
-  sequences (prefix caching on), every program compiled first; `mix`: with
-  `mix_prefill_and_decode`."""
+def paged_llm(model, tokenizer, max_seqs: int, options: dict) -> pj.LLM:
+  """`pj.LLM` with the engine `options` (`engine_options`) on a cache of
+  `max_seqs` full-length sequences (prefix caching on), every program
+  compiled first."""
   blocks = -(-model.config.max_seq_len // BLOCK_SIZE)
   cfg = pj.CacheConfig(
     block_size=BLOCK_SIZE,
@@ -228,7 +228,14 @@ def paged_llm(model, tokenizer, max_seqs: int, mix: bool = False) -> pj.LLM:
     max_blocks_per_seq=blocks,
     enable_prefix_caching=True,
   )
-  return pj.LLM(model, tokenizer, cfg, mix_prefill_and_decode=mix, warmup=True)
+  return pj.LLM(model, tokenizer, cfg, warmup=True, **options)
+
+
+def engine_options(args) -> dict:
+  """The engine options the command line turns on (defaults: off)."""
+  return dict(
+    mix_prefill_and_decode=args.mix_prefill_and_decode, async_scheduling=args.async_scheduling
+  )
 
 
 def paged_run(llm: pj.LLM, w: Workload):
@@ -261,7 +268,7 @@ def bench_paged(dtype: str, workloads: dict[str, Workload], args, hf_dir=None):
     save_hf_folder(model, tokenizer, hf_dir)
   max_seqs = max([32] + [len(w.prompts) * w.n for w in workloads.values()])
   rates, token_ids = {}, {}
-  llm = paged_llm(model, tokenizer, max_seqs, args.mix_prefill_and_decode)
+  llm = paged_llm(model, tokenizer, max_seqs, engine_options(args))
   for name, w in workloads.items():
     log(f"[paged_jax {dtype}] {name}")
     rates[name], token_ids[name] = measure(paged_run(llm, w), args.repeats)
@@ -269,7 +276,7 @@ def bench_paged(dtype: str, workloads: dict[str, Workload], args, hf_dir=None):
   if "single" in workloads:
     log(f"[paged_jax {dtype}] single, 1-slot engine")
     rates["single_1slot"], _ = measure(
-      paged_run(paged_llm(model, tokenizer, 1, args.mix_prefill_and_decode), workloads["single"]),
+      paged_run(paged_llm(model, tokenizer, 1, engine_options(args)), workloads["single"]),
       args.repeats,
     )
   gc.collect()
@@ -464,6 +471,11 @@ def parse_args():
     "--mix-prefill-and-decode",
     action="store_true",
     help="paged_jax runs prompt chunks with a decode step (the engine's mix_prefill_and_decode)",
+  )
+  parser.add_argument(
+    "--async-scheduling",
+    action="store_true",
+    help="paged_jax dispatches decode launches ahead (the engine's async_scheduling)",
   )
   parser.add_argument(
     "--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS), help="which to run"

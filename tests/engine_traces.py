@@ -48,6 +48,22 @@ def slots_of_unfinished_requests(engine: pj.LLMEngine) -> dict[str, set[tuple[in
   return held
 
 
+def slots_freed_at_the_next_step(engine: pj.LLMEngine) -> set[tuple[int, int]]:
+  """`(data shard, local slot)` of sequences that finished on the host
+  (stop strings) while a decode launch ran ahead (`async_scheduling`): their
+  blocks are freed once the next step reads that launch back."""
+  if engine._deferred is None:
+    return set()
+  rounds, _ = engine._deferred
+  return {
+    divmod(seq.slot, engine.cfg.max_seqs)
+    for out in rounds
+    for group in out.decoding
+    for seq in group.seqs
+    if seq.finished and seq.slot >= 0
+  }
+
+
 # Checks.
 
 
@@ -64,8 +80,9 @@ def block_tables(state: pj.BlockManagerState) -> np.ndarray:
 
 def check_blocks(engine: pj.LLMEngine) -> None:
   """The manager's invariants on every shard; only slots of unfinished
-  requests hold blocks, and no two requests share a slot."""
-  owners = {}
+  requests hold blocks (or, for one more step, those of sequences that
+  finished while a launch ran ahead), and no two requests share a slot."""
+  owners = dict.fromkeys(slots_freed_at_the_next_step(engine), "a launch ahead")
   for request_id, slots in slots_of_unfinished_requests(engine).items():
     for slot in slots:
       assert slot not in owners, f"requests {owners[slot]!r} and {request_id!r} share slot {slot}"
@@ -417,6 +434,7 @@ def run_traces(engine: pj.LLMEngine, seeds, shape: TraceShape) -> dict:
     dataclasses.asdict(totals),
     failures=failures,
     preemptions=stats.preemptions,
+    loop_launches_ahead=stats.loop_launches_ahead,
     swaps=stats.swaps,
     cow_copies=stats.cow_copies,
     prefix_cache_hit_rate=stats.prefix_cache_hit_rate,

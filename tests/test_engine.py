@@ -198,6 +198,84 @@ def test_a_row_finishing_in_the_mixed_step_ends_the_round_while_groups_wait(mode
   _all_blocks_free(engine)
 
 
+def _async_engine(model) -> pj.LLMEngine:
+  """Dispatches the next decode launch before reading the last one back
+  while the next round would only decode (`async_scheduling`)."""
+  return pj.LLMEngine(model, TOKENIZER, CFG, num_decode_steps=4, async_scheduling=True)
+
+
+def test_async_scheduling_gives_the_same_outputs(model, reference):
+  engine = _async_engine(model)
+  finals, _ = _serve(engine, _requests())
+  assert _tokens(finals) == _tokens(reference)
+  assert [o.text for o in finals["2"].outputs] == [o.text for o in reference["2"].outputs]
+  stats = engine.stats
+  assert stats.loop_launches_ahead > 0 and stats.preemptions > 0
+  _all_blocks_free(engine)
+
+
+# Alone, "4" decodes 4 tokens per launch after its first; launch 2 is
+# dispatched before launch 1 is read back, launch 3 before launch 2, whose
+# tokens 6 and 7 (one character each) complete the stop string: launch 3
+# decodes it on (tokens 9..11), and those are dropped. With max_tokens=10
+# launch 3 reaches the limit at token 9, so the device frees its blocks and
+# the host must not free them again.
+@pytest.mark.parametrize("max_tokens", [12, 10])
+def test_a_stop_string_found_while_a_launch_runs_ahead_drops_its_tokens(
+  model, reference, max_tokens
+):
+  expected = reference["4"].outputs[0]
+  stop = expected.text[6:8]
+  assert expected.text.index(stop) == 6
+  assert TOKENIZER.decode(expected.token_ids[:8]).endswith(stop)
+  engine = _async_engine(model)
+  params = dataclasses.replace(GREEDY, max_tokens=max_tokens, stop=[stop])
+  finals, streamed = _serve(engine, [("4", _requests()[4][1], params)])
+  out = finals["4"].outputs[0]
+  assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+  assert out.text == expected.text[:6]
+  assert out.token_ids == expected.token_ids[:8]
+  # Step 3 read launch 3 back and reported nothing more.
+  assert [o.finished for o in streamed["4"]] == [False, True]
+  stats = engine.stats
+  assert (stats.loop_launches, stats.loop_launches_ahead) == (3, 2)
+  assert stats.decode_tokens == 4 + 4 + max_tokens - 9  # the dropped ones too
+  _all_blocks_free(engine)
+
+
+def test_an_abort_or_a_request_while_a_launch_runs_ahead(model, reference):
+  (_, cat, _), (_, dog, _), *_ = _requests()
+  engine = _async_engine(model)
+  engine.add_request("0", cat, GREEDY)
+  first = engine.step()  # its prompt and launch 1; launch 2 runs ahead
+  assert len(first[0].outputs[0].token_ids) == 5 and engine.stats.loop_launches_ahead == 1
+  engine.add_request("1", dog, GREEDY)
+  engine.abort_request("0")  # reads launch 2 back first: its outputs come next
+  assert engine.stats.loop_launches == 2
+  finals, streamed = _serve(engine, [])
+  aborted = finals["0"].outputs[0]
+  assert aborted.finish_reason == "abort"
+  assert aborted.token_ids == reference["0"].outputs[0].token_ids[:9]
+  assert [o.finished for o in streamed["0"]] == [False, True]
+  assert finals["1"].outputs[0].token_ids == reference["1"].outputs[0].token_ids
+  _all_blocks_free(engine)
+
+
+def test_running_out_of_blocks_while_a_launch_runs_ahead_preempts_once(model):
+  # Nothing waits, so every launch runs ahead; the two requests need 22 blocks
+  # of the 14. The launch after the one that ran out runs no step.
+  long = pj.SamplingParams(max_tokens=40, ignore_eos=True)
+  requests = [("a", list(range(65, 73)), long), ("b", list(range(75, 83)), long)]
+  finals = []
+  for ahead in (True, False):
+    engine = pj.LLMEngine(model, TOKENIZER, CFG, num_decode_steps=4, async_scheduling=ahead)
+    finals.append(_serve(engine, requests)[0])
+    assert engine.stats.preemptions == 1
+    assert (engine.stats.loop_launches_ahead > 0) == ahead
+    _all_blocks_free(engine)
+  assert _tokens(finals[0]) == _tokens(finals[1])
+
+
 def test_prompts_admitted_together_compute_their_shared_blocks_once(model, reference):
   # Requests 1 and 2 share "THE DEVIL'S " (3 blocks); 2 reads them as 1's
   # chunk writes them in the same launch.
@@ -483,6 +561,10 @@ def test_bad_engine_arguments_and_requests_raise(model):
   ngram = {"method": "ngram", "num_speculative_tokens": 2}
   with pytest.raises(ValueError, match="mix_prefill_and_decode does not work with speculative"):
     pj.LLMEngine(model, TOKENIZER, CFG, mix_prefill_and_decode=True, speculative_config=ngram)
+  with pytest.raises(ValueError, match="async_scheduling must be a bool"):
+    pj.LLMEngine(model, TOKENIZER, CFG, async_scheduling=1)
+  with pytest.raises(ValueError, match="async_scheduling does not work with speculative"):
+    pj.LLMEngine(model, TOKENIZER, CFG, async_scheduling=True, speculative_config=ngram)
 
 
 class _Config:

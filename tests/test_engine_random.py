@@ -14,7 +14,8 @@ outputs (tokens, text, finish and stop reasons, log-probabilities).
 Setups: test_engine's model and cache (`tests.tiny_models.ENGINE_CFG`: 14
 GPU blocks of 4 tokens, so requests preempt one another; the two modules'
 engines share their compiled programs), each preemption mode, prefix
-caching off and on. Each engine warms up first, and the traces run under
+caching off and on, prompts mixed with a decode step, and decode launches
+dispatched ahead (`async_scheduling`). Each engine warms up first, and the traces run under
 `compile_guard.no_compiles`: after warm-up, serving compiles nothing. The
 two-data-shard setup runs in the 8-device subprocess of
 tests/test_sharding.py (`test_random_traces_on_two_data_shards`), where its
@@ -56,13 +57,14 @@ def model():
 
 
 def make_engine(
-  model, preemption_mode: str, enable_prefix_caching: bool, mix: bool = False
+  model, preemption_mode: str, enable_prefix_caching: bool, mix: bool = False, ahead=False
 ) -> pj.LLMEngine:
   """Engines of one cache config share their compiled programs, whatever the
   preemption mode (and with prefix caching, test_engine's too); `mix` runs
   prompt chunks with a decode step (`mix_prefill_and_decode`), every launch
   over every slot (one decode bucket: fewer programs to compile; beam groups
-  ride along in the mixed step)."""
+  ride along in the mixed step); `ahead` dispatches decode launches before
+  reading the last one back (`async_scheduling`)."""
   return pj.LLMEngine(
     model,
     engine_traces.TOKENIZER,
@@ -72,27 +74,32 @@ def make_engine(
     num_decode_steps=4,
     mix_prefill_and_decode=mix,
     decode_row_buckets=() if mix else None,
+    async_scheduling=ahead,
     warmup=True,
   )
 
 
 @pytest.mark.parametrize(
-  "preemption_mode, enable_prefix_caching, first_seed, mix",
+  "preemption_mode, enable_prefix_caching, first_seed, mix, ahead",
   [
     # Without prefix caching (its own programs, about 30 s of compiles): the full suite.
-    pytest.param("recompute", False, 0, False, id="recompute", marks=pytest.mark.slow),
-    pytest.param("swap", False, 1000, False, id="swap", marks=pytest.mark.slow),
-    pytest.param("recompute", True, 2001, False, id="recompute-prefix-caching"),
-    pytest.param("swap", True, 3006, False, id="swap-prefix-caching"),
+    pytest.param("recompute", False, 0, False, False, id="recompute", marks=pytest.mark.slow),
+    pytest.param("swap", False, 1000, False, False, id="swap", marks=pytest.mark.slow),
+    pytest.param("recompute", True, 2001, False, False, id="recompute-prefix-caching"),
+    pytest.param("swap", True, 3006, False, False, id="swap-prefix-caching"),
     # Prompt chunks with a decode step in one launch (its own programs).
-    pytest.param("swap", True, 4000, True, id="swap-prefix-caching-mixed"),
+    pytest.param("swap", True, 4000, True, False, id="swap-prefix-caching-mixed"),
+    # Decode launches dispatched ahead of reading the last one back.
+    pytest.param("recompute", True, 5000, False, True, id="recompute-prefix-caching-async"),
   ],
 )
 # Over 10 s where its warm-up compiles the engine's programs (alone, about 25 s
 # on 2 cores; in CI test_engine's tests ran first and most are warm); the
 # traces themselves take a few seconds.
-def test_random_traces(model, preemption_mode, enable_prefix_caching, first_seed, mix, capsys):
-  engine = make_engine(model, preemption_mode, enable_prefix_caching, mix)
+def test_random_traces(
+  model, preemption_mode, enable_prefix_caching, first_seed, mix, ahead, capsys
+):
+  engine = make_engine(model, preemption_mode, enable_prefix_caching, mix, ahead)
   num_programs = len(engine.compiled_programs())
   assert f"warm-up: {num_programs} programs (" in capsys.readouterr().err
   seeds = range(first_seed, first_seed + NUM_TRACES)
@@ -105,6 +112,8 @@ def test_random_traces(model, preemption_mode, enable_prefix_caching, first_seed
   reached = {path: summary[path] > 0 for path in ("compared", "aborted", "preemptions")}
   if enable_prefix_caching:
     reached["prefix cache hits"] = summary["prefix_cache_hit_rate"] > 0
+  if ahead:
+    reached["launches ahead"] = summary["loop_launches_ahead"] > 0
   missed = [path for path, hit in reached.items() if not hit]
   assert not missed, f"the traces no longer reach {missed}: pick other seeds ({summary})"
 

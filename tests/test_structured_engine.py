@@ -175,13 +175,19 @@ def served_alone(llm):
 # the automaton steps inside the decode loop included. CI runs "swap" (a group
 # preempted mid-prompt is recomputed even so), also with prompt chunks mixed
 # into a decode step (the automata step on the device in both launches of a
-# round); "recompute" is `slow`.
+# round), and with decode launches dispatched ahead (a launch's automaton
+# states carry on to the next on the device); "recompute" is `slow`.
 @pytest.mark.parametrize(
-  "preemption_mode, mix",
-  [pytest.param("recompute", False, marks=pytest.mark.slow), ("swap", False), ("swap", True)],
+  "preemption_mode, mix, ahead",
+  [
+    pytest.param("recompute", False, False, marks=pytest.mark.slow),
+    ("swap", False, False),
+    ("swap", True, False),
+    ("swap", False, True),
+  ],
 )
 def test_prefix_caching_preemption_and_n2_keep_outputs_valid_and_equal(
-  tiny, served_alone, preemption_mode, mix
+  tiny, served_alone, preemption_mode, mix, ahead
 ):
   small = pj.LLM(
     tiny,
@@ -190,11 +196,14 @@ def test_prefix_caching_preemption_and_n2_keep_outputs_valid_and_equal(
     preemption_mode=preemption_mode,
     decode_row_buckets=(),
     mix_prefill_and_decode=mix,
+    async_scheduling=ahead,
   )
   requests = _requests()
   outputs = small.generate([prompt for prompt, _ in requests], [params for _, params in requests])
-  assert small.engine.stats.preemptions > 0
-  assert small.engine.stats.prefix_cache_hit_rate > 0
+  stats = small.engine.stats
+  assert stats.preemptions > 0
+  assert stats.prefix_cache_hit_rate > 0
+  assert (stats.loop_launches_ahead > 0) == ahead
   for (_, params), together, alone in zip(requests, outputs, served_alone):
     assert len(together.outputs) == params.n
     for completion, reference in zip(together.outputs, alone.outputs):

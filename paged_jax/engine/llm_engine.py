@@ -22,6 +22,7 @@ from paged_jax.engine.runner import ModelRunner
 from paged_jax.engine.scheduler import (
   PREEMPTION_MODES,
   Scheduler,
+  SchedulerOutput,
   admission_error,
 )
 from paged_jax.engine.sequence import SequenceGroup
@@ -83,6 +84,16 @@ class LLMEngine:
       but compiles a program per prefill and decode bucket pair. False
       (default): prompts run in their own launch, which measured as fast
       on the CPU backend with a fifth of the warm-up (benchmarks/RESULTS.md).
+    async_scheduling: overlap the host with the device (vLLM's option of
+      that name): when the next round would only decode the same rows
+      again (nothing waits, is swapped out or still prefills, no beam group,
+      no row stopped on the host), the next decode launch is dispatched
+      before this one is read back, detokenized and checked for stop
+      strings, and the next `step` reads it back. A sequence that a stop
+      string ends then draws one launch of tokens more, which are dropped
+      (their blocks freed), and a request that arrives waits up to one
+      launch longer. Not with speculation. False (default): the host
+      reads every launch back before the next is dispatched.
     speculative_config: speculative decoding in vLLM's form:
       `{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max":
       4, "prompt_lookup_min": 1}` (prompt lookup) or `{"method":
@@ -118,6 +129,7 @@ class LLMEngine:
     prefill_width: int = 32,
     decode_row_buckets=None,
     mix_prefill_and_decode: bool = False,
+    async_scheduling: bool = False,
     speculative_config=None,
     warmup: bool = False,
     seed: int = 0,
@@ -168,6 +180,13 @@ class LLMEngine:
         "mix_prefill_and_decode does not work with speculative_config: a speculating round "
         "runs its prompt chunks in their own launch"
       )
+    if not isinstance(async_scheduling, bool):
+      raise ValueError(f"async_scheduling must be a bool, got {async_scheduling!r}")
+    if async_scheduling and self.speculative is not None:
+      raise ValueError(
+        "async_scheduling does not work with speculative_config: a speculating launch starts "
+        "from the tokens the host read back"
+      )
     max_chunk = _max_chunk(cache_config, model.config)
     if self.speculative is not None:
       _check_speculation(self.speculative, cache_config, max_chunk, draft)
@@ -188,6 +207,7 @@ class LLMEngine:
     )
     self.num_decode_steps = num_decode_steps
     self.mix_prefill_and_decode = mix_prefill_and_decode
+    self.async_scheduling = async_scheduling
     self.max_logprobs = max_logprobs
     self.cache = CacheManager(
       cache_config,
@@ -232,6 +252,7 @@ class LLMEngine:
     self._key = jax.random.key(seed) if key is None else key
     self._groups: dict[str, SequenceGroup] = {}
     self._pending: list[RequestOutput] = []
+    self._deferred = None  # (rounds, result) the schedulers take once the launch ahead is read
     self._arrivals = 0
     self._prompt_tokens = 0
     self.timing = dict(rounds=0, wall_s=0.0, device_s=0.0)
@@ -255,7 +276,9 @@ class LLMEngine:
     group), with speculation each of those with speculating steps (and
     plain ones too when adaptive); with `mix_prefill_and_decode`, prompt
     chunks run with a decode step instead of apart, one program per
-    prefill shape and decode row count; the block manager's
+    prefill shape and decode row count; with `async_scheduling`, a small
+    program per decode row count carries a launch on to the next; the
+    block manager's
     calls over a group take its slots padded to `max_seqs`; swaps move
     fixed-capacity plans; a request's PRNG keys come from a few small
     host-side programs.
@@ -275,6 +298,10 @@ class LLMEngine:
         f"prefill {shards * t} tokens in {shards * tiles} tiles of {width} with a decode step "
         f"of {shards * r} rows"
         for (t, tiles), r in self._prefill_and_step_shapes()
+      ]
+      + [
+        f"carry of a decode launch that continues one on {shards * r} rows"
+        for r in (self.runner.decode_buckets() if self.async_scheduling else [])
       ]
       + ["block manager calls", "swap out", "swap in", "request keys"]
     )
@@ -302,7 +329,10 @@ class LLMEngine:
     """
     runner, steps = self.runner, self.num_decode_steps
     launches = [lambda b=b: runner.warm_up_prefill(b) for b in self._prefill_buckets()]
-    launches += [lambda r=r: runner.warm_up_decode(steps, r) for r in runner.decode_buckets()]
+    launches += [
+      lambda r=r: runner.warm_up_decode(steps, r, self.async_scheduling)
+      for r in runner.decode_buckets()
+    ]
     launches += [
       lambda b=b, r=r: runner.warm_up_prefill_and_step(b, r, steps)
       for b, r in self._prefill_and_step_shapes()
@@ -386,11 +416,19 @@ class LLMEngine:
     group = self._groups.get(request_id)
     if group is None or group.finished:
       return
+    if self.runner.ahead is not None:  # the host changes rows only after reading it back
+      self._pending += self._outputs(self._take_ahead(False))
+      if group.finished:
+        return
     self.schedulers[group.shard].remove(group)
     self._finish(group, "abort")
 
   def has_unfinished_requests(self) -> bool:
-    return bool(self._pending) or any(s.has_unfinished() for s in self.schedulers)
+    return (
+      bool(self._pending)
+      or self.runner.ahead is not None
+      or any(s.has_unfinished() for s in self.schedulers)
+    )
 
   def _finish(self, group: SequenceGroup, reason: str) -> None:
     """Finishes a group out of turn (an abort or error); the next step
@@ -428,13 +466,25 @@ class LLMEngine:
   def step(self) -> list[RequestOutput]:
     """Runs one scheduling round: every shard's scheduler decides, the
     runner swaps pages, prefills and decodes, the output processor appends
-    the tokens, and the schedulers take in the results.
+    the tokens, and the schedulers take in the results. With
+    `async_scheduling`, a round may instead read back the decode launch the
+    last one dispatched ahead (dispatching the next one first when the
+    round after would only decode the same rows again).
 
     Returns:
       A `RequestOutput` for every request that drew tokens or finished in
       this round (with `output_kind="final"`, only finished ones).
     """
     start = time.perf_counter()
+    touched = self._take_ahead(True) if self.runner.ahead is not None else self._round()
+    outputs, self._pending = self._pending, []
+    outputs += self._outputs(touched)
+    self.timing["rounds"] += 1
+    self.timing["wall_s"] += time.perf_counter() - start
+    return outputs
+
+  def _round(self) -> dict[str, SequenceGroup]:
+    """A scheduling round (see `step`); returns the groups it touched."""
     rounds = [scheduler.schedule() for scheduler in self.schedulers]
     for out in rounds:
       for group in out.failed:
@@ -444,7 +494,6 @@ class LLMEngine:
       for plan in out.swap_in:
         self.cache.move_in(plan)
       self.runner.apply(out.rows)
-    outputs, self._pending = self._pending, []
     touched: dict[str, SequenceGroup] = {}
     chunks = [chunk for out in rounds for chunk in out.chunks]
     stop_on_finish = any(out.stop_on_finish for out in rounds)
@@ -488,25 +537,81 @@ class LLMEngine:
         histories,
         speculate,
         first,
+        self._may_run_ahead(),
       )
       seconds = time.perf_counter() - launched
       for out in rounds:
         touched.update(self.processor.take_decode(out.decoding, result, self.runner.hypotheses))
       if self._chooser is not None:
         self._record_launch(decoding, result, speculate, seconds)
+    self._update_or_defer(rounds, result)
+    return touched
+
+  def _may_run_ahead(self) -> bool:
+    """Whether to dispatch the next decode launch before reading this one
+    back: with `async_scheduling`, while rows decode and every shard's next
+    round would only decode them again (`Scheduler.decodes_only`)."""
+    return (
+      self.async_scheduling
+      and self.runner.has_running_rows()
+      and all(scheduler.decodes_only() for scheduler in self.schedulers)
+    )
+
+  def _update_or_defer(self, rounds, result) -> None:
+    """Hands the schedulers a round's decode `result`, or, while a launch
+    runs ahead, keeps it until that one is read back: no block manager
+    call goes between a launch and the one dispatched after it."""
+    if self.runner.ahead is not None:
+      self._deferred = (rounds, result)
+      return
     for scheduler, out in zip(self.schedulers, rounds):
       scheduler.update(
         out,
         None if result is None else result.finished,
         result is not None and result.out_of_blocks[scheduler.shard],
       )
+
+  def _take_ahead(self, may_run_ahead: bool) -> dict[str, SequenceGroup]:
+    """Reads back the decode launch that runs ahead (dispatching the next
+    one first, if `may_run_ahead` and the schedulers would take the last
+    round's results without a block manager call); returns the groups it
+    touched.
+
+    Sequences that finished on the host (stop strings) before it ran drew
+    tokens in it too: those are dropped, and their blocks freed (by the
+    device, if it finished them there too).
+    """
+    rounds, before = self._deferred
+    self._deferred = None
+    run_ahead = (
+      may_run_ahead
+      and self._may_run_ahead()
+      and self.runner.ahead_rows_fit()
+      and not any(
+        scheduler.update_frees(out, before.finished, before.out_of_blocks[scheduler.shard])
+        for scheduler, out in zip(self.schedulers, rounds)
+      )
+    )
+    result = self._timed(self.runner.take_ahead, run_ahead)
+    for scheduler, out in zip(self.schedulers, rounds):
+      scheduler.update(
+        out, before.finished | result.finished, before.out_of_blocks[scheduler.shard]
+      )
+    rounds = [SchedulerOutput(s.shard, decoding=list(s.running)) for s in self.schedulers]
+    touched: dict[str, SequenceGroup] = {}
+    for out in rounds:
+      touched.update(self.processor.take_decode(out.decoding, result, self.runner.hypotheses))
+    self._update_or_defer(rounds, result)
+    return touched
+
+  def _outputs(self, touched: dict[str, SequenceGroup]) -> list[RequestOutput]:
+    """The outputs of the groups a round touched; retires finished ones."""
+    outputs = []
     for group in touched.values():
       if group.finished:
         self._retire(group)
       if group.finished or (group.params.output_kind != "final" and not group.beam):
         outputs.append(self.processor.output(group))
-    self.timing["rounds"] += 1
-    self.timing["wall_s"] += time.perf_counter() - start
     return outputs
 
   def _timed(self, function, *args):
@@ -547,6 +652,7 @@ class LLMEngine:
       decode_positions=counters["decode_positions"],
       decode_tokens=counters["decode_tokens"],
       loop_launches=counters["loop_launches"],
+      loop_launches_ahead=counters["loop_launches_ahead"],
       peak_blocks=counters["peak_blocks"],
       kv_slot_utilization=counters["utilization_sum"] / max(counters["decode_steps"], 1),
       prefix_cache_hit_rate=self.cache.prefix_cache_hit_rate(),

@@ -81,6 +81,8 @@ class GenerationStats:
     decode_tokens: the rows of those that decoded a sequence;
       `decode_padding` is the padded share.
     loop_launches: times the host entered the compiled loop.
+    loop_launches_ahead: of those, launches dispatched before the one they
+      continue was read back (`LLMEngine(async_scheduling=True)`).
     peak_blocks: most GPU blocks in use at once.
     kv_slot_utilization: mean over decode steps of tokens held by running
       sequences per allocated KV slot. Above 1 when sequences share blocks
@@ -104,6 +106,7 @@ class GenerationStats:
   decode_positions: int = 0
   decode_tokens: int = 0
   loop_launches: int = 0
+  loop_launches_ahead: int = 0
   peak_blocks: int = 0
   kv_slot_utilization: float = 0.0
   prefix_cache_hit_rate: float = -1.0

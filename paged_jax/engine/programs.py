@@ -625,6 +625,42 @@ def decode_loop(
   return sharding.replicate(loop.replace(kv=None), kv).replace(kv=kv)
 
 
+@jax.jit
+def _next_launch_rows(loop: DecodeLoop) -> dict:
+  """Copies of the rows' carry (the launch that takes them donates them,
+  and the host still reads the originals) and a fresh launch's draws and
+  counters."""
+  rows = dict(
+    seq_ids=loop.seq_ids,
+    last_token=loop.last_token,
+    num_generated=loop.num_generated,
+    limit=loop.limit,
+    automaton_state=loop.automaton_state,
+    out_of_blocks=loop.out_of_blocks,
+  )
+  fresh = jax.tree.map(jnp.zeros_like, loop.draws)
+  counters = (loop.step, loop.rows_run, loop.cow_copies, loop.peak_blocks, loop.utilization_sum)
+  step, rows_run, cow_copies, peak_blocks, utilization_sum = map(jnp.zeros_like, counters)
+  return dict(
+    jax.tree.map(jnp.copy, rows),
+    draws=fresh,
+    step=step,
+    rows_run=rows_run,
+    finished_any=jnp.zeros_like(loop.finished_any),
+    cow_copies=cow_copies,
+    peak_blocks=peak_blocks,
+    utilization_sum=utilization_sum,
+  )
+
+
+def continue_decoding(loop: DecodeLoop) -> DecodeLoop:
+  """The carry of the decode launch that continues a dispatched one
+  (`decode_loop`'s output `loop`, maybe not computed yet) on the same rows:
+  its pages, manager state, rows and beams, fresh draws. A launch that ran
+  out of blocks hands that on, so the one after it runs no step."""
+  return loop.replace(**_next_launch_rows(loop.replace(state=None, kv=None, beams=None)))
+
+
 @flax.struct.dataclass
 class PromptScores:
   """Log-probabilities of the prompt tokens that follow each chunk position.

@@ -135,12 +135,14 @@ class ModelRunner:
     self.num_generated = np.zeros(num_rows, np.int32)
     self.limit = np.zeros(num_rows, np.int32)
     self.in_beam_group = np.zeros(num_rows, bool)
+    self.ahead: AheadLaunch | None = None  # dispatched, not yet read back
     self.counters = dict(
       cow_copies=0,
       peak_blocks=0,
       utilization_sum=0.0,
       decode_steps=0,
       loop_launches=0,
+      loop_launches_ahead=0,
       prefill_positions=0,
       decode_positions=0,
       decode_tokens=0,
@@ -194,6 +196,13 @@ class ModelRunner:
       for i in range(count)
       if b.hyp_score[i] > -np.inf
     ]
+
+  def _beams_done(self) -> np.ndarray:
+    """bool `[S]`, leaders whose beam group finished; while no group runs
+    none, read without waiting for a launch that runs ahead."""
+    if not np.any(self.in_beam_group):
+      return np.zeros(self.seq_ids.shape[0], bool)
+    return np.asarray(self.beams.done)
 
   # Launches.
   def prefill_buckets(self) -> list[tuple[int, int]]:
@@ -354,11 +363,11 @@ class ModelRunner:
     packed = PackedPrefill.empty(self.cache.num_shards, shape, self.prefill_width)
     self._launch_prefill(packed, no_draws, no_draws)
 
-  def warm_up_decode(self, num_steps: int, rows_per_shard: int) -> None:
+  def warm_up_decode(self, num_steps: int, rows_per_shard: int, run_ahead: bool = False) -> None:
     """Compiles the decode loop of `num_steps` steps on `rows_per_shard`
     rows per shard that do nothing (for every slot: with beams, and the
     start and end of a beam group; the pages, states and beams stay as they
-    are).
+    are), and with `run_ahead` the carry of a launch that continues it.
 
     Raises:
       RuntimeError: if a row decodes.
@@ -370,9 +379,9 @@ class ModelRunner:
     for speculating in self.decode_kinds():
       loop = self.decode_carry(num_steps, rows, speculating=speculating)
       loop = self._launch_decode(loop, rows, False, speculating=speculating)
-      self.cache.state, self.cache.kv = loop.state, loop.kv
+    if run_ahead:
+      programs.continue_decoding(loop)
     if loop.beams is not None:
-      self.beams = loop.beams
       no_group = self._group_slots([])  # starting and forgetting a group (results dropped)
       programs.start_beams(self.beams, no_group, 1, 1.0)
       programs.clear_beams(self.beams, no_group)
@@ -380,7 +389,7 @@ class ModelRunner:
   def _launch_decode(
     self, carry, rows, stop_on_finish: bool, table=None, speculating=None
   ) -> programs.DecodeLoop:
-    return programs.decode_loop(
+    loop = programs.decode_loop(
       self.graphdef,
       self.params,
       self._row_params(rows),
@@ -390,19 +399,34 @@ class ModelRunner:
       speculating,
       **(self.draft if speculating is not None else {}),
     )
+    self._keep(loop)
+    return loop
+
+  def _keep(self, loop: programs.DecodeLoop) -> None:
+    """Takes a dispatched launch's pages, manager state and beams (maybe
+    not computed yet) as the ones the next launch starts from."""
+    self.cache.state, self.cache.kv = loop.state, loop.kv
+    if loop.beams is not None:
+      self.beams = loop.beams
 
   def _row_params(self, rows) -> RowParams:
     """The sampling parameters of a launch's `rows` (see `_decode_rows`)."""
     return self.rows if rows is None else jax.tree.map(lambda a: a[np.maximum(rows, 0)], self.rows)
 
   def decode_carry(
-    self, num_steps: int, rows, automaton_state=None, histories=(), speculating=None
+    self,
+    num_steps: int,
+    rows,
+    automaton_state=None,
+    histories=(),
+    speculating=None,
+    start: int = 0,
   ) -> programs.DecodeLoop:
     """The decode loop's carry for a launch of up to `num_steps` steps on
-    the slots `rows` (see `_decode_rows`), the rows' automata in
-    `automaton_state` (table states; None: unconstrained), and with
-    `speculating` (a `SpeculativeConfig`) the rows' tokens in `histories`
-    (`(slot, token ids)` pairs)."""
+    the slots `rows` (see `_decode_rows`), from step `start`, the rows'
+    automata in `automaton_state` (table states; None: unconstrained), and
+    with `speculating` (a `SpeculativeConfig`) the rows' tokens in
+    `histories` (`(slot, token ids)` pairs)."""
     slots = np.arange(self.seq_ids.shape[0]) if rows is None else rows
     take = lambda a: a[np.maximum(slots, 0)]
     num_rows, k = slots.shape[0], self.num_logprobs
@@ -410,29 +434,37 @@ class ModelRunner:
       automaton_state = np.full(num_rows, structured.UNCONSTRAINED, np.int32)
     width = num_steps * (1 + _num_speculative(speculating))
     draws = Draw(
-      tokens=jnp.zeros((num_rows, width), jnp.int32),
-      logprob=jnp.zeros((num_rows, width), jnp.float32),
-      top_ids=jnp.zeros((num_rows, width, k), jnp.int32),
-      top_logprobs=jnp.zeros((num_rows, width, k), jnp.float32),
+      tokens=np.zeros((num_rows, width), np.int32),
+      logprob=np.zeros((num_rows, width), np.float32),
+      top_ids=np.zeros((num_rows, width, k), np.int32),
+      top_logprobs=np.zeros((num_rows, width, k), np.float32),
+    )
+    # Placed as the loop's outputs are, so that a launch continuing one
+    # (`programs.continue_decoding`) runs the same program.
+    rows_carry = jax.device_put(
+      dict(
+        seq_ids=np.where(slots >= 0, take(self.seq_ids), -1).astype(np.int32),
+        last_token=take(self.last_token),
+        num_generated=take(self.num_generated),
+        limit=take(self.limit),
+        automaton_state=automaton_state,
+        draws=draws,
+        step=np.int32(start),
+        rows_run=np.int32(0),
+        out_of_blocks=np.zeros(self.cache.num_shards, bool),
+        finished_any=np.array(False),
+        cow_copies=np.int32(0),
+        peak_blocks=np.int32(0),
+        utilization_sum=np.float32(0.0),
+      ),
+      self.cache.replicated,
     )
     return programs.DecodeLoop(
       state=self.cache.state,
       kv=self.cache.kv,
-      seq_ids=np.where(slots >= 0, take(self.seq_ids), -1).astype(np.int32),
-      last_token=take(self.last_token),
-      num_generated=take(self.num_generated),
-      limit=take(self.limit),
       beams=self.beams if rows is None and self.speculative is None else None,
-      automaton_state=automaton_state,
-      draws=draws,
-      step=jnp.int32(0),
-      rows_run=jnp.int32(0),
-      out_of_blocks=jnp.zeros(self.cache.num_shards, bool),
-      finished_any=jnp.array(False),
-      cow_copies=jnp.int32(0),
-      peak_blocks=jnp.int32(0),
-      utilization_sum=jnp.float32(0.0),
       spec=self._speculation(slots, histories, speculating),
+      **rows_carry,
     )
 
   def _speculation(self, slots: np.ndarray, histories, speculating):
@@ -468,6 +500,7 @@ class ModelRunner:
     histories=(),
     speculate=True,
     first: DecodeResult | None = None,
+    run_ahead: bool = False,
   ) -> DecodeResult:
     """Runs up to `num_steps` decode steps of the running rows (stopping
     after a step in which a row finished if `stop_on_finish`).
@@ -487,6 +520,10 @@ class ModelRunner:
         (`prefill_and_step`): the loop runs the other `num_steps - 1` (none
         when no row runs, a shard ran out of blocks, or a row finished and
         `stop_on_finish`), and the result covers both.
+      run_ahead: whether to dispatch the next launch on the same rows
+        before reading this one back (see `take_ahead`); only without
+        `stop_on_finish`, speculation or a beam group, and not when the
+        loop does not launch.
     """
     if first is not None and first.row_steps == 0:
       first = None  # no row ran with the prompt chunks: the loop runs every step
@@ -495,13 +532,56 @@ class ModelRunner:
     speculating = self.speculative if speculate else None
     rows = self._decode_rows()
     table, automaton_state = self._automata(*self._row_constraints(rows, constraints))
-    loop = self.decode_carry(num_steps, rows, automaton_state, histories, speculating)
     start = 0 if first is None else 1  # the first step ran with the prompt chunks
-    loop = loop.replace(step=jnp.int32(start))
+    loop = self.decode_carry(num_steps, rows, automaton_state, histories, speculating, start)
     loop = self._launch_decode(loop, rows, stop_on_finish, table, speculating)
+    if run_ahead:
+      self._run_ahead(loop, rows, table)
     result = self._take_step_results(rows, loop, start)
-    self.counters["loop_launches"] += 1
+    self._launched(result)
     return result if first is None else _after_first_step(first, result)
+
+  def _run_ahead(self, loop: programs.DecodeLoop, rows, table) -> None:
+    """Dispatches the launch that continues `loop` (dispatched, maybe not
+    computed) on its rows, for `take_ahead`."""
+    carry = programs.continue_decoding(loop)
+    self.ahead = AheadLaunch(self._launch_decode(carry, rows, False, table), rows, table)
+    self.counters["loop_launches_ahead"] += 1
+
+  def _launched(self, result: DecodeResult) -> None:
+    """Counts a decode launch read back; the launch running ahead of it
+    learns whether it ran out of blocks (then it ran no step)."""
+    self.counters["loop_launches"] += 1
+    if self.ahead is not None:
+      self.ahead.ran_out_before = result.out_of_blocks
+
+  def take_ahead(self, run_ahead: bool) -> DecodeResult:
+    """Reads back the launch that `decode` (or the last `take_ahead`)
+    dispatched ahead, taking its rows' new state as `decode` does.
+
+    Args:
+      run_ahead: whether to dispatch the launch after it first, on the same
+        rows; only while the host changed none of them since (no row
+        started, stopped or was preempted, no pages moved) and they still
+        need that row bucket (`ahead_rows_fit`).
+
+    Returns:
+      Its `DecodeResult`. It reports running out of blocks only if the
+      launch before it did not (then this one ran no step).
+    """
+    ahead, self.ahead = self.ahead, None
+    if run_ahead:
+      self._run_ahead(ahead.loop, ahead.rows, ahead.table)
+    result = self._take_step_results(ahead.rows, ahead.loop)
+    result.out_of_blocks &= ~ahead.ran_out_before
+    self._launched(result)
+    return result
+
+  def ahead_rows_fit(self) -> bool:
+    """Whether the rows running ahead are the ones a launch would pack the
+    running slots into now (or a smaller bucket would do)."""
+    rows = self.ahead.rows
+    return self.next_decode_rows() == (self.seq_ids.shape[0] if rows is None else rows.shape[0])
 
   def _continues(self, first: DecodeResult, stop_on_finish: bool) -> bool:
     """Whether a round's decode loop runs after its `first` step."""
@@ -527,9 +607,6 @@ class ModelRunner:
     before = self.num_generated.copy()
     running = self.seq_ids >= 0
     slots = np.arange(running.shape[0]) if rows is None else rows
-    self.cache.state, self.cache.kv = loop.state, loop.kv
-    if loop.beams is not None:
-      self.beams = loop.beams
     live = slots >= 0
     to_slots = lambda a: _scatter(np.asarray(a), slots, running.shape[0])
     ran = slots[live]
@@ -554,7 +631,7 @@ class ModelRunner:
       counts=self.num_generated - before,
       finished=running & (self.seq_ids < 0),
       out_of_blocks=np.array(loop.out_of_blocks),
-      beams_done=np.asarray(self.beams.done),
+      beams_done=self._beams_done(),
       num_rows=slots.shape[0],
       steps=steps,
       row_steps=int(loop.rows_run),
@@ -597,7 +674,7 @@ class ModelRunner:
   def _launch_prefill_and_step(
     self, loop, rows, packed: PackedPrefill, last_token_of, samples, table=None, draw_states=None
   ):
-    return programs.prefill_and_decode_step(
+    loop, draw, scores = programs.prefill_and_decode_step(
       self.graphdef,
       self.params,
       self._row_params(rows),
@@ -609,6 +686,8 @@ class ModelRunner:
       table,
       draw_states,
     )
+    self._keep(loop)
+    return loop, draw, scores
 
   def warm_up_prefill_and_step(
     self, shape: tuple[int, int], rows_per_shard: int, num_steps: int
@@ -627,10 +706,26 @@ class ModelRunner:
     no_draws = np.zeros(self.cache.num_slots, np.int32)
     packed = PackedPrefill.empty(self.cache.num_shards, shape, self.prefill_width)
     loop = self.decode_carry(num_steps, rows)
-    loop, _, _ = self._launch_prefill_and_step(loop, rows, packed, no_draws, no_draws)
-    self.cache.state, self.cache.kv = loop.state, loop.kv
-    if loop.beams is not None:
-      self.beams = loop.beams
+    self._launch_prefill_and_step(loop, rows, packed, no_draws, no_draws)
+
+
+@dataclasses.dataclass
+class AheadLaunch:
+  """A decode launch dispatched before the one it continues was read back.
+
+  Attributes:
+    loop: its output carry (device arrays, maybe not computed yet).
+    rows: its rows (see `ModelRunner._decode_rows`).
+    table: the automata of its constrained rows, or None.
+    ran_out_before: bool `[D]`, the shards whose blocks the launch before it
+      ran out of (known once that one is read back): the carry handed that
+      on, so this launch ran no step.
+  """
+
+  loop: programs.DecodeLoop
+  rows: np.ndarray | None
+  table: object
+  ran_out_before: np.ndarray | None = None
 
 
 def _after_first_step(first: DecodeResult, rest: DecodeResult) -> DecodeResult:

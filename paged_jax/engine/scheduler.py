@@ -658,18 +658,51 @@ class Scheduler:
       out_of_blocks: whether this shard ran out of blocks: the
         latest-arrived running group is preempted.
     """
-    freed_on_host = False
+    to_free = self._finished_on_host(out, finished_on_device)
+    for group, seq in to_free:
+      self._free(group, [seq.slot])
     for group in out.decoding:
       if group.beam:
         if group.finished and group.beam_slots:  # the device freed its blocks
           self._release_group(group)
         continue
       for seq in group.seqs:
-        if seq.finished and seq.slot >= 0:
-          if finished_on_device is None or not finished_on_device[seq.slot]:
-            self._free(group, [seq.slot])
-            freed_on_host = True
+        if seq.finished:
           self._release(seq)
     self.running = [g for g in self.running if not g.finished]
     if out_of_blocks:
-      self._preempt(freed_on_host)
+      self._preempt(freed_on_host=bool(to_free))
+
+  @staticmethod
+  def _finished_on_host(out: SchedulerOutput, finished_on_device) -> list:
+    """`(group, seq)` of the round's sequences that finished on the host
+    (stop strings) and still hold blocks: `update` frees them."""
+    return [
+      (group, seq)
+      for group in out.decoding
+      if not group.beam
+      for seq in group.seqs
+      if seq.finished
+      and seq.slot >= 0
+      and (finished_on_device is None or not finished_on_device[seq.slot])
+    ]
+
+  def update_frees(self, out: SchedulerOutput, finished_on_device, out_of_blocks=False) -> bool:
+    """Whether `update` with these results would change the block
+    manager's state: free a sequence that finished on the host, or preempt."""
+    return bool(out_of_blocks) or bool(self._finished_on_host(out, finished_on_device))
+
+  def decodes_only(self) -> bool:
+    """Whether its next round, as things stand, only decodes the running
+    sequences in the rows they hold: no group waits or is swapped out,
+    nothing was decided since the last round (rows stopped or started,
+    preemptions, swaps), and every running sequence decodes (its prompt
+    done; no beam group)."""
+    since = self._next
+    rows = since.rows
+    decided = since.preempted or since.failed or since.swap_out or since.swap_in
+    changed = any(getattr(rows, field.name) for field in dataclasses.fields(rows))
+    prompts_left = any(
+      group.beam or any(seq.prefill is not None for seq in group.live()) for group in self.running
+    )
+    return not (self.waiting or self.swapped or decided or changed or prompts_left)

@@ -93,6 +93,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     action="store_true",
     help="run a round's prompt chunks with its first decode step, in one ragged launch",
   )
+  serve.add_argument(
+    "--async-scheduling",
+    action="store_true",
+    help="dispatch the next decode launch before reading the last one back, when the next "
+    "round only decodes (the engine's async_scheduling)",
+  )
   serve.add_argument("--block-size", type=_positive, default=16)
   serve.add_argument("--num-gpu-blocks-override", type=_positive, default=None)
   serve.add_argument(
@@ -237,6 +243,7 @@ def engine_builder(args):
       max_beam_width=MAX_BEAM_WIDTH,
       speculative_config=speculative_config,
       mix_prefill_and_decode=args.mix_prefill_and_decode,
+      async_scheduling=args.async_scheduling,
       warmup=True,
       seed=args.seed,
     )
