@@ -368,6 +368,7 @@ def serve_features(model, mesh, kv_cache_dtype=None, **options) -> dict:
     "swaps": stats.swaps,
     "preemptions": stats.preemptions,
     "hit_rate": stats.prefix_cache_hit_rate,
+    "launches_ahead": stats.loop_launches_ahead,
   }
 
 
@@ -498,6 +499,9 @@ def single_process(out: str) -> None:
   result["features_2x2"] = serve_features(model, sharding.make_mesh(2, 2))
   result["features_2x2_mixed"] = serve_features(
     model, sharding.make_mesh(2, 2), mix_prefill_and_decode=True
+  )
+  result["features_2x2_async"] = serve_features(
+    model, sharding.make_mesh(2, 2), async_scheduling=True
   )
   result["random_traces_2x2"] = random_traces(model, sharding.make_mesh(2, 2))
   result["ops_match"] = ops_match(sharding.make_mesh(2, 2))

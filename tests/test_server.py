@@ -49,6 +49,9 @@ TINY_ARGS = [
   "5",
   "--api-key",
   API_KEY,
+  # Decode launches run ahead of the host: the streams, aborts and metrics
+  # below hold with them too (the SmolLM2 server runs without).
+  "--async-scheduling",
 ]
 SMOLLM2_ARGS = [
   "--model",

@@ -167,6 +167,14 @@ def test_mixed_rounds_on_data_shards_serve_as_one_device_does(meshes):
   assert got["all_free"] and got["preemptions"] > 0
 
 
+@pytest.mark.slow
+def test_async_scheduling_on_data_shards_serves_as_one_device_does(meshes):
+  # Decode launches dispatched ahead on both data shards of one program.
+  want, got = meshes["features_reference"], meshes["features_2x2_async"]
+  _assert_same_tokens_and_logprobs(got, want)
+  assert got["all_free"] and got["launches_ahead"] > 0
+
+
 def _assert_same_tokens_and_logprobs(got: dict, want: dict) -> None:
   """`serve_features` results with equal tokens and close log-probabilities."""
   assert got["tokens"] == want["tokens"]

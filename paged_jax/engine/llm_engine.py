@@ -412,11 +412,13 @@ class LLMEngine:
 
   def abort_request(self, request_id: str) -> None:
     """Stops a request at once and frees its blocks; the next `step` reports
-    it with finish reason "abort". Unknown or finished ids are ignored."""
+    it with finish reason "abort". Unknown or finished ids are ignored. A
+    decode launch running ahead (`async_scheduling`) is read back first; the
+    next `step` reports its tokens too."""
     group = self._groups.get(request_id)
     if group is None or group.finished:
       return
-    if self.runner.ahead is not None:  # the host changes rows only after reading it back
+    if self.running_ahead:  # the host changes rows only after reading it back
       self._pending += self._outputs(self._take_ahead(False))
       if group.finished:
         return
@@ -425,9 +427,7 @@ class LLMEngine:
 
   def has_unfinished_requests(self) -> bool:
     return (
-      bool(self._pending)
-      or self.runner.ahead is not None
-      or any(s.has_unfinished() for s in self.schedulers)
+      bool(self._pending) or self.running_ahead or any(s.has_unfinished() for s in self.schedulers)
     )
 
   def _finish(self, group: SequenceGroup, reason: str) -> None:
@@ -476,7 +476,7 @@ class LLMEngine:
       this round (with `output_kind="final"`, only finished ones).
     """
     start = time.perf_counter()
-    touched = self._take_ahead(True) if self.runner.ahead is not None else self._round()
+    touched = self._take_ahead(True) if self.running_ahead else self._round()
     outputs, self._pending = self._pending, []
     outputs += self._outputs(touched)
     self.timing["rounds"] += 1
@@ -634,6 +634,13 @@ class LLMEngine:
   def shard_state(self, shard: int):
     """The block manager's state of data shard `shard`."""
     return self.cache.shard_state(shard)
+
+  @property
+  def running_ahead(self) -> bool:
+    """Whether a decode launch dispatched ahead (`async_scheduling`) is
+    not read back yet: the cache's state (`num_free_gpu_blocks`,
+    `stats.prefix_cache_hit_rate`, `state`) is read after it."""
+    return self.runner.ahead is not None
 
   def num_free_gpu_blocks(self) -> int:
     """Free GPU blocks of all data shards."""

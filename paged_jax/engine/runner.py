@@ -521,7 +521,8 @@ class ModelRunner:
         when no row runs, a shard ran out of blocks, or a row finished and
         `stop_on_finish`), and the result covers both.
       run_ahead: whether to dispatch the next launch on the same rows
-        before reading this one back (see `take_ahead`); only without
+        before reading this one back (see `take_ahead`), if the rows still
+        fill their bucket then (`_rows_still_fill`); only without
         `stop_on_finish`, speculation or a beam group, and not when the
         loop does not launch.
     """
@@ -535,7 +536,7 @@ class ModelRunner:
     start = 0 if first is None else 1  # the first step ran with the prompt chunks
     loop = self.decode_carry(num_steps, rows, automaton_state, histories, speculating, start)
     loop = self._launch_decode(loop, rows, stop_on_finish, table, speculating)
-    if run_ahead:
+    if run_ahead and self._rows_still_fill(rows, num_steps - start):
       self._run_ahead(loop, rows, table)
     result = self._take_step_results(rows, loop, start)
     self._launched(result)
@@ -563,7 +564,7 @@ class ModelRunner:
       run_ahead: whether to dispatch the launch after it first, on the same
         rows; only while the host changed none of them since (no row
         started, stopped or was preempted, no pages moved) and they still
-        need that row bucket (`ahead_rows_fit`).
+        fill that row bucket (`ahead_rows_fit`).
 
     Returns:
       Its `DecodeResult`. It reports running out of blocks only if the
@@ -578,10 +579,21 @@ class ModelRunner:
     return result
 
   def ahead_rows_fit(self) -> bool:
-    """Whether the rows running ahead are the ones a launch would pack the
-    running slots into now (or a smaller bucket would do)."""
-    rows = self.ahead.rows
-    return self.next_decode_rows() == (self.seq_ids.shape[0] if rows is None else rows.shape[0])
+    """Whether the rows of the launch running ahead still fill its row
+    bucket once it is done (see `_rows_still_fill`)."""
+    ahead = self.ahead
+    return self._rows_still_fill(ahead.rows, ahead.loop.draws.tokens.shape[1])
+
+  def _rows_still_fill(self, rows, num_steps: int) -> bool:
+    """Whether the running slots that their token limits leave running
+    after `num_steps` more tokens each still need the row bucket of `rows`
+    (every slot when None): a launch dispatched ahead on those rows pads no
+    more than a launch packed after reading this one back. Rows that stop
+    on a stop token are not foreseen."""
+    running = (self.seq_ids >= 0) & (self.limit - self.num_generated > num_steps)
+    packed = pack_decode_rows(running.reshape(self.cache.num_shards, -1), self.decode_buckets())
+    bucket = lambda r: self.seq_ids.shape[0] if r is None else r.shape[0]
+    return bucket(packed) == bucket(rows)
 
   def _continues(self, first: DecodeResult, stop_on_finish: bool) -> bool:
     """Whether a round's decode loop runs after its `first` step."""

@@ -29,6 +29,9 @@ from paged_jax.server.metrics import ServerMetrics
 logger = logging.getLogger("paged_jax.server")
 
 WARMUP_ID = "paged-jax-warmup"
+# While a decode launch runs ahead (async scheduling), the KV-cache gauges,
+# which wait for it, are read at most this often.
+GAUGES_EVERY_S_WHILE_AHEAD = 1.0
 
 
 @dataclasses.dataclass
@@ -216,7 +219,10 @@ class EngineThread:
           self._fail_all(err)
           continue
         self._dispatch(outputs)
-      self._update_gauges()
+      if (
+        not engine.running_ahead or time.monotonic() >= self._gauges_at + GAUGES_EVERY_S_WHILE_AHEAD
+      ):
+        self._update_gauges()
 
   def _drain(self, block: bool) -> list:
     messages = [self._inbox.get()] if block else []
@@ -282,6 +288,7 @@ class EngineThread:
       tracked.sink(output)
 
   def _update_gauges(self) -> None:
+    self._gauges_at = time.monotonic()
     metrics, engine = self._metrics, self.engine
     waiting = sum(t.first_token is None for t in self._tracked.values())
     metrics.num_requests_waiting.set(waiting)
