@@ -244,7 +244,10 @@ def paged_run(llm: pj.LLM, w: Workload):
 
     def run():
       prompts = [np.asarray(p, np.int32) for p in w.prompts]
-      return serve_trace(llm.engine, prompts, w.max_tokens, w.arrivals)["tokens"], None
+      served = serve_trace(llm.engine, prompts, w.max_tokens, w.arrivals)
+      ttft, itl = (np.percentile(np.asarray(served[k]) * 1e3, [50, 99]) for k in ("ttft", "itl"))
+      log(f"  TTFT ms p50/p99 {ttft[0]:.0f} / {ttft[1]:.0f}, ITL ms {itl[0]:.0f} / {itl[1]:.0f}")
+      return served["tokens"], None
 
     return run
   params = pj.SamplingParams(

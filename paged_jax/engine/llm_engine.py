@@ -561,7 +561,7 @@ class LLMEngine:
     """Hands the schedulers a round's decode `result`, or, while a launch
     runs ahead, keeps it until that one is read back: no block manager
     call goes between a launch and the one dispatched after it."""
-    if self.runner.ahead is not None:
+    if self.running_ahead:
       self._deferred = (rounds, result)
       return
     for scheduler, out in zip(self.schedulers, rounds):
