@@ -214,6 +214,17 @@ def test_async_scheduling_gives_the_same_outputs(model, reference):
   _all_blocks_free(engine)
 
 
+def test_a_request_alone_runs_ahead_up_to_its_last_launch(model, reference):
+  # 12 tokens: launch 1 draws tokens 1..4, 2 draws 5..8, 3 draws 9..11 and
+  # ends it; launches 2 and 3 run ahead, and no launch runs after 3.
+  engine = _async_engine(model)
+  finals, _ = _serve(engine, [("3", _requests()[3][1], GREEDY)])
+  assert finals["3"].outputs[0].token_ids == reference["3"].outputs[0].token_ids
+  stats = engine.stats
+  assert (stats.loop_launches, stats.loop_launches_ahead, stats.decode_tokens) == (3, 2, 11)
+  _all_blocks_free(engine)
+
+
 # Alone, "4" decodes 4 tokens per launch after its first; launch 2 is
 # dispatched before launch 1 is read back, launch 3 before launch 2, whose
 # tokens 6 and 7 (one character each) complete the stop string: launch 3

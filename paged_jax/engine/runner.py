@@ -585,15 +585,15 @@ class ModelRunner:
     return self._rows_still_fill(ahead.rows, ahead.loop.draws.tokens.shape[1])
 
   def _rows_still_fill(self, rows, num_steps: int) -> bool:
-    """Whether the running slots that their token limits leave running
-    after `num_steps` more tokens each still need the row bucket of `rows`
-    (every slot when None): a launch dispatched ahead on those rows pads no
-    more than a launch packed after reading this one back. Rows that stop
-    on a stop token are not foreseen."""
+    """Whether some running slots are left running by their token limits
+    after `num_steps` more tokens each, and still need the row bucket of
+    `rows` (every slot when None): a launch dispatched ahead on those rows
+    pads no more than a launch packed after reading this one back. Rows
+    that stop on a stop token are not foreseen."""
     running = (self.seq_ids >= 0) & (self.limit - self.num_generated > num_steps)
     packed = pack_decode_rows(running.reshape(self.cache.num_shards, -1), self.decode_buckets())
     bucket = lambda r: self.seq_ids.shape[0] if r is None else r.shape[0]
-    return bucket(packed) == bucket(rows)
+    return bool(running.any()) and bucket(packed) == bucket(rows)
 
   def _continues(self, first: DecodeResult, stop_on_finish: bool) -> bool:
     """Whether a round's decode loop runs after its `first` step."""
