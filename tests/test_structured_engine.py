@@ -175,15 +175,15 @@ def served_alone(llm):
 # the automaton steps inside the decode loop included. CI runs "swap" (a group
 # preempted mid-prompt is recomputed even so), also with prompt chunks mixed
 # into a decode step (the automata step on the device in both launches of a
-# round), and with decode launches dispatched ahead (a launch's automaton
-# states carry on to the next on the device); "recompute" is `slow`.
+# round), and so with decode launches dispatched ahead too (a launch's
+# automaton states carry on to the next on the device); "recompute" is `slow`.
 @pytest.mark.parametrize(
   "preemption_mode, mix, ahead",
   [
     pytest.param("recompute", False, False, marks=pytest.mark.slow),
     ("swap", False, False),
     ("swap", True, False),
-    ("swap", False, True),
+    ("swap", True, True),
   ],
 )
 def test_prefix_caching_preemption_and_n2_keep_outputs_valid_and_equal(

@@ -278,10 +278,9 @@ class LLMEngine:
     chunks run with a decode step instead of apart, one program per
     prefill shape and decode row count; with `async_scheduling`, a small
     program per decode row count carries a launch on to the next; the
-    block manager's
-    calls over a group take its slots padded to `max_seqs`; swaps move
-    fixed-capacity plans; a request's PRNG keys come from a few small
-    host-side programs.
+    block manager's calls over a group take its slots padded to
+    `max_seqs`; swaps move fixed-capacity plans; a request's PRNG keys come
+    from a few small host-side programs.
     """
     width, shards, steps = self.runner.prefill_width, self.cache.num_shards, self.num_decode_steps
     return (

@@ -638,19 +638,16 @@ def _next_launch_rows(loop: DecodeLoop) -> dict:
     automaton_state=loop.automaton_state,
     out_of_blocks=loop.out_of_blocks,
   )
-  fresh = jax.tree.map(jnp.zeros_like, loop.draws)
-  counters = (loop.step, loop.rows_run, loop.cow_copies, loop.peak_blocks, loop.utilization_sum)
-  step, rows_run, cow_copies, peak_blocks, utilization_sum = map(jnp.zeros_like, counters)
-  return dict(
-    jax.tree.map(jnp.copy, rows),
-    draws=fresh,
-    step=step,
-    rows_run=rows_run,
-    finished_any=jnp.zeros_like(loop.finished_any),
-    cow_copies=cow_copies,
-    peak_blocks=peak_blocks,
-    utilization_sum=utilization_sum,
+  fresh = dict(
+    draws=loop.draws,
+    step=loop.step,
+    rows_run=loop.rows_run,
+    finished_any=loop.finished_any,
+    cow_copies=loop.cow_copies,
+    peak_blocks=loop.peak_blocks,
+    utilization_sum=loop.utilization_sum,
   )
+  return jax.tree.map(jnp.copy, rows) | jax.tree.map(jnp.zeros_like, fresh)
 
 
 def continue_decoding(loop: DecodeLoop) -> DecodeLoop:
