@@ -273,7 +273,7 @@ def test_an_abort_or_a_request_while_a_launch_runs_ahead(model, reference):
 
 
 def test_running_out_of_blocks_while_a_launch_runs_ahead_preempts_once(model):
-  # Nothing waits, so every launch runs ahead; the two requests need 22 blocks
+  # Nothing waits, so every launch runs ahead; the two requests need 24 blocks
   # of the 14. The launch after the one that ran out runs no step.
   long = pj.SamplingParams(max_tokens=40, ignore_eos=True)
   requests = [("a", list(range(65, 73)), long), ("b", list(range(75, 83)), long)]
