@@ -373,9 +373,7 @@ class ModelRunner:
       RuntimeError: if a row decodes.
     """
     self._refuse_while_decoding()
-    rows = None
-    if rows_per_shard != self.cache.cfg.max_seqs:
-      rows = np.full(self.cache.num_shards * rows_per_shard, -1, np.int32)
+    rows = self._idle_rows(rows_per_shard)
     for speculating in self.decode_kinds():
       loop = self.decode_carry(num_steps, rows, speculating=speculating)
       loop = self._launch_decode(loop, rows, False, speculating=speculating)
@@ -385,6 +383,13 @@ class ModelRunner:
       no_group = self._group_slots([])  # starting and forgetting a group (results dropped)
       programs.start_beams(self.beams, no_group, 1, 1.0)
       programs.clear_beams(self.beams, no_group)
+
+  def _idle_rows(self, rows_per_shard: int) -> np.ndarray | None:
+    """The rows of a warm-up launch: `rows_per_shard` rows per shard that
+    run no slot, or None for every slot (see `_decode_rows`)."""
+    if rows_per_shard == self.cache.cfg.max_seqs:
+      return None
+    return np.full(self.cache.num_shards * rows_per_shard, -1, np.int32)
 
   def _launch_decode(
     self, carry, rows, stop_on_finish: bool, table=None, speculating=None
@@ -712,9 +717,7 @@ class ModelRunner:
       RuntimeError: if a row decodes.
     """
     self._refuse_while_decoding()
-    rows = None
-    if rows_per_shard != self.cache.cfg.max_seqs:
-      rows = np.full(self.cache.num_shards * rows_per_shard, -1, np.int32)
+    rows = self._idle_rows(rows_per_shard)
     no_draws = np.zeros(self.cache.num_slots, np.int32)
     packed = PackedPrefill.empty(self.cache.num_shards, shape, self.prefill_width)
     loop = self.decode_carry(num_steps, rows)
