@@ -625,29 +625,27 @@ def decode_loop(
   return sharding.replicate(loop.replace(kv=None), kv).replace(kv=kv)
 
 
+# A continued launch's carry: the rows' state carries on, the launch's
+# draws and counters start afresh.
+_CARRIED = ("seq_ids", "last_token", "num_generated", "limit", "automaton_state", "out_of_blocks")
+_FRESH = (
+  "draws",
+  "step",
+  "rows_run",
+  "finished_any",
+  "cow_copies",
+  "peak_blocks",
+  "utilization_sum",
+)
+
+
 @jax.jit
 def _next_launch_rows(loop: DecodeLoop) -> dict:
   """Copies of the rows' carry (the launch that takes them donates them,
   and the host still reads the originals) and a fresh launch's draws and
   counters."""
-  rows = dict(
-    seq_ids=loop.seq_ids,
-    last_token=loop.last_token,
-    num_generated=loop.num_generated,
-    limit=loop.limit,
-    automaton_state=loop.automaton_state,
-    out_of_blocks=loop.out_of_blocks,
-  )
-  fresh = dict(
-    draws=loop.draws,
-    step=loop.step,
-    rows_run=loop.rows_run,
-    finished_any=loop.finished_any,
-    cow_copies=loop.cow_copies,
-    peak_blocks=loop.peak_blocks,
-    utilization_sum=loop.utilization_sum,
-  )
-  return jax.tree.map(jnp.copy, rows) | jax.tree.map(jnp.zeros_like, fresh)
+  take = lambda names, fn: {name: jax.tree.map(fn, getattr(loop, name)) for name in names}
+  return take(_CARRIED, jnp.copy) | take(_FRESH, jnp.zeros_like)
 
 
 def continue_decoding(loop: DecodeLoop) -> DecodeLoop:
