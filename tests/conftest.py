@@ -5,18 +5,13 @@ import os
 import shutil
 import tempfile
 
-# XLA:CPU's quickest compiles for every program the run compiles: compile
-# time dominates the suite (small models, run briefly). LLVM's -O0 without its
-# expensive passes, and the classic elemental emitters in place of the fusion
-# emitters, together halve an engine's backend compile time. Every comparison
-# is made within the run. Set before JAX starts a backend, so the xdist
-# workers and every subprocess a test starts inherit them, and the persistent
-# cache below serves all of them alike.
-FAST_COMPILE = (
-  "--xla_backend_optimization_level=0"
-  " --xla_llvm_disable_expensive_passes=true"
-  " --xla_cpu_use_fusion_emitters=false"
-)
+from tests.xla_flags import accepted_flags
+
+# XLA:CPU's quickest compiles (tests/xla_flags.py), those the running XLA
+# knows. Set before JAX starts a backend, so the xdist workers and every
+# subprocess a test starts inherit them, and the persistent cache below
+# serves all of them alike.
+FAST_COMPILE = accepted_flags()
 if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
 

@@ -1,4 +1,5 @@
-"""copy_blocks kernels (GPU and TPU flavours, interpret mode) and reference."""
+"""copy_blocks kernels (GPU and TPU flavours: interpret mode, or compiled on
+their backend) and reference."""
 
 import functools
 
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import copy_blocks as copy_blocks_lib
+from tests.kernel_modes import interpret
 
 # (num_caches, num_kv_heads, head_dim, block_size, num_blocks, capacity,
 #  count, dtype): capacities with unused -1 tails, a count of 0, every
@@ -23,7 +25,9 @@ CASES = [
 ]
 copy_blocks_reference = jax.jit(copy_blocks_lib.copy_blocks_reference)
 KERNELS = {
-  backend: jax.jit(functools.partial(copy_blocks_lib.copy_blocks, backend=backend, interpret=True))
+  backend: jax.jit(
+    functools.partial(copy_blocks_lib.copy_blocks, backend=backend, interpret=interpret(backend))
+  )
   for backend in ("gpu", "tpu")
 }
 
@@ -84,7 +88,7 @@ def test_kernel_matches_numpy(case, backend):
 def test_kernel_copies_in_place_when_donated(backend):
   caches, src, dst, count = make_inputs(CASES[0])
   copy = jax.jit(
-    functools.partial(copy_blocks_lib.copy_blocks, backend=backend, interpret=True),
+    functools.partial(copy_blocks_lib.copy_blocks, backend=backend, interpret=interpret(backend)),
     donate_argnums=0,
   )
   memory = copy.lower(caches, src, dst, count).compile().memory_analysis()

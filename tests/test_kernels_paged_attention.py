@@ -1,5 +1,6 @@
 """Paged attention kernels against the XLA reference, and the reference
-against a float64 NumPy model, on CPU (Pallas interpret mode).
+against a float64 NumPy model: on CPU in Pallas interpret mode, each flavour
+compiled on its own backend (tests/kernel_modes.py).
 
 Every case poisons the bytes no query may read (free blocks, slots past a
 sequence's length, blocks that left the sliding window) with NaN; outputs
@@ -34,6 +35,7 @@ from pallas_kernels.paged_attention import (
   reference,
   tpu,
 )
+from tests.kernel_modes import interpret
 
 shipped_gpu = importlib.import_module("jax.experimental.pallas.ops.gpu.paged_attention")
 
@@ -113,11 +115,11 @@ chunked_prefill_attention = jax.jit(
 KERNELS = {
   "chunked": jax.jit(paged_attention_chunked, static_argnames=OPTIONS + ("chunk_positions",)),
   "gpu": jax.jit(
-    functools.partial(gpu.paged_attention, interpret=True),
+    functools.partial(gpu.paged_attention, interpret=interpret("gpu")),
     static_argnames=OPTIONS + ("pages_per_step", "num_splits"),
   ),
   "tpu": jax.jit(
-    functools.partial(tpu.paged_attention, interpret=True),
+    functools.partial(tpu.paged_attention, interpret=interpret("tpu")),
     static_argnames=OPTIONS + ("pages_per_step",),
   ),
 }

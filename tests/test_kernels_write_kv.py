@@ -1,4 +1,5 @@
-"""write_kv kernels (GPU and TPU flavours, interpret mode) and reference."""
+"""write_kv kernels (GPU and TPU flavours: interpret mode, or compiled on their
+backend) and reference."""
 
 import functools
 
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import write_kv as write_kv_lib
+from tests.kernel_modes import interpret
 
 # (num_kv_heads, head_dim, block_size, num_blocks, tokens, dtype): every value
 # of Hkv in {1, 2, 4, 8}, head_dim 64/128, block 8/16/32, both float dtypes
@@ -22,7 +24,9 @@ CASES = [
 ]
 write_kv_reference = jax.jit(write_kv_lib.write_kv_reference)
 KERNELS = {
-  backend: jax.jit(functools.partial(write_kv_lib.write_kv, backend=backend, interpret=True))
+  backend: jax.jit(
+    functools.partial(write_kv_lib.write_kv, backend=backend, interpret=interpret(backend))
+  )
   for backend in ("gpu", "tpu")
 }
 
@@ -78,7 +82,8 @@ def test_kernel_matches_numpy(case, backend):
 def test_kernel_writes_in_place_when_donated(backend):
   caches, new, slots = make_inputs(CASES[0])
   write = jax.jit(
-    functools.partial(write_kv_lib.write_kv, backend=backend, interpret=True), donate_argnums=(0, 1)
+    functools.partial(write_kv_lib.write_kv, backend=backend, interpret=interpret(backend)),
+    donate_argnums=(0, 1),
   )
   memory = write.lower(*caches, *new, slots).compile().memory_analysis()
   cache_bytes = sum(cache.nbytes for cache in caches)
