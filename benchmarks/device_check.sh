@@ -6,7 +6,7 @@
 # pytest, tokenizers, jinja2). Wheels of the rest (gguf, outlines-core) are
 # installed from WHEELS_DIR (default ./.whl) into a temporary folder when
 # that folder exists; nothing is downloaded. In order, each with its own
-# time limit, the whole under 6 minutes:
+# time limit, the whole under 6.5 minutes:
 #   1. the kernel tests, the GPU flavour compiled on the GPU: the Mosaic GPU
 #      and Triton paged-attention kernels, write_kv and copy_blocks, against
 #      the XLA reference on poisoned random data (tests/kernel_modes.py);
@@ -64,18 +64,22 @@ pytest_part() {  # time limit, then pytest's arguments
 print("jax", jax.__version__, jax.default_backend(), jax.devices())' 2>&1
 
   section "kernel tests, the GPU flavour compiled on the GPU"
-  pytest_part 170 tests/test_kernels_mosaic_gpu.py tests/test_kernels_paged_attention.py \
+  pytest_part 150 tests/test_kernels_mosaic_gpu.py tests/test_kernels_paged_attention.py \
     tests/test_kernels_write_kv.py tests/test_kernels_copy_blocks.py -k "not tpu"
 
   section "ragged and packed model calls, compiled on the GPU"
   pytest_part 60 tests/test_generate.py -k "ragged_call or packed_call"
 
   section "the engine on the tiny model (demo --json)"
-  timeout 60 "$python" -m paged_jax demo --model tiny --json 2>&1 | tail -n 15
+  "$python" -c 'import jax.numpy as jnp; from paged_jax import attention
+for dtype in (jnp.bfloat16, jnp.float32):
+  print("auto decode kernel,", dtype.__name__, "block 16, head_dim 128, group 4:",
+        attention.select_attention_kernel("auto", dtype=dtype, block_size=16, head_dim=128, group=4))' 2>&1
+  timeout 80 "$python" -m paged_jax demo --model tiny --json 2>&1 | tail -n 15
   echo "demo exit status: ${PIPESTATUS[0]}"
 
   section "bench_kernels.py, Llama-3-8B decode"
-  timeout 90 "$python" benchmarks/bench_kernels.py "${bench_args[@]}" 2>&1 | tail -n 40
+  timeout 80 "$python" benchmarks/bench_kernels.py "${bench_args[@]}" 2>&1 | tail -n 40
   echo "bench exit status: ${PIPESTATUS[0]}"
   section "done"
 } > "$results" 2>&1

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -695,9 +696,14 @@ def _replicated(sharding: jax.sharding.NamedSharding):
 
 
 def _on_host(cache: KVCache, fn):
-  """Runs ``fn`` where the host pages live (host compute when offloaded)."""
+  """Runs ``fn`` where the host pages live (host compute when offloaded),
+  its outputs in host memory."""
   if cache.host_sharding.memory_kind == cache.device_sharding.memory_kind:
     return fn
+  if "out_memory_spaces" in inspect.signature(compute_on).parameters:  # JAX >= 0.12
+    return compute_on(
+      jax.jit(fn), compute_type="device_host", out_memory_spaces=jax.memory.Space.Host
+    )
   return compute_on("device_host")(jax.jit(fn))
 
 
