@@ -465,7 +465,7 @@ KERNEL_NAMES = [
 
 
 @pytest.mark.parametrize(
-  "impl,name", zip(IMPLEMENTATIONS, KERNEL_NAMES), ids=["reference", "chunked", "gpu", "tpu"]
+  "impl,name", list(zip(IMPLEMENTATIONS, KERNEL_NAMES)), ids=["reference", "chunked", "gpu", "tpu"]
 )
 @pytest.mark.parametrize(
   "pages,scales,message",
