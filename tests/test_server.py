@@ -31,6 +31,7 @@ import pytest
 
 import paged_jax as pj
 from paged_jax.models import ByteTokenizer, load_tiny
+from paged_jax.server import app as server_app
 from paged_jax.server import cli
 
 API_KEY = "test-key"
@@ -482,6 +483,22 @@ def test_num_scheduler_steps_mixing_and_async_scheduling_set_the_engines_options
   ]:
     cli.engine_builder(_parser().parse_args(["serve", "--model", "tiny", flag]))()
     assert built[option] is True
+
+
+def test_the_api_key_comes_from_the_environment_unless_given(monkeypatch):
+  from paged_jax.__main__ import _parser
+
+  monkeypatch.delenv(cli.API_KEY_ENV, raising=False)
+  assert _parser().parse_args(["serve"]).api_key is None
+  monkeypatch.setenv(cli.API_KEY_ENV, "from-env")
+  assert _parser().parse_args(["serve"]).api_key == "from-env"
+  assert _parser().parse_args(["serve", "--api-key", "flag"]).api_key == "flag"
+
+
+def test_bearer_matches_only_the_whole_key():
+  assert server_app.bearer_matches("Bearer s3cret", "s3cret")
+  for header in ("", "Bearer", "Bearer s3cre", "Bearer s3cret2", "bearer s3cret", "s3cret"):
+    assert not server_app.bearer_matches(header, "s3cret"), header
 
 
 def test_a_draft_model_flag_loads_the_draft_as_the_model_flag_does():

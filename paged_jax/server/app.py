@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import json
 import logging
 import uuid
@@ -725,6 +726,12 @@ def _guarded(handler):
   return route
 
 
+def bearer_matches(authorization: str, key: str) -> bool:
+  """Whether an Authorization header is ``Bearer <key>``, compared in
+  constant time (no timing tells how much of a guess was right)."""
+  return hmac.compare_digest(authorization.encode(), f"Bearer {key}".encode())
+
+
 def build_app(engine, tokenizer, settings: ServerSettings, metrics: ServerMetrics) -> FastAPI:
   """The FastAPI app serving `engine` (see `Server` for the arguments)."""
   server = Server(engine, tokenizer, settings, metrics)
@@ -735,7 +742,7 @@ def build_app(engine, tokenizer, settings: ServerSettings, metrics: ServerMetric
   async def authenticate(request: Request, call_next):
     key = settings.api_key
     if key is not None and request.url.path not in OPEN_PATHS:
-      if request.headers.get("authorization") != f"Bearer {key}":
+      if not bearer_matches(request.headers.get("authorization", ""), key):
         return APIError(
           "a valid API key is required: Authorization: Bearer <key>",
           status=401,

@@ -13,10 +13,12 @@ import contextlib
 import json
 import logging
 import math
+import os
 import pathlib
 import signal
 import threading
 
+API_KEY_ENV = "PAGED_JAX_API_KEY"  # where --api-key's default comes from
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
 MAX_BEAM_WIDTH = 4
 KV_CACHE_DTYPES = {
@@ -122,7 +124,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
   serve.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), default="auto")
   serve.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1)
   serve.add_argument("--data-parallel-size", "-dp", type=_positive, default=1)
-  serve.add_argument("--api-key", default=None)
+  serve.add_argument(
+    "--api-key",
+    default=os.environ.get(API_KEY_ENV) or None,
+    help=f"the key requests must bear (default: ${API_KEY_ENV}, which keeps it off the "
+    "command line; none: no key)",
+  )
   serve.add_argument("--max-logprobs", type=int, default=20)
   serve.add_argument("--seed", type=int, default=0)
   serve.add_argument(
