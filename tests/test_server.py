@@ -566,6 +566,145 @@ def test_an_unexpected_error_answers_500_for_that_request_only():
   assert "stub engine failure" in streamed.text and "[DONE]" not in streamed.text
 
 
+# Limits and hostile bodies: an app over a stub engine that never answers a
+# prompt starting with token 0.
+
+
+class _StallingEngine:
+  """Answers "ok" at once, except to prompts that start with token 0."""
+
+  running = True
+
+  def __init__(self):
+    self.added, self.aborted = [], []
+
+  def add(self, request_id, token_ids, params, sink):
+    self.added.append(request_id)
+    if token_ids[0] != 0:
+      completion = pj.CompletionOutput(0, "ok", [111, 107], 0.0, None, "length")
+      sink(pj.RequestOutput(request_id, None, token_ids, [completion], finished=True))
+
+  def abort(self, request_id):
+    self.aborted.append(request_id)
+
+
+STUB_SETTINGS = dict(
+  served_model_name="stub",
+  model_source="stub",
+  max_model_len=128,
+  vocab_size=258,
+  max_num_seqs=4,
+  max_logprobs=5,
+  max_beam_width=4,
+  block_size=16,
+  num_gpu_blocks=64,
+)
+
+
+def _stub_app(engine, **limits):
+  from paged_jax.server.app import ServerSettings, build_app
+  from paged_jax.server.metrics import ServerMetrics
+
+  settings = ServerSettings(**STUB_SETTINGS, **limits)
+  return build_app(engine, ByteTokenizer(), settings, ServerMetrics("stub"))
+
+
+def _exchange(app, talk):
+  """Runs `talk(client)` against `app` in one event loop."""
+
+  async def run():
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://stub") as client:
+      return await talk(client)
+
+  return asyncio.run(run())
+
+
+def test_a_body_over_max_request_bytes_gets_413_by_length_or_as_it_arrives():
+  app = _stub_app(_StallingEngine(), max_request_bytes=100)
+  body = json.dumps(dict(prompt="x" * 200, max_tokens=2)).encode()
+
+  async def chunks():
+    for start in range(0, len(body), 50):
+      yield body[start : start + 50]
+
+  async def talk(client):
+    declared = await client.post("/v1/completions", content=body)
+    streamed = await client.post("/v1/completions", content=chunks())  # no Content-Length
+    small = await client.post("/v1/completions", json=dict(prompt="x", max_tokens=2))
+    return declared, streamed, small
+
+  declared, streamed, small = _exchange(app, talk)
+  for response in (declared, streamed):
+    assert response.status_code == 413
+    assert "over 100 bytes (--max-request-bytes)" in response.json()["error"]["message"]
+  assert small.status_code == 200
+
+
+@pytest.mark.parametrize(
+  "body,param,message",
+  [
+    (b'{"prompt": "a\\u0000b", "max_tokens": 2}', "prompt", "NUL"),
+    (
+      b'{"messages": [{"role": "user", "content": "\\u0000"}]}',
+      "messages",
+      "NUL",
+    ),
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, "nested too deeply"),
+    (
+      json.dumps(dict(prompt="a", max_tokens=2, stop="x" * 1_000_000)).encode(),
+      "stop",
+      "at most 1000 characters",
+    ),
+  ],
+  ids=["nul-prompt", "nul-message", "deep-json", "megabyte-stop"],
+)
+def test_hostile_bodies_get_400_and_reach_no_engine(body, param, message):
+  engine = _StallingEngine()
+  app = _stub_app(engine)
+  path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+  response = _exchange(app, lambda client: client.post(path, content=body))
+  assert response.status_code == 400
+  assert message in response.json()["error"]["message"]
+  assert response.json()["error"]["param"] == param
+  assert engine.added == []
+
+
+def test_a_full_queue_gets_503_with_retry_after_and_a_timeout_aborts_with_408():
+  engine = _StallingEngine()
+  app = _stub_app(engine, max_waiting_requests=2, request_timeout=1.0)
+  stalled = dict(prompt=[0, 1], max_tokens=2)
+
+  async def talk(client):
+    waiting = [
+      asyncio.ensure_future(client.post("/v1/completions", json=stalled)) for _ in range(2)
+    ]
+    while len(engine.added) < 2:
+      await asyncio.sleep(0.01)
+    refused = await client.post("/v1/completions", json=dict(prompt=[1, 2], max_tokens=2))
+    refused_stream = await client.post(
+      "/v1/completions", json=dict(prompt=[1, 2], max_tokens=2, stream=True)
+    )
+    timed_out = await asyncio.gather(*waiting)
+    served = await client.post("/v1/completions", json=dict(prompt=[1, 2], max_tokens=2))
+    stream = await client.post("/v1/completions", json=dict(**stalled, stream=True))
+    return refused, refused_stream, timed_out, served, stream
+
+  refused, refused_stream, timed_out, served, stream = _exchange(app, talk)
+  for response in (refused, refused_stream):
+    assert response.status_code == 503
+    assert response.headers["retry-after"] == "1"
+    assert "--max-waiting-requests 2" in response.json()["error"]["message"]
+  for response in timed_out:
+    assert response.status_code == 408
+    assert "--request-timeout" in response.json()["error"]["message"]
+  assert served.status_code == 200  # the queue emptied when the stalled ones timed out
+  assert stream.status_code == 200
+  assert "--request-timeout" in stream.text and "[DONE]" not in stream.text
+  stalled_ids = [rid for rid in engine.added if rid not in engine.aborted]
+  assert len(engine.aborted) == 3 and len(stalled_ids) == 1  # only the served one finished
+
+
 # SmolLM2: chat and lm-eval's loglikelihood requests.
 
 

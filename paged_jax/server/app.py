@@ -15,6 +15,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator
 
@@ -27,6 +28,13 @@ from paged_jax.engine.params import SamplingParams
 from paged_jax.models.tokenizer import ByteTokenizer
 from paged_jax.server import protocol
 from paged_jax.server.engine_thread import EngineClient, EngineStopped
+from paged_jax.server.limits import (
+  DEFAULT_MAX_REQUEST_BYTES,
+  DEFAULT_MAX_WAITING_REQUESTS,
+  DEFAULT_REQUEST_TIMEOUT_S,
+  MAX_STOP_CHARS,
+  RETRY_AFTER_S,
+)
 from paged_jax.server.metrics import ServerMetrics
 
 logger = logging.getLogger("paged_jax.server")
@@ -53,6 +61,11 @@ class ServerSettings:
     block_size: tokens per KV block.
     num_gpu_blocks: KV blocks of one data shard (a request must fit in one).
     api_key: the key every endpoint but `/health` and `/metrics` needs.
+    max_request_bytes: the largest request body (413 past it).
+    max_waiting_requests: prompts waiting for their first token, at most;
+      a request that would queue more gets 503 with `Retry-After`.
+    request_timeout: seconds a request may run before it is aborted (its
+      blocks freed, 408, or an error event ending its stream); None: no limit.
   """
 
   served_model_name: str
@@ -65,6 +78,9 @@ class ServerSettings:
   block_size: int
   num_gpu_blocks: int
   api_key: str | None = None
+  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+  max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS
+  request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S
 
 
 class APIError(Exception):
@@ -75,6 +91,7 @@ class APIError(Exception):
     param: the request field at fault, or None.
     status: the HTTP status.
     kind: OpenAI's error `type`.
+    headers: extra response headers (`Retry-After`).
   """
 
   def __init__(
@@ -83,9 +100,11 @@ class APIError(Exception):
     param: str | None = None,
     status: int = 400,
     kind: str = "invalid_request_error",
+    headers: dict[str, str] | None = None,
   ):
     super().__init__(message)
     self.message, self.param, self.status, self.kind = message, param, status, kind
+    self.headers = headers
 
   def body(self) -> dict:
     return protocol.ErrorResponse(
@@ -95,7 +114,7 @@ class APIError(Exception):
     ).model_dump()
 
   def response(self) -> JSONResponse:
-    return JSONResponse(self.body(), status_code=self.status)
+    return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def _sse(payload: BaseModel | dict) -> str:
@@ -117,13 +136,57 @@ def _validation_message(err: ValidationError) -> tuple[str, str | None]:
   return f"{path}: {message}", param
 
 
-async def _parse(request: Request, model: type[BaseModel]):
+async def _read_body(request: Request, limit: int) -> bytes:
+  """The request body, read no further than `limit` bytes.
+
+  Raises:
+    APIError: 413 for a body over `limit` (by its Content-Length, or as it
+      arrives).
+  """
+  too_large = APIError(
+    f"the request body is over {limit} bytes (--max-request-bytes)",
+    status=413,
+    kind="request_too_large",
+  )
+  declared = request.headers.get("content-length", "")
+  if declared.isdigit() and int(declared) > limit:
+    raise too_large
+  body = bytearray()
+  async for chunk in request.stream():
+    body += chunk
+    if len(body) > limit:
+      raise too_large
+  return bytes(body)
+
+
+def _first_nul_path(data) -> str | None:
+  """The path of the first string (key or value) of `data` holding a NUL
+  character, or None."""
+  stack = [("", data)]
+  while stack:
+    path, item = stack.pop()
+    if isinstance(item, str):
+      if "\x00" in item:
+        return path or "body"
+    elif isinstance(item, dict):
+      for key, value in item.items():
+        if "\x00" in key:
+          return f"{path}.{key!r}".lstrip(".")
+        stack.append((f"{path}.{key}".lstrip("."), value))
+    elif isinstance(item, list):
+      stack.extend((f"{path}[{i}]", value) for i, value in enumerate(item))
+  return None
+
+
+async def _parse(request: Request, model: type[BaseModel], max_bytes: int):
   """The request body as `model`.
 
   Raises:
-    APIError: for a body that is not UTF-8, not JSON, or not a valid `model`.
+    APIError: 413 for a body over `max_bytes`; 400 for a body that is not
+      UTF-8, not JSON, nested too deeply, holds a NUL character, or is not a
+      valid `model`.
   """
-  raw = await request.body()
+  raw = await _read_body(request, max_bytes)
   try:
     text = raw.decode("utf-8")
   except UnicodeDecodeError as err:
@@ -132,8 +195,13 @@ async def _parse(request: Request, model: type[BaseModel]):
     data = json.loads(text)
   except json.JSONDecodeError as err:
     raise APIError(f"the request body is not valid JSON: {err}") from None
+  except RecursionError:
+    raise APIError("the request body is JSON nested too deeply") from None
   if not isinstance(data, dict):
     raise APIError(f"the request body must be a JSON object, got {type(data).__name__}")
+  nul = _first_nul_path(data)
+  if nul is not None:
+    raise APIError(f"{nul}: text must not hold a NUL character", re.split(r"[.\[]", nul)[0])
   try:
     return model.model_validate(data)
   except ValidationError as err:
@@ -178,6 +246,7 @@ class Server:
     self.metrics = metrics
     self._client: EngineClient | None = None
     self.shutting_down = False
+    self.num_waiting = 0  # prompts sent to the engine that have no output yet
 
   @property
   def client(self) -> EngineClient:
@@ -273,6 +342,12 @@ class Server:
     temperature = body.temperature
     if temperature is None:
       temperature = 0.0 if body.use_beam_search else 1.0
+    stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    longest = max(map(len, stops), default=0)
+    if longest > MAX_STOP_CHARS:
+      raise APIError(
+        f"stop: a stop string may have at most {MAX_STOP_CHARS} characters, got {longest}", "stop"
+      )
     stop_ids = body.stop_token_ids or []
     vocab = self.settings.vocab_size
     bad = next((i for i in stop_ids if not 0 <= i < vocab), None)
@@ -308,17 +383,21 @@ class Server:
     """Runs every prompt on the engine; yields `(prompt index, delta)`.
 
     Aborts the prompts still running when the caller stops early (a client
-    that disconnects, an error).
+    that disconnects, an error) or when the request runs past
+    `settings.request_timeout`.
 
     Raises:
       APIError: 400 for a request the engine refused, 503 when the server
-        shuts down.
+        shuts down or more than `settings.max_waiting_requests` prompts
+        would wait, 408 past the request timeout.
     """
     if self.shutting_down:
       raise APIError("the server is shutting down", status=503, kind="service_unavailable")
+    self.check_queue(len(prompts))
     target: asyncio.Queue = asyncio.Queue()
     ids = [f"{request_id}-{index}" for index in range(len(prompts))]
-    pending = set()
+    pending, waiting = set(), set()
+    deadline = _deadline(self.settings.request_timeout)
     try:
       for index, (engine_id, token_ids) in enumerate(zip(ids, prompts)):
         try:
@@ -326,8 +405,13 @@ class Server:
         except EngineStopped as err:
           raise APIError(str(err), status=503, kind="service_unavailable") from None
         pending.add(index)
+        waiting.add(index)
+        self.num_waiting += 1
       while pending:
-        index, item = await target.get()
+        index, item = await self.next_output(target, deadline)
+        if index in waiting:
+          waiting.discard(index)
+          self.num_waiting -= 1
         if isinstance(item, EngineStopped):
           pending.discard(index)
           raise APIError(str(item), status=503, kind="service_unavailable")
@@ -346,15 +430,51 @@ class Server:
             raise APIError("the request was aborted", status=503, kind="service_unavailable")
           yield index, output
     finally:
+      self.num_waiting -= len(waiting)
       for index in pending:
         self.client.abort(ids[index])
+
+  def check_queue(self, num_prompts: int) -> None:
+    """Refuses a request whose prompts would queue past `max_waiting_requests`.
+
+    Raises:
+      APIError: 503, with a `Retry-After` header.
+    """
+    limit = self.settings.max_waiting_requests
+    if self.num_waiting + num_prompts > limit:
+      raise APIError(
+        f"the server is busy: {self.num_waiting} prompts wait for their first token and "
+        f"this request would add {num_prompts} (--max-waiting-requests {limit}); "
+        f"retry after {RETRY_AFTER_S} s",
+        status=503,
+        kind="service_unavailable",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+      )
+
+  async def next_output(self, target: asyncio.Queue, deadline: float | None):
+    """The next `(index, item)` for this request.
+
+    Raises:
+      APIError: 408 once `deadline` (event-loop time) has passed.
+    """
+    if deadline is None:
+      return await target.get()
+    try:
+      return await asyncio.wait_for(target.get(), deadline - asyncio.get_running_loop().time())
+    except TimeoutError:
+      raise APIError(
+        f"the request ran past its {self.settings.request_timeout:g} s (--request-timeout) "
+        "and was aborted",
+        status=408,
+        kind="timeout",
+      ) from None
 
   def token_text(self, token_id: int) -> str:
     return self.tokenizer.decode([token_id])
 
   # Completions.
   async def completions(self, request: Request) -> Response:
-    body = await _parse(request, protocol.CompletionRequest)
+    body = await _parse(request, protocol.CompletionRequest, self.settings.max_request_bytes)
     self.check_model(body.model)
     prompts = self.prompt_ids(body.prompt)
     self.check_n(body.n, body.use_beam_search)
@@ -369,6 +489,7 @@ class Server:
       self.check_length(len(ids), max_tokens, "max_tokens")
       self.check_blocks(len(ids), max_tokens, body.n)
     params = self.sampling_params(body, max_tokens, body.logprobs)
+    self.check_queue(len(prompts))  # before a stream's headers go out
     request_id = f"cmpl-{uuid.uuid4().hex}"
     echo = [self.echo_choice(text, ids) for text, ids in prompts]
     if body.echo and body.logprobs is not None:
@@ -484,7 +605,7 @@ class Server:
 
   # Chat completions.
   async def chat_completions(self, request: Request) -> Response:
-    body = await _parse(request, protocol.ChatCompletionRequest)
+    body = await _parse(request, protocol.ChatCompletionRequest, self.settings.max_request_bytes)
     self.check_model(body.model)
     ids = self.render_chat(body.messages, body.add_generation_prompt)
     self.check_n(body.n, body.use_beam_search)
@@ -505,6 +626,7 @@ class Server:
     self.check_blocks(len(ids), max_tokens, body.n)
     k = (body.top_logprobs or 0) if body.logprobs else None
     params = self.sampling_params(body, max_tokens, k)
+    self.check_queue(1)  # before a stream's headers go out
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     events = self.chat_events(request_id, body, ids, params)
     if body.stream:
@@ -601,7 +723,7 @@ class Server:
 
   # Tokenizer endpoints.
   async def tokenize(self, request: Request) -> Response:
-    body = await _parse(request, protocol.TokenizeRequest)
+    body = await _parse(request, protocol.TokenizeRequest, self.settings.max_request_bytes)
     self.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
       raise APIError("prompt: give exactly one of prompt and messages", "prompt")
@@ -615,7 +737,7 @@ class Server:
     return JSONResponse(response.model_dump())
 
   async def detokenize(self, request: Request) -> Response:
-    body = await _parse(request, protocol.DetokenizeRequest)
+    body = await _parse(request, protocol.DetokenizeRequest, self.settings.max_request_bytes)
     self.check_model(body.model)
     vocab = self.settings.vocab_size
     bad = next((i for i in body.tokens if not 0 <= i < vocab), None)
@@ -633,6 +755,11 @@ class Server:
       max_model_len=settings.max_model_len,
     )
     return JSONResponse(protocol.ModelList(data=[card]).model_dump())
+
+
+def _deadline(timeout: float | None) -> float | None:
+  """The event loop's time `timeout` seconds from now, or None."""
+  return None if timeout is None else asyncio.get_running_loop().time() + timeout
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> protocol.Usage:

@@ -18,6 +18,12 @@ import pathlib
 import signal
 import threading
 
+from paged_jax.server.limits import (
+  DEFAULT_MAX_REQUEST_BYTES,
+  DEFAULT_MAX_WAITING_REQUESTS,
+  DEFAULT_REQUEST_TIMEOUT_S,
+)
+
 API_KEY_ENV = "PAGED_JAX_API_KEY"  # where --api-key's default comes from
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
 MAX_BEAM_WIDTH = 4
@@ -131,6 +137,24 @@ def add_parser(sub) -> argparse.ArgumentParser:
     "command line; none: no key)",
   )
   serve.add_argument("--max-logprobs", type=int, default=20)
+  serve.add_argument(
+    "--max-request-bytes",
+    type=_positive,
+    default=DEFAULT_MAX_REQUEST_BYTES,
+    help="the largest request body; a larger one gets 413",
+  )
+  serve.add_argument(
+    "--max-waiting-requests",
+    type=_positive,
+    default=DEFAULT_MAX_WAITING_REQUESTS,
+    help="prompts waiting for their first token, at most; past it, 503 with Retry-After",
+  )
+  serve.add_argument(
+    "--request-timeout",
+    type=_non_negative,
+    default=DEFAULT_REQUEST_TIMEOUT_S,
+    help="seconds a request may run before it is aborted and its blocks freed (0: no limit)",
+  )
   serve.add_argument("--seed", type=int, default=0)
   serve.add_argument(
     "--speculative-config",
@@ -320,6 +344,9 @@ def run(args) -> int:
     block_size=args.block_size,
     num_gpu_blocks=built.cache_config.num_gpu_blocks,
     api_key=args.api_key,
+    max_request_bytes=args.max_request_bytes,
+    max_waiting_requests=args.max_waiting_requests,
+    request_timeout=args.request_timeout or None,
   )
   app = build_app(thread, tokenizer, settings, metrics)
 
