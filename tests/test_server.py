@@ -511,7 +511,37 @@ def test_a_draft_model_flag_loads_the_draft_as_the_model_flag_does():
   assert config["model"].config == load_tiny().config
 
 
-# An unexpected error stays in its request: an app over a stub engine.
+# Apps over stub engines: an unexpected error stays in its request; limits,
+# hostile bodies and admission.
+
+STUB_SETTINGS = dict(
+  served_model_name="stub",
+  model_source="stub",
+  max_model_len=128,
+  vocab_size=258,
+  max_num_seqs=4,
+  max_logprobs=5,
+  max_beam_width=4,
+)
+
+
+def _stub_app(engine, **limits):
+  from paged_jax.server.app import ServerSettings, build_app
+  from paged_jax.server.metrics import ServerMetrics
+
+  settings = ServerSettings(**STUB_SETTINGS, **limits)
+  return build_app(engine, ByteTokenizer(), settings, ServerMetrics("stub"))
+
+
+def _exchange(app, talk):
+  """Runs `talk(client)` against `app` in one event loop."""
+
+  async def run():
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://stub") as client:
+      return await talk(client)
+
+  return asyncio.run(run())
 
 
 class _FailingEngine:
@@ -529,35 +559,22 @@ class _FailingEngine:
   def abort(self, request_id):
     pass
 
+  def admission_error(self, num_prompt_tokens, params):
+    return None
+
 
 def test_an_unexpected_error_answers_500_for_that_request_only():
-  from paged_jax.server.app import ServerSettings, build_app
-  from paged_jax.server.metrics import ServerMetrics
+  app = _stub_app(_FailingEngine())
 
-  settings = ServerSettings(
-    served_model_name="stub",
-    model_source="stub",
-    max_model_len=128,
-    vocab_size=258,
-    max_num_seqs=4,
-    max_logprobs=5,
-    max_beam_width=4,
-    block_size=16,
-    num_gpu_blocks=64,
-  )
-  app = build_app(_FailingEngine(), ByteTokenizer(), settings, ServerMetrics("stub"))
+  async def talk(client):
+    failed = await client.post("/v1/completions", json=dict(prompt=[0, 1], max_tokens=2))
+    served = await client.post("/v1/completions", json=dict(prompt=[1, 2], max_tokens=2))
+    streamed = await client.post(
+      "/v1/completions", json=dict(prompt=[0, 1], max_tokens=2, stream=True)
+    )
+    return failed, served, streamed
 
-  async def exchange():
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://stub") as client:
-      failed = await client.post("/v1/completions", json=dict(prompt=[0, 1], max_tokens=2))
-      served = await client.post("/v1/completions", json=dict(prompt=[1, 2], max_tokens=2))
-      streamed = await client.post(
-        "/v1/completions", json=dict(prompt=[0, 1], max_tokens=2, stream=True)
-      )
-      return failed, served, streamed
-
-  failed, served, streamed = asyncio.run(exchange())
+  failed, served, streamed = _exchange(app, talk)
   assert failed.status_code == 500
   assert failed.json()["error"]["type"] == "internal_server_error"
   assert "stub engine failure" in failed.json()["error"]["message"]
@@ -587,37 +604,8 @@ class _StallingEngine:
   def abort(self, request_id):
     self.aborted.append(request_id)
 
-
-STUB_SETTINGS = dict(
-  served_model_name="stub",
-  model_source="stub",
-  max_model_len=128,
-  vocab_size=258,
-  max_num_seqs=4,
-  max_logprobs=5,
-  max_beam_width=4,
-  block_size=16,
-  num_gpu_blocks=64,
-)
-
-
-def _stub_app(engine, **limits):
-  from paged_jax.server.app import ServerSettings, build_app
-  from paged_jax.server.metrics import ServerMetrics
-
-  settings = ServerSettings(**STUB_SETTINGS, **limits)
-  return build_app(engine, ByteTokenizer(), settings, ServerMetrics("stub"))
-
-
-def _exchange(app, talk):
-  """Runs `talk(client)` against `app` in one event loop."""
-
-  async def run():
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://stub") as client:
-      return await talk(client)
-
-  return asyncio.run(run())
+  def admission_error(self, num_prompt_tokens, params):
+    return None
 
 
 def test_a_body_over_max_request_bytes_gets_413_by_length_or_as_it_arrives():
@@ -703,6 +691,59 @@ def test_a_full_queue_gets_503_with_retry_after_and_a_timeout_aborts_with_408():
   assert "--request-timeout" in stream.text and "[DONE]" not in stream.text
   stalled_ids = [rid for rid in engine.added if rid not in engine.aborted]
   assert len(engine.aborted) == 3 and len(stalled_ids) == 1  # only the served one finished
+
+
+class _AdmittingEngine(_StallingEngine):
+  """Answers at once, and admits by a real engine's rule."""
+
+  def __init__(self, engine):
+    super().__init__()
+    self.admission_error = engine.admission_error
+
+
+def test_the_server_refuses_exactly_what_the_engine_would_refuse():
+  cfg = pj.CacheConfig(
+    block_size=16, num_gpu_blocks=12, num_cpu_blocks=0, max_seqs=4, max_blocks_per_seq=8
+  )
+  engine = pj.LLMEngine(load_tiny(), ByteTokenizer(), cfg)
+  stub = _AdmittingEngine(engine)
+  app = _stub_app(stub)
+  grid = [
+    (prompt_len, max_tokens, n, beams)
+    for prompt_len in (1, 30, 70, 100)
+    for max_tokens in (1, 27, 50)
+    for n, beams in ((1, False), (2, False), (4, False), (2, True))
+    if prompt_len + max_tokens <= STUB_SETTINGS["max_model_len"]
+  ]
+
+  async def talk(client):
+    return [
+      await client.post(
+        "/v1/completions",
+        json=dict(
+          prompt=[1] * prompt_len,
+          max_tokens=max_tokens,
+          n=n,
+          use_beam_search=beams,
+          temperature=0.0 if beams else 1.0,
+        ),
+      )
+      for prompt_len, max_tokens, n, beams in grid
+    ]
+
+  responses = _exchange(app, talk)
+  refused = 0
+  for (prompt_len, max_tokens, n, beams), response in zip(grid, responses):
+    params = pj.SamplingParams(n=n, max_tokens=max_tokens, use_beam_search=beams, temperature=0)
+    error = engine.admission_error(prompt_len, params)
+    if error is None:
+      assert response.status_code == 200, (prompt_len, max_tokens, n, beams, response.text)
+    else:
+      refused += 1
+      assert response.status_code == 400, (prompt_len, max_tokens, n, beams)
+      assert error in response.json()["error"]["message"]
+  assert 0 < refused < len(grid)  # the grid crosses the boundary
+  assert len(stub.added) == len(grid) - refused
 
 
 # SmolLM2: chat and lm-eval's loglikelihood requests.

@@ -58,8 +58,6 @@ class ServerSettings:
     max_num_seqs: sequences one request may ask for (`n`).
     max_logprobs: the largest `logprobs` / `top_logprobs`.
     max_beam_width: the most beams of a beam-search request.
-    block_size: tokens per KV block.
-    num_gpu_blocks: KV blocks of one data shard (a request must fit in one).
     api_key: the key every endpoint but `/health` and `/metrics` needs.
     max_request_bytes: the largest request body (413 past it).
     max_waiting_requests: prompts waiting for their first token, at most;
@@ -75,8 +73,6 @@ class ServerSettings:
   max_num_seqs: int
   max_logprobs: int
   max_beam_width: int
-  block_size: int
-  num_gpu_blocks: int
   api_key: str | None = None
   max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
   max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS
@@ -300,19 +296,18 @@ class Server:
         param,
       )
 
-  def check_blocks(self, num_prompt_tokens: int, max_tokens: int, n: int) -> None:
-    """A request's `n` sequences must fit in one shard's cache together."""
-    settings = self.settings
-    size = settings.block_size
-    per_seq = -(-(num_prompt_tokens + max(max_tokens, 1) - 1) // size)
-    shared = min(num_prompt_tokens // size, per_seq)
-    needed = per_seq + (n - 1) * (per_seq - shared)
-    if needed > settings.num_gpu_blocks:
-      raise APIError(
-        f"n: {n} sequences of {num_prompt_tokens} prompt + {max_tokens} new tokens need "
-        f"{needed} KV blocks of {size} tokens; the cache has {settings.num_gpu_blocks}",
-        "n",
-      )
+  def check_admission(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+    """Refuses what the engine would refuse: the engine's own admission rule
+    (slots, positions, and the KV blocks of one data shard, with sliding
+    windows, speculative lookahead and the watermark).
+
+    Raises:
+      APIError: 400 naming why.
+    """
+    error = self.engine_thread.admission_error(num_prompt_tokens, params)
+    if error is not None:
+      param = "n" if params.n > 1 else "prompt"
+      raise APIError(f"{param}: the request can never be served: {error}", param)
 
   def check_n(self, n: int, use_beam_search: bool) -> None:
     settings = self.settings
@@ -487,8 +482,9 @@ class Server:
     )
     for _, ids in prompts:
       self.check_length(len(ids), max_tokens, "max_tokens")
-      self.check_blocks(len(ids), max_tokens, body.n)
     params = self.sampling_params(body, max_tokens, body.logprobs)
+    for _, ids in prompts:
+      self.check_admission(len(ids), params)
     self.check_queue(len(prompts))  # before a stream's headers go out
     request_id = f"cmpl-{uuid.uuid4().hex}"
     echo = [self.echo_choice(text, ids) for text, ids in prompts]
@@ -623,9 +619,9 @@ class Server:
           "messages",
         )
     self.check_length(len(ids), max_tokens, field)
-    self.check_blocks(len(ids), max_tokens, body.n)
     k = (body.top_logprobs or 0) if body.logprobs else None
     params = self.sampling_params(body, max_tokens, k)
+    self.check_admission(len(ids), params)
     self.check_queue(1)  # before a stream's headers go out
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     events = self.chat_events(request_id, body, ids, params)

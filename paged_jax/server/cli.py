@@ -341,8 +341,6 @@ def run(args) -> int:
     max_num_seqs=args.max_num_seqs,
     max_logprobs=args.max_logprobs,
     max_beam_width=MAX_BEAM_WIDTH,
-    block_size=args.block_size,
-    num_gpu_blocks=built.cache_config.num_gpu_blocks,
     api_key=args.api_key,
     max_request_bytes=args.max_request_bytes,
     max_waiting_requests=args.max_waiting_requests,

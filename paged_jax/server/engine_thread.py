@@ -147,6 +147,12 @@ class EngineThread:
     """Queues a prompt-scoring job; `sink` gets `PromptLogprobs` or an exception."""
     self._put(_Score(np.asarray(token_ids, np.int32), k, sink))
 
+  def admission_error(self, num_prompt_tokens: int, params: SamplingParams) -> str | None:
+    """The engine's answer to "can this request ever be served" (None: yes),
+    `LLMEngine.admission_error`; it reads only the engine's configuration,
+    so any thread may ask."""
+    return self.engine.admission_error(num_prompt_tokens, params)
+
   def request_stop(self) -> None:
     """Asks the thread to abort every request (their sinks see finish
     reason "abort") and end; returns at once."""
