@@ -16,6 +16,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -608,6 +609,12 @@ class _StallingEngine:
     return None
 
 
+def _outcomes(metrics_text: str) -> dict[str, int]:
+  """`paged_jax:requests_total` by outcome."""
+  found = re.findall(r'paged_jax:requests_total\{.*outcome="(\w+)".*\} (\S+)', metrics_text)
+  return {outcome: int(float(value)) for outcome, value in found}
+
+
 def test_a_body_over_max_request_bytes_gets_413_by_length_or_as_it_arrives():
   app = _stub_app(_StallingEngine(), max_request_bytes=100)
   body = json.dumps(dict(prompt="x" * 200, max_tokens=2)).encode()
@@ -676,9 +683,10 @@ def test_a_full_queue_gets_503_with_retry_after_and_a_timeout_aborts_with_408():
     timed_out = await asyncio.gather(*waiting)
     served = await client.post("/v1/completions", json=dict(prompt=[1, 2], max_tokens=2))
     stream = await client.post("/v1/completions", json=dict(**stalled, stream=True))
-    return refused, refused_stream, timed_out, served, stream
+    metrics = await client.get("/metrics")
+    return refused, refused_stream, timed_out, served, stream, metrics
 
-  refused, refused_stream, timed_out, served, stream = _exchange(app, talk)
+  refused, refused_stream, timed_out, served, stream, metrics = _exchange(app, talk)
   for response in (refused, refused_stream):
     assert response.status_code == 503
     assert response.headers["retry-after"] == "1"
@@ -691,6 +699,7 @@ def test_a_full_queue_gets_503_with_retry_after_and_a_timeout_aborts_with_408():
   assert "--request-timeout" in stream.text and "[DONE]" not in stream.text
   stalled_ids = [rid for rid in engine.added if rid not in engine.aborted]
   assert len(engine.aborted) == 3 and len(stalled_ids) == 1  # only the served one finished
+  assert _outcomes(metrics.text) == dict(completed=1, refused=2, aborted=3, failed=0)
 
 
 class _AdmittingEngine(_StallingEngine):

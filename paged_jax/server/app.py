@@ -88,6 +88,9 @@ class APIError(Exception):
     status: the HTTP status.
     kind: OpenAI's error `type`.
     headers: extra response headers (`Retry-After`).
+    outcome: how the request ended, as `/metrics` counts it: "refused"
+      (before it ran), "aborted" (stopped while it ran) or "failed" (an
+      unexpected error).
   """
 
   def __init__(
@@ -97,10 +100,11 @@ class APIError(Exception):
     status: int = 400,
     kind: str = "invalid_request_error",
     headers: dict[str, str] | None = None,
+    outcome: str = "refused",
   ):
     super().__init__(message)
     self.message, self.param, self.status, self.kind = message, param, status, kind
-    self.headers = headers
+    self.headers, self.outcome = headers, outcome
 
   def body(self) -> dict:
     return protocol.ErrorResponse(
@@ -409,7 +413,7 @@ class Server:
           self.num_waiting -= 1
         if isinstance(item, EngineStopped):
           pending.discard(index)
-          raise APIError(str(item), status=503, kind="service_unavailable")
+          raise APIError(str(item), status=503, kind="service_unavailable", outcome="aborted")
         if isinstance(item, ValueError):
           pending.discard(index)
           raise APIError(f"prompt {index}: {item}")
@@ -422,7 +426,9 @@ class Server:
           raise APIError(item.error)
         for output in item.outputs:
           if output.finish_reason == "abort":
-            raise APIError("the request was aborted", status=503, kind="service_unavailable")
+            raise APIError(
+              "the request was aborted", status=503, kind="service_unavailable", outcome="aborted"
+            )
           yield index, output
     finally:
       self.num_waiting -= len(waiting)
@@ -462,6 +468,7 @@ class Server:
         "and was aborted",
         status=408,
         kind="timeout",
+        outcome="aborted",
       ) from None
 
   def token_text(self, token_id: int) -> str:
@@ -500,7 +507,7 @@ class Server:
     usage_prompt = sum(len(ids) for _, ids in prompts)
     events = self.completion_events(request_id, body, prompts, params, echo, usage_prompt)
     if body.stream:
-      return _event_stream(events, body.include_usage)
+      return _event_stream(events, body.include_usage, self.metrics)
     choices: dict[int, protocol.CompletionChoice] = {}
     completion_tokens = 0
     async for chunk in _until_disconnect(request, events):
@@ -626,7 +633,7 @@ class Server:
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     events = self.chat_events(request_id, body, ids, params)
     if body.stream:
-      return _event_stream(events, body.include_usage)
+      return _event_stream(events, body.include_usage, self.metrics)
     choices: dict[int, protocol.ChatChoice] = {}
     usage = None
     async for chunk in _until_disconnect(request, events):
@@ -766,27 +773,34 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> protocol.Usage:
   )
 
 
-def _event_stream(events: AsyncIterator[BaseModel], include_usage: bool) -> StreamingResponse:
+def _event_stream(
+  events: AsyncIterator[BaseModel], include_usage: bool, metrics: ServerMetrics
+) -> StreamingResponse:
   """Server-sent events of `events`, `data: [DONE]` last.
 
   The last chunk (no choices, the usage) is sent only with `include_usage`;
   an `APIError` on the way is sent as an error event and ends the stream.
   If the client disconnects, the response stops iterating `events`, whose
-  cleanup aborts the requests.
+  cleanup aborts the requests. The stream's end counts its outcome.
   """
 
   async def serialize() -> AsyncIterator[str]:
+    outcome = "aborted"  # unless it ends otherwise: the client went away
     try:
       async for chunk in events:
         if chunk.choices or include_usage:
           yield _sse(chunk)
+      outcome = "completed"
     except APIError as err:
+      outcome = err.outcome
       yield _sse(err.body())
       return
     except Exception as err:  # noqa: BLE001 - the headers are sent: end with an error event
+      outcome = "failed"
       yield _sse(_internal_error(err).body())
       return
     finally:
+      metrics.count_request(outcome)
       await events.aclose()
     yield "data: [DONE]\n\n"
 
@@ -809,7 +823,9 @@ async def _until_disconnect(request: Request, events: AsyncIterator[BaseModel]):
         step.cancel()
         with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
           await step
-        raise APIError("the client disconnected", status=499, kind="client_closed_request")
+        raise APIError(
+          "the client disconnected", status=499, kind="client_closed_request", outcome="aborted"
+        )
       try:
         yield step.result()
       except StopAsyncIteration:
@@ -829,21 +845,30 @@ async def _wait_for_disconnect(request: Request) -> None:
 def _internal_error(err: Exception) -> APIError:
   logger.error("request failed", exc_info=err)
   return APIError(
-    f"internal error: {type(err).__name__}: {err}", status=500, kind="internal_server_error"
+    f"internal error: {type(err).__name__}: {err}",
+    status=500,
+    kind="internal_server_error",
+    outcome="failed",
   )
 
 
-def _guarded(handler):
+def _guarded(handler, metrics: ServerMetrics):
   """`handler` answering its `APIError`s with OpenAI's error body, and any
-  other exception with a 500 (the server keeps serving)."""
+  other exception with a 500 (the server keeps serving); counts each
+  request's outcome (a stream counts its own when it ends)."""
 
   async def route(request: Request) -> Response:
     try:
-      return await handler(request)
+      response = await handler(request)
     except APIError as err:
+      metrics.count_request(err.outcome)
       return err.response()
     except Exception as err:  # noqa: BLE001 - one request's failure stays its own
+      metrics.count_request("failed")
       return _internal_error(err).response()
+    if not isinstance(response, StreamingResponse):
+      metrics.count_request("completed")
+    return response
 
   route.__name__ = handler.__name__
   return route
@@ -893,6 +918,6 @@ def build_app(engine, tokenizer, settings: ServerSettings, metrics: ServerMetric
     ("/tokenize", server.tokenize),
     ("/detokenize", server.detokenize),
   ):
-    app.add_api_route(path, _guarded(handler), methods=["POST"])
+    app.add_api_route(path, _guarded(handler, metrics), methods=["POST"])
 
   return app

@@ -50,6 +50,7 @@ ITL_BUCKETS = (
   10.0,
   20.0,
 )
+OUTCOMES = ("completed", "refused", "aborted", "failed")
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0)
 
 
@@ -62,6 +63,16 @@ class ServerMetrics:
 
   def __init__(self, model_name: str):
     self.registry = CollectorRegistry()
+    self.model_name = model_name
+    self.requests = Counter(
+      "paged_jax:requests",
+      "API requests by outcome: completed, refused (an error before it ran), aborted "
+      "(stopped while it ran: a client gone, a timeout, shutdown) or failed (unexpected).",
+      ["model_name", "outcome"],
+      registry=self.registry,
+    )
+    for outcome in OUTCOMES:
+      self.requests.labels(model_name, outcome)
     labels = ["model_name"]
     gauge = lambda name, doc: Gauge(name, doc, labels, registry=self.registry).labels(model_name)
     counter = lambda name, doc: Counter(name, doc, labels, registry=self.registry).labels(
@@ -116,6 +127,10 @@ class ServerMetrics:
       "Seconds from a request's arrival at the engine to its end.",
       E2E_BUCKETS,
     )
+
+  def count_request(self, outcome: str) -> None:
+    """Counts one API request by how it ended (see `OUTCOMES`)."""
+    self.requests.labels(self.model_name, outcome).inc()
 
   def render(self) -> bytes:
     """The metrics in Prometheus' text format."""
