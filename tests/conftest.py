@@ -97,6 +97,7 @@ LONG_TESTS = (
   "tests/test_compilation_cache.py::test_a_second_start",
   "tests/test_demo.py::test_demo_json_report",
   "tests/test_server.py::",
+  "tests/test_soak.py::",
   "tests/test_structured_engine.py::",
   "tests/test_speculative.py::",
   "tests/test_beam_search.py::",

@@ -1,0 +1,399 @@
+"""A soak of `python -m paged_jax serve`: many mixed requests, then checks
+that nothing leaked and that every answer is the one it gives alone.
+
+The requests (seeded, `--requests` of them, `--concurrency` at a time, each
+retried after a 503's `Retry-After` as OpenAI's client does, with a burst of
+`2 * --max-waiting-requests` requests that are not retried every
+`--burst-every`):
+completions and chat, streamed or not, n = 1..4, beam search, log
+probabilities and echo, stop strings, greedy and seeded sampling; some
+streams disconnect after their first event. Chat only where the model has a
+chat template (the tiny model has none). Structured outputs are not mixed
+in: the HTTP API does not take them yet.
+
+Afterwards it checks, and reports:
+  - every request that completed gave the text it gives when sent alone
+    (greedy and seeded ones; the solo reruns go one at a time);
+  - every refused request got a 4xx/5xx with OpenAI's error body;
+  - `/metrics`: requests in (`paged_jax:requests_total`, all outcomes)
+    equals the requests sent, and completed plus refused matches what the
+    client saw;
+  - every KV block is free and no request runs or waits;
+  - the server's RSS is within 10% of its RSS after warm-up;
+  - the server still answers;
+  - SIGTERM during a burst of streams: the process exits 0 within 10 s and
+    every open stream ends with an error event or `[DONE]`.
+
+  python benchmarks/soak_serve.py [--model tiny] [--requests 2000] [--json]
+
+The last line with `--json` is one JSON object of the numbers. Exits 1 if a
+check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+HEADWORDS = ("LOVE", "WAR", "PEACE", "LAWYER", "MONEY", "FRIEND", "HOPE", "FAME", "DEBT", "WIT")
+STOPS = (" the", "e,", "\n", "ing")
+MAX_RETRIES = 20
+
+
+@dataclasses.dataclass
+class Spec:
+  """One request: its path and body, and how the client treats it."""
+
+  path: str
+  body: dict
+  disconnect: bool = False  # a stream that leaves after its first event
+
+  @property
+  def deterministic(self) -> bool:
+    body = self.body
+    return body.get("temperature", 1.0) == 0 or "seed" in body or body.get("use_beam_search")
+
+
+@dataclasses.dataclass
+class Outcome:
+  status: int
+  texts: dict[int, str] | None = None  # choice index -> text, when completed
+  error: dict | None = None
+  disconnected: bool = False
+  retry_after: float | None = None  # a 503's Retry-After
+
+
+def make_spec(rng: random.Random, model: str, chat: bool = True) -> Spec:
+  """A random request of the mix (completions only unless `chat`)."""
+  word = rng.choice(HEADWORDS)
+  body = dict(model=model, max_tokens=rng.randint(1, 24), n=rng.randint(1, 4))
+  sampling = rng.random()
+  if sampling < 0.15:
+    body.update(use_beam_search=True, n=2, temperature=0.0)
+  elif sampling < 0.5:
+    body.update(temperature=0.0)
+  elif sampling < 0.8:
+    body.update(temperature=0.8, seed=rng.randint(0, 10**6))
+  if rng.random() < 0.3:
+    body["stop"] = rng.sample(STOPS, rng.randint(1, 2))
+  if rng.random() < 0.5 or not chat:
+    body.update(prompt=f"{word}, n. ")
+    if rng.random() < 0.3 and not body.get("use_beam_search"):
+      body.update(logprobs=rng.randint(0, 3), echo=rng.random() < 0.5)
+    path = "/v1/completions"
+  else:
+    body.update(messages=[{"role": "user", "content": f"Define {word.lower()}."}])
+    if rng.random() < 0.3 and not body.get("use_beam_search"):
+      body.update(logprobs=True, top_logprobs=rng.randint(0, 3))
+    path = "/v1/chat/completions"
+  stream = rng.random() < 0.5
+  if stream:
+    body.update(stream=True)
+  return Spec(path, body, disconnect=stream and rng.random() < 0.1)
+
+
+def _choice_text(choice: dict) -> str:
+  if "text" in choice:
+    return choice["text"]
+  part = choice.get("message") or choice.get("delta") or {}
+  return part.get("content") or ""
+
+
+async def send(client: httpx.AsyncClient, spec: Spec, on_first_event=None) -> Outcome:
+  """Sends `spec`; a streamed answer is joined into texts per choice, and
+  `on_first_event()` is called when its first event arrives."""
+  if not spec.body.get("stream"):
+    response = await client.post(spec.path, json=spec.body)
+    data = response.json()
+    if response.status_code != 200:
+      return _refusal(response, data)
+    return Outcome(200, texts={c["index"]: _choice_text(c) for c in data["choices"]})
+  texts: dict[int, str] = {}
+  async with client.stream("POST", spec.path, json=spec.body) as response:
+    if response.status_code != 200:
+      return _refusal(response, json.loads(await response.aread()))
+    async for line in response.aiter_lines():
+      if not line.startswith("data: "):
+        continue
+      if on_first_event is not None:
+        on_first_event()
+        on_first_event = None
+      if spec.disconnect:
+        return Outcome(200, disconnected=True)
+      payload = line.removeprefix("data: ")
+      if payload == "[DONE]":
+        return Outcome(200, texts=texts)
+      event = json.loads(payload)
+      if "error" in event:
+        return Outcome(event["error"]["code"], error=event["error"])
+      for choice in event["choices"]:
+        texts[choice["index"]] = texts.get(choice["index"], "") + _choice_text(choice)
+  return Outcome(200, error={"message": "the stream ended without [DONE]"})
+
+
+def _refusal(response: httpx.Response, data: dict) -> Outcome:
+  retry_after = response.headers.get("retry-after")
+  return Outcome(
+    response.status_code,
+    error=data.get("error"),
+    retry_after=None if retry_after is None else float(retry_after),
+  )
+
+
+def check_refusal(outcome: Outcome) -> bool:
+  """A refusal is a 4xx/5xx with OpenAI's error body."""
+  error = outcome.error or {}
+  return outcome.status >= 400 and {"message", "type", "code"} <= set(error)
+
+
+class Server:
+  """A `serve` subprocess on a free port."""
+
+  def __init__(self, args: list[str]):
+    with socket.socket() as sock:
+      sock.bind(("127.0.0.1", 0))
+      self.port = sock.getsockname()[1]
+    self.url = f"http://127.0.0.1:{self.port}"
+    self.log = tempfile.TemporaryFile("w+")
+    command = [sys.executable, "-m", "paged_jax", "serve", "--port", str(self.port), *args]
+    self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+
+  def wait_healthy(self, timeout: float = 900) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+      if self.process.poll() is not None:
+        self.log.seek(0)
+        raise RuntimeError(f"the server exited {self.process.returncode}:\n{self.log.read()}")
+      with contextlib.suppress(httpx.HTTPError):
+        if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+          return
+      time.sleep(0.25)
+    raise TimeoutError(f"no /health in {timeout} s")
+
+  def rss_bytes(self) -> int:
+    with open(f"/proc/{self.process.pid}/status") as status:
+      kib = next(line for line in status if line.startswith("VmRSS:")).split()[1]
+    return int(kib) * 1024
+
+  def metrics(self) -> dict[str, float]:
+    """Every sample of `/metrics`, keyed by name and labels as printed."""
+    text = httpx.get(f"{self.url}/metrics", timeout=30).text
+    samples = {}
+    for line in text.splitlines():
+      if line and not line.startswith("#"):
+        key, value = line.rsplit(" ", 1)
+        samples[re.sub(r'model_name="[^"]*",?', "", key).replace("{}", "")] = float(value)
+    return samples
+
+  def kill(self) -> None:
+    if self.process.poll() is None:
+      self.process.kill()
+      self.process.wait()
+
+
+def outcome_counts(metrics: dict[str, float]) -> dict[str, int]:
+  return {
+    key.split('outcome="')[1].rstrip('"}'): int(value)
+    for key, value in metrics.items()
+    if key.startswith("paged_jax:requests_total")
+  }
+
+
+async def run_mix(url: str, specs: list[Spec], concurrency: int, burst_every: int, burst: int):
+  """Sends `specs` at `concurrency`, each retried after a 503's Retry-After
+  (up to `MAX_RETRIES` times, as OpenAI's client does), with a burst of
+  `burst` extra requests (one spec, at once, never retried) every
+  `burst_every` requests. Returns the mix's outcomes, the bursts' and the
+  number of retries."""
+  limits = httpx.Limits(max_connections=concurrency + burst + 8)
+  retries = 0
+  async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+    gate = asyncio.Semaphore(concurrency)
+
+    async def gated(spec):
+      nonlocal retries
+      async with gate:
+        for _ in range(MAX_RETRIES):
+          outcome = await send(client, spec)
+          if outcome.retry_after is None:
+            break
+          retries += 1
+          await asyncio.sleep(outcome.retry_after)
+        return outcome
+
+    tasks, bursts = [], []
+    for index, spec in enumerate(specs):
+      tasks.append(asyncio.ensure_future(gated(spec)))
+      if burst_every and index % burst_every == burst_every - 1:
+        bursts += [asyncio.ensure_future(send(client, specs[index])) for _ in range(burst)]
+      await asyncio.sleep(0)
+    return await asyncio.gather(*tasks), await asyncio.gather(*bursts), retries
+
+
+async def solo_texts(url: str, specs: list[Spec]) -> list[dict[int, str]]:
+  """Each spec sent alone, one after another, as a non-streamed request."""
+  async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+    return [
+      (await send(client, Spec(spec.path, {**spec.body, "stream": False}))).texts for spec in specs
+    ]
+
+
+async def sigterm_during_burst(server: Server, spec: Spec, count: int) -> dict:
+  """SIGTERM with `count` streams open: seconds to exit, exit code, and how
+  each stream ended."""
+  started = asyncio.Semaphore(0)
+  async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+    streams = [asyncio.ensure_future(send(client, spec, started.release)) for _ in range(count)]
+    for _ in range(count):
+      await started.acquire()
+    start = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    ends = await asyncio.gather(*streams, return_exceptions=True)
+    code = await asyncio.to_thread(server.process.wait, 30)
+  return dict(
+    exit_code=code,
+    seconds_to_exit=round(time.monotonic() - start, 2),
+    streams_done=sum(isinstance(e, Outcome) and e.texts is not None for e in ends),
+    streams_with_error_event=sum(isinstance(e, Outcome) and e.error is not None for e in ends),
+    streams_broken=sum(not isinstance(e, Outcome) for e in ends),
+  )
+
+
+def settle(server: Server, timeout: float = 60) -> dict[str, float]:
+  """`/metrics` once nothing runs or waits (or after `timeout`)."""
+  deadline = time.monotonic() + timeout
+  while True:
+    metrics = server.metrics()
+    idle = metrics["vllm:num_requests_running"] == metrics["vllm:num_requests_waiting"] == 0
+    if idle or time.monotonic() > deadline:
+      return metrics
+    time.sleep(0.2)
+
+
+def serves_chat(url: str) -> bool:
+  """Whether the server's model has a chat template (the tiny one has none)."""
+  messages = [{"role": "user", "content": "Hi."}]
+  return httpx.post(f"{url}/tokenize", json=dict(messages=messages)).status_code == 200
+
+
+def soak(args) -> dict:
+  rng = random.Random(args.seed)
+  server_args = [
+    "--model", args.model, "--served-model-name", args.served_name,
+    "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-logprobs", "5",
+    "--max-waiting-requests", str(args.max_waiting_requests),
+    *args.server_args,
+  ]  # fmt: skip
+  server = Server(server_args)
+  try:
+    server.wait_healthy()
+    chat = serves_chat(server.url)
+    specs = [make_spec(rng, args.served_name, chat) for _ in range(args.requests)]
+    httpx.post(f"{server.url}/v1/completions", json=dict(prompt="LOVE, n. ", max_tokens=2))
+    rss_start, before = server.rss_bytes(), outcome_counts(server.metrics())
+    start = time.monotonic()
+    mixed, bursts, retries = asyncio.run(
+      run_mix(server.url, specs, args.concurrency, args.burst_every, 2 * args.max_waiting_requests)
+    )
+    seconds = time.monotonic() - start
+    metrics = settle(server)
+    after = outcome_counts(metrics)
+    counted = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    outcomes = mixed + bursts
+    completed = [(s, o) for s, o in zip(specs, mixed) if o.texts is not None]
+    refused = [o for o in outcomes if o.texts is None and not o.disconnected]
+    to_check = [(s, o) for s, o in completed if s.deterministic]
+    solo = asyncio.run(solo_texts(server.url, [s for s, _ in to_check]))
+    mismatches = [s.body for (s, o), alone in zip(to_check, solo) if o.texts != alone]
+    rss_end = server.rss_bytes()
+    still_answers = (
+      httpx.post(f"{server.url}/v1/completions", json=dict(prompt="WIT, n. ", max_tokens=2))
+    ).status_code == 200
+    long_stream = Spec(
+      "/v1/completions",
+      dict(prompt="LOVE, n. ", max_tokens=100, ignore_eos=True, stream=True, temperature=0.0),
+    )
+    shutdown = asyncio.run(sigterm_during_burst(server, long_stream, 8))
+  finally:
+    server.kill()
+  free, total = metrics["paged_jax:num_free_gpu_blocks"], metrics["paged_jax:num_gpu_blocks"]
+  report = dict(
+    model=args.model,
+    chat=chat,
+    requests=len(outcomes) + retries,
+    retries_after_503=retries,
+    seconds=round(seconds, 1),
+    completed=len([o for o in outcomes if o.texts is not None]),
+    refused=len(refused) + retries,
+    disconnected=sum(o.disconnected for o in outcomes),
+    statuses=sorted({o.status for o in refused}),
+    counted_by_server=counted,
+    checked_alone=len(to_check),
+    mismatches=len(mismatches),
+    blocks_free=f"{int(free)}/{int(total)}",
+    rss_after_warmup_mib=round(rss_start / 2**20, 1),
+    rss_after_soak_mib=round(rss_end / 2**20, 1),
+    still_answers=still_answers,
+    shutdown=shutdown,
+  )
+  checks = {
+    "answers equal the solo answers": not mismatches,
+    "refusals carry an error body": all(map(check_refusal, refused)),
+    "the server counted every request": sum(counted.values()) == report["requests"],
+    # A stream that had already ended when its client left counts as completed.
+    "completed as the client saw them": 0
+    <= counted.get("completed", 0) - report["completed"]
+    <= report["disconnected"],
+    "no request failed": counted.get("failed", 0) == 0,
+    "every block free, nothing running": free == total
+    and metrics["vllm:num_requests_running"] == metrics["vllm:num_requests_waiting"] == 0,
+    "RSS within 10% of after warm-up": rss_end <= 1.1 * rss_start,
+    "the server still answers": still_answers,
+    "SIGTERM: exit 0 within 10 s": shutdown["exit_code"] == 0 and shutdown["seconds_to_exit"] <= 10,
+    "SIGTERM: no stream left broken": shutdown["streams_broken"] == 0,
+  }
+  report["failed_checks"] = [name for name, passed in checks.items() if not passed]
+  report["mismatched_examples"] = mismatches[:3]
+  return report
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--model", default="tiny")
+  parser.add_argument("--served-name", default="soak")
+  parser.add_argument("--requests", type=int, default=2000)
+  parser.add_argument("--concurrency", type=int, default=12)
+  parser.add_argument("--max-waiting-requests", type=int, default=32)
+  parser.add_argument("--burst-every", type=int, default=250)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--json", action="store_true")
+  parser.add_argument("server_args", nargs="*", help="more `serve` flags, after --")
+  return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  report = soak(args)
+  if args.json:
+    print(json.dumps(report))
+  else:
+    for key, value in report.items():
+      print(f"{key}: {value}")
+  return 1 if report["failed_checks"] else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
