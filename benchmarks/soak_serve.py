@@ -6,10 +6,10 @@ retried after a 503's `Retry-After` as OpenAI's client does, with a burst of
 `2 * --max-waiting-requests` requests that are not retried every
 `--burst-every`):
 completions and chat, streamed or not, n = 1..4, beam search, log
-probabilities and echo, stop strings, greedy and seeded sampling; some
-streams disconnect after their first event. Chat only where the model has a
-chat template (the tiny model has none). Structured outputs are not mixed
-in: the HTTP API does not take them yet.
+probabilities and echo, stop strings, structured outputs (a choice, a regex,
+a JSON schema), greedy and seeded sampling; some streams disconnect after
+their first event. Chat only where the model has a chat template (the tiny
+model has none).
 
 Afterwards it checks, and reports:
   - every request that completed gave the text it gives when sent alone
@@ -19,7 +19,9 @@ Afterwards it checks, and reports:
     equals the requests sent, and completed plus refused matches what the
     client saw;
   - every KV block is free and no request runs or waits;
-  - the server's RSS is within 10% of its RSS after warm-up;
+  - the server's RSS is within 10% of its RSS after warm-up (the engine's,
+    then a first mix of `--warm-up-requests` and one of each structured output, as
+    the engine's warm-up leaves out the programs of constrained rows);
   - the server still answers;
   - SIGTERM during a burst of streams: the process exits 0 within 10 s and
     every open stream ends with an error event or `[DONE]`.
@@ -51,6 +53,11 @@ import httpx
 HEADWORDS = ("LOVE", "WAR", "PEACE", "LAWYER", "MONEY", "FRIEND", "HOPE", "FAME", "DEBT", "WIT")
 STOPS = (" the", "e,", "\n", "ing")
 MAX_RETRIES = 20
+CONSTRAINTS = (
+  dict(structured_outputs={"choice": ["yes", "no", "maybe"]}),
+  dict(structured_outputs={"regex": "[a-z]{2,8}( [a-z]{2,8})?"}),
+  dict(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "integer"}}}),
+)
 
 
 @dataclasses.dataclass
@@ -89,6 +96,8 @@ def make_spec(rng: random.Random, model: str, chat: bool = True) -> Spec:
     body.update(temperature=0.8, seed=rng.randint(0, 10**6))
   if rng.random() < 0.3:
     body["stop"] = rng.sample(STOPS, rng.randint(1, 2))
+  if rng.random() < 0.15 and not body.get("use_beam_search"):
+    body.update(rng.choice(CONSTRAINTS))
   if rng.random() < 0.5 or not chat:
     body.update(prompt=f"{word}, n. ")
     if rng.random() < 0.3 and not body.get("use_beam_search"):
@@ -302,7 +311,11 @@ def soak(args) -> dict:
     server.wait_healthy()
     chat = serves_chat(server.url)
     specs = [make_spec(rng, args.served_name, chat) for _ in range(args.requests)]
-    httpx.post(f"{server.url}/v1/completions", json=dict(prompt="LOVE, n. ", max_tokens=2))
+    # The engine's warm-up leaves out the programs of constrained rows: a
+    # first mix compiles them before the RSS to hold is read.
+    warm = [make_spec(rng, args.served_name, chat) for _ in range(args.warm_up_requests)]
+    warm += [Spec("/v1/completions", dict(prompt="a", max_tokens=4, **c)) for c in CONSTRAINTS]
+    asyncio.run(run_mix(server.url, warm, args.concurrency, 0, 0))
     rss_start, before = server.rss_bytes(), outcome_counts(server.metrics())
     start = time.monotonic()
     mixed, bursts, retries = asyncio.run(
@@ -334,6 +347,7 @@ def soak(args) -> dict:
     model=args.model,
     chat=chat,
     requests=len(outcomes) + retries,
+    warm_up_requests=len(warm),
     retries_after_503=retries,
     seconds=round(seconds, 1),
     completed=len([o for o in outcomes if o.texts is not None]),
@@ -378,6 +392,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--concurrency", type=int, default=12)
   parser.add_argument("--max-waiting-requests", type=int, default=32)
   parser.add_argument("--burst-every", type=int, default=250)
+  parser.add_argument("--warm-up-requests", type=int, default=40)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--json", action="store_true")
   parser.add_argument("server_args", nargs="*", help="more `serve` flags, after --")

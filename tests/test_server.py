@@ -598,6 +598,7 @@ class _StallingEngine:
 
   def add(self, request_id, token_ids, params, sink):
     self.added.append(request_id)
+    self.params = params
     if token_ids[0] != 0:
       completion = pj.CompletionOutput(0, "ok", [111, 107], 0.0, None, "length")
       sink(pj.RequestOutput(request_id, None, token_ids, [completion], finished=True))
@@ -700,6 +701,107 @@ def test_a_full_queue_gets_503_with_retry_after_and_a_timeout_aborts_with_408():
   stalled_ids = [rid for rid in engine.added if rid not in engine.aborted]
   assert len(engine.aborted) == 3 and len(stalled_ids) == 1  # only the served one finished
   assert _outcomes(metrics.text) == dict(completed=1, refused=2, aborted=3, failed=0)
+
+
+def _deep_schema(depth: int) -> dict:
+  schema = {"type": "string"}
+  for _ in range(depth):
+    schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+  return schema
+
+
+@pytest.mark.parametrize(
+  "fields,constraint",
+  [
+    (dict(response_format={"type": "json_object"}), dict(json_object=True)),
+    (
+      dict(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "integer"}}}),
+      dict(json='{"type": "integer"}'),
+    ),
+    (dict(structured_outputs={"choice": ["yes", "no"]}), dict(choice=("yes", "no"))),
+    (dict(structured_outputs={"regex": "[a-z]{1,5}"}), dict(regex="[a-z]{1,5}")),
+    (dict(response_format={"type": "text"}), None),
+  ],
+  ids=["json-object", "json-schema", "choice", "regex", "text"],
+)
+def test_structured_outputs_reach_the_engine_compiled(fields, constraint):
+  from paged_jax import structured
+
+  engine = _StallingEngine()
+  body = dict(prompt="a", max_tokens=4, **fields)
+  response = _exchange(_stub_app(engine), lambda client: client.post("/v1/completions", json=body))
+  assert response.status_code == 200, response.text
+  given = engine.params.structured_outputs
+  if constraint is None:
+    assert given is None
+    return
+  assert given == pj.StructuredOutputsParams(**constraint)
+  hits = structured._compiled.cache_info().hits
+  structured.compile_constraint(given, ByteTokenizer())  # the engine's compile: a cache hit
+  assert structured._compiled.cache_info().hits == hits + 1
+
+
+@pytest.mark.parametrize(
+  "fields,param,message",
+  [
+    (
+      dict(response_format={"type": "json_object"}, structured_outputs={"regex": "a"}),
+      "response_format",
+      "give one of",
+    ),
+    (dict(response_format={"type": "xml"}), "response_format", "must be {'type': 'text'}"),
+    (dict(structured_outputs={"grammar": "x"}), "structured_outputs", "grammar"),
+    (dict(structured_outputs={"regex": "(a"}), "structured_outputs", "cannot be compiled"),
+    (dict(structured_outputs={"json": _deep_schema(200)}), "structured_outputs", "cannot be"),
+  ],
+  ids=["both", "unknown-type", "unknown-field", "bad-regex", "deep-schema"],
+)
+def test_bad_structured_outputs_get_400_before_the_engine(fields, param, message):
+  engine = _StallingEngine()
+  body = dict(prompt="a", max_tokens=4, **fields)
+  response = _exchange(_stub_app(engine), lambda client: client.post("/v1/completions", json=body))
+  assert response.status_code == 400, response.text
+  assert response.json()["error"]["param"] == param
+  assert message in response.json()["error"]["message"]
+  assert engine.added == []
+
+
+def test_a_constraint_that_compiles_too_long_gets_400_and_the_server_keeps_serving(monkeypatch):
+  monkeypatch.setattr(server_app, "SCHEMA_COMPILE_TIMEOUT_S", 0.2)
+  monkeypatch.setattr(server_app, "compile_constraint", lambda *args: time.sleep(2))
+  engine = _StallingEngine()
+  slow = dict(prompt="a", max_tokens=4, structured_outputs={"regex": "[ab]+"})
+
+  async def talk(client):
+    refused = await client.post("/v1/completions", json=slow)
+    served = await client.post("/v1/completions", json=dict(prompt="a", max_tokens=4))
+    return refused, served
+
+  refused, served = _exchange(_stub_app(engine), talk)
+  assert refused.status_code == 400
+  assert "did not compile within 0.2 s" in refused.json()["error"]["message"]
+  assert served.status_code == 200 and len(engine.added) == 1
+
+
+class _RuledOutEngine(_StallingEngine):
+  """Answers one token whose top log-probabilities include a ruled-out one (-inf)."""
+
+  def add(self, request_id, token_ids, params, sink):
+    self.added.append(request_id)
+    logprobs = [{111: -0.5, 112: -math.inf}]
+    completion = pj.CompletionOutput(0, "o", [111], -0.5, logprobs, "length")
+    sink(pj.RequestOutput(request_id, None, token_ids, [completion], finished=True))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_ruled_out_token_s_logprob_is_sent_as_minus_9999(stream):
+  body = dict(prompt="a", max_tokens=1, logprobs=2, stream=stream)
+  response = _exchange(
+    _stub_app(_RuledOutEngine()), lambda client: client.post("/v1/completions", json=body)
+  )
+  assert response.status_code == 200, response.text
+  text = response.text.replace(" ", "")
+  assert '{"o":-0.5,"p":-9999.0}' in text and "Infinity" not in text
 
 
 class _AdmittingEngine(_StallingEngine):

@@ -11,11 +11,12 @@ import soak_serve  # noqa: E402
 
 
 def test_a_short_soak_leaks_nothing_and_answers_as_alone():
-  args = ["--requests", "120", "--burst-every", "60", "--concurrency", "8"]
+  args = ["--requests", "100", "--burst-every", "50", "--concurrency", "8"]
+  args += ["--warm-up-requests", "8"]
   args += ["--max-waiting-requests", "12"]
   engine_config = ["--num-gpu-blocks-override", "96", "--async-scheduling"]
   report = soak_serve.soak(soak_serve.parse_args([*args, "--", *engine_config]))
   assert report["failed_checks"] == [], report
-  assert report["completed"] >= 100 and report["checked_alone"] > 0
+  assert report["completed"] >= 80 and report["checked_alone"] > 0
   assert report["refused"] > 0 and report["statuses"] == [503]  # the bursts past the queue
   assert report["shutdown"]["streams_with_error_event"] > 0

@@ -34,10 +34,13 @@ from paged_jax.server.limits import (
   DEFAULT_REQUEST_TIMEOUT_S,
   MAX_STOP_CHARS,
   RETRY_AFTER_S,
+  SCHEMA_COMPILE_TIMEOUT_S,
 )
 from paged_jax.server.metrics import ServerMetrics
+from paged_jax.structured import StructuredOutputsParams, compile_constraint
 
 logger = logging.getLogger("paged_jax.server")
+LOWEST_LOGPROB = -9999.0  # what -inf log-probabilities become in responses
 
 OPEN_PATHS = ("/health", "/metrics")
 UNION_FIELDS = {
@@ -369,6 +372,7 @@ class Server:
         logprobs=logprobs,
         use_beam_search=body.use_beam_search,
         length_penalty=body.length_penalty,
+        structured_outputs=_constraint(body),
         output_kind="delta",
       )
     except ValueError as err:
@@ -435,6 +439,31 @@ class Server:
       for index in pending:
         self.client.abort(ids[index])
 
+  async def compile_structured_outputs(self, params: SamplingParams) -> None:
+    """Compiles the request's structured-output constraint on a worker
+    thread, within `SCHEMA_COMPILE_TIMEOUT_S`, so the engine thread never
+    stalls on one: the engine then finds it in the compile cache. A compile
+    past the limit goes on in its thread, but the request is refused.
+
+    Raises:
+      APIError: 400 if the constraint does not compile, or not in time.
+    """
+    constraint = params.structured_outputs
+    if constraint is None:
+      return
+    compiling = asyncio.to_thread(compile_constraint, constraint, self.tokenizer)
+    try:
+      await asyncio.wait_for(compiling, SCHEMA_COMPILE_TIMEOUT_S)
+    except TimeoutError:
+      raise APIError(
+        f"structured_outputs: the constraint did not compile within {SCHEMA_COMPILE_TIMEOUT_S:g} s",
+        "structured_outputs",
+      ) from None
+    except (TypeError, ValueError, RecursionError) as err:  # the schema libraries' own errors
+      raise APIError(
+        f"structured_outputs: the constraint cannot be compiled: {err}", "structured_outputs"
+      ) from None
+
   def check_queue(self, num_prompts: int) -> None:
     """Refuses a request whose prompts would queue past `max_waiting_requests`.
 
@@ -492,6 +521,7 @@ class Server:
     params = self.sampling_params(body, max_tokens, body.logprobs)
     for _, ids in prompts:
       self.check_admission(len(ids), params)
+    await self.compile_structured_outputs(params)
     self.check_queue(len(prompts))  # before a stream's headers go out
     request_id = f"cmpl-{uuid.uuid4().hex}"
     echo = [self.echo_choice(text, ids) for text, ids in prompts]
@@ -549,9 +579,11 @@ class Server:
     for token_id, logprob, top in zip(token_ids, token_logprobs, top_logprobs):
       token = self.token_text(token_id)
       result.tokens.append(token)
-      result.token_logprobs.append(logprob)
+      result.token_logprobs.append(None if logprob is None else _json_logprob(logprob))
       result.top_logprobs.append(
-        None if top is None else {self.token_text(i): value for i, value in top.items()}
+        None
+        if top is None
+        else {self.token_text(i): _json_logprob(value) for i, value in top.items()}
       )
       result.text_offset.append(offset)
       offset += len(token)
@@ -629,6 +661,7 @@ class Server:
     k = (body.top_logprobs or 0) if body.logprobs else None
     params = self.sampling_params(body, max_tokens, k)
     self.check_admission(len(ids), params)
+    await self.compile_structured_outputs(params)
     self.check_queue(1)  # before a stream's headers go out
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     events = self.chat_events(request_id, body, ids, params)
@@ -679,11 +712,13 @@ class Server:
       content.append(
         protocol.TokenLogprob(
           token=token,
-          logprob=entry[token_id],
+          logprob=_json_logprob(entry[token_id]),
           bytes=list(token.encode("utf-8")),
           top_logprobs=[
             protocol.TopLogprob(
-              token=self.token_text(i), logprob=v, bytes=list(self.token_text(i).encode("utf-8"))
+              token=self.token_text(i),
+              logprob=_json_logprob(v),
+              bytes=list(self.token_text(i).encode("utf-8")),
             )
             for i, v in best
           ],
@@ -758,6 +793,54 @@ class Server:
       max_model_len=settings.max_model_len,
     )
     return JSONResponse(protocol.ModelList(data=[card]).model_dump())
+
+
+def _constraint(body) -> StructuredOutputsParams | None:
+  """The request's structured-output constraint: OpenAI's `response_format`
+  (`text`, `json_object`, or `json_schema` with its `schema`) or vLLM's
+  `structured_outputs` (the fields of `StructuredOutputsParams`).
+
+  Raises:
+    APIError: 400 naming the field, for both at once or a malformed one.
+  """
+  fields = body.structured_outputs
+  param = "structured_outputs"
+  if body.response_format is not None:
+    if fields is not None:
+      raise APIError(
+        "response_format: give one of response_format and structured_outputs", "response_format"
+      )
+    param, fields = "response_format", _response_format_fields(body.response_format)
+  if fields is None:
+    return None
+  try:
+    return StructuredOutputsParams(**fields)
+  except (TypeError, ValueError) as err:
+    raise APIError(f"{param}: {err}", param) from None
+
+
+def _response_format_fields(response_format: dict) -> dict | None:
+  """`StructuredOutputsParams` fields of an OpenAI `response_format`, or None
+  for plain text."""
+  kind = response_format.get("type")
+  if kind == "text":
+    return None
+  if kind == "json_object":
+    return dict(json_object=True)
+  schema = (response_format.get("json_schema") or {}).get("schema")
+  if kind == "json_schema" and isinstance(schema, dict):
+    return dict(json=schema)
+  raise APIError(
+    "response_format: must be {'type': 'text'}, {'type': 'json_object'} or "
+    "{'type': 'json_schema', 'json_schema': {'schema': {...}}}",
+    "response_format",
+  )
+
+
+def _json_logprob(logprob: float) -> float:
+  """A log-probability JSON can carry: a token that a constraint or top-k /
+  top-p ruled out has -inf, sent as `LOWEST_LOGPROB`."""
+  return max(logprob, LOWEST_LOGPROB)
 
 
 def _deadline(timeout: float | None) -> float | None:

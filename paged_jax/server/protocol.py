@@ -50,6 +50,10 @@ class _SamplingFields(_Request):
   use_beam_search: bool = False
   length_penalty: float = 1.0
   min_tokens: int = Field(0, ge=0)
+  # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs
+  # ({"json": schema} | {"regex": str} | {"choice": [str]} | {"json_object": true}).
+  response_format: dict[str, Any] | None = None
+  structured_outputs: dict[str, Any] | None = None
 
   @field_validator("temperature")
   @classmethod
