@@ -26,7 +26,16 @@ Afterwards it checks, and reports:
   - SIGTERM during a burst of streams: the process exits 0 within 10 s and
     every open stream ends with an error event or `[DONE]`.
 
+With `--vllm-bench PATH` (vLLM's `vllm` command, from a side venv) and
+`--bench-tokenizer DIR` (the model's Hugging Face tokenizer folder), a fresh
+server with the default limits then takes vLLM's own load generator,
+`vllm bench serve` (random 200-token prompts, 64 output tokens with
+`ignore_eos`, 48 requests) at each `--bench-rates`, and the report gives its
+failed requests, output tokens/s, TTFT, TPOT and ITL; a failed request fails
+the run.
+
   python benchmarks/soak_serve.py [--model tiny] [--requests 2000] [--json]
+      [--vllm-bench /venv/bin/vllm --bench-tokenizer DIR [--bench-rates 1 4 16]]
 
 The last line with `--json` is one JSON object of the numbers. Exits 1 if a
 check fails.
@@ -395,13 +404,62 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--warm-up-requests", type=int, default=40)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--json", action="store_true")
+  parser.add_argument("--vllm-bench", help="vLLM's `vllm` command, for `vllm bench serve`")
+  parser.add_argument("--bench-tokenizer", help="the model's Hugging Face tokenizer folder")
+  parser.add_argument("--bench-rates", type=float, nargs="+", default=[1.0, 4.0, 16.0])
   parser.add_argument("server_args", nargs="*", help="more `serve` flags, after --")
   return parser.parse_args(argv)
+
+
+BENCH_FIELDS = (
+  "completed",
+  "failed",
+  "output_throughput",
+  "median_ttft_ms",
+  "p99_ttft_ms",
+  "median_tpot_ms",
+  "p99_tpot_ms",
+  "median_itl_ms",
+  "p99_itl_ms",
+)
+
+
+def vllm_bench(args) -> list[dict]:
+  """`vllm bench serve` at each of `args.bench_rates` against a fresh server
+  with the default limits; the fields of `BENCH_FIELDS` per rate."""
+  server = Server(
+    ["--model", args.model, "--served-model-name", args.served_name, *args.server_args]
+  )
+  rows = []
+  try:
+    server.wait_healthy()
+    for rate in args.bench_rates:
+      with tempfile.TemporaryDirectory() as folder:
+        command = [
+          args.vllm_bench, "bench", "serve", "--backend", "openai",
+          "--base-url", server.url, "--model", args.served_name,
+          "--tokenizer", args.bench_tokenizer, "--dataset-name", "random",
+          "--random-input-len", "200", "--random-output-len", "64", "--ignore-eos",
+          "--num-prompts", "48", "--request-rate", str(rate), "--seed", str(args.seed),
+          "--save-result", "--result-dir", folder, "--result-filename", "result.json",
+          "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+        ]  # fmt: skip
+        subprocess.run(command, check=True, capture_output=True, timeout=1800)
+        with open(f"{folder}/result.json") as result:
+          measured = json.load(result)
+      rows.append(dict(request_rate=rate, **{k: measured.get(k) for k in BENCH_FIELDS}))
+  finally:
+    server.kill()
+  return rows
 
 
 def main(argv=None) -> int:
   args = parse_args(argv)
   report = soak(args)
+  if args.vllm_bench:
+    report["vllm_bench_serve"] = vllm_bench(args)
+    if any(row["failed"] for row in report["vllm_bench_serve"]):
+      report["failed_checks"].append("vllm bench serve: no failed request")
   if args.json:
     print(json.dumps(report))
   else:
