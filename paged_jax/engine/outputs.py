@@ -17,13 +17,17 @@ class CompletionOutput:
       what follows it are left out; stop tokens are not decoded.
     token_ids: the generated token ids, a stop token included.
     cumulative_logprob: sum of the log-probabilities of `token_ids` under the
-      model (before temperature, top-k and top-p).
+      model (before temperature, top-k and top-p), or with
+      `logprobs_mode="processed"` under the distribution they were drawn from.
     logprobs: with `SamplingParams.logprobs=k`, one dict per token mapping the
       `k` most likely token ids, and the drawn one, to log-probabilities.
     finish_reason: None while running, then "stop" (a stop token or string),
       "length" (`max_tokens`, or the model's or block table's positions),
       "abort" or "error".
     stop_reason: the stop token id or string that ended the sequence.
+    token_logprobs: float32 `[len(token_ids)]`, each token's log-probability
+      (under `SamplingParams.logprobs_mode`'s distribution), ready for
+      `jnp`; None for beam search, whose tokens come from the hypotheses.
   """
 
   index: int
@@ -33,6 +37,7 @@ class CompletionOutput:
   logprobs: list[dict[int, float]] | None
   finish_reason: str | None = None
   stop_reason: int | str | None = None
+  token_logprobs: np.ndarray | None = None
 
 
 @dataclasses.dataclass
