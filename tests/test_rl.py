@@ -281,3 +281,8 @@ def test_rollout_pads_samples_into_arrays_and_shares_prompt_blocks(llm):
   copied = llm.engine.stats.cow_copies - copies
   assert rollout.blocks_saved == 3 * (8 + 2) - copied > 0
   assert llm.rollout(prompts, 4, params).tokens.tolist() == rollout.tokens.tolist()
+
+
+def test_rollout_refuses_beam_search(llm):
+  with pytest.raises(ValueError, match="use_beam_search returns no per-token"):
+    pj.rollout(llm, [PROMPT], 2, pj.SamplingParams(use_beam_search=True))

@@ -447,7 +447,8 @@ class LLMEngine:
     shardings (see `paged_jax.engine.weights.replace`), so every program
     runs as compiled; only a cast or a move between shardings compiles, once
     per leaf shape, on the first update that needs it. The prefix cache is
-    dropped (`reset_prefix_cache`): its K/V came from the old weights.
+    dropped (`reset_prefix_cache`): its K/V came from the old weights. A
+    speculative draft model keeps its weights.
 
     Args:
       new_weights: an `nnx.State` or `nnx.Module` of the model's class, or a

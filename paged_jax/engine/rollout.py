@@ -70,8 +70,13 @@ def rollout(llm, prompts, n: int, params: SamplingParams | None = None) -> Rollo
   Returns:
     The `Rollout`, padded to `params.max_tokens` (one shape per call, so a
     jitted loss compiles once).
+
+  Raises:
+    ValueError: for beam search, or what `LLM.generate` raises.
   """
   params = SamplingParams(temperature=1.0) if params is None else params
+  if params.use_beam_search:
+    raise ValueError("rollout samples; use_beam_search returns no per-token log-probabilities")
   params = dataclasses.replace(params, n=n)
   engine = llm.engine
   copies_before = engine.stats.cow_copies
