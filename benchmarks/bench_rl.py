@@ -7,7 +7,8 @@ query and 8 KV heads, MLP 14336, vocabulary 128256) with random weights and
 `--llama-layers` of its 32 layers, tensor parallel over `--cpu-devices`
 forced host devices. The full 8B model does not fit this machine (16 GB in
 bfloat16 for the engine, 32 GB more for float32 training weights), so the
-script times 1 and 2 layers and extrapolates linearly to 32.
+script times 1 and 2 layers (1.27B and 1.49B parameters: the embedding and
+output head are 1.05B) and RESULTS.md extrapolates to 32.
 
 Every update is timed to the new weights being ready (`block_until_ready`),
 median of `--repeats` after a first one (which may compile a cast); the
@@ -72,6 +73,7 @@ LLAMA_8B = models.LlamaConfig(
   max_seq_len=256,
   dtype="bfloat16",
   param_dtype="bfloat16",
+  tie_embeddings=False,
 )
 SMALL_CACHE = pj.CacheConfig(block_size=16, num_gpu_blocks=64, max_seqs=8, max_blocks_per_seq=16)
 

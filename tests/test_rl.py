@@ -286,3 +286,27 @@ def test_rollout_pads_samples_into_arrays_and_shares_prompt_blocks(llm):
 def test_rollout_refuses_beam_search(llm):
   with pytest.raises(ValueError, match="use_beam_search returns no per-token"):
     pj.rollout(llm, [PROMPT], 2, pj.SamplingParams(use_beam_search=True))
+
+
+def test_request_output_arrays_pad_each_sequence(llm):
+  (out,) = llm.generate(PROMPT, dataclasses.replace(SAMPLED, max_tokens=6))
+  tokens, mask, logprobs = out.arrays(8)
+  assert tokens.shape == mask.shape == logprobs.shape == (3, 8)
+  for row, c in enumerate(out.outputs):
+    assert tokens[row].tolist() == c.token_ids + [0, 0]
+    assert mask[row].tolist() == [True] * 6 + [False] * 2
+    assert logprobs[row].tolist() == c.token_logprobs.tolist() + [0.0, 0.0]
+  assert out.arrays()[0].shape == (3, 6)
+  with pytest.raises(ValueError, match="sequence 0: 6 tokens do not fit 5"):
+    out.arrays(5)
+
+
+def test_reset_prefix_cache_refuses_while_requests_run(llm):
+  engine = llm.engine
+  engine.add_request("holding", PROMPT, GREEDY)
+  engine.step()
+  with pytest.raises(pj.EngineStateError, match="reset_prefix_cache: 1 request"):
+    engine.reset_prefix_cache()
+  engine.abort_request("holding")
+  engine.step()
+  engine.reset_prefix_cache()

@@ -66,6 +66,31 @@ class RequestOutput:
   error: str | None = None
   prompt_logprobs: list[dict[int, float] | None] | None = None
 
+  def arrays(self, length: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`(tokens, mask, logprobs)`, one row per entry of `outputs`, padded to
+    `length` columns (default: the longest): int32 token ids (0 after a
+    sequence's end), bool True on its tokens, float32 `token_logprobs` (0
+    after its end), ready for `jnp`.
+
+    Raises:
+      ValueError: for a sequence longer than `length`, or one without
+        `token_logprobs` (beam search).
+    """
+    sizes = [len(c.token_ids) for c in self.outputs]
+    length = max(sizes, default=0) if length is None else length
+    shape = (len(self.outputs), length)
+    tokens, mask = np.zeros(shape, np.int32), np.zeros(shape, bool)
+    logprobs = np.zeros(shape, np.float32)
+    for row, (completion, size) in enumerate(zip(self.outputs, sizes)):
+      if size > length or completion.token_logprobs is None:
+        raise ValueError(
+          f"request {self.request_id!r} sequence {completion.index}: "
+          + (f"{size} tokens do not fit {length}" if size > length else "no token_logprobs")
+        )
+      tokens[row, :size], mask[row, :size] = completion.token_ids, True
+      logprobs[row, :size] = completion.token_logprobs
+    return tokens, mask, logprobs
+
 
 @dataclasses.dataclass
 class GenerationStats:

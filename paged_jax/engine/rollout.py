@@ -36,21 +36,6 @@ class Rollout:
   outputs: list[RequestOutput]
 
 
-def padded(outputs: list[RequestOutput], n: int, length: int):
-  """`(tokens, mask, logprobs)` `[len(outputs), n, length]` of the
-  requests' samples (see `Rollout`)."""
-  shape = (len(outputs), n, length)
-  tokens, mask = np.zeros(shape, np.int32), np.zeros(shape, bool)
-  logprobs = np.zeros(shape, np.float32)
-  for p, out in enumerate(outputs):
-    for completion in out.outputs:
-      size = len(completion.token_ids)
-      tokens[p, completion.index, :size] = completion.token_ids
-      mask[p, completion.index, :size] = True
-      logprobs[p, completion.index, :size] = completion.token_logprobs
-  return tokens, mask, logprobs
-
-
 def rollout(llm, prompts, n: int, params: SamplingParams | None = None) -> Rollout:
   """Samples `n` completions of every prompt with `llm` (a `pj.LLM`).
 
@@ -83,7 +68,9 @@ def rollout(llm, prompts, n: int, params: SamplingParams | None = None) -> Rollo
   outputs = llm.generate(prompts, params)
   copies = engine.stats.cow_copies - copies_before
   shared = sum((n - 1) * engine.cfg.blocks_for(out.prompt_token_ids.size) for out in outputs)
-  tokens, mask, logprobs = padded(outputs, n, params.max_tokens)
+  tokens, mask, logprobs = (
+    np.stack(arrays) for arrays in zip(*(out.arrays(params.max_tokens) for out in outputs))
+  )
   return Rollout(
     prompt_token_ids=[np.asarray(out.prompt_token_ids, np.int32) for out in outputs],
     tokens=tokens,
