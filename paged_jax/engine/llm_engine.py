@@ -477,7 +477,7 @@ class LLMEngine:
     prompt hits them again). The hit counters of `stats` go on.
 
     Raises:
-      EngineStateError: while a sequence holds blocks.
+      EngineStateError: while requests are unfinished.
     """
     self._idle_or_abort("reset_prefix_cache", False)
     self.cache.reset()
@@ -501,8 +501,8 @@ class LLMEngine:
     copies the weights to host memory (NumPy) and drops their device arrays,
     which frees them unless something else holds them: the model given to
     the constructor shares its arrays with the engine until the first
-    `update_weights`. `wake_up` restores both. Unread outputs of finished or
-    aborted requests are kept.
+    `update_weights` (a speculative draft model's weights stay). `wake_up`
+    restores both. Unread outputs of finished or aborted requests are kept.
 
     Args:
       level: 1 or 2.
