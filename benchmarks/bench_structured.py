@@ -96,6 +96,7 @@ def bench_tokenizer(name: str, tokenizer, vocab_size: int, rows: int) -> None:
       top_p=jnp.full(rows, top_p),
       key_data=jax.random.key_data(jax.random.split(jax.random.key(1), rows)),
       stop_ids=jnp.full((rows, 1), -1, jnp.int32),
+      processed=jnp.zeros(rows, bool),
     )
     plain = jax.jit(lambda logits, params: sample_rows(logits, params, index, 0).tokens)
 

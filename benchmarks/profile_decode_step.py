@@ -326,6 +326,7 @@ def sampling_timings(vocab, reps, repeats, num_logprobs=5):
     top_p=jnp.ones(ROWS, jnp.float32),
     key_data=jnp.zeros((ROWS, key_words), jnp.uint32),
     stop_ids=jnp.full((ROWS, 4), -1, jnp.int32),
+    processed=jnp.zeros(ROWS, bool),
   )
   logits0 = jax.random.normal(jax.random.key(0), (ROWS, vocab), jnp.float32) * 3
   index = jnp.zeros(ROWS, jnp.int32)

@@ -23,11 +23,16 @@ from paged_jax.config import AllocStatus, CacheConfig, Status
 from paged_jax.engine import (
   LLM,
   CompletionOutput,
+  EngineStateError,
   GenerationStats,
   LLMEngine,
   ModelProtocol,
+  NonFiniteWeightsError,
   RequestOutput,
+  Rollout,
   SamplingParams,
+  WeightsMismatchError,
+  rollout,
 )
 from paged_jax.generate import Request, generate
 from paged_jax.kv_cache import KVCache, copy_blocks, swap_in, swap_out, write_kv
@@ -83,4 +88,9 @@ __all__ = [
   "CompletionOutput",
   "RequestOutput",
   "ModelProtocol",
+  "EngineStateError",
+  "NonFiniteWeightsError",
+  "Rollout",
+  "WeightsMismatchError",
+  "rollout",
 ]

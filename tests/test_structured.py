@@ -82,6 +82,7 @@ def greedy_rows(num_rows: int) -> RowParams:
     top_p=jnp.ones(num_rows),
     key_data=jax.random.key_data(jax.random.split(jax.random.key(0), num_rows)),
     stop_ids=jnp.full((num_rows, 1), -1, jnp.int32),
+    processed=jnp.zeros(num_rows, bool),
   )
 
 
@@ -353,6 +354,7 @@ def test_unconstrained_rows_are_unchanged_bit_for_bit(byte_automata):
     top_p=jnp.asarray([1.0, 0.9, 1.0, 0.5, 1.0, 0.9, 1.0, 0.5]),
     key_data=jax.random.key_data(jax.random.split(jax.random.key(2), rows)),
     stop_ids=jnp.full((rows, 1), -1, jnp.int32),
+    processed=jnp.zeros(rows, bool),
   )
   start = packed.initial_state(byte_automata[0])  # must begin with "{"
   states = jnp.asarray([st.UNCONSTRAINED] * 4 + [start] * 4, jnp.int32)

@@ -45,6 +45,16 @@ def _mark_computed(state, seq_ids, num_computed_tokens):
   return manager.mark_blocks_as_computed(state, seq_ids, num_computed_tokens), None
 
 
+@functools.cache
+def _zeros_program(specs: tuple):
+  """The jitted program that makes zeroed arrays of `(shape, dtype,
+  sharding)` specs, compiled ahead (so that calling it compiles nothing)."""
+  zeros = lambda: tuple(jnp.zeros(shape, dtype) for shape, dtype, _ in specs)
+  program = jax.jit(zeros, out_shardings=tuple(sharding for _, _, sharding in specs))
+  program.lower().compile()
+  return program
+
+
 _hit_counts = jax.jit(lambda states: (jnp.sum(states.num_hits), jnp.sum(states.num_lookups)))
 
 
@@ -121,6 +131,10 @@ class CacheManager:
     self.kv = pages(model_config)
     if draft_config is not None:  # its layers after the model's, in the same blocks
       self.kv = self.kv.stacked(pages(draft_config))
+    # The pages' kinds as made (programs hand back arrays whose shardings
+    # may print alike but key their caches apart), for `restore_pages`.
+    leaves, self._kv_tree = jax.tree.flatten(self.kv)
+    self._page_specs = tuple((a.shape, a.dtype, a.sharding) for a in leaves)
     if mesh is None:
       self.num_shards = 1
       self.replicated = self.kv.k[0].sharding
@@ -130,6 +144,7 @@ class CacheManager:
     # The states live where the pages do, so that every jitted call sees
     # the same input shardings before and after its first run (one compile).
     self.state = jax.device_put(init_states(cfg, self.num_shards), self.replicated)
+    self._empty_state = jax.device_get(self.state)  # on the host, for `reset`
     self.num_swapped_blocks = 0
 
   # Shards.
@@ -321,6 +336,31 @@ class CacheManager:
     """Copies the pages of a `swap_in` plan from the host to the device."""
     self.kv = kv_ops.swap_in(self.kv, plan)
     self.num_swapped_blocks += int(plan.count)
+
+  # Sleep and new weights.
+  def reset(self) -> None:
+    """Empties every manager state (no sequence may hold blocks): the prefix
+    cache forgets every block; the hit counters are kept. Nothing compiles."""
+    empty = jax.device_put(self._empty_state, self.replicated)
+    self.state = empty.replace(num_lookups=self.state.num_lookups, num_hits=self.state.num_hits)
+
+  def release_pages(self) -> int:
+    """Deletes the KV pages' arrays (device and host pages); returns their
+    bytes. `restore_pages` makes new ones with the program that zeroes pages
+    of their kinds (compiled here the first time)."""
+    leaves = jax.tree.leaves(self.kv)
+    _zeros_program(self._page_specs)
+    self.kv = None
+    freed = sum(leaf.nbytes for leaf in leaves)
+    for leaf in leaves:
+      leaf.delete()
+    return freed
+
+  def restore_pages(self) -> None:
+    """Zeroed pages of the shapes and shardings `release_pages` deleted, and
+    empty manager states (`reset`). Nothing compiles."""
+    self.kv = jax.tree.unflatten(self._kv_tree, _zeros_program(self._page_specs)())
+    self.reset()
 
   # Warm-up.
   def warm_up(self) -> None:

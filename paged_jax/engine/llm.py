@@ -11,6 +11,7 @@ from paged_jax.config import CacheConfig
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.outputs import RequestOutput
 from paged_jax.engine.params import SamplingParams
+from paged_jax.engine.rollout import Rollout, rollout
 
 
 def _as_prompt_list(prompts) -> list:
@@ -93,3 +94,20 @@ class LLM:
             finals[out.request_id] = out
             bar.update(1)
     return [finals[i] for i in ids]
+
+  def update_weights(self, new_weights, *, abort_running: bool = False, check_finite=True) -> None:
+    """`LLMEngine.update_weights`: serve with new weights, compiling nothing."""
+    self.engine.update_weights(new_weights, abort_running=abort_running, check_finite=check_finite)
+
+  def sleep(self, level: int = 1) -> int:
+    """`LLMEngine.sleep`: free the KV pages (and at level 2 the weights)."""
+    return self.engine.sleep(level)
+
+  def wake_up(self) -> None:
+    """`LLMEngine.wake_up`: restore what `sleep` freed."""
+    self.engine.wake_up()
+
+  def rollout(self, prompts, n: int, params: SamplingParams | None = None) -> Rollout:
+    """`pj.rollout(self, prompts, n, params)`: `n` samples per prompt as
+    padded token, mask and log-probability arrays."""
+    return rollout(self, prompts, n, params)

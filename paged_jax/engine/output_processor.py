@@ -10,6 +10,8 @@ adds (and the end of the text before it), so a stop string may span tokens.
 
 from __future__ import annotations
 
+import numpy as np
+
 from paged_jax.engine.outputs import CompletionOutput, RequestOutput
 from paged_jax.engine.sequence import Sequence, SequenceGroup
 
@@ -216,10 +218,11 @@ class OutputProcessor:
     completions = []
     for seq in group.seqs:
       text = self._visible_text(group, seq)
-      ids, logprobs = seq.token_ids, seq.logprobs
+      ids, logprobs, token_logprobs = seq.token_ids, seq.logprobs, seq.token_logprobs
       if delta:
         text = text[seq.sent_text :]
-        ids, logprobs = ids[seq.sent_tokens :], logprobs[seq.sent_tokens :]
+        sent = seq.sent_tokens
+        ids, logprobs, token_logprobs = ids[sent:], logprobs[sent:], token_logprobs[sent:]
         seq.sent_text += len(text)
         seq.sent_tokens += len(ids)
       completions.append(
@@ -233,6 +236,7 @@ class OutputProcessor:
           logprobs=list(logprobs) if group.params.logprobs is not None else None,
           finish_reason=seq.finish_reason,
           stop_reason=seq.stop_reason,
+          token_logprobs=None if group.beam else np.asarray(token_logprobs, np.float32),
         )
       )
     return RequestOutput(

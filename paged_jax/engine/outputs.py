@@ -17,13 +17,17 @@ class CompletionOutput:
       what follows it are left out; stop tokens are not decoded.
     token_ids: the generated token ids, a stop token included.
     cumulative_logprob: sum of the log-probabilities of `token_ids` under the
-      model (before temperature, top-k and top-p).
+      model (before temperature, top-k and top-p), or with
+      `logprobs_mode="processed"` under the distribution they were drawn from.
     logprobs: with `SamplingParams.logprobs=k`, one dict per token mapping the
       `k` most likely token ids, and the drawn one, to log-probabilities.
     finish_reason: None while running, then "stop" (a stop token or string),
       "length" (`max_tokens`, or the model's or block table's positions),
       "abort" or "error".
     stop_reason: the stop token id or string that ended the sequence.
+    token_logprobs: float32 `[len(token_ids)]`, each token's log-probability
+      (under `SamplingParams.logprobs_mode`'s distribution), ready for
+      `jnp`; None for beam search, whose tokens come from the hypotheses.
   """
 
   index: int
@@ -33,6 +37,7 @@ class CompletionOutput:
   logprobs: list[dict[int, float]] | None
   finish_reason: str | None = None
   stop_reason: int | str | None = None
+  token_logprobs: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -60,6 +65,31 @@ class RequestOutput:
   finished: bool
   error: str | None = None
   prompt_logprobs: list[dict[int, float] | None] | None = None
+
+  def arrays(self, length: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`(tokens, mask, logprobs)`, one row per entry of `outputs`, padded to
+    `length` columns (default: the longest): int32 token ids (0 after a
+    sequence's end), bool True on its tokens, float32 `token_logprobs` (0
+    after its end), ready for `jnp`.
+
+    Raises:
+      ValueError: for a sequence longer than `length`, or one without
+        `token_logprobs` (beam search).
+    """
+    sizes = [len(c.token_ids) for c in self.outputs]
+    length = max(sizes, default=0) if length is None else length
+    shape = (len(self.outputs), length)
+    tokens, mask = np.zeros(shape, np.int32), np.zeros(shape, bool)
+    logprobs = np.zeros(shape, np.float32)
+    for row, (completion, size) in enumerate(zip(self.outputs, sizes)):
+      if size > length or completion.token_logprobs is None:
+        raise ValueError(
+          f"request {self.request_id!r} sequence {completion.index}: "
+          + (f"{size} tokens do not fit {length}" if size > length else "no token_logprobs")
+        )
+      tokens[row, :size], mask[row, :size] = completion.token_ids, True
+      logprobs[row, :size] = completion.token_logprobs
+    return tokens, mask, logprobs
 
 
 @dataclasses.dataclass

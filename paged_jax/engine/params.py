@@ -11,6 +11,9 @@ from collections.abc import Sequence
 from paged_jax.structured import StructuredOutputsParams
 
 OUTPUT_KINDS = ("cumulative", "delta", "final")
+# `logprobs_mode` values and the longer names they may be given by.
+LOGPROBS_MODES = {"raw": "raw", "processed": "processed"}
+LOGPROBS_MODES.update({"raw_logprobs": "raw", "processed_logprobs": "processed"})
 
 
 def _is_int(value) -> bool:
@@ -43,6 +46,15 @@ class SamplingParams:
       computes none. Prefill computes them, also where the prompt's blocks
       are prefix-cache hits (their positions run through the model again;
       their cached K/V is not rewritten).
+    logprobs_mode: which distribution every log-probability returned for a
+      generated token (`CompletionOutput.token_logprobs`,
+      `cumulative_logprob`, `logprobs`) is taken from: "raw", the model's
+      softmax; or "processed", the distribution the token was drawn from,
+      after temperature, top-k and top-p (tokens outside them at -inf;
+      greedy draws: the model's), the one a policy-gradient ratio needs.
+      "raw_logprobs" and "processed_logprobs" are accepted and stored as
+      "raw" and "processed". Prompt log-probabilities are always "raw".
+      "processed" is refused with speculative decoding.
     use_beam_search: beam search with `n` beams, on the device (temperature
       must be 0; see `paged_jax.engine.beam`).
     length_penalty: beam scores are `sum_logprobs / length**length_penalty`.
@@ -78,6 +90,7 @@ class SamplingParams:
   seed: int | None = None
   logprobs: int | None = None
   prompt_logprobs: int | None = None
+  logprobs_mode: str = "raw"
   use_beam_search: bool = False
   length_penalty: float = 1.0
   output_kind: str = "cumulative"
@@ -100,6 +113,11 @@ class SamplingParams:
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
     if not isinstance(self.length_penalty, (int, float)):
       raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+    if self.logprobs_mode not in LOGPROBS_MODES:
+      raise ValueError(
+        f"logprobs_mode must be one of {tuple(LOGPROBS_MODES)}, got {self.logprobs_mode!r}"
+      )
+    set_("logprobs_mode", LOGPROBS_MODES[self.logprobs_mode])
     if self.output_kind not in OUTPUT_KINDS:
       raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
     stop = self.stop

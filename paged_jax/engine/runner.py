@@ -111,7 +111,10 @@ class ModelRunner:
     self.decode_row_buckets = decode_row_buckets
     if mesh is not None:
       model = sharding.shard_model(model, mesh)
-    graphdef, self.params = nnx.split(model)
+    graphdef, params = nnx.split(model)
+    # Committed to where they are, as `update_weights` and `wake_up` place
+    # weights: the programs see the same argument kinds (no new compile).
+    self.params = jax.device_put(params, jax.tree.map(lambda a: a.sharding, params))
     self.graphdef = programs.HashedGraph(graphdef)
     platform = next(iter(jax.tree.leaves(self.params)[0].sharding.device_set)).platform
     self.min_decode_rows = min_decode_rows(model.config.dtype, platform)
@@ -129,6 +132,7 @@ class ModelRunner:
       top_p=np.ones(num_rows, np.float32),
       key_data=np.zeros((num_rows, key_words), np.uint32),
       stop_ids=np.full((num_rows, stop_width), -1, np.int32),
+      processed=np.zeros(num_rows, bool),
     )
     self.seq_ids = np.full(num_rows, -1, np.int32)
     self.last_token = np.zeros(num_rows, np.int32)
@@ -151,6 +155,19 @@ class ModelRunner:
       spec_decode_num_accepted_tokens=0,
     )
 
+  # Weights.
+  def offload_weights(self) -> None:
+    """Copies the weights to host memory (NumPy) and drops the device arrays
+    (their memory is freed once nothing else holds them)."""
+    self._host_params = jax.device_get(self.params)
+    self._param_shardings = jax.tree.map(lambda a: a.sharding, self.params)
+    self.params = None
+
+  def reload_weights(self) -> None:
+    """Puts the weights `offload_weights` kept back on their shardings."""
+    self.params = jax.device_put(self._host_params, self._param_shardings)
+    self._host_params = self._param_shardings = None
+
   # Rows.
   def apply(self, changes: RowChanges) -> None:
     """Carries out the scheduler's row changes, in their order (see
@@ -165,6 +182,7 @@ class ModelRunner:
       slot = row.slot
       rows.temperature[slot], rows.top_k[slot] = row.temperature, row.top_k
       rows.top_p[slot], rows.key_data[slot] = row.top_p, row.key_data
+      rows.processed[slot] = row.processed
       rows.stop_ids[slot] = -1
       rows.stop_ids[slot, : len(row.stop_ids)] = row.stop_ids
       self.limit[slot] = row.limit

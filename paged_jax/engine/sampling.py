@@ -18,6 +18,8 @@ class RowParams:
     key_data: uint32 `[rows, key words]`, the raw PRNG key of each row; the
       token at index `t` of a row is drawn with `fold_in(key, t)`.
     stop_ids: int32 `[rows, width]` token ids that end the row, -1 padding.
+    processed: bool `[rows]`: the row's log-probabilities are those of the
+      distribution it samples from (`sampling_logits`), not the model's.
   """
 
   temperature: jax.Array
@@ -25,6 +27,7 @@ class RowParams:
   top_p: jax.Array
   key_data: jax.Array
   stop_ids: jax.Array
+  processed: jax.Array
 
 
 @flax.struct.dataclass
@@ -34,7 +37,8 @@ class Draw:
   Attributes:
     tokens: int32 `[rows]`.
     logprob: float32 `[rows]`, the token's log-probability under the model
-      (under the masked distribution when `sample_rows` has a `logit_mask`).
+      (under the masked distribution when `sample_rows` has a `logit_mask`),
+      or, for a `processed` row, under the distribution it was drawn from.
     top_ids: int32 `[rows, k]`, the `k` most likely tokens.
     top_logprobs: float32 `[rows, k]`, their log-probabilities.
   """
@@ -102,6 +106,9 @@ def sample_rows(
   top `num_logprobs` may include disallowed tokens at -inf when fewer are
   allowed). A row whose mask is all True draws exactly as without a mask; a
   row with no allowed token gets an arbitrary token and NaN log-probabilities.
+  A `processed` row's log-probabilities (the token's and the top ones) are
+  those of the distribution it draws from: after temperature, top-k and top-p
+  (tokens outside them at -inf); a greedy row's are the model's.
 
   Args:
     logits: float `[rows, vocab]`.
@@ -119,16 +126,22 @@ def sample_rows(
   logits = logits.astype(jnp.float32)
   if logit_mask is not None:
     logits = jnp.where(logit_mask, logits, -jnp.inf)
-  logprobs = jax.nn.log_softmax(logits, axis=-1)
   greedy = params.temperature <= 0.0
 
   def draw(_):
     keys = row_keys(params, index)
-    return categorical_rows(keys, sampling_logits(logits, params))
+    processed = sampling_logits(logits, params)
+    return categorical_rows(keys, processed), processed
 
   argmax = greedy_tokens(logits)
-  drawn = jax.lax.cond(jnp.all(greedy), lambda _: argmax, draw, None)
+  drawn, processed = jax.lax.cond(jnp.all(greedy), lambda _: (argmax, logits), draw, None)
   tokens = jnp.where(greedy, argmax, drawn)
+  raw = jax.nn.log_softmax(logits, axis=-1)
+  logprobs = jax.lax.cond(  # the second log-softmax only when a row asks for it
+    jnp.any(params.processed),
+    lambda: jnp.where(params.processed[:, None], jax.nn.log_softmax(processed, axis=-1), raw),
+    lambda: raw,
+  )
   logprob = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
   top_logprobs, top_ids = jax.lax.top_k(logprobs, num_logprobs)
   return Draw(

@@ -151,6 +151,7 @@ class NewRow:
   key_data: np.ndarray
   stop_ids: tuple[int, ...]
   limit: int
+  processed: bool = False
 
 
 @dataclasses.dataclass
@@ -435,6 +436,7 @@ class Scheduler:
       key_data=seq.key_data,
       stop_ids=group.stop_ids,
       limit=group.limit,
+      processed=params.logprobs_mode == "processed",
     )
 
   def _admit(self, group: SequenceGroup) -> None:

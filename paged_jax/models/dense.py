@@ -47,6 +47,7 @@ def _row_params(sampling: SamplingParams, keys: jax.Array) -> RowParams:
     top_p=jnp.full(rows, sampling.top_p, jnp.float32),
     key_data=jax.random.key_data(keys),
     stop_ids=jnp.tile(jnp.asarray(stop, jnp.int32), (rows, 1)),
+    processed=jnp.full(rows, sampling.logprobs_mode == "processed"),
   )
 
 
