@@ -9,7 +9,8 @@ from paged_jax import attention
 SHAPE = dict(dtype=jnp.bfloat16, block_size=16, head_dim=128, group=4)
 
 
-def test_cpu_runs_xla_and_names_interpret_mode():
+def test_cpu_runs_xla_and_names_interpret_mode(monkeypatch):
+  monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
   assert attention.describe_kernels(**SHAPE) == (
     "backend cpu: decode attention = chunked XLA, prefill attention = chunked XLA, "
     "write_kv = XLA, copy_blocks = XLA; the Pallas kernels run on cpu only in interpret mode "
