@@ -280,3 +280,38 @@ def is_concrete(*arrays) -> bool:
 
 def _is_power_of_two(size: int) -> bool:
   return size > 0 and not size & (size - 1)
+
+
+def describe_kernels(
+  *, dtype, block_size: int, head_dim: int, group: int, quantized: bool = False
+) -> str:
+  """One line naming the default backend and what ``impl="auto"`` runs there.
+
+  Takes ``select_attention_kernel``'s arguments; e.g. ``"backend tpu: decode
+  attention = Mosaic (Pallas TPU), prefill attention = chunked XLA, write_kv =
+  Mosaic (Pallas TPU), copy_blocks = Mosaic (Pallas TPU)"``.
+  """
+  names = {
+    "tpu": "Mosaic (Pallas TPU)",
+    "mosaic_gpu": "Mosaic GPU (Pallas)",
+    "triton": "Triton (Pallas GPU)",
+    "gpu": "Triton (Pallas GPU)",
+  }
+  name = lambda kernel, xla: xla if kernel is None else names[kernel[0]]
+  decode = select_attention_kernel(
+    "auto", dtype=dtype, block_size=block_size, head_dim=head_dim, group=group, quantized=quantized
+  )
+  write = select_kernel("auto", tile_sizes=(head_dim,))
+  copy = select_kernel("auto", tile_sizes=(block_size, head_dim))
+  platform = jax.default_backend()
+  backend = platform
+  if platform in _GPU_PLATFORMS:
+    backend += f" (compute capability {gpu_compute_capability():.1f})"
+  line = (
+    f"backend {backend}: decode attention = {name(decode, 'chunked XLA')}, "
+    f"prefill attention = chunked XLA, write_kv = {name(write, 'XLA')}, "
+    f"copy_blocks = {name(copy, 'XLA')}"
+  )
+  if platform != "tpu" and platform not in _GPU_PLATFORMS:
+    line += f"; the Pallas kernels run on {platform} only in interpret mode (impl='pallas')"
+  return line

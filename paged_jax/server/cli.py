@@ -313,6 +313,7 @@ def run(args) -> int:
   """Loads, warms up, then serves until Ctrl-C or SIGTERM."""
   import uvicorn
 
+  from paged_jax.attention import describe_kernels
   from paged_jax.server.app import ServerSettings, build_app
   from paged_jax.server.engine_thread import EngineThread
   from paged_jax.server.metrics import ServerMetrics
@@ -369,6 +370,16 @@ def run(args) -> int:
     args.port,
     built.num_gpu_blocks,
     args.block_size,
+  )
+  logger.info(
+    "%s",
+    describe_kernels(
+      dtype=config.dtype,
+      block_size=args.block_size,
+      head_dim=config.head_dim,
+      group=config.num_q_heads // config.num_kv_heads,
+      quantized=KV_CACHE_DTYPES[args.kv_cache_dtype] is not None,
+    ),
   )
   try:
     server.run()
