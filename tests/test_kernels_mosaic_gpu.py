@@ -17,6 +17,7 @@ import pytest
 
 from paged_jax import attention
 from pallas_kernels.paged_attention import gpu, mosaic_gpu
+from tests.abstract_gpu import lower_for
 from tests.test_kernels_paged_attention import (
   OPTIONS,
   Case,
@@ -101,9 +102,15 @@ def test_mosaic_kernel_lowers_for_cuda(dtype, block_size, head_dim, num_buffers)
       mosaic_gpu.paged_attention, soft_cap=30.0, sliding_window=40, num_buffers=num_buffers
     )
   )
-  lowered = run.trace(
-    shape((3, 32, head_dim), dtype), pages, pages, shape((3, 7), jnp.int32), shape((3,), jnp.int32)
-  ).lower(lowering_platforms=("cuda",))
+  lowered = lower_for(
+    "cuda",
+    run,
+    shape((3, 32, head_dim), dtype),
+    pages,
+    pages,
+    shape((3, 7), jnp.int32),
+    shape((3,), jnp.int32),
+  )
   assert "mosaic_gpu" in lowered.as_text()
 
 

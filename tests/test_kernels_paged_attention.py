@@ -35,6 +35,7 @@ from pallas_kernels.paged_attention import (
   reference,
   tpu,
 )
+from tests.abstract_gpu import lower_for
 from tests.kernel_modes import interpret
 
 shipped_gpu = importlib.import_module("jax.experimental.pallas.ops.gpu.paged_attention")
@@ -379,7 +380,9 @@ def test_kernel_lowers_for_its_platform(kernel, platform, dtype, num_q_heads, kv
   pages = shape((8, 100, 16, 128), kv_dtype or dtype)
   scales = shape((8, 100, 16), jnp.float32) if kv_dtype else None
   run = jax.jit(lambda *a, **scales: kernel(*a, soft_cap=30.0, sliding_window=40, **scales))
-  lowered = run.trace(
+  lowered = lower_for(
+    platform,
+    run,
     shape((3, num_q_heads, 128), dtype),
     pages,
     pages,
@@ -387,7 +390,7 @@ def test_kernel_lowers_for_its_platform(kernel, platform, dtype, num_q_heads, kv
     shape((3,), jnp.int32),
     k_scales=scales,
     v_scales=scales,
-  ).lower(lowering_platforms=(platform,))
+  )
   assert "paged_attention" in lowered.as_text()
 
 
