@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import importlib
 import types
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +39,15 @@ from pallas_kernels.paged_attention import (
 from tests.abstract_gpu import lower_for
 from tests.kernel_modes import interpret
 
-shipped_gpu = importlib.import_module("jax.experimental.pallas.ops.gpu.paged_attention")
+
+def shipped_gpu_kernel():
+  """JAX's GPU paged attention, an oracle JAX 0.12 deprecates; None once removed."""
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    try:
+      return importlib.import_module("jax.experimental.pallas.ops.gpu.paged_attention")
+    except ImportError:
+      return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,10 +298,15 @@ def test_reference_agrees_with_jax_shipped_kernels():
   tables = np.maximum(tables, 0)
   args = as_jax(q, k, v, tables, lengths)
   expected = reference_attention(*args, **case.options)
-  shipped_gpu_out = shipped_gpu.paged_attention(
-    *args, attn_logits_soft_cap=case.soft_cap, pages_per_compute_block=2, k_splits=2, interpret=True
-  )
-  assert_close(shipped_gpu_out, expected, case.dtype)
+  if shipped_gpu := shipped_gpu_kernel():
+    shipped_gpu_out = shipped_gpu.paged_attention(
+      *args,
+      attn_logits_soft_cap=case.soft_cap,
+      pages_per_compute_block=2,
+      k_splits=2,
+      interpret=True,
+    )
+    assert_close(shipped_gpu_out, expected, case.dtype)
   with pltpu.force_tpu_interpret_mode():
     shipped_tpu_out = shipped_tpu_paged_attention(
       args[0],
