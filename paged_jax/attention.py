@@ -3,11 +3,13 @@
 ``impl`` chooses the implementation:
 
 * ``"auto"``: the Mosaic kernel on TPU; on CUDA GPUs of compute capability
-  9.0 and newer (Hopper, Blackwell) the Mosaic GPU kernel when its tiles fit,
-  else the Pallas (Triton) kernel when its tiles fit (power-of-two block size
+  9.0 and newer (Hopper, Blackwell) the Mosaic GPU kernel when this JAX has
+  Mosaic GPU and it serves the page dtype and tiles, else the Pallas (Triton)
+  kernel while this JAX ships it and its tiles fit (power-of-two block size
   and head_dim), as on older and ROCm GPUs; the chunked XLA implementation
   everywhere else (CPU), which reads only the table chunks the longest
-  context reaches.
+  context reaches. On a GPU the choice and its reason are logged once
+  (logger ``paged_jax``).
 * ``"pallas"``: the backend's kernel (the one ``"auto"`` prefers); on CPU the
   Triton kernel in interpret mode.
 * ``"mosaic_gpu"``, ``"triton"``: that GPU kernel; on CPU in its interpret
@@ -24,9 +26,15 @@ host first, so an out-of-range block gives a ValueError that names it.
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels.paged_attention import chunked, common, gpu, mosaic_gpu, reference, tpu
+
+logger = logging.getLogger("paged_jax")
 
 IMPLS = ("auto", "pallas", "reference")
 ATTENTION_IMPLS = IMPLS + ("mosaic_gpu", "triton")
@@ -223,15 +231,63 @@ def select_attention_kernel(
     return "tpu", False
   if not on_gpu:
     return None if impl == "auto" else ("triton", True)
-  if (
-    gpu_compute_capability() >= 9.0
-    and not quantized
-    and mosaic_gpu.supports(dtype, block_size, head_dim, group)
-  ):
-    return "mosaic_gpu", False
-  if impl == "auto" and not all(_is_power_of_two(n) for n in (block_size, head_dim)):
-    return None
-  return "triton", False
+  capability = gpu_compute_capability()
+  kernel, reason = gpu_kernel_choice(
+    impl == "auto", capability, dtype, block_size, head_dim, group, quantized
+  )
+  names = {"mosaic_gpu": "Mosaic GPU kernel", "triton": "Triton kernel", None: "chunked XLA"}
+  choice = names[kernel] + (f", because {reason}" if reason else "")
+  sm = f"sm{round(capability * 10)}"
+  _log_once(f"paged attention on {platform} ({sm}, {jnp.dtype(dtype).name}): {choice}")
+  return None if kernel is None else (kernel, False)
+
+
+def gpu_kernel_choice(
+  auto: bool, capability: float, dtype, block_size: int, head_dim: int, group: int, quantized: bool
+) -> tuple[str | None, str | None]:
+  """The decode kernel for a GPU, and why not a kernel it prefers.
+
+  Mosaic GPU where this JAX has it and the GPU (sm90+: TMA and wgmma), page
+  dtype and shapes can be served; else Triton while this JAX ships it (for
+  ``auto`` only on power-of-two tiles); else the chunked XLA path (None).
+
+  Args:
+    auto: whether ``impl`` is ``"auto"`` (else ``"pallas"``).
+    capability: the GPU's compute capability (9.0 for Hopper).
+    dtype: dtype of the queries and pages.
+    block_size: tokens per page.
+    head_dim: size of a head.
+    group: query heads per KV head.
+    quantized: whether the pages are int8 / fp8 with scales.
+
+  Returns:
+    ``(kernel, reason)``: kernel ``"mosaic_gpu"``, ``"triton"`` or None; the
+    reason is None for Mosaic GPU.
+  """
+  reason = mosaic_gpu_refusal(capability, dtype, block_size, head_dim, group, quantized)
+  if reason is None:
+    return "mosaic_gpu", None
+  if gpu.pltriton is None:
+    return None, f"{reason} and this JAX ships no Pallas Triton"
+  if auto and not all(_is_power_of_two(n) for n in (block_size, head_dim)):
+    return None, f"{reason} and Triton tiles powers of two only"
+  return "triton", reason
+
+
+def mosaic_gpu_refusal(
+  capability: float, dtype, block_size: int, head_dim: int, group: int, quantized: bool
+) -> str | None:
+  """Why the Mosaic GPU kernel cannot serve this GPU, dtype and shapes; None if it can."""
+  if capability < 9.0:
+    return "Mosaic GPU kernel needs sm90+ (TMA and wgmma; JAX's Ampere mma needs another kernel)"
+  if quantized:
+    return "the Mosaic GPU kernel takes no quantized pages"
+  return mosaic_gpu.refusal(dtype, block_size, head_dim, group)
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+  logger.info(message)
 
 
 def kernel_block_sizes(platform: str) -> dict[str, str]:

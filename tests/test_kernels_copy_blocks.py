@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import copy_blocks as copy_blocks_lib
+from tests.abstract_gpu import lower_for
 from tests.kernel_modes import interpret
 
 # (num_caches, num_kv_heads, head_dim, block_size, num_blocks, capacity,
@@ -101,9 +102,7 @@ def test_kernel_lowers_for_its_platform(backend, platform):
   caches = [shape((8, 64, 16, 128), jnp.bfloat16)] * 4
   plan = shape((6,), jnp.int32)
   copy = jax.jit(functools.partial(copy_blocks_lib.copy_blocks, backend=backend), donate_argnums=0)
-  lowered = copy.trace(caches, plan, plan, shape((), jnp.int32)).lower(
-    lowering_platforms=(platform,)
-  )
+  lowered = lower_for(platform, copy, caches, plan, plan, shape((), jnp.int32))
   assert f"copy_blocks_{backend}" in lowered.as_text()
 
 

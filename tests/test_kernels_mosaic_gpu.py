@@ -9,6 +9,7 @@ transposes only 16-bit operands) and the Triton kernel in "auto".
 """
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ import pytest
 
 from paged_jax import attention
 from pallas_kernels.paged_attention import gpu, mosaic_gpu
+from tests.abstract_gpu import lower_for
 from tests.test_kernels_paged_attention import (
   OPTIONS,
   Case,
@@ -101,9 +103,15 @@ def test_mosaic_kernel_lowers_for_cuda(dtype, block_size, head_dim, num_buffers)
       mosaic_gpu.paged_attention, soft_cap=30.0, sliding_window=40, num_buffers=num_buffers
     )
   )
-  lowered = run.trace(
-    shape((3, 32, head_dim), dtype), pages, pages, shape((3, 7), jnp.int32), shape((3,), jnp.int32)
-  ).lower(lowering_platforms=("cuda",))
+  lowered = lower_for(
+    "cuda",
+    run,
+    shape((3, 32, head_dim), dtype),
+    pages,
+    pages,
+    shape((3, 7), jnp.int32),
+    shape((3,), jnp.int32),
+  )
   assert "mosaic_gpu" in lowered.as_text()
 
 
@@ -200,6 +208,58 @@ def test_paged_attention_runs_the_forced_triton_kernel():
   out = PUBLIC(*as_jax(q, *poisoned, tables, lengths), soft_cap=4.0, impl="triton")
   expected = reference_attention(*as_jax(q, *clean, tables, lengths), soft_cap=4.0)
   assert_close(out, expected, case.dtype)
+
+
+def on_gpu(monkeypatch, capability):
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(attention, "gpu_compute_capability", lambda: capability)
+  attention._log_once.cache_clear()
+
+
+@pytest.mark.parametrize(
+  "capability,shape,expected",
+  [
+    (9.0, {}, "(sm90, bfloat16): Mosaic GPU kernel"),
+    (8.0, {}, "(sm80, bfloat16): Triton kernel, because Mosaic GPU kernel needs sm90+"),
+    (
+      9.0,
+      dict(dtype=jnp.float32),
+      "(sm90, float32): Triton kernel, because the Mosaic GPU kernel "
+      "takes bfloat16 or float16 pages, got float32",
+    ),
+    (9.0, dict(quantized=True), "Triton kernel, because the Mosaic GPU kernel takes no quantized"),
+    (
+      8.0,
+      dict(head_dim=192),
+      "chunked XLA, because Mosaic GPU kernel needs sm90+ (TMA and wgmma; "
+      "JAX's Ampere mma needs another kernel) and Triton tiles powers of two only",
+    ),
+  ],
+)
+def test_the_choice_and_its_reason_are_logged_once(
+  monkeypatch, caplog, capability, shape, expected
+):
+  on_gpu(monkeypatch, capability)
+  caplog.set_level(logging.INFO, logger="paged_jax")
+  for _ in range(3):
+    select("auto", **shape)
+  assert [r.name for r in caplog.records] == ["paged_jax"]
+  assert caplog.records[0].getMessage().startswith("paged attention on gpu (")
+  assert expected in caplog.records[0].getMessage()
+
+
+def test_jax_without_pallas_triton_takes_the_chunked_path(monkeypatch, caplog):
+  on_gpu(monkeypatch, 8.0)
+  monkeypatch.setattr(gpu, "pltriton", None)
+  caplog.set_level(logging.INFO, logger="paged_jax")
+  assert select("auto") is None
+  assert select("pallas") is None
+  assert select("auto", quantized=True) is None
+  assert select("auto", block_size=64) is None
+  assert "chunked XLA" in caplog.text and "this JAX ships no Pallas Triton" in caplog.text
+  assert select("mosaic_gpu") == ("mosaic_gpu", False)
+  with pytest.raises(NotImplementedError, match="needs a JAX with"):
+    gpu.paged_attention(**mosaic_args(), interpret=True)
 
 
 def test_jax_without_mosaic_gpu_falls_back_to_triton(monkeypatch):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import write_kv as write_kv_lib
+from tests.abstract_gpu import lower_for
 from tests.kernel_modes import interpret
 
 # (num_kv_heads, head_dim, block_size, num_blocks, tokens, dtype): every value
@@ -96,9 +97,7 @@ def test_kernel_lowers_for_its_platform(backend, platform):
   cache = shape((8, 64, 16, 128), jnp.bfloat16)
   rows = shape((5, 8, 128), jnp.bfloat16)
   write = jax.jit(functools.partial(write_kv_lib.write_kv, backend=backend), donate_argnums=(0, 1))
-  lowered = write.trace(cache, cache, rows, rows, shape((5,), jnp.int32)).lower(
-    lowering_platforms=(platform,)
-  )
+  lowered = lower_for(platform, write, cache, cache, rows, rows, shape((5,), jnp.int32))
   assert f"write_kv_{backend}" in lowered.as_text()
 
 

@@ -200,5 +200,5 @@ def apply_soft_cap(logits, soft_cap: float | None):
 def window_start(length, sliding_window: int | None):
   """First key position a decode query at ``length - 1`` can see."""
   if sliding_window is None:
-    return jnp.zeros_like(length)
+    return jnp.asarray(0, length.dtype)
   return jnp.maximum(length - sliding_window, 0)

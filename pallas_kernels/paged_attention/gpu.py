@@ -24,9 +24,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.paged_attention import common
+
+try:  # JAX that no longer ships Pallas Triton: the module imports, the kernel raises.
+  from jax.experimental.pallas import triton as pltriton
+except ImportError:  # pragma: no cover
+  pltriton = None
 
 _MIN_DOT_SIZE = 16  # smallest dimension of a tensor-core dot
 _TOKENS_PER_STEP = 128
@@ -78,7 +82,12 @@ def paged_attention(
   Raises:
     ValueError: for bad shapes or dtypes, untileable sizes, or fp8 pages on
       a GPU older than compute capability 8.9.
+    NotImplementedError: on a JAX without Pallas Triton.
   """
+  if pltriton is None:
+    raise NotImplementedError(
+      "the Triton paged-attention kernel needs a JAX with jax.experimental.pallas.triton"
+    )
   common.check_attention_args(
     q, k_pages, v_pages, block_tables, lengths, k_scales=k_scales, v_scales=v_scales, kernel=_NAME
   )

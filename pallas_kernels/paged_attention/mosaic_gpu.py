@@ -22,6 +22,13 @@ memory, barriers and TMA; there the QK product is a dot of the values loaded
 from shared memory (the interpreter's wgmma takes no transposed operand) and
 register layouts are not cast. Pages are bfloat16 or float16: Mosaic GPU's
 wgmma transposes only 16-bit operands (float32 runs as tf32).
+
+The kernel needs Hopper or newer (sm90+): its pages arrive by TMA and its
+products run on wgmma, neither of which Ampere has. JAX 0.11+ exposes Ampere's
+warp-level ``mma`` in Mosaic GPU (``plgpu.mma``), but only on register arrays
+in its MMA layouts, and without TMA the pages would have to be loaded another
+way: that is a second kernel, not an adaptation, so Ampere keeps the Triton
+kernel.
 """
 
 from __future__ import annotations
@@ -354,7 +361,7 @@ def _logits(q_smem, k_smem, interpret: bool):
     )
 
   def qk(acc_ref):
-    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
+    plgpu.wgmma(acc_ref, q_smem, k_smem.transpose((1, 0)))
     return acc_ref[...]
 
   return pl.run_scoped(qk, plgpu.ACC((q_smem.shape[0], k_smem.shape[0]), jnp.float32))
@@ -378,8 +385,8 @@ def merge_splits(out, lse):
   return jnp.where(total > 0, merged / jnp.where(total > 0, total, 1.0), 0.0)
 
 
-def supports(dtype, block_size: int, head_dim: int, group: int) -> bool:
-  """True when this JAX has Mosaic GPU and the kernel tiles these shapes.
+def refusal(dtype, block_size: int, head_dim: int, group: int) -> str | None:
+  """Why this JAX or the kernel's tiles cannot serve these shapes; None if they can.
 
   Args:
     dtype: dtype of the queries and pages.
@@ -388,12 +395,12 @@ def supports(dtype, block_size: int, head_dim: int, group: int) -> bool:
     group: query heads per KV head.
   """
   if plgpu is None:
-    return False
+    return "this JAX has no Mosaic GPU"
   try:
     _check_shapes(dtype, block_size, head_dim, group)
-  except ValueError:
-    return False
-  return True
+  except ValueError as error:
+    return str(error).removesuffix("; use impl='triton'")
+  return None
 
 
 def _smem(shape, dtype):
