@@ -22,6 +22,7 @@ import pathlib
 import sys
 import time
 
+from paged_jax import aot as aot_tool
 from paged_jax.config import CacheConfig
 from paged_jax.server import cli as serve_cli
 
@@ -128,6 +129,12 @@ def _parser() -> argparse.ArgumentParser:
   aot.add_argument("--model", required=True, help="what serve takes ('tiny', a folder, a name)")
   aot.add_argument("--topology", required=True, help="a libtpu topology name, e.g. v5e:2x2")
   aot.add_argument("--tensor-parallel-size", type=_positive, default=1)
+  aot.add_argument(
+    "--variant",
+    action="append",
+    choices=list(aot_tool.VARIANTS),
+    help="engine variants to compile (repeatable; default: all)",
+  )
   aot.add_argument("--json", action="store_true", help="last line: the report as one JSON object")
   return parser
 
@@ -138,12 +145,13 @@ def run_aot(args, parser) -> int:
   # model shard; set before JAX starts its backends.
   flag = f"--xla_force_host_platform_device_count={args.tensor_parallel_size}"
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
-  from paged_jax import aot
-
   try:
-    aot.require_libtpu()
+    aot_tool.require_libtpu()
     model, _ = load_demo_model(args.model, "bfloat16", 256)
-    report = aot.compile_engine_programs(model, args.topology, args.tensor_parallel_size)
+    variants = {v: aot_tool.VARIANTS[v] for v in args.variant or aot_tool.VARIANTS}
+    report = aot_tool.compile_engine_programs(
+      model, args.topology, args.tensor_parallel_size, variants
+    )
   except (RuntimeError, ValueError, FileNotFoundError) as err:
     parser.exit(2, f"aot: {err}\n")
   if args.json:

@@ -165,6 +165,14 @@ def abstract(tree, mesh):
   return jax.tree.map(leaf, tree)
 
 
+def jax_mesh(devices: list, shape: tuple[int, int]):
+  """A ``("data", "model")`` mesh of `shape` over the TPU `devices`."""
+  import jax
+  import numpy as np
+
+  return jax.sharding.Mesh(np.array(devices).reshape(shape), ("data", "model"))
+
+
 def _launch_key(launch: Launch, abstract_args) -> tuple:
   import jax
 
@@ -238,7 +246,6 @@ def compile_engine_programs(model, topology: str, tp: int = 1, variants=VARIANTS
   """Compiles warm-up's whole program set of `model`'s engine (each of
   `variants`) for `topology`; returns the report (see `run`)."""
   import jax
-  import numpy as np
 
   require_libtpu()
   devices = topology_devices(topology)
@@ -253,7 +260,7 @@ def compile_engine_programs(model, topology: str, tp: int = 1, variants=VARIANTS
     engine = build_engine(model, tp, **kwargs)
     host_mesh = engine.cache.kv.device_sharding.mesh if tp > 1 else None
     shape = host_mesh.devices.shape if host_mesh is not None else (1, 1)
-    mesh = jax.sharding.Mesh(np.array(devices).reshape(shape), ("data", "model"))
+    mesh = jax_mesh(devices, shape)
     launches = []
     with capture(launches):
       engine.warmup()
