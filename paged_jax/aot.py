@@ -151,18 +151,30 @@ def capture(launches: list):
 
 def abstract(tree, mesh):
   """`tree` with each array a `ShapeDtypeStruct` sharded on `mesh` (the TPU
-  mesh) by its host `PartitionSpec` (replicated when it has none)."""
+  mesh) by its host `PartitionSpec` (replicated when it has none), and a KV
+  cache's static shardings moved to `mesh` too."""
   import jax
   import numpy as np
   from jax.sharding import NamedSharding, PartitionSpec
 
+  from paged_jax.kv_cache import KVCache
+
+  def on_mesh(sharding):
+    spec = getattr(sharding, "spec", PartitionSpec())
+    kind = getattr(sharding, "memory_kind", None)
+    return NamedSharding(mesh, spec, memory_kind=kind if kind == "pinned_host" else None)
+
   def leaf(x):
+    if isinstance(x, KVCache):
+      x = x.replace(
+        device_sharding=on_mesh(x.device_sharding), host_sharding=on_mesh(x.host_sharding)
+      )
+      return jax.tree.map(leaf, x)
     if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
       return x
-    spec = getattr(getattr(x, "sharding", None), "spec", PartitionSpec())
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_mesh(getattr(x, "sharding", None)))
 
-  return jax.tree.map(leaf, tree)
+  return jax.tree.map(leaf, tree, is_leaf=lambda x: isinstance(x, KVCache))
 
 
 def jax_mesh(devices: list, shape: tuple[int, int]):
