@@ -63,6 +63,8 @@ def topology_devices(name: str) -> list:
   try:
     return list(topologies.get_topology_desc(topology_name=name, platform="tpu").devices)
   except Exception as err:  # libtpu raises its own runtime errors for bad names
+    if "lockfile" in str(err):  # another process holds libtpu
+      raise RuntimeError(f"{err} (or set ALLOW_MULTIPLE_LIBTPU_LOAD=1)") from err
     raise ValueError(
       f"libtpu does not know topology {name!r} (known, e.g.: {', '.join(KNOWN_TOPOLOGIES)}): "
       f"{str(err).splitlines()[0] if str(err) else type(err).__name__}"
