@@ -258,7 +258,10 @@ def build_engine(model, tp: int, **kwargs):
 
 def compile_engine_programs(model, topology: str, tp: int = 1, variants=VARIANTS) -> dict:
   """Compiles warm-up's whole program set of `model`'s engine (each of
-  `variants`) for `topology`; returns the report (see `run`)."""
+  `variants`; a launch already compiled for an earlier variant is skipped) for
+  `topology`. Returns the report: each program's name, compile seconds and
+  HBM bytes per chip, the weights and one KV block per chip, the largest
+  temporaries, and `kv_blocks_per_chip` and the 8k-token sequences they hold."""
   import jax
 
   require_libtpu()

@@ -59,11 +59,12 @@ def _run_tool(topology: str, tp: int, variants: list[str]) -> dict:
 
 
 def _check_report(report: dict, topology: str, variants) -> None:
+  """Each variant compiled programs of its own (launches equal to an earlier
+  variant's are compiled once)."""
   assert report["topology"] == topology
   names = [p["name"] for p in report["programs"]]
   for variant in variants:
-    assert any(n.startswith(f"{variant}: decode_loop") for n in names), variant
-    assert any(n.startswith(f"{variant}: prefill") for n in names), variant
+    assert any(n.startswith(f"{variant}: ") for n in names), variant
   assert all(p["hbm_bytes"] > 0 and p["compile_s"] > 0 for p in report["programs"])
   assert report["kv_blocks_per_chip"] > 0
 
@@ -71,7 +72,11 @@ def _check_report(report: dict, topology: str, variants) -> None:
 @needs_libtpu
 @pytest.mark.parametrize("topology, tp", [("v5e:1x1", 1), ("v5e:2x2", 4)])
 def test_tiny_engine_compiles_for_tpu(topology, tp):
-  _check_report(_run_tool(topology, tp, ["plain"]), topology, ["plain"])
+  report = _run_tool(topology, tp, ["plain"])
+  _check_report(report, topology, ["plain"])
+  names = [p["name"] for p in report["programs"]]
+  assert any(n.startswith("plain: decode_loop") for n in names)
+  assert any(n.startswith("plain: prefill") for n in names)
 
 
 @needs_libtpu
