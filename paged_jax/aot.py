@@ -291,7 +291,13 @@ def compile_engine_programs(model, topology: str, tp: int = 1, variants=VARIANTS
         continue
       seen.add(key)
       counts[launch.name] = counts.get(launch.name, 0) + 1
-      seconds, memory = compile_launch(launch, mesh)
+      try:
+        seconds, memory = compile_launch(launch, mesh)
+      except Exception as err:  # XLA and Mosaic raise their own error types
+        message = next((line for line in str(err).splitlines() if line.strip()), repr(err))
+        raise RuntimeError(
+          f"{variant}: {launch.name} failed to compile for {topology}: {message}"
+        ) from err
       programs.append(
         dict(
           name=f"{variant}: {launch.name} #{counts[launch.name]}",
