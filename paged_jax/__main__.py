@@ -1,4 +1,5 @@
-"""`python -m paged_jax demo|trace|serve`: run a model, replay a trace, or serve over HTTP.
+"""`python -m paged_jax demo|trace|serve|aot`: run a model, replay a trace, serve over HTTP, or
+compile the engine's programs for a TPU topology without a TPU.
 
 `demo` serves a batch of requests with `pj.LLM` on the paged cache and
 reports throughput and paging statistics. With a pretrained model
@@ -7,17 +8,21 @@ share a system prompt; with `--model tiny` (the shipped byte-level toy) they
 are dictionary headwords, every other one after a shared prefix. Every
 fourth request asks for 4 samples. `trace` replays a simulated serving
 trace through the block manager alone. `serve` serves a model over an
-OpenAI-compatible HTTP API (see `paged_jax.server`).
+OpenAI-compatible HTTP API (see `paged_jax.server`). `aot` compiles every
+program of the engine's warm-up with libtpu for a named TPU topology and
+reports compile seconds, HBM and KV blocks per chip (see `paged_jax.aot`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 import time
 
+from paged_jax import aot as aot_tool
 from paged_jax.config import CacheConfig
 from paged_jax.server import cli as serve_cli
 
@@ -118,7 +123,52 @@ def _parser() -> argparse.ArgumentParser:
   trace.add_argument("--seed", type=int, default=0)
   trace.add_argument("--json", action="store_true", help="print machine-readable JSON")
   serve_cli.add_parser(sub)
+  aot = sub.add_parser(
+    "aot", help="compile the engine's programs for a TPU topology, no TPU needed"
+  )
+  aot.add_argument("--model", required=True, help="what serve takes ('tiny', a folder, a name)")
+  aot.add_argument("--topology", required=True, help="a libtpu topology name, e.g. v5e:2x2")
+  aot.add_argument("--tensor-parallel-size", type=_positive, default=1)
+  aot.add_argument(
+    "--variant",
+    action="append",
+    choices=list(aot_tool.VARIANTS),
+    help="engine variants to compile (repeatable; default: all)",
+  )
+  aot.add_argument("--json", action="store_true", help="last line: the report as one JSON object")
   return parser
+
+
+def run_aot(args, parser) -> int:
+  """Compiles the engine's programs for `args.topology`; prints the report."""
+  # The host engine the programs are captured from needs one CPU device per
+  # model shard; set before JAX starts its backends.
+  flag = f"--xla_force_host_platform_device_count={args.tensor_parallel_size}"
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+  # Compile-only devices: another process holding libtpu does not matter.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  try:
+    aot_tool.require_libtpu()
+    model, _ = load_demo_model(args.model, "bfloat16", 256)
+    variants = {v: aot_tool.VARIANTS[v] for v in args.variant or aot_tool.VARIANTS}
+    report = aot_tool.compile_engine_programs(
+      model, args.topology, args.tensor_parallel_size, variants
+    )
+  except (RuntimeError, ValueError, FileNotFoundError) as err:
+    parser.exit(2, f"aot: {err}\n")
+  if args.json:
+    print(json.dumps(report))
+    return 0
+  for program in report["programs"]:
+    print(f"{program['name']}: {program['compile_s']:.2f} s, {program['hbm_bytes']} bytes HBM")
+  print(
+    f"{args.topology}: {len(report['programs'])} programs; per chip "
+    f"{report['weight_bytes_per_chip']} bytes of weights, "
+    f"{report['kv_block_bytes_per_chip']} bytes per KV block, "
+    f"{report['max_temp_bytes']} bytes of temporaries at most: {report['kv_blocks_per_chip']} "
+    f"KV blocks, {report['sequences_8k_per_chip']} sequences of 8k tokens"
+  )
+  return 0
 
 
 def demo_requests(num_requests: int, seed: int, tokenizer=None):
@@ -317,6 +367,8 @@ def main(argv=None) -> int:
     return 0
   if args.command == "serve":
     return serve_cli.run(args)
+  if args.command == "aot":
+    return run_aot(args, parser)
   if args.num_cpu_blocks < 0:
     parser.error(f"--num-cpu-blocks must be >= 0, got {args.num_cpu_blocks}")
   report = run_demo(args, parser)

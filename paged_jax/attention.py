@@ -26,6 +26,8 @@ host first, so an out-of-range block gives a ValueError that names it.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import logging
 
@@ -40,6 +42,23 @@ IMPLS = ("auto", "pallas", "reference")
 ATTENTION_IMPLS = IMPLS + ("mosaic_gpu", "triton")
 _KERNELS = {"tpu": tpu, "triton": gpu, "mosaic_gpu": mosaic_gpu}
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+_TARGET_PLATFORM = contextvars.ContextVar("target_platform", default=None)
+
+
+@contextlib.contextmanager
+def target_platform(platform: str):
+  """Kernels traced inside choose those of `platform` (e.g. ``"tpu"``) instead
+  of the default backend's: ahead-of-time compiles for devices this host lacks."""
+  token = _TARGET_PLATFORM.set(platform)
+  try:
+    yield
+  finally:
+    _TARGET_PLATFORM.reset(token)
+
+
+def kernel_platform() -> str:
+  """The platform kernels are chosen for: `target_platform`'s, else the default backend."""
+  return _TARGET_PLATFORM.get() or jax.default_backend()
 
 
 def paged_attention(
@@ -172,7 +191,7 @@ def paged_prefill_attention(
 
 
 def select_kernel(impl: str, *, tile_sizes: tuple[int, ...] = ()):
-  """Resolves ``impl`` for the default backend.
+  """Resolves ``impl`` for the kernel platform (`kernel_platform`).
 
   Args:
     impl: ``"auto"``, ``"pallas"`` or ``"reference"``.
@@ -185,7 +204,7 @@ def select_kernel(impl: str, *, tile_sizes: tuple[int, ...] = ()):
   """
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-  platform = jax.default_backend()
+  platform = kernel_platform()
   if impl == "reference":
     return None
   if platform == "tpu":
@@ -200,7 +219,7 @@ def select_kernel(impl: str, *, tile_sizes: tuple[int, ...] = ()):
 def select_attention_kernel(
   impl: str, *, dtype, block_size: int, head_dim: int, group: int, quantized: bool = False
 ):
-  """Resolves ``impl`` of ``paged_attention`` for the default backend.
+  """Resolves ``impl`` of ``paged_attention`` for the kernel platform (`kernel_platform`).
 
   Args:
     impl: one of ``ATTENTION_IMPLS``.
@@ -221,7 +240,7 @@ def select_attention_kernel(
   """
   if impl not in ATTENTION_IMPLS:
     raise ValueError(f"impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
-  platform = jax.default_backend()
+  platform = kernel_platform()
   on_gpu = platform in _GPU_PLATFORMS
   if impl in ("mosaic_gpu", "triton"):
     return impl, not on_gpu
@@ -310,7 +329,7 @@ def check_block_size(block_size: int, platform: str | None = None) -> None:
     ValueError: naming the block size and the sizes each kernel serves (on a
       GPU, Triton needs a power of two and Mosaic GPU one of its sizes).
   """
-  platform = platform or jax.default_backend()
+  platform = platform or kernel_platform()
   if platform in _GPU_PLATFORMS and not _is_power_of_two(block_size):
     sizes = "; ".join(
       f"{kernel}: {served}" for kernel, served in kernel_block_sizes(platform).items()
@@ -359,7 +378,7 @@ def describe_kernels(
   )
   write = select_kernel("auto", tile_sizes=(head_dim,))
   copy = select_kernel("auto", tile_sizes=(block_size, head_dim))
-  platform = jax.default_backend()
+  platform = kernel_platform()
   backend = platform
   if platform in _GPU_PLATFORMS:
     backend += f" (compute capability {gpu_compute_capability():.1f})"
