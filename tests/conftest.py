@@ -86,14 +86,17 @@ def pytest_unconfigure(config):
 
 
 # Tests that run for tens of seconds, longest first: the 8-device sharding
-# run (the session fixture `meshes`), the two-process run, SmolLM2, the
-# notebooks, the engine starts in subprocesses, the demo and the tiny server;
+# run (the session fixture `meshes`), the two-process run, SmolLM2, the TPU
+# compiles, the notebooks, the engine starts in subprocesses, the demo and
+# the tiny server;
 # then the modules of 15 s or more (about, in CI), longest first.
 LONG_TESTS = (
   "meshes",
   "tests/test_sharding.py::test_two_processes_give_the_one_device_tokens",
   "smollm2",
+  "tests/test_aot.py::",
   "tests/test_notebook.py::",
+  "tests/test_rl.py::",
   "tests/test_compilation_cache.py::test_a_second_start",
   "tests/test_demo.py::test_demo_json_report",
   "tests/test_server.py::",
