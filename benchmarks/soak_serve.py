@@ -290,13 +290,17 @@ async def sigterm_during_burst(server: Server, spec: Spec, count: int) -> dict:
   )
 
 
-def settle(server: Server, timeout: float = 60) -> dict[str, float]:
-  """`/metrics` once nothing runs or waits (or after `timeout`)."""
+def settle(server: Server, num_requests: int, timeout: float = 60) -> dict[str, float]:
+  """`/metrics` once nothing runs or waits and the server has counted
+  `num_requests` outcomes (a stream whose client left is counted when the
+  server closes it), or after `timeout`."""
   deadline = time.monotonic() + timeout
   while True:
     metrics = server.metrics()
     idle = metrics["vllm:num_requests_running"] == metrics["vllm:num_requests_waiting"] == 0
-    if idle or time.monotonic() > deadline:
+    if idle and sum(outcome_counts(metrics).values()) >= num_requests:
+      return metrics
+    if time.monotonic() > deadline:
       return metrics
     time.sleep(0.2)
 
@@ -331,7 +335,8 @@ def soak(args) -> dict:
       run_mix(server.url, specs, args.concurrency, args.burst_every, 2 * args.max_waiting_requests)
     )
     seconds = time.monotonic() - start
-    metrics = settle(server)
+    before_total = sum(before.values())
+    metrics = settle(server, before_total + len(mixed) + len(bursts) + retries)
     after = outcome_counts(metrics)
     counted = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     outcomes = mixed + bursts
