@@ -92,8 +92,11 @@ class Outcome:
   retry_after: float | None = None  # a 503's Retry-After
 
 
-def make_spec(rng: random.Random, model: str, chat: bool = True) -> Spec:
-  """A random request of the mix (completions only unless `chat`)."""
+def make_spec(
+  rng: random.Random, model: str, chat: bool = True, structured_share: float = 0.15
+) -> Spec:
+  """A random request of the mix (completions only unless `chat`;
+  `structured_share` of them with a structured output)."""
   word = rng.choice(HEADWORDS)
   body = dict(model=model, max_tokens=rng.randint(1, 24), n=rng.randint(1, 4))
   sampling = rng.random()
@@ -105,7 +108,7 @@ def make_spec(rng: random.Random, model: str, chat: bool = True) -> Spec:
     body.update(temperature=0.8, seed=rng.randint(0, 10**6))
   if rng.random() < 0.3:
     body["stop"] = rng.sample(STOPS, rng.randint(1, 2))
-  if rng.random() < 0.15 and not body.get("use_beam_search"):
+  if rng.random() < structured_share and not body.get("use_beam_search"):
     body.update(rng.choice(CONSTRAINTS))
   if rng.random() < 0.5 or not chat:
     body.update(prompt=f"{word}, n. ")
@@ -323,11 +326,17 @@ def soak(args) -> dict:
   try:
     server.wait_healthy()
     chat = serves_chat(server.url)
-    specs = [make_spec(rng, args.served_name, chat) for _ in range(args.requests)]
+    specs = [
+      make_spec(rng, args.served_name, chat, args.structured_share) for _ in range(args.requests)
+    ]
     # The engine's warm-up leaves out the programs of constrained rows: a
     # first mix compiles them before the RSS to hold is read.
-    warm = [make_spec(rng, args.served_name, chat) for _ in range(args.warm_up_requests)]
-    warm += [Spec("/v1/completions", dict(prompt="a", max_tokens=4, **c)) for c in CONSTRAINTS]
+    warm = [
+      make_spec(rng, args.served_name, chat, args.structured_share)
+      for _ in range(args.warm_up_requests)
+    ]
+    if args.structured_share:
+      warm += [Spec("/v1/completions", dict(prompt="a", max_tokens=4, **c)) for c in CONSTRAINTS]
     asyncio.run(run_mix(server.url, warm, args.concurrency, 0, 0))
     rss_start, before = server.rss_bytes(), outcome_counts(server.metrics())
     start = time.monotonic()
@@ -407,6 +416,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--max-waiting-requests", type=int, default=32)
   parser.add_argument("--burst-every", type=int, default=250)
   parser.add_argument("--warm-up-requests", type=int, default=40)
+  parser.add_argument("--structured-share", type=float, default=0.15)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--json", action="store_true")
   parser.add_argument("--vllm-bench", help="vLLM's `vllm` command, for `vllm bench serve`")

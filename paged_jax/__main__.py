@@ -145,8 +145,6 @@ def run_aot(args, parser) -> int:
   # model shard; set before JAX starts its backends.
   flag = f"--xla_force_host_platform_device_count={args.tensor_parallel_size}"
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
-  # Compile-only devices: another process holding libtpu does not matter.
-  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   try:
     aot_tool.require_libtpu()
     model, _ = load_demo_model(args.model, "bfloat16", 256)

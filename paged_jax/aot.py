@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import math
+import os
 import time
 
 INSTALL_HINT = 'pip install "jax[tpu]" (needs Python >= 3.12 and JAX >= 0.12, which bring libtpu)'
@@ -60,6 +61,9 @@ def topology_devices(name: str) -> list:
   """
   from jax.experimental import topologies
 
+  # Compile-only devices: another process holding libtpu does not matter.
+  # Read when libtpu first loads, so set before the first topology.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   try:
     return list(topologies.get_topology_desc(topology_name=name, platform="tpu").devices)
   except Exception as err:  # libtpu raises its own runtime errors for bad names

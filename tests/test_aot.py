@@ -70,7 +70,10 @@ def _check_report(report: dict, topology: str, variants) -> None:
 
 
 @needs_libtpu
-@pytest.mark.parametrize("topology, tp", [("v5e:1x1", 1), ("v5e:2x2", 4)])
+@pytest.mark.parametrize(
+  "topology, tp",
+  [pytest.param("v5e:1x1", 1, marks=pytest.mark.slow), ("v5e:2x2", 4)],  # CI: tensor parallel
+)
 def test_tiny_engine_compiles_for_tpu(topology, tp):
   report = _run_tool(topology, tp, ["plain"])
   _check_report(report, topology, ["plain"])
