@@ -233,9 +233,7 @@ def paged_llm(model, tokenizer, max_seqs: int, options: dict) -> pj.LLM:
 
 def engine_options(args) -> dict:
   """The engine options the command line turns on (defaults: off)."""
-  return dict(
-    mix_prefill_and_decode=args.mix_prefill_and_decode, async_scheduling=args.async_scheduling
-  )
+  return dict(async_scheduling=args.async_scheduling)
 
 
 def paged_run(llm: pj.LLM, w: Workload):
@@ -470,11 +468,6 @@ def parse_args():
   parser.add_argument("--max-seq-len", type=int, default=256)
   parser.add_argument("--hf-dir", type=pathlib.Path, help="keep the Hugging Face folder here")
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument(
-    "--mix-prefill-and-decode",
-    action="store_true",
-    help="paged_jax runs prompt chunks with a decode step (the engine's mix_prefill_and_decode)",
-  )
   parser.add_argument(
     "--async-scheduling",
     action="store_true",

@@ -10,8 +10,8 @@ Mosaic paged attention, the TPU `write_kv` and `copy_blocks`), and compiled
 by libtpu on this host. No array is ever placed on a TPU.
 
 The set compiled is warm-up's set for each engine variant of `VARIANTS`
-(plain, int8 and fp8 pages, the mixed prefill-and-decode step with async
-carries, n-gram speculation); beams are part of every variant's
+(plain, int8 and fp8 pages, async scheduling's carries, n-gram
+speculation with its prefill apart); beams are part of every variant's
 every-slot decode loop. Swaps are left out (no host pages: `num_cpu_blocks`
 0), as are structured outputs' automaton tables, which warm-up does not
 launch.
@@ -36,7 +36,7 @@ VARIANTS = {
   "plain": {},
   "int8 pages": dict(kv_cache_dtype="int8"),
   "fp8 pages": dict(kv_cache_dtype="float8_e4m3fn"),
-  "mixed step": dict(mix_prefill_and_decode=True, async_scheduling=True),
+  "async scheduling": dict(async_scheduling=True),
   "speculation": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
 }
 

@@ -497,9 +497,6 @@ def single_process(out: str) -> None:
   result["head_errors"] = head_errors()
   result["features_reference"] = serve_features(model, None)
   result["features_2x2"] = serve_features(model, sharding.make_mesh(2, 2))
-  result["features_2x2_mixed"] = serve_features(
-    model, sharding.make_mesh(2, 2), mix_prefill_and_decode=True
-  )
   result["features_2x2_async"] = serve_features(
     model, sharding.make_mesh(2, 2), async_scheduling=True
   )

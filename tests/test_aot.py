@@ -79,7 +79,7 @@ def test_tiny_engine_compiles_for_tpu(topology, tp):
   _check_report(report, topology, ["plain"])
   names = [p["name"] for p in report["programs"]]
   assert any(n.startswith("plain: decode_loop") for n in names)
-  assert any(n.startswith("plain: prefill") for n in names)
+  assert any(n.startswith("plain: ragged_step") for n in names)
 
 
 @needs_libtpu
@@ -89,7 +89,8 @@ def test_tiny_engine_compiles_every_variant_for_tpu(topology, tp):
   report = _run_tool(topology, tp, list(aot.VARIANTS))
   _check_report(report, topology, aot.VARIANTS)
   names = [p["name"] for p in report["programs"]]
-  assert any("prefill_and_decode_step" in n for n in names)
+  assert any("ragged_step" in n for n in names)
+  assert any(n.startswith("speculation: prefill") for n in names)
   assert any("continue_decoding" in n for n in names)
 
 
@@ -105,8 +106,7 @@ def test_captured_launches_match_compiled_programs():
   listed = engine.compiled_programs()
   names = [launch.name for launch in launches]
   assert names.count("decode_loop") == sum("decode loop" in n for n in listed)
-  prefills = [n for n in listed if n.startswith("prefill") and "decode" not in n]
-  assert names.count("prefill") == len(prefills)
+  assert names.count("ragged_step") == sum(n.startswith("ragged step") for n in listed)
 
 
 @needs_libtpu

@@ -15,7 +15,7 @@ import paged_jax as pj
 from paged_jax import models
 from paged_jax.block_manager import manager
 from paged_jax.engine.cache_manager import CacheManager
-from paged_jax.engine.runner import pack_decode_rows, pack_prefill
+from paged_jax.engine.runner import pack_decode_rows, pack_prefill, prompt_buckets
 from paged_jax.engine.sampling import categorical_rows, greedy_tokens
 from paged_jax.engine.scheduler import PrefillChunk
 from tests.tiny_models import BYTE_LLAMA, ENGINE_CFG
@@ -117,82 +117,83 @@ def test_outputs_do_not_depend_on_scheduling(model, reference, mode, budget, rev
   _all_blocks_free(engine)
 
 
-def _mixing_engine(model, mix: bool = True, max_num_seqs: int = 4) -> pj.LLMEngine:
-  """Prompt chunks run with the running sequences' first decode step of a
-  round, in one launch (`mix_prefill_and_decode`; packed rows of a bucket)."""
+def _ragged_engine(model, max_num_seqs: int = 4, budget: int = 8) -> pj.LLMEngine:
+  """An engine whose rounds with prompt work are ragged steps of at most
+  `budget` tokens (prompt chunks and one decode token per running row)."""
   return pj.LLMEngine(
     model,
     TOKENIZER,
     CFG,
     max_num_seqs=max_num_seqs,
-    max_num_batched_tokens=8,
+    max_num_batched_tokens=budget,
     num_decode_steps=4,
     decode_row_buckets=(4,),
-    mix_prefill_and_decode=mix,
   )
 
 
-def _record_mixed_steps(engine, monkeypatch) -> list:
-  """The `DecodeResult` of every mixed launch's decode step, as they run;
+def _record_ragged_steps(engine, monkeypatch) -> list:
+  """The `DecodeResult` of every ragged step's decode step, as they run;
   a prefill launch apart fails."""
   steps = []
-  prefill_and_step = engine.runner.prefill_and_step
+  ragged_step = engine.runner.ragged_step
 
   def recorded(*args):
-    draws, scores, first = prefill_and_step(*args)
-    steps.append(first)
-    return draws, scores, first
+    draws, scores, result = ragged_step(*args)
+    steps.append(result)
+    return draws, scores, result
 
-  monkeypatch.setattr(engine.runner, "prefill_and_step", recorded)
+  monkeypatch.setattr(engine.runner, "ragged_step", recorded)
   monkeypatch.setattr(engine.runner, "prefill", None)
   return steps
 
 
-def test_prompts_mixed_with_a_decode_step_give_the_same_outputs(model, reference, monkeypatch):
-  engine = _mixing_engine(model)
-  mixed_steps = _record_mixed_steps(engine, monkeypatch)
+def test_ragged_steps_give_the_same_outputs(model, reference, monkeypatch):
+  engine = _ragged_engine(model)
+  ragged_steps = _record_ragged_steps(engine, monkeypatch)
   finals, _ = _serve(engine, _requests())
   assert _tokens(finals) == _tokens(reference)
   assert [o.text for o in finals["2"].outputs] == [o.text for o in reference["2"].outputs]
-  assert sum(step.row_steps > 0 for step in mixed_steps) >= 3
+  assert sum(step.row_steps > 0 for step in ragged_steps) >= 3
   assert engine.stats.preemptions > 0
   _all_blocks_free(engine)
 
 
-def test_a_mixed_step_out_of_blocks_runs_the_chunks_and_preempts(model, monkeypatch):
-  # After its first round "a" holds 12 tokens in 3 full blocks, so its next
-  # step needs a block; "b"'s 44-token prompt takes the 11 free ones.
+def test_a_ragged_step_out_of_blocks_runs_the_chunks_and_preempts(model, monkeypatch):
+  # After its first rounds "a" holds 9 + 3 tokens in 3 full blocks, so its
+  # next step needs a block; "b"'s 44-token prompt takes the 11 free ones.
   greedy = pj.SamplingParams(max_tokens=12, ignore_eos=True)
-  finals = []
-  for mix in (True, False):
-    engine = _mixing_engine(model, mix)
-    if mix:
-      mixed_steps = _record_mixed_steps(engine, monkeypatch)
-    engine.add_request("a", list(range(65, 73)), greedy)
-    engine.step()
-    engine.add_request("b", list(range(70, 114)), greedy)
-    finals.append(_serve(engine, [])[0])
-    assert engine.stats.preemptions == 1
-    _all_blocks_free(engine)
-  assert [bool(step.out_of_blocks.any()) for step in mixed_steps[:2]] == [False, True]
-  assert _tokens(finals[0]) == _tokens(finals[1])
+  engine = _ragged_engine(model, budget=16)
+  ragged_steps = _record_ragged_steps(engine, monkeypatch)
+  engine.add_request("a", list(range(65, 74)), greedy)
+  drawn = [len(engine.step()[0].outputs[0].token_ids) for _ in range(3)]
+  assert drawn == [1, 2, 4]  # a ragged step, then launches of 1 and 2 steps
+  engine.add_request("b", list(range(70, 114)), greedy)
+  finals = _serve(engine, [])[0]
+  assert engine.stats.preemptions == 1
+  _all_blocks_free(engine)
+  assert [bool(step.out_of_blocks.any()) for step in ragged_steps[:2]] == [False, True]
+  alone = pj.LLMEngine(model, TOKENIZER, CFG, num_decode_steps=4)
+  expected = _serve(
+    alone, [(r, p, greedy) for r, p in (("a", range(65, 74)), ("b", range(70, 114)))]
+  )
+  assert _tokens(finals) == _tokens(expected[0])
 
 
-def test_a_row_finishing_in_the_mixed_step_ends_the_round_while_groups_wait(model):
-  # "a" draws its 6th and last token in round 2's mixed step, where "b"'s
-  # prompt completes; "c" waits for a slot, so the round hands back after
-  # that step (as the decode loop does after a step in which a row finished).
-  engine = _mixing_engine(model, max_num_seqs=2)
-  engine.add_request("a", [65, 66, 67], pj.SamplingParams(max_tokens=6, ignore_eos=True))
-  engine.step()  # a's prompt, then 4 decode steps: 5 tokens
-  assert engine.stats.loop_launches == 1
-  for request_id in ("b", "c"):
-    engine.add_request(request_id, [68, 69, 70], GREEDY)
+def test_an_arrival_joins_the_next_step(model):
+  # "a" decodes alone in launches of 1, 2, 4, 4 steps (the length ramps up
+  # to num_decode_steps); "b" arrives and the next step is a ragged one:
+  # "a" draws one token in it and "b" its first; then the ramp starts again.
+  engine = _ragged_engine(model, budget=16)
+  engine.add_request("a", [65, 66, 67], pj.SamplingParams(max_tokens=20, ignore_eos=True))
+  drawn = [len(engine.step()[0].outputs[0].token_ids) for _ in range(5)]
+  assert drawn == [1, 2, 4, 8, 12]
+  engine.add_request("b", [68, 69, 70], GREEDY)
   outputs = {out.request_id: out for out in engine.step()}
-  assert outputs["a"].finished and len(outputs["a"].outputs[0].token_ids) == 6
-  assert len(outputs["b"].outputs[0].token_ids) == 1  # its first token only
-  assert "c" not in outputs
-  assert engine.stats.loop_launches == 1
+  assert len(outputs["a"].outputs[0].token_ids) == 13
+  assert len(outputs["b"].outputs[0].token_ids) == 1
+  outputs = {out.request_id: out for out in engine.step()}
+  assert len(outputs["a"].outputs[0].token_ids) == 14
+  assert len(outputs["b"].outputs[0].token_ids) == 2
   while engine.has_unfinished_requests():
     engine.step()
   _all_blocks_free(engine)
@@ -215,22 +216,24 @@ def test_async_scheduling_gives_the_same_outputs(model, reference):
 
 
 def test_a_request_alone_runs_ahead_up_to_its_last_launch(model, reference):
-  # 12 tokens: launch 1 draws tokens 1..4, 2 draws 5..8, 3 draws 9..11 and
-  # ends it; launches 2 and 3 run ahead, and no launch runs after 3.
+  # 12 tokens: the ragged step draws token 1, then decode launches of 1, 2,
+  # 4 and 4 steps draw 2, 3..4, 5..8 and 9..12, which ends it; launches 2 to
+  # 4 run ahead, and no launch runs after 4.
   engine = _async_engine(model)
   finals, _ = _serve(engine, [("3", _requests()[3][1], GREEDY)])
   assert finals["3"].outputs[0].token_ids == reference["3"].outputs[0].token_ids
   stats = engine.stats
-  assert (stats.loop_launches, stats.loop_launches_ahead, stats.decode_tokens) == (3, 2, 11)
+  assert (stats.loop_launches, stats.loop_launches_ahead, stats.decode_tokens) == (4, 3, 11)
   _all_blocks_free(engine)
 
 
-# Alone, "4" decodes 4 tokens per launch after its first; launch 2 is
-# dispatched before launch 1 is read back, launch 3 before launch 2, whose
-# tokens 6 and 7 (one character each) complete the stop string: launch 3
-# decodes it on (tokens 9..11), and those are dropped. With max_tokens=10
-# launch 3 reaches the limit at token 9, so the device frees its blocks and
-# the host must not free them again.
+# Alone, "4" draws its first token in a ragged step, then decode launches
+# of 1, 2, 4 and 4 steps draw tokens 2, 3..4, 5..8 and 9..12; launch 2 is
+# dispatched before launch 1 is read back, and so on. Launch 3's tokens 6
+# and 7 (one character each) complete the stop string: launch 4 decodes it
+# on (tokens 9..12), and those are dropped. With max_tokens=10 launch 4
+# reaches the limit at token 10, so the device frees its blocks and the
+# host must not free them again.
 @pytest.mark.parametrize("max_tokens", [12, 10])
 def test_a_stop_string_found_while_a_launch_runs_ahead_drops_its_tokens(
   model, reference, max_tokens
@@ -246,11 +249,11 @@ def test_a_stop_string_found_while_a_launch_runs_ahead_drops_its_tokens(
   assert (out.finish_reason, out.stop_reason) == ("stop", stop)
   assert out.text == expected.text[:6]
   assert out.token_ids == expected.token_ids[:8]
-  # Step 3 read launch 3 back and reported nothing more.
-  assert [o.finished for o in streamed["4"]] == [False, True]
+  # Step 5 read launch 4 back and reported nothing more.
+  assert [o.finished for o in streamed["4"]] == [False, False, False, True]
   stats = engine.stats
-  assert (stats.loop_launches, stats.loop_launches_ahead) == (3, 2)
-  assert stats.decode_tokens == 4 + 4 + max_tokens - 9  # the dropped ones too
+  assert (stats.loop_launches, stats.loop_launches_ahead) == (4, 3)
+  assert stats.decode_tokens == 1 + 2 + 4 + max_tokens - 8  # the dropped ones too
   _all_blocks_free(engine)
 
 
@@ -258,15 +261,16 @@ def test_an_abort_or_a_request_while_a_launch_runs_ahead(model, reference):
   (_, cat, _), (_, dog, _), *_ = _requests()
   engine = _async_engine(model)
   engine.add_request("0", cat, GREEDY)
-  first = engine.step()  # its prompt and launch 1; launch 2 runs ahead
-  assert len(first[0].outputs[0].token_ids) == 5 and engine.stats.loop_launches_ahead == 1
+  engine.step()  # its prompt, in a ragged step
+  first = engine.step()  # launch 1 (1 step); launch 2 (2 steps) runs ahead
+  assert len(first[0].outputs[0].token_ids) == 2 and engine.stats.loop_launches_ahead == 1
   engine.add_request("1", dog, GREEDY)
   engine.abort_request("0")  # reads launch 2 back first: its outputs come next
   assert engine.stats.loop_launches == 2
   finals, streamed = _serve(engine, [])
   aborted = finals["0"].outputs[0]
   assert aborted.finish_reason == "abort"
-  assert aborted.token_ids == reference["0"].outputs[0].token_ids[:9]
+  assert aborted.token_ids == reference["0"].outputs[0].token_ids[:4]
   assert [o.finished for o in streamed["0"]] == [False, True]
   assert finals["1"].outputs[0].token_ids == reference["1"].outputs[0].token_ids
   _all_blocks_free(engine)
@@ -305,23 +309,26 @@ def test_a_decode_sharing_a_block_that_a_pending_prefill_holds_reads_its_own_kv(
   params = pj.SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
   prompt = list(TOKENIZER.encode("CAT,"))  # one full block
 
-  def serve(requests):
-    # Round 1 prefills 3 prompt tokens of "first"; round 2 its last one and 2 of
-    # "later", then 4 decode steps fill the first's second block.
+  def serve(later=()):
+    # "first" draws 4 tokens in a ragged step (its prompt) and launches of 1
+    # and 2 steps. "later" comes then: in the next ragged step "first"
+    # writes position 7, completing its second block, while "later"'s
+    # prefill of that block has written 3 of its 4 positions.
     engine = pj.LLMEngine(
-      model, TOKENIZER, CFG, max_num_seqs=4, max_num_batched_tokens=3, num_decode_steps=4
+      model, TOKENIZER, CFG, max_num_seqs=4, max_num_batched_tokens=4, num_decode_steps=4
     )
-    finals, _ = _serve(engine, requests)
+    engine.add_request("first", prompt, params)
+    for _ in range(3):
+      engine.step()
+    finals, _ = _serve(engine, later)
     _all_blocks_free(engine)
     return finals, engine.stats
 
-  alone, _ = serve([("first", prompt, params)])
+  alone, _ = serve()
   (want,) = alone["first"].outputs
   # The later prompt's second block is the block the first request's decode fills.
   later = prompt + want.token_ids[:4] + [7]
-  finals, stats = serve(
-    [("first", prompt, params), ("later", later, pj.SamplingParams(max_tokens=1))]
-  )
+  finals, stats = serve([("later", later, pj.SamplingParams(max_tokens=1))])
   (got,) = finals["first"].outputs
   assert stats.prefix_cache_hit_rate > 0
   assert got.token_ids == want.token_ids
@@ -380,9 +387,10 @@ def test_outputs_finish_with_a_reason_and_logprobs(reference):
 
 
 def test_stats_count_the_prefill_and_decode_padding(model):
-  # Prompts of 5, 5 and 36 tokens in one round: 46 tokens packed into the
-  # 64-token bucket (1 + 1 + 2 tiles of 32, of 4). Then three sequences
-  # decode 2 tokens each in the 4-row bucket.
+  # Prompts of 5, 5 and 36 tokens in one ragged step: 46 tokens packed into
+  # the 64-token bucket (1 + 1 + 2 tiles of 32, of 4), with its 6 decode rows
+  # (none decodes yet). Then three sequences decode 2 tokens each in the
+  # 4-row bucket, in launches of 1 and 2 steps (the second ends after 1).
   engine = pj.LLMEngine(model, TOKENIZER, CFG, num_decode_steps=4)
   params = pj.SamplingParams(max_tokens=3, ignore_eos=True)
   for request_id, length in (("short", 5), ("small", 5), ("long", 36)):
@@ -393,8 +401,8 @@ def test_stats_count_the_prefill_and_decode_padding(model):
   assert (stats.prefill_tokens, stats.prefill_positions) == (46, 64)
   assert stats.prefill_padding == pytest.approx(1 - 46 / 64)
   assert stats.preemptions == 0
-  assert (stats.decode_tokens, stats.decode_positions) == (3 * 2, 4 * 2)
-  assert stats.decode_padding == pytest.approx(0.25)
+  assert (stats.decode_tokens, stats.decode_positions) == (3 * 2, 6 + 4 * 2)
+  assert stats.decode_padding == pytest.approx(1 - 6 / 14)
   assert pj.GenerationStats().prefill_padding == pj.GenerationStats().decode_padding == 0.0
 
 
@@ -415,7 +423,7 @@ def test_prefill_packs_each_shards_chunks_into_one_token_axis():
     None, types.SimpleNamespace(slot=slot), np.arange(100, 100 + size), start, [], write_from
   )
   chunks = [chunk(1, 5, start=8, write_from=10), chunk(6, 3), chunk(2, 2)]
-  packed = pack_prefill(chunks, width=4, num_shards=2, per_shard=4)
+  packed = pack_prefill(chunks, 4, 2, 4, prompt_buckets(4, 8, 4))
   # Shard 0 holds 7 tokens in 3 tiles: the (8 tokens, 4 tiles) shape.
   assert packed.tokens.shape == (2, 8) and packed.tiles.shape == (8, 4)
   assert packed.first_token == [0, 8, 5]
@@ -567,11 +575,15 @@ def test_bad_engine_arguments_and_requests_raise(model):
   engine.add_request("a", [1], GREEDY)
   with pytest.raises(ValueError, match="already in use"):
     engine.add_request("a", [2])
-  with pytest.raises(ValueError, match="mix_prefill_and_decode must be a bool"):
-    pj.LLMEngine(model, TOKENIZER, CFG, mix_prefill_and_decode="yes")
   ngram = {"method": "ngram", "num_speculative_tokens": 2}
-  with pytest.raises(ValueError, match="mix_prefill_and_decode does not work with speculative"):
-    pj.LLMEngine(model, TOKENIZER, CFG, mix_prefill_and_decode=True, speculative_config=ngram)
+  with pytest.raises(
+    ValueError, match=r"max_num_batched_tokens \(3\) must hold at least one block"
+  ):
+    pj.LLMEngine(model, TOKENIZER, CFG, max_num_batched_tokens=3)
+  with pytest.raises(
+    ValueError, match=r"compiles 14 model programs, more than 12: 11 prompt shapes"
+  ):
+    pj.LLMEngine(model, TOKENIZER, CFG, max_num_batched_tokens=2048, prefill_width=1)
   with pytest.raises(ValueError, match="async_scheduling must be a bool"):
     pj.LLMEngine(model, TOKENIZER, CFG, async_scheduling=1)
   with pytest.raises(ValueError, match="async_scheduling does not work with speculative"):

@@ -57,14 +57,12 @@ def model():
 
 
 def make_engine(
-  model, preemption_mode: str, enable_prefix_caching: bool, mix: bool = False, ahead=False
+  model, preemption_mode: str, enable_prefix_caching: bool, ahead=False
 ) -> pj.LLMEngine:
   """Engines of one cache config share their compiled programs, whatever the
-  preemption mode (and with prefix caching, test_engine's too); `mix` runs
-  prompt chunks with a decode step (`mix_prefill_and_decode`), every launch
-  over every slot (one decode bucket: fewer programs to compile; beam groups
-  ride along in the mixed step); `ahead` dispatches decode launches before
-  reading the last one back (`async_scheduling`)."""
+  preemption mode (and with prefix caching, test_engine's too); `ahead`
+  dispatches decode launches before reading the last one back
+  (`async_scheduling`)."""
   return pj.LLMEngine(
     model,
     engine_traces.TOKENIZER,
@@ -72,34 +70,28 @@ def make_engine(
     max_num_batched_tokens=8,  # prompts go in chunks
     preemption_mode=preemption_mode,
     num_decode_steps=4,
-    mix_prefill_and_decode=mix,
-    decode_row_buckets=() if mix else None,
     async_scheduling=ahead,
     warmup=True,
   )
 
 
 @pytest.mark.parametrize(
-  "preemption_mode, enable_prefix_caching, first_seed, mix, ahead",
+  "preemption_mode, enable_prefix_caching, first_seed, ahead",
   [
     # Without prefix caching (its own programs, about 30 s of compiles): the full suite.
-    pytest.param("recompute", False, 0, False, False, id="recompute", marks=pytest.mark.slow),
-    pytest.param("swap", False, 1000, False, False, id="swap", marks=pytest.mark.slow),
-    pytest.param("recompute", True, 2001, False, False, id="recompute-prefix-caching"),
-    pytest.param("swap", True, 3006, False, False, id="swap-prefix-caching"),
-    # Prompt chunks with a decode step in one launch (its own programs).
-    pytest.param("swap", True, 4000, True, False, id="swap-prefix-caching-mixed"),
+    pytest.param("recompute", False, 0, False, id="recompute", marks=pytest.mark.slow),
+    pytest.param("swap", False, 1000, False, id="swap", marks=pytest.mark.slow),
+    pytest.param("recompute", True, 2001, False, id="recompute-prefix-caching"),
+    pytest.param("swap", True, 3006, False, id="swap-prefix-caching"),
     # Decode launches dispatched ahead of reading the last one back.
-    pytest.param("recompute", True, 5000, False, True, id="recompute-prefix-caching-async"),
+    pytest.param("recompute", True, 5000, True, id="recompute-prefix-caching-async"),
   ],
 )
 # Over 10 s where its warm-up compiles the engine's programs (alone, about 25 s
 # on 2 cores; in CI test_engine's tests ran first and most are warm); the
 # traces themselves take a few seconds.
-def test_random_traces(
-  model, preemption_mode, enable_prefix_caching, first_seed, mix, ahead, capsys
-):
-  engine = make_engine(model, preemption_mode, enable_prefix_caching, mix, ahead)
+def test_random_traces(model, preemption_mode, enable_prefix_caching, first_seed, ahead, capsys):
+  engine = make_engine(model, preemption_mode, enable_prefix_caching, ahead)
   num_programs = len(engine.compiled_programs())
   assert f"warm-up: {num_programs} programs (" in capsys.readouterr().err
   seeds = range(first_seed, first_seed + NUM_TRACES)

@@ -467,7 +467,7 @@ def test_bad_serve_options_exit_before_listening(argv, message, capsys):
   assert message in str(exit_info.value.code) + capsys.readouterr().err
 
 
-def test_num_scheduler_steps_mixing_and_async_scheduling_set_the_engines_options(monkeypatch):
+def test_num_scheduler_steps_and_async_scheduling_set_the_engines_options(monkeypatch):
   from paged_jax.__main__ import _parser
 
   built = {}
@@ -475,13 +475,9 @@ def test_num_scheduler_steps_mixing_and_async_scheduling_set_the_engines_options
   args = _parser().parse_args(["serve", "--model", "tiny", "--num-scheduler-steps", "2"])
   cli.engine_builder(args)()
   assert built["num_decode_steps"] == 2
-  assert built["mix_prefill_and_decode"] is False and built["async_scheduling"] is False
-  for flag, option in [
-    ("--mix-prefill-and-decode", "mix_prefill_and_decode"),
-    ("--async-scheduling", "async_scheduling"),
-  ]:
-    cli.engine_builder(_parser().parse_args(["serve", "--model", "tiny", flag]))()
-    assert built[option] is True
+  assert built["async_scheduling"] is False
+  cli.engine_builder(_parser().parse_args(["serve", "--model", "tiny", "--async-scheduling"]))()
+  assert built["async_scheduling"] is True
 
 
 def test_a_draft_model_flag_loads_the_draft_as_the_model_flag_does():

@@ -21,7 +21,6 @@ FLAGS = {
   "swap": ["--preemption-mode", "swap", "--swap-space", "0.01"],
   "int8-kv": ["--kv-cache-dtype", "int8"],
   "fp8-kv": ["--kv-cache-dtype", "fp8"],
-  "mixed": ["--mix-prefill-and-decode"],
   "async": ["--async-scheduling"],
   "one-step": ["--num-scheduler-steps", "1"],
   "ngram": [

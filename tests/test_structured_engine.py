@@ -172,22 +172,16 @@ def served_alone(llm):
 
 
 # Over 10 s: a tight cache with prefix caching compiles its engine's programs,
-# the automaton steps inside the decode loop included. CI runs "swap" (a group
-# preempted mid-prompt is recomputed even so), also with prompt chunks mixed
-# into a decode step (the automata step on the device in both launches of a
-# round), and so with decode launches dispatched ahead too (a launch's
-# automaton states carry on to the next on the device); "recompute" is `slow`.
+# the automaton steps inside the ragged step and the decode loop included. CI
+# runs "swap" (a group preempted mid-prompt is recomputed even so), and so
+# with decode launches dispatched ahead too (a launch's automaton states
+# carry on to the next on the device); "recompute" is `slow`.
 @pytest.mark.parametrize(
-  "preemption_mode, mix, ahead",
-  [
-    pytest.param("recompute", False, False, marks=pytest.mark.slow),
-    ("swap", False, False),
-    ("swap", True, False),
-    ("swap", True, True),
-  ],
+  "preemption_mode, ahead",
+  [pytest.param("recompute", False, marks=pytest.mark.slow), ("swap", False), ("swap", True)],
 )
 def test_prefix_caching_preemption_and_n2_keep_outputs_valid_and_equal(
-  tiny, served_alone, preemption_mode, mix, ahead
+  tiny, served_alone, preemption_mode, ahead
 ):
   small = pj.LLM(
     tiny,
@@ -195,7 +189,6 @@ def test_prefix_caching_preemption_and_n2_keep_outputs_valid_and_equal(
     SMALL_CFG,
     preemption_mode=preemption_mode,
     decode_row_buckets=(),
-    mix_prefill_and_decode=mix,
     async_scheduling=ahead,
   )
   requests = _requests()

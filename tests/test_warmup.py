@@ -5,6 +5,7 @@ tests/test_engine_random.py warm their engines up and run under
 
 import dataclasses
 
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -21,11 +22,12 @@ def test_compiled_programs_lists_the_bucket_set():
   engine = pj.LLMEngine(
     model, models.ByteTokenizer(), CFG, max_num_seqs=4, max_num_batched_tokens=48, prefill_width=16
   )
-  # 48 tokens in ceil(48 / 16) + 4 = 7 tiles at most: 16, 32 and 64 tokens.
-  assert engine.compiled_programs()[:3] == [
-    f"prefill {t} tokens in {t // 8} tiles of 16" for t in (16, 32, 64)
+  # 48 tokens in ceil(48 / 16) + 4 = 7 tiles at most: 32 and 64 tokens; the
+  # decode rows of every ragged step: the bucket that holds max_num_seqs.
+  assert engine.compiled_programs()[:2] == [
+    f"ragged step: {t} prompt tokens in {t // 8} tiles of 16 and 4 decode rows" for t in (32, 64)
   ]
-  assert engine.compiled_programs()[3:] == [
+  assert engine.compiled_programs()[2:] == [
     "decode loop 1 rows x8 steps",
     "decode loop 4 rows x8 steps",
     "decode loop 6 rows x8 steps",
@@ -36,13 +38,31 @@ def test_compiled_programs_lists_the_bucket_set():
   ]
 
 
-def test_prefill_packs_its_tokens_into_the_smallest_shape_that_holds_them():
-  # (tokens, tiles) per shard: (width * 2**i, 2 * 2**i).
-  assert runner.prefill_shape(32, 46, 4) == (64, 4)
-  assert runner.prefill_shape(32, 512, 30) == (512, 32)
+def test_prompt_buckets_double_up_to_the_token_budget_and_its_tiles():
+  # (tokens, tiles) per shard: (2 * width * 2**i, 4 * 2**i), the last with
+  # room for every tile a budget's chunks can fill.
+  assert runner.prompt_buckets(32, 512, 48) == [(64, 4), (128, 8), (256, 16), (512, 64)]
+  assert runner.prompt_buckets(32, 500, 20) == [(64, 4), (128, 8), (256, 16), (512, 32)]
+  assert runner.prompt_buckets(16, 8, 3) == [(32, 4)]
+
+
+def _chunk(slot: int, size: int):
+  seq = dataclasses.make_dataclass("Seq", ["slot"])(slot)
+  return dataclasses.make_dataclass(
+    "Chunk", ["seq", "tokens", "start", "write_from", "next_tokens"]
+  )(seq, np.arange(size, dtype=np.int32), 0, 0, None)
+
+
+def test_prompt_chunks_pack_into_the_smallest_bucket_that_holds_them():
+  buckets = runner.prompt_buckets(32, 512, 48)
+  shape = lambda sizes: runner.pack_prefill(
+    [_chunk(i, n) for i, n in enumerate(sizes)], 32, 1, 64, buckets
+  ).tokens.shape[1]
+  assert shape([46]) == 64
+  assert shape([200, 100]) == 512
   # Many short chunks fill more tiles than their tokens would: a larger shape.
-  assert runner.prefill_shape(32, 5, 5) == (128, 8)
-  assert runner.prefill_shape(16, 1, 1) == (16, 2)
+  assert shape([5] * 5) == 128
+  assert shape([1] * 40) == 512
 
 
 def test_decode_row_buckets_choose_the_decode_programs():
@@ -55,7 +75,7 @@ def test_decode_row_buckets_choose_the_decode_programs():
 
 @pytest.mark.parametrize(
   "dtype, rows",
-  [("bfloat16", [2, 4, 6]), ("float16", [1, 4, 6]), ("float32", [1, 4, 6])],
+  [("bfloat16", [2, 6]), ("float16", [1, 4, 6]), ("float32", [1, 4, 6])],
 )
 def test_bfloat16_models_on_cpu_decode_at_least_two_rows(dtype, rows):
   # XLA:CPU's one-row bfloat16 products are 8-15x slower than two-row ones.

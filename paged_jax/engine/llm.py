@@ -42,8 +42,7 @@ class LLM:
     cache_config: the paged cache.
     **engine_kwargs: `LLMEngine` options (`max_num_seqs`,
       `max_num_batched_tokens`, `preemption_mode`, `kv_cache_dtype`, `mesh`,
-      `num_decode_steps`, `max_logprobs`, `mix_prefill_and_decode`,
-      `async_scheduling`, `speculative_config`, `seed`).
+      `num_decode_steps`, `max_logprobs`, `async_scheduling`, `speculative_config`, `seed`).
   """
 
   def __init__(self, model, tokenizer, cache_config: CacheConfig, **engine_kwargs):

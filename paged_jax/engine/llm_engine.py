@@ -28,6 +28,11 @@ from paged_jax.engine.scheduler import (
 from paged_jax.engine.sequence import SequenceGroup
 from paged_jax.models.paged import window_chunk
 
+# The most model programs (prompt shapes and decode loops) one engine
+# compiles: each costs a compile in warm-up and, on XLA:CPU, memory
+# mappings of its code (Linux's vm.max_map_count bounds a process's).
+MAX_MODEL_PROGRAMS = 12
+
 
 class EngineStateError(RuntimeError):
   """An operation the engine's state does not allow now (requests running,
@@ -38,9 +43,15 @@ class LLMEngine:
   """Serves requests as they come, on the paged KV cache (vLLM's online form).
 
   Every `step` is one scheduling round: swapped-out groups come back,
-  prompts are prefilled in chunks within the token budget, and one compiled
-  loop runs up to `num_decode_steps` decode steps of every running sequence.
-  The host checks stop strings and builds the outputs between launches.
+  waiting requests are admitted, and the round's work runs in one launch.
+  A round with prompt work is a ragged step: its prompt chunks (within the
+  token budget, after one token for each decoding sequence) and one decode
+  step of every running sequence go through the model together, so a
+  request that arrives joins the next step. A round with only decoding runs
+  the compiled decode loop, whose length adapts: 1 step after a round with
+  prompt work, then twice as many each decode-only round, up to
+  `num_decode_steps`. The host checks stop strings and builds the outputs
+  between launches, so each launch's tokens stream as soon as it is read.
 
   Args:
     model: an `nnx.Module` following `paged_jax.engine.ModelProtocol`.
@@ -66,7 +77,9 @@ class LLMEngine:
       shards run as one program (see `paged_jax.sharding`); with several
       processes, every process adds the same requests and sees every
       output. None for one device.
-    num_decode_steps: decode steps per launch of the compiled loop.
+    num_decode_steps: the most decode steps one launch of the compiled loop
+      runs (a decode-only stretch ramps up to it; every launch length runs
+      the same program).
     max_logprobs: the largest `SamplingParams.logprobs` accepted.
     max_beam_width: the most beams (`n` with `use_beam_search`) a request
       may ask for; it sizes the decode loop's beam state.
@@ -81,14 +94,6 @@ class LLMEngine:
       `max_num_seqs` (from 2 for a bfloat16 model on the CPU backend, see
       `runner.min_decode_rows`); `()`: one program over every slot (fewest compiles,
       most padding).
-    mix_prefill_and_decode: run a round's prompt chunks and the first
-      decode step of its running sequences through the model together, in
-      one ragged launch (`ModelRunner.prefill_and_step`; vLLM's chunked
-      prefill batches them so), the loop's other steps after it; not with
-      speculation. It reads the weights once less per round with prompts,
-      but compiles a program per prefill and decode bucket pair. False
-      (default): prompts run in their own launch, which measured as fast
-      on the CPU backend with a fifth of the warm-up (benchmarks/RESULTS.md).
     async_scheduling: overlap the host with the device (vLLM's option of
       that name): when the next round would only decode the same rows
       again (nothing waits, is swapped out or still prefills, no beam group,
@@ -105,8 +110,10 @@ class LLMEngine:
       "draft_model", "model": draft, "num_speculative_tokens": k}`; every
       decode step then proposes up to `k` tokens per sequence and the model
       checks them in one call (see `paged_jax.engine.speculative`). Beam
-      search is refused then, and a sequence holds at most
-      `max_tokens_per_seq - k` tokens (the lookahead slots). None: off.
+      search is refused then, a sequence holds at most
+      `max_tokens_per_seq - k` tokens (the lookahead slots), and prompt
+      chunks run in a launch of their own before the round's decode loop
+      (no ragged step). None: off.
     warmup: compile every program the engine can launch now (`warmup()`),
       so that serving compiles nothing.
     seed: seed of the requests that give none.
@@ -133,7 +140,6 @@ class LLMEngine:
     max_beam_width: int = 4,
     prefill_width: int = 32,
     decode_row_buckets=None,
-    mix_prefill_and_decode: bool = False,
     async_scheduling: bool = False,
     speculative_config=None,
     warmup: bool = False,
@@ -171,6 +177,11 @@ class LLMEngine:
         f"decode_row_buckets must be a list or tuple of ints in 1..{cache_config.max_seqs} "
         f"(rows per data shard), got {decode_row_buckets!r}"
       )
+    if max_num_batched_tokens < cache_config.block_size:
+      raise ValueError(
+        f"max_num_batched_tokens ({max_num_batched_tokens}) must hold at least one block "
+        f"(block_size {cache_config.block_size})"
+      )
     if preemption_mode not in PREEMPTION_MODES:
       raise ValueError(
         f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}"
@@ -178,13 +189,6 @@ class LLMEngine:
     if mesh is not None:
       mesh = sharding.serving_mesh(mesh)
     self.speculative, draft = speculative.parse_config(speculative_config, model.config.vocab_size)
-    if not isinstance(mix_prefill_and_decode, bool):
-      raise ValueError(f"mix_prefill_and_decode must be a bool, got {mix_prefill_and_decode!r}")
-    if mix_prefill_and_decode and self.speculative is not None:
-      raise ValueError(
-        "mix_prefill_and_decode does not work with speculative_config: a speculating round "
-        "runs its prompt chunks in their own launch"
-      )
     if not isinstance(async_scheduling, bool):
       raise ValueError(f"async_scheduling must be a bool, got {async_scheduling!r}")
     if async_scheduling and self.speculative is not None:
@@ -211,7 +215,6 @@ class LLMEngine:
       else getattr(tokenizer, "eos_token_id", getattr(tokenizer, "eos_id", None))
     )
     self.num_decode_steps = num_decode_steps
-    self.mix_prefill_and_decode = mix_prefill_and_decode
     self.async_scheduling = async_scheduling
     self.max_logprobs = max_logprobs
     self.cache = CacheManager(
@@ -238,6 +241,7 @@ class LLMEngine:
       speculative=self.speculative,
       draft_model=draft,
     )
+    _check_program_count(self.runner, max_num_batched_tokens, max_num_seqs)
     self.inputs = InputProcessor(
       tokenizer,
       eos_token_id,
@@ -269,60 +273,52 @@ class LLMEngine:
   def compiled_programs(self) -> list[str]:
     """Every program the engine launches, one per shape: the bucket set.
 
-    Prefill runs each data shard's prompt chunks packed into one row of
-    tokens, attending in tiles of `prefill_width` tokens: `prefill_width *
-    2**i` tokens in `2 * 2**i` tiles per shard, up to the first shape that
-    holds `max_num_batched_tokens` tokens and
-    `ceil(max_num_batched_tokens / prefill_width) + max_num_seqs` tiles (a
-    chunk adds at most one partly filled tile); the decode loop runs each data
-    shard's decoding sequences padded to a power of four below `max_seqs`
-    (up to the first that holds `max_num_seqs`; or to one of
-    `decode_row_buckets`), or every slot (`max_seqs`
-    per shard, with the beam step, which runs only in steps with a beam
-    group), with speculation each of those with speculating steps (and
-    plain ones too when adaptive); with `mix_prefill_and_decode`, prompt
-    chunks run with a decode step instead of apart, one program per
-    prefill shape and decode row count; with `async_scheduling`, a small
-    program per decode row count carries a launch on to the next; the
-    block manager's calls over a group take its slots padded to
-    `max_seqs`; swaps move fixed-capacity plans; a request's PRNG keys come
-    from a few small host-side programs.
+    A ragged step runs each data shard's prompt chunks packed into one row
+    of tokens, attending in tiles of `prefill_width` tokens, followed by
+    one decode token for each of `ModelRunner.ragged_rows` rows: `2 *
+    prefill_width * 2**i` prompt tokens in `4 * 2**i` tiles per shard, up
+    to the first shape that holds `max_num_batched_tokens` tokens (the
+    largest with room for `ceil(max_num_batched_tokens / prefill_width) +
+    max_num_seqs` tiles: a chunk adds at most one partly filled tile).
+    With speculation, prompt chunks run alone in those shapes instead. The
+    decode loop runs each data shard's decoding sequences padded to
+    `min_decode_rows` times a power of four below `max_seqs` (up to the
+    first that holds `max_num_seqs`; or to one of `decode_row_buckets`),
+    or every slot (`max_seqs` per shard, with the beam step, which runs
+    only in steps with a beam group), with speculation each of those with
+    speculating steps (and plain ones too when adaptive); every launch
+    length runs the same program. With `async_scheduling`, a small program
+    per decode row count carries a launch on to the next; the block
+    manager's calls over a group take its slots padded to `max_seqs`; swaps
+    move fixed-capacity plans; a request's PRNG keys come from a few small
+    host-side programs.
     """
-    width, shards, steps = self.runner.prefill_width, self.cache.num_shards, self.num_decode_steps
-    return (
-      [
-        f"prefill {shards * t} tokens in {shards * r} tiles of {width}"
-        for t, r in self._prefill_buckets()
+    runner, shards, steps = self.runner, self.cache.num_shards, self.num_decode_steps
+    width = runner.prefill_width
+    if self.speculative is None:
+      prompts = [
+        f"ragged step: {shards * t} prompt tokens in {shards * r} tiles of {width} and "
+        f"{shards * runner.ragged_rows()} decode rows"
+        for t, r in runner.prefill_buckets()
       ]
+    else:
+      prompts = [
+        f"prefill {shards * t} tokens in {shards * r} tiles of {width}"
+        for t, r in runner.prefill_buckets()
+      ]
+    return (
+      prompts
       + [
         f"{'speculating ' if kind else ''}decode loop {shards * r} rows x{steps} steps"
-        for kind in self.runner.decode_kinds()
-        for r in self.runner.decode_buckets()
-      ]
-      + [
-        f"prefill {shards * t} tokens in {shards * tiles} tiles of {width} with a decode step "
-        f"of {shards * r} rows"
-        for (t, tiles), r in self._prefill_and_step_shapes()
+        for kind in runner.decode_kinds()
+        for r in runner.decode_buckets()
       ]
       + [
         f"carry of a decode launch that continues one on {shards * r} rows"
-        for r in (self.runner.decode_buckets() if self.async_scheduling else [])
+        for r in (runner.decode_buckets() if self.async_scheduling else [])
       ]
       + ["block manager calls", "swap out", "swap in", "request keys"]
     )
-
-  def _prefill_buckets(self) -> list:
-    """The shapes of prefill launches apart from decode steps: those of
-    `runner.prefill_buckets()`, none when prompts mix with decode steps."""
-    return [] if self.mix_prefill_and_decode else self.runner.prefill_buckets()
-
-  def _prefill_and_step_shapes(self) -> list:
-    """`((tokens, tiles), rows)` per shard of every launch that runs prompt
-    chunks with a decode step: each prefill bucket with each decode bucket,
-    when prompts mix with decode steps."""
-    if not self.mix_prefill_and_decode:
-      return []
-    return [(b, r) for b in self.runner.prefill_buckets() for r in self.runner.decode_buckets()]
 
   def warmup(self) -> None:
     """Compiles every program of `compiled_programs()` (the persistent
@@ -333,14 +329,11 @@ class LLMEngine:
       RuntimeError: if requests are already running.
     """
     runner, steps = self.runner, self.num_decode_steps
-    launches = [lambda b=b: runner.warm_up_prefill(b) for b in self._prefill_buckets()]
+    warm_prompts = runner.warm_up_prefill if self.speculative else runner.warm_up_ragged_step
+    launches = [lambda b=b: warm_prompts(b) for b in runner.prefill_buckets()]
     launches += [
       lambda r=r: runner.warm_up_decode(steps, r, self.async_scheduling)
       for r in runner.decode_buckets()
-    ]
-    launches += [
-      lambda b=b, r=r: runner.warm_up_prefill_and_step(b, r, steps)
-      for b, r in self._prefill_and_step_shapes()
     ]
     launches += [self.cache.warm_up, self._warm_up_request_keys]
     start = time.perf_counter()
@@ -616,56 +609,79 @@ class LLMEngine:
       self.runner.apply(out.rows)
     touched: dict[str, SequenceGroup] = {}
     chunks = [chunk for out in rounds for chunk in out.chunks]
-    stop_on_finish = any(out.stop_on_finish for out in rounds)
-    result = first = None
-    if chunks:
-      drawing = [(chunk.group, s) for chunk in chunks for s in chunk.samples]
-      samples = [(row, s.slot) for row, chunk in enumerate(chunks) for s in chunk.samples]
-      sample_constraints = _constraints(enumerate(drawing))
-      if self.mix_prefill_and_decode:
-        draws, scores, first = self._timed(
-          self.runner.prefill_and_step,
-          chunks,
-          samples,
-          sample_constraints,
-          _constraints(_decoding(rounds)),
-          self.num_decode_steps,
-        )
-      else:
-        draws, scores = self._timed(self.runner.prefill, chunks, samples, sample_constraints)
-      touched.update(self.processor.take_prefill(chunks, draws, scores))
-      for scheduler, out in zip(self.schedulers, rounds):
-        self.runner.apply(scheduler.after_prefill(out))
-    if self.runner.has_running_rows() or first is not None:
-      decoding = _decoding(rounds)
-      speculate = self._chooser is None or self._chooser.speculate(self.runner.next_decode_rows())
-      histories = []
-      if self.speculative is not None and speculate:
-        histories = [
-          (slot, np.concatenate([group.prompt_token_ids, seq.token_ids]).astype(np.int32))
-          for slot, (group, seq) in decoding
-        ]
-      constraints = _constraints(decoding)
-      if first is not None:  # the host takes the first step's tokens after the loop
-        constraints = _past_first_step(constraints, first)
-      launched = time.perf_counter()
-      result = self._timed(
-        self.runner.decode,
-        self.num_decode_steps,
-        stop_on_finish,
-        constraints,
-        histories,
-        speculate,
-        first,
-        self._may_run_ahead(),
-      )
-      seconds = time.perf_counter() - launched
-      for out in rounds:
-        touched.update(self.processor.take_decode(out.decoding, result, self.runner.hypotheses))
-      if self._chooser is not None:
-        self._record_launch(decoding, result, speculate, seconds)
+    result = None
+    if chunks and self.speculative is None:
+      result = self._ragged_step(rounds, chunks, touched)
+    elif chunks or self.runner.has_running_rows():
+      if chunks:
+        self._prefill(rounds, chunks, touched)
+      result = self._decode(rounds, touched)
     self._update_or_defer(rounds, result)
     return touched
+
+  def _prompt_draws(self, chunks):
+    """`(samples, their constraints)` of a round's `chunks`: the sequences
+    that draw their first token (see `ModelRunner.prefill`)."""
+    drawing = [(chunk.group, s) for chunk in chunks for s in chunk.samples]
+    samples = [(row, s.slot) for row, chunk in enumerate(chunks) for s in chunk.samples]
+    return samples, _constraints(enumerate(drawing))
+
+  def _ragged_step(self, rounds, chunks, touched):
+    """Runs a round's chunks with one decode step of its running rows
+    (`ModelRunner.ragged_step`) and takes in what they drew."""
+    samples, sample_constraints = self._prompt_draws(chunks)
+    draws, scores, result = self._timed(
+      self.runner.ragged_step,
+      chunks,
+      samples,
+      sample_constraints,
+      _constraints(_decoding(rounds)),
+    )
+    for out in rounds:
+      touched.update(self.processor.take_decode(out.decoding, result, self.runner.hypotheses))
+    touched.update(self.processor.take_prefill(chunks, draws, scores))
+    for scheduler, out in zip(self.schedulers, rounds):
+      self.runner.apply(scheduler.after_prefill(out))
+    return result
+
+  def _prefill(self, rounds, chunks, touched) -> None:
+    """Runs a speculating round's chunks in their own launch."""
+    samples, sample_constraints = self._prompt_draws(chunks)
+    draws, scores = self._timed(self.runner.prefill, chunks, samples, sample_constraints)
+    touched.update(self.processor.take_prefill(chunks, draws, scores))
+    for scheduler, out in zip(self.schedulers, rounds):
+      self.runner.apply(scheduler.after_prefill(out))
+
+  def _decode(self, rounds, touched):
+    """Runs the decode loop on the running rows (as many steps as
+    `ModelRunner.decode` ramps up to) and takes in what they drew."""
+    if not self.runner.has_running_rows():
+      return None
+    stop_on_finish = any(out.stop_on_finish for out in rounds)
+    decoding = _decoding(rounds)
+    speculate = self._chooser is None or self._chooser.speculate(self.runner.next_decode_rows())
+    histories = []
+    if self.speculative is not None and speculate:
+      histories = [
+        (slot, np.concatenate([group.prompt_token_ids, seq.token_ids]).astype(np.int32))
+        for slot, (group, seq) in decoding
+      ]
+    launched = time.perf_counter()
+    result = self._timed(
+      self.runner.decode,
+      self.num_decode_steps,
+      stop_on_finish,
+      _constraints(decoding),
+      histories,
+      speculate,
+      self._may_run_ahead(),
+    )
+    seconds = time.perf_counter() - launched
+    for out in rounds:
+      touched.update(self.processor.take_decode(out.decoding, result, self.runner.hypotheses))
+    if self._chooser is not None:
+      self._record_launch(decoding, result, speculate, seconds)
+    return result
 
   def _may_run_ahead(self) -> bool:
     """Whether to dispatch the next decode launch before reading this one
@@ -813,15 +829,19 @@ def _constraints(rows) -> list:
   ]
 
 
-def _past_first_step(constraints, first) -> list:
-  """`(slot, automaton, state)` constraints moved past the token each slot
-  drew in a round's `first` step (a `DecodeResult`), if it drew one."""
-  return [
-    (slot, automaton, automaton.next_state(state, int(first.draws.tokens[slot, 0])))
-    if first.counts[slot]
-    else (slot, automaton, state)
-    for slot, automaton, state in constraints
-  ]
+def _check_program_count(runner: ModelRunner, max_num_batched_tokens: int, max_num_seqs: int):
+  """Raises ValueError if the engine's model programs (prompt shapes and
+  decode loops, see `LLMEngine.compiled_programs`) pass `MAX_MODEL_PROGRAMS`."""
+  prompts = len(runner.prefill_buckets())
+  loops = len(runner.decode_kinds()) * len(runner.decode_buckets())
+  if prompts + loops > MAX_MODEL_PROGRAMS:
+    raise ValueError(
+      f"this configuration compiles {prompts + loops} model programs, more than "
+      f"{MAX_MODEL_PROGRAMS}: {prompts} prompt shapes (max_num_batched_tokens "
+      f"{max_num_batched_tokens} in tiles of prefill_width {runner.prefill_width}) and {loops} "
+      f"decode loops (row buckets {runner.decode_buckets()} for max_num_seqs {max_num_seqs}); "
+      f"raise prefill_width, lower max_num_batched_tokens or pass fewer decode_row_buckets"
+    )
 
 
 def _check_speculation(config, cfg: CacheConfig, max_chunk: int | None, draft) -> None:

@@ -1,25 +1,30 @@
-"""The jitted programs the model runner launches: the decode loop and prefill.
+"""The jitted programs the model runner launches: the ragged step, the decode
+loop and (for speculation) prefill.
 
-`decode_loop` runs up to `num_steps` decode steps in one compiled
-`lax.while_loop` whose every step calls `append_slots` for all running rows,
-executes the copy-on-write plan, writes K/V and attends through the paged
-cache, samples each row with its own parameters, runs the beam-search step
-when beam groups run, checks stop tokens and token limits, and frees the
-rows that finished. With structured outputs, a table of the constrained
-rows' automata (`paged_jax.structured`) rides along: each step masks those
-rows' logits before sampling and advances their states in the carry, and a
-row whose state allows no token finishes; without one the step masks
-nothing. It hands control back early when a data shard's blocks
-run out (the scheduler preempts) or, if asked, when a row finishes (the
-scheduler admits more). `prefill` runs prompt chunks, each data shard's
-packed into one token axis, and draws the first token of the sequences
-whose prompt they complete; `prefill_and_decode_step` runs them together
-with the running rows' decode step, in one ragged model call (mixed
-rounds). The decode loop's rows are the running
-sequences, each data shard's padded to a power of four, or every global
+`ragged_step` is one engine step with prompt work: the step's prompt
+chunks and one decode step of every running row, packed on one token axis
+and run through the model together. It draws each row's next token and the
+first token of the sequences whose prompt the chunks complete.
+
+`decode_loop` runs the decode-only stretches between such steps: up to
+`max_steps` decode steps in one compiled `lax.while_loop` whose every step
+calls `append_slots` for all running rows, executes the copy-on-write plan,
+writes K/V and attends through the paged cache, samples each row with its
+own parameters, runs the beam-search step when beam groups run, checks stop
+tokens and token limits, and frees the rows that finished. With structured
+outputs, a table of the constrained rows' automata (`paged_jax.structured`)
+rides along: each step masks those rows' logits before sampling and
+advances their states in the carry, and a row whose state allows no token
+finishes; without one the step masks nothing. It hands control back early
+when a data shard's blocks run out (the scheduler preempts) or, if asked,
+when a row finishes (the scheduler admits more).
+
+`prefill` runs prompt chunks alone, each data shard's packed into one token
+axis, for a speculating engine. The decode loop's rows are the running
+sequences, each data shard's padded to a row bucket, or every global
 sequence slot (see `paged_jax.engine.cache_manager`) while a beam group
-runs; every program compiles once per shape (the decode loop's rows and
-prefill's tokens are bucketed).
+runs; every program compiles once per shape (rows and tokens are
+bucketed).
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ class DecodeLoop:
   beams: beam.Beams | None  # beam-search state (rows = slots), None: no group
   automaton_state: jax.Array  # int32[R], table states (structured outputs), -1: none
   draws: Draw  # [R, num_steps] tokens of this launch
+  max_steps: jax.Array  # steps this launch runs at most (<= num_steps)
   step: jax.Array  # steps of this launch
   rows_run: jax.Array  # rows that decoded, summed over the steps
   out_of_blocks: jax.Array  # bool[D], the shards that ran out
@@ -594,7 +600,8 @@ def decode_loop(
   draft_params=None,
 ) -> DecodeLoop:
   """Decodes until no row runs, a shard runs out of blocks, the launch's
-  steps are done, or (if asked) a row finishes. `table` holds the automata
+  steps are done (`loop.max_steps`, at most the draws' columns), or (if
+  asked) a row finishes. `table` holds the automata
   of the constrained rows (None when none runs; one compile per table
   bucket). With `speculating` (and `loop.spec`), each step is a
   speculating one (proposing with the draft model `draft_graphdef`,
@@ -607,7 +614,7 @@ def decode_loop(
     return (
       jnp.any(loop.seq_ids >= 0)
       & ~jnp.any(loop.out_of_blocks)
-      & (loop.step < num_steps)
+      & (loop.step < jnp.minimum(num_steps, loop.max_steps))
       & ~(stop_on_finish & loop.finished_any)
     )
 
@@ -627,7 +634,14 @@ def decode_loop(
 
 # A continued launch's carry: the rows' state carries on, the launch's
 # draws and counters start afresh.
-_CARRIED = ("seq_ids", "last_token", "num_generated", "limit", "automaton_state", "out_of_blocks")
+_CARRIED = (
+  "seq_ids",
+  "last_token",
+  "num_generated",
+  "limit",
+  "automaton_state",
+  "out_of_blocks",
+)
 _FRESH = (
   "draws",
   "step",
@@ -648,12 +662,14 @@ def _next_launch_rows(loop: DecodeLoop) -> dict:
   return take(_CARRIED, jnp.copy) | take(_FRESH, jnp.zeros_like)
 
 
-def continue_decoding(loop: DecodeLoop) -> DecodeLoop:
+def continue_decoding(loop: DecodeLoop, max_steps: jax.Array) -> DecodeLoop:
   """The carry of the decode launch that continues a dispatched one
-  (`decode_loop`'s output `loop`, maybe not computed yet) on the same rows:
-  its pages, manager state, rows and beams, fresh draws. A launch that ran
-  out of blocks hands that on, so the one after it runs no step."""
-  return loop.replace(**_next_launch_rows(loop.replace(state=None, kv=None, beams=None)))
+  (`decode_loop`'s output `loop`, maybe not computed yet) on the same rows
+  for `max_steps` steps at most: its pages, manager state, rows and beams,
+  fresh draws. A launch that ran out of blocks hands that on, so the one
+  after it runs no step."""
+  rows = _next_launch_rows(loop.replace(state=None, kv=None, beams=None))
+  return loop.replace(**rows, max_steps=max_steps)
 
 
 @flax.struct.dataclass
@@ -796,7 +812,7 @@ def _scores_if_asked(logits_of, hidden, next_tokens, num_logprobs: int) -> Promp
 
 
 @functools.partial(jax.jit, static_argnums=(0, 12), donate_argnums=(3,))
-def prefill_and_decode_step(
+def ragged_step(
   graphdef,
   params_state,
   rows: RowParams,
@@ -813,19 +829,22 @@ def prefill_and_decode_step(
   table=None,
   draw_states=None,
 ):
-  """Runs prompt chunks and the first decode step of the running rows in
-  one ragged model call, and draws token 0 of sequences whose prompt the
-  chunks complete.
+  """One engine step: prompt chunks and one decode step of the running rows
+  in one ragged model call; draws each row's next token and token 0 of the
+  sequences whose prompt the chunks complete.
 
   Each data shard's token axis holds its prompt chunks packed (`tokens`,
-  `positions` `[D, T]`, attended in `tiles`; as in `prefill`), then its
-  decode rows' last tokens, one per row (attended by the decode kernel,
-  see `PagedCache.decode_tables`): the model's weights are read once for
-  both. The rows' step is `_decode_step`'s, except that when a shard is out
-  of blocks no row decodes (the chunks still run) and `out_of_blocks` says
-  so. Draw `i` samples from the prompt token at `last_token_of[i]` with
+  `positions` `[D, T]`: every chunk has its own length and first position,
+  attended in `tiles` through its sequence's block table; as in `prefill`),
+  then its decode rows' last tokens, one query each (attended by the decode
+  kernel through the row's table, see `PagedCache.decode_tables`): the
+  model's weights are read once for the whole step. The rows' step is
+  `_decode_step`'s, except that when a shard is out of blocks no row
+  decodes (the chunks still run) and `out_of_blocks` says so. Draw `i`
+  samples from the prompt token at `last_token_of[i]` with
   `sample_params[i]`, masked by `table`'s state `draw_states[i]` when there
-  is a `table`, which also holds the rows' automata (`loop.automaton_state`).
+  is a `table`, which also holds the rows' automata
+  (`loop.automaton_state`).
 
   Returns:
     `(loop after the step, draws, prompt scores)` as `decode_loop` and

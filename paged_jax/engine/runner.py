@@ -140,6 +140,7 @@ class ModelRunner:
     self.limit = np.zeros(num_rows, np.int32)
     self.in_beam_group = np.zeros(num_rows, bool)
     self.ahead: AheadLaunch | None = None  # dispatched, not yet read back
+    self._next_steps = 1  # the next decode launch's steps (see `decode`)
     self.counters = dict(
       cow_copies=0,
       peak_blocks=0,
@@ -224,13 +225,9 @@ class ModelRunner:
 
   # Launches.
   def prefill_buckets(self) -> list[tuple[int, int]]:
-    """Every shape (per data shard) a prefill launch can have: `(tokens,
-    tiles)` pairs `(prefill_width * 2**i, 2 * 2**i)`, from one tile's
-    tokens up to the first pair that holds `max_prefill_tokens` tokens in
-    `max_prefill_rows` tiles (a launch whose chunks fill more tiles than
-    twice their tokens' takes a larger pair)."""
-    largest = prefill_shape(self.prefill_width, self.max_prefill_tokens, self.max_prefill_rows)
-    return [(self.prefill_width << i, 2 << i) for i in range(largest[1].bit_length() - 1)]
+    """Every shape (per data shard) of a launch with prompt chunks (a
+    ragged step, or prefill while speculating); see `prompt_buckets`."""
+    return prompt_buckets(self.prefill_width, self.max_prefill_tokens, self.max_prefill_rows)
 
   def _automata(self, num_rows: int, constraints):
     """The device table of the constrained rows' automata and every row's
@@ -286,7 +283,7 @@ class ModelRunner:
     prompt chunks (see `prefill`): one draw per slot, whatever the samples."""
     cache = self.cache
     num_shards, per_shard = cache.num_shards, cache.cfg.max_seqs
-    packed = pack_prefill(chunks, self.prefill_width, num_shards, per_shard)
+    packed = pack_prefill(chunks, self.prefill_width, num_shards, per_shard, self.prefill_buckets())
     self.counters["prefill_positions"] += packed.tokens.size
     num_draws = num_shards * per_shard
     last_token_of = np.zeros(num_draws, np.int32)
@@ -331,18 +328,33 @@ class ModelRunner:
 
   def decode_buckets(self) -> list[int]:
     """Every row count (per data shard) a decode launch can have, ascending:
-    `decode_row_buckets`, or by default the powers of four below `max_seqs`
-    that `max_decode_rows` reaches (the first raised to `min_decode_rows`);
-    then `max_seqs` (every slot: a beam group's launches, or a full shard).
+    `decode_row_buckets`, or by default `min_decode_rows` times the powers
+    of four below `max_seqs` that `max_decode_rows` reaches; then
+    `max_seqs` (every slot: a beam group's launches, or a full shard).
     Powers of four, not two: each bucket costs a compile of the decode loop
     (in warm-up), and a launch pads to at most four times its rows."""
-    per_shard, buckets = self.cache.cfg.max_seqs, [1]
+    per_shard, buckets = self.cache.cfg.max_seqs, [self.min_decode_rows]
     if self.decode_row_buckets is not None:
       return sorted({*self.decode_row_buckets, per_shard})
     while buckets[-1] < min(self.max_decode_rows, per_shard):
       buckets.append(4 * buckets[-1])
-    buckets = sorted({max(b, self.min_decode_rows) for b in buckets})
     return [b for b in buckets if b < per_shard] + [per_shard]
+
+  def ragged_rows(self) -> int:
+    """The decode rows (per data shard) of every ragged step: the smallest
+    decode bucket that holds `max_decode_rows`, so that the step's shape
+    follows its prompt tokens alone (one program per prompt bucket)."""
+    per_shard = self.cache.cfg.max_seqs
+    return next(b for b in self.decode_buckets() if b >= min(self.max_decode_rows, per_shard))
+
+  def _ragged_step_rows(self) -> np.ndarray | None:
+    """The slots of a ragged step's rows: the running ones packed into
+    `ragged_rows` per shard, or every slot (None) while a beam group runs
+    or when more rows run."""
+    if np.any(self.in_beam_group):
+      return None
+    running = (self.seq_ids >= 0).reshape(self.cache.num_shards, -1)
+    return pack_decode_rows(running, sorted({self.ragged_rows(), self.cache.cfg.max_seqs}))
 
   def decode_kinds(self) -> list:
     """The kinds of decode launch: the `speculative` config (speculating
@@ -396,7 +408,7 @@ class ModelRunner:
       loop = self.decode_carry(num_steps, rows, speculating=speculating)
       loop = self._launch_decode(loop, rows, False, speculating=speculating)
     if run_ahead:
-      programs.continue_decoding(loop)
+      programs.continue_decoding(loop, jax.device_put(np.int32(1), self.cache.replicated))
     if loop.beams is not None:
       no_group = self._group_slots([])  # starting and forgetting a group (results dropped)
       programs.start_beams(self.beams, no_group, 1, 1.0)
@@ -443,13 +455,14 @@ class ModelRunner:
     automaton_state=None,
     histories=(),
     speculating=None,
-    start: int = 0,
+    max_steps: int | None = None,
   ) -> programs.DecodeLoop:
-    """The decode loop's carry for a launch of up to `num_steps` steps on
-    the slots `rows` (see `_decode_rows`), from step `start`, the rows'
-    automata in `automaton_state` (table states; None: unconstrained), and
-    with `speculating` (a `SpeculativeConfig`) the rows' tokens in
-    `histories` (`(slot, token ids)` pairs)."""
+    """The decode loop's carry for a launch on the slots `rows` (see
+    `_decode_rows`) with draws for `num_steps` steps, of which it runs at
+    most `max_steps` (default all; a traced value: no new compile), the
+    rows' automata in `automaton_state` (table states; None:
+    unconstrained), and with `speculating` (a `SpeculativeConfig`) the
+    rows' tokens in `histories` (`(slot, token ids)` pairs)."""
     slots = np.arange(self.seq_ids.shape[0]) if rows is None else rows
     take = lambda a: a[np.maximum(slots, 0)]
     num_rows, k = slots.shape[0], self.num_logprobs
@@ -472,7 +485,8 @@ class ModelRunner:
         limit=take(self.limit),
         automaton_state=automaton_state,
         draws=draws,
-        step=np.int32(start),
+        max_steps=np.int32(num_steps if max_steps is None else max_steps),
+        step=np.int32(0),
         rows_run=np.int32(0),
         out_of_blocks=np.zeros(self.cache.num_shards, bool),
         finished_any=np.array(False),
@@ -522,14 +536,15 @@ class ModelRunner:
     constraints=(),
     histories=(),
     speculate=True,
-    first: DecodeResult | None = None,
     run_ahead: bool = False,
   ) -> DecodeResult:
-    """Runs up to `num_steps` decode steps of the running rows (stopping
-    after a step in which a row finished if `stop_on_finish`).
+    """Runs decode steps of the running rows (stopping after a step in
+    which a row finished if `stop_on_finish`): 1 after a ragged step, then
+    twice as many as the launch before, up to `num_steps`.
 
     Args:
-      num_steps: decode steps at most (a speculating step draws up to
+      num_steps: the decode loop's steps (its shape: one program for every
+        launch length; a speculating step draws up to
         `num_speculative_tokens + 1` tokens per row).
       stop_on_finish: whether to stop after a step in which a row finished.
       constraints: `(slot, automaton, state)` triples of the constrained
@@ -539,37 +554,39 @@ class ModelRunner:
         rows: prompt and output so far, the last token included.
       speculate: with a `speculative` config, whether this launch's steps
         speculate (else they are plain ones).
-      first: the round's first step, run with its prompt chunks
-        (`prefill_and_step`): the loop runs the other `num_steps - 1` (none
-        when no row runs, a shard ran out of blocks, or a row finished and
-        `stop_on_finish`), and the result covers both.
       run_ahead: whether to dispatch the next launch on the same rows
         before reading this one back (see `take_ahead`), if the rows still
         fill their bucket then (`_rows_still_fill`); only without
         `stop_on_finish`, speculation or a beam group, and not when the
         loop does not launch.
     """
-    if first is not None and first.row_steps == 0:
-      first = None  # no row ran with the prompt chunks: the loop runs every step
-    if first is not None and not self._continues(first, stop_on_finish):
-      return first
     speculating = self.speculative if speculate else None
+    steps = self._launch_steps(num_steps)
     rows = self._decode_rows()
     table, automaton_state = self._automata(*self._row_constraints(rows, constraints))
-    start = 0 if first is None else 1  # the first step ran with the prompt chunks
-    loop = self.decode_carry(num_steps, rows, automaton_state, histories, speculating, start)
+    loop = self.decode_carry(num_steps, rows, automaton_state, histories, speculating, steps)
     loop = self._launch_decode(loop, rows, stop_on_finish, table, speculating)
-    if run_ahead and self._rows_still_fill(rows, num_steps - start):
+    if run_ahead and self._rows_still_fill(rows, steps):
       self._run_ahead(loop, rows, table)
-    result = self._take_step_results(rows, loop, start)
+    result = self._take_step_results(rows, loop)
     self._launched(result)
-    return result if first is None else _after_first_step(first, result)
+    return result
+
+  def _launch_steps(self, num_steps: int) -> int:
+    """The steps of the decode launch about to be dispatched (of a loop of
+    `num_steps`), and those of the next: twice as many, up to `num_steps`.
+    A decode-only stretch so ramps up from one step after a ragged step."""
+    steps = min(self._next_steps, num_steps)
+    self._next_steps = min(2 * steps, num_steps)
+    return steps
 
   def _run_ahead(self, loop: programs.DecodeLoop, rows, table) -> None:
     """Dispatches the launch that continues `loop` (dispatched, maybe not
     computed) on its rows, for `take_ahead`."""
-    carry = programs.continue_decoding(loop)
-    self.ahead = AheadLaunch(self._launch_decode(carry, rows, False, table), rows, table)
+    steps = self._launch_steps(loop.draws.tokens.shape[1])
+    max_steps = jax.device_put(np.int32(steps), self.cache.replicated)
+    launch = self._launch_decode(programs.continue_decoding(loop, max_steps), rows, False, table)
+    self.ahead = AheadLaunch(launch, rows, table, steps)
     self.counters["loop_launches_ahead"] += 1
 
   def _launched(self, result: DecodeResult) -> None:
@@ -605,7 +622,7 @@ class ModelRunner:
     """Whether the rows of the launch running ahead still fill its row
     bucket once it is done (see `_rows_still_fill`)."""
     ahead = self.ahead
-    return self._rows_still_fill(ahead.rows, ahead.loop.draws.tokens.shape[1])
+    return self._rows_still_fill(ahead.rows, ahead.max_steps)
 
   def _rows_still_fill(self, rows, num_steps: int) -> bool:
     """Whether some running slots are left running by their token limits
@@ -617,11 +634,6 @@ class ModelRunner:
     packed = pack_decode_rows(running.reshape(self.cache.num_shards, -1), self.decode_buckets())
     bucket = lambda r: self.seq_ids.shape[0] if r is None else r.shape[0]
     return bool(running.any()) and bucket(packed) == bucket(rows)
-
-  def _continues(self, first: DecodeResult, stop_on_finish: bool) -> bool:
-    """Whether a round's decode loop runs after its `first` step."""
-    stopped = bool(first.out_of_blocks.any()) or (stop_on_finish and bool(first.finished.any()))
-    return self.has_running_rows() and not stopped
 
   def _row_constraints(self, rows, constraints) -> tuple[int, list]:
     """The launch's row count and its `(row, automaton, state)` triples from
@@ -635,10 +647,10 @@ class ModelRunner:
       if row_of[slot] >= 0 and self.seq_ids[slot] >= 0
     ]
 
-  def _take_step_results(self, rows, loop, start: int = 0) -> DecodeResult:
+  def _take_step_results(self, rows, loop) -> DecodeResult:
     """Takes the carry of a launch on `rows` (see `_decode_rows`; a decode
-    loop run from step `start`, or a first step) back into the pages, the
-    beams and the slots' state, and returns what it did per slot."""
+    loop, or a ragged step) back into the pages, the beams and the slots'
+    state, and returns what it did per slot."""
     before = self.num_generated.copy()
     running = self.seq_ids >= 0
     slots = np.arange(running.shape[0]) if rows is None else rows
@@ -652,7 +664,7 @@ class ModelRunner:
     counters["cow_copies"] += int(loop.cow_copies)
     counters["peak_blocks"] = max(counters["peak_blocks"], int(loop.peak_blocks))
     counters["utilization_sum"] += float(loop.utilization_sum)
-    steps = int(loop.step) - start
+    steps = int(loop.step)
     counters["decode_steps"] += steps
     counters["decode_positions"] += slots.shape[0] * steps
     counters["decode_tokens"] += int(loop.rows_run)
@@ -672,44 +684,44 @@ class ModelRunner:
       row_steps=int(loop.rows_run),
     )
 
-  def prefill_and_step(
+  def ragged_step(
     self, chunks, samples, constraints=(), row_constraints=(), num_steps: int = 1
   ) -> tuple[Draw, list, DecodeResult]:
-    """Runs prompt chunks and the first decode step of the running rows in
-    one ragged launch (`programs.prefill_and_decode_step`), drawing token 0
-    of the sequences in `samples`; `decode(..., first=...)` runs the
-    round's other steps. Not while speculating (prefill runs apart then).
+    """Runs one engine step: prompt chunks and one decode step of the
+    running rows in one ragged launch (`programs.ragged_step`), drawing
+    token 0 of the sequences in `samples`. Not while speculating (prefill
+    runs apart then).
 
     Args:
       chunks, samples, constraints: as for `prefill`.
       row_constraints: `(slot, automaton, state)` triples of the
         constrained running rows, as for `decode`.
-      num_steps: the round's decode steps (the step's draws are the first
-        column of a launch of that many).
+      num_steps: columns of the result's draws (the step's are the first).
 
     Returns:
       `(draws, scores, result)`: `prefill`'s outputs, and the decode
       step's `DecodeResult` (per slot).
     """
     packed, last_token_of, sample_slots = self._pack_prompts(chunks, samples)
-    rows = self._decode_rows()
+    rows = self._ragged_step_rows()
     num_rows, triples = self._row_constraints(rows, row_constraints)
     num_draws = last_token_of.shape[0]
     drawing = [(num_rows + sample, automaton, state) for sample, automaton, state in constraints]
     table, states = self._automata(num_rows + num_draws, triples + drawing)
     loop = self.decode_carry(num_steps, rows, states[:num_rows])
     draw_states = None if table is None else states[num_rows:]
-    loop, draw, scores = self._launch_prefill_and_step(
+    loop, draw, scores = self._launch_ragged_step(
       loop, rows, packed, last_token_of, sample_slots, table, draw_states
     )
     result = self._take_step_results(rows, loop)
+    self._next_steps = 1
     draws, scores = self._prompt_outputs(chunks, packed, len(samples), draw, scores)
     return draws, scores, result
 
-  def _launch_prefill_and_step(
+  def _launch_ragged_step(
     self, loop, rows, packed: PackedPrefill, last_token_of, samples, table=None, draw_states=None
   ):
-    loop, draw, scores = programs.prefill_and_decode_step(
+    loop, draw, scores = programs.ragged_step(
       self.graphdef,
       self.params,
       self._row_params(rows),
@@ -724,22 +736,19 @@ class ModelRunner:
     self._keep(loop)
     return loop, draw, scores
 
-  def warm_up_prefill_and_step(
-    self, shape: tuple[int, int], rows_per_shard: int, num_steps: int
-  ) -> None:
-    """Compiles `prefill_and_step` of prefill `shape` (see
-    `warm_up_prefill`) with `rows_per_shard` decode rows per shard, on
+  def warm_up_ragged_step(self, shape: tuple[int, int], num_steps: int = 1) -> None:
+    """Compiles `ragged_step` of prompt `shape` (see `warm_up_prefill`), on
     tokens and rows that do nothing.
 
     Raises:
       RuntimeError: if a row decodes.
     """
     self._refuse_while_decoding()
-    rows = self._idle_rows(rows_per_shard)
+    rows = self._idle_rows(self.ragged_rows())
     no_draws = np.zeros(self.cache.num_slots, np.int32)
     packed = PackedPrefill.empty(self.cache.num_shards, shape, self.prefill_width)
     loop = self.decode_carry(num_steps, rows)
-    self._launch_prefill_and_step(loop, rows, packed, no_draws, no_draws)
+    self._launch_ragged_step(loop, rows, packed, no_draws, no_draws)
 
 
 @dataclasses.dataclass
@@ -750,6 +759,7 @@ class AheadLaunch:
     loop: its output carry (device arrays, maybe not computed yet).
     rows: its rows (see `ModelRunner._decode_rows`).
     table: the automata of its constrained rows, or None.
+    max_steps: the steps it runs at most.
     ran_out_before: bool `[D]`, the shards whose blocks the launch before it
       ran out of (known once that one is read back): the carry handed that
       on, so this launch ran no step.
@@ -758,30 +768,8 @@ class AheadLaunch:
   loop: programs.DecodeLoop
   rows: np.ndarray | None
   table: object
+  max_steps: int
   ran_out_before: np.ndarray | None = None
-
-
-def _after_first_step(first: DecodeResult, rest: DecodeResult) -> DecodeResult:
-  """A round's decode results: its `first` step (run with the prompt
-  chunks; at most one token per slot, in column 0) followed by the loop
-  that ran its other steps (their draws from column 1 on). Each slot's
-  tokens end up in order from column 0."""
-  ran_first = first.counts > 0
-  merge = lambda a, b: np.where(
-    ran_first.reshape(-1, *(1,) * (a.ndim - 1)),
-    np.concatenate([a[:, :1], b[:, 1:]], axis=1),
-    np.concatenate([b[:, 1:], b[:, :1]], axis=1),
-  )
-  return DecodeResult(
-    draws=jax.tree.map(merge, first.draws, rest.draws),
-    counts=first.counts + rest.counts,
-    finished=first.finished | rest.finished,
-    out_of_blocks=rest.out_of_blocks,
-    beams_done=rest.beams_done,
-    num_rows=rest.num_rows,
-    steps=first.steps + rest.steps,
-    row_steps=first.row_steps + rest.row_steps,
-  )
 
 
 @dataclasses.dataclass
@@ -835,14 +823,16 @@ class PackedPrefill:
     )
 
 
-def pack_prefill(chunks, width: int, num_shards: int, per_shard: int) -> PackedPrefill:
-  """Packs `PrefillChunk`s into the smallest `prefill_shape` that holds
-  every shard's, with attention tiles of `width` tokens (`per_shard`:
-  sequence slots per data shard)."""
+def pack_prefill(chunks, width: int, num_shards: int, per_shard: int, buckets) -> PackedPrefill:
+  """Packs `PrefillChunk`s into the smallest of the `(tokens, tiles)`
+  `buckets` (see `prompt_buckets`) that holds every shard's, with attention
+  tiles of `width` tokens (`per_shard`: sequence slots per data shard)."""
   shard_of = [chunk.seq.slot // per_shard for chunk in chunks]
   num_tokens = np.bincount(shard_of, [c.tokens.size for c in chunks], minlength=num_shards)
   num_tiles = np.bincount(shard_of, [-(-c.tokens.size // width) for c in chunks], num_shards)
-  per_tokens, per_tiles = prefill_shape(width, int(num_tokens.max()), int(num_tiles.max()))
+  per_tokens, per_tiles = next(
+    (t, r) for t, r in buckets if t >= num_tokens.max() and r >= num_tiles.max()
+  )
   packed = PackedPrefill.empty(num_shards, (per_tokens, per_tiles), width)
   tokens_used, tiles_used = np.zeros(num_shards, np.int64), np.zeros(num_shards, np.int64)
   for chunk, shard in zip(chunks, shard_of):
@@ -863,14 +853,19 @@ def pack_prefill(chunks, width: int, num_shards: int, per_shard: int) -> PackedP
   return packed
 
 
-def prefill_shape(width: int, num_tokens: int, num_tiles: int) -> tuple[int, int]:
-  """The prefill shape per data shard, `(tokens, tiles)`, for `num_tokens`
-  tokens in `num_tiles` tiles of `width`: the smallest `(width * 2**i, 2 *
-  2**i)` that holds both."""
-  tokens, tiles = width, 2
-  while tokens < num_tokens or tiles < num_tiles:
-    tokens, tiles = 2 * tokens, 2 * tiles
-  return tokens, tiles
+def prompt_buckets(width: int, max_tokens: int, max_tiles: int) -> list[tuple[int, int]]:
+  """The shapes per data shard, `(tokens, tiles)`, of launches with prompt
+  chunks in attention tiles of `width` tokens: `(2 * width * 2**i, 4 *
+  2**i)` from two tiles' tokens up to the first that holds `max_tokens`, the last
+  with room for `max_tiles` tiles (each chunk adds at most one partly
+  filled tile; a launch whose chunks fill more tiles than its tokens'
+  bucket has takes the next)."""
+  buckets = [(2 * width, 4)]
+  while buckets[-1][0] < max_tokens:
+    buckets.append((2 * buckets[-1][0], 2 * buckets[-1][1]))
+  tokens, tiles = buckets[-1]
+  buckets[-1] = (tokens, max(tiles, 1 << (max_tiles - 1).bit_length()))
+  return buckets
 
 
 def _num_speculative(speculating) -> int:

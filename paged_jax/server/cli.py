@@ -94,12 +94,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     "--num-scheduler-steps",
     type=_positive,
     default=8,
-    help="decode steps per launch (the engine's num_decode_steps)",
-  )
-  serve.add_argument(
-    "--mix-prefill-and-decode",
-    action="store_true",
-    help="run a round's prompt chunks with its first decode step, in one ragged launch",
+    help="the most decode steps per launch of a decode-only stretch (the engine's "
+    "num_decode_steps)",
   )
   serve.add_argument(
     "--async-scheduling",
@@ -273,7 +269,6 @@ def engine_builder(args):
       max_logprobs=args.max_logprobs,
       max_beam_width=MAX_BEAM_WIDTH,
       speculative_config=speculative_config,
-      mix_prefill_and_decode=args.mix_prefill_and_decode,
       async_scheduling=args.async_scheduling,
       warmup=True,
       seed=args.seed,
