@@ -181,16 +181,16 @@ def check_refusal(outcome: Outcome) -> bool:
 
 
 class Server:
-  """A `serve` subprocess on a free port."""
+  """A `serve` subprocess on a free port (in `env`, default this one's)."""
 
-  def __init__(self, args: list[str]):
+  def __init__(self, args: list[str], env: dict | None = None):
     with socket.socket() as sock:
       sock.bind(("127.0.0.1", 0))
       self.port = sock.getsockname()[1]
     self.url = f"http://127.0.0.1:{self.port}"
     self.log = tempfile.TemporaryFile("w+")
     command = [sys.executable, "-m", "paged_jax", "serve", "--port", str(self.port), *args]
-    self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+    self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
   def wait_healthy(self, timeout: float = 900) -> None:
     deadline = time.monotonic() + timeout

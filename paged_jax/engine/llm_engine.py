@@ -562,7 +562,8 @@ class LLMEngine:
         continue
       tokens = np.concatenate([group.prompt_token_ids, seq.token_ids]).astype(np.int32)
       drawn_before = len(tokens) - int(result.counts[slot])
-      at = range(max(len(group.prompt_token_ids) + 1, drawn_before - k), len(tokens) - k)
+      first = max(len(group.prompt_token_ids) + 1, drawn_before - k)
+      at = range(first, max(first, len(tokens) - k))  # none while fewer than k follow
       row_steps, row_drawn = speculative.lookup_walk(tokens, at, self.speculative)
       steps, drawn = steps + row_steps, drawn + row_drawn
     chooser.record_tokens(result.num_rows, drawn, steps)

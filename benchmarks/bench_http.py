@@ -1,0 +1,128 @@
+"""The HTTP serving workload, driven by vLLM's own client (`vllm bench serve`).
+
+Starts `python -m paged_jax serve` for each code tree of `--code` (label=DIR,
+so that two commits run side by side in one run) and each `--dtypes`, then
+drives it with `vllm bench serve`: random prompts of 200 tokens, 64 output
+tokens with `--ignore-eos`, 48 requests, arriving at 4 requests/s and then
+all at once under 16 concurrent. It reports output tokens/s and TTFT, TPOT
+and inter-chunk latency (ITL) at p50/p99, one row per server and workload.
+
+`vllm bench serve` comes from a side venv with vLLM installed (`--vllm`, the
+venv's `vllm` command); it only sends requests, so any vLLM build serves.
+`--tokenizer` is a Hugging Face tokenizer folder of the model (the random
+prompts are drawn in its vocabulary). Servers run one at a time.
+
+Usage:
+  python benchmarks/bench_http.py --vllm /venv/bin/vllm --tokenizer DIR \\
+    [--code before=/tree/of/old/commit after=.] [--dtypes bfloat16 float32] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from soak_serve import Server  # noqa: E402
+
+WORKLOADS = {
+  "4 req/s": ["--request-rate", "4"],
+  "16 concurrent": ["--request-rate", "inf", "--max-concurrency", "16"],
+}
+FIELDS = (
+  "output_throughput",
+  "median_ttft_ms",
+  "p99_ttft_ms",
+  "median_tpot_ms",
+  "p99_tpot_ms",
+  "median_itl_ms",
+  "p99_itl_ms",
+  "completed",
+  "failed",
+)
+
+
+def bench_serve(args, url: str, workload: list[str]) -> dict:
+  """One `vllm bench serve` run against `url`; the fields of `FIELDS`."""
+  with tempfile.TemporaryDirectory() as folder:
+    command = [
+      args.vllm, "bench", "serve", "--backend", "openai", "--base-url", url,
+      "--model", args.served_name, "--tokenizer", args.tokenizer,
+      "--dataset-name", "random", "--random-input-len", "200", "--random-output-len", "64",
+      "--ignore-eos", "--num-prompts", str(args.num_prompts), "--seed", str(args.seed),
+      *workload, "--save-result", "--result-dir", folder, "--result-filename", "result.json",
+      "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+    ]  # fmt: skip
+    subprocess.run(command, check=True, capture_output=True, timeout=1800)
+    measured = json.loads(pathlib.Path(folder, "result.json").read_text())
+  return {field: measured.get(field) for field in FIELDS}
+
+
+def run_server(args, label: str, tree: str, dtype: str) -> list[dict]:
+  """Every workload against a fresh `serve` of the code in `tree`."""
+  env = dict(os.environ, PYTHONPATH=str(pathlib.Path(tree).resolve()))
+  flags = ["--model", args.model, "--served-model-name", args.served_name, "--dtype", dtype]
+  start = time.perf_counter()
+  server = Server([*flags, *args.server_args], env=env)
+  rows = []
+  try:
+    server.wait_healthy()
+    ready_s = time.perf_counter() - start
+    for name, workload in WORKLOADS.items():
+      print(f"[{label} {dtype}] {name}", file=sys.stderr, flush=True)
+      row = dict(server=label, dtype=dtype, workload=name, start_s=round(ready_s, 1))
+      rows.append(row | bench_serve(args, server.url, workload))
+  finally:
+    server.kill()
+  return rows
+
+
+def markdown(rows: list[dict]) -> str:
+  """The rows as a Markdown table."""
+  header = "| server | dtype | workload | tok/s | TTFT p50/p99 (ms) | TPOT p50/p99 | ITL p50/p99 |"
+  lines = [header, "|---|---|---|---:|---:|---:|---:|"]
+  pair = lambda row, a, b: f"{row[a]:,.0f} / {row[b]:,.0f}"
+  for row in rows:
+    lines.append(
+      f"| {row['server']} | {row['dtype']} | {row['workload']} | "
+      f"{row['output_throughput']:.1f} | {pair(row, 'median_ttft_ms', 'p99_ttft_ms')} | "
+      f"{pair(row, 'median_tpot_ms', 'p99_tpot_ms')} | "
+      f"{pair(row, 'median_itl_ms', 'p99_itl_ms')} |"
+    )
+  return "\n".join(lines)
+
+
+def parse_args(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--vllm", required=True, help="vLLM's `vllm` command (a side venv)")
+  parser.add_argument("--tokenizer", required=True, help="the model's HF tokenizer folder")
+  parser.add_argument("--model", default="smollm2-135m-instruct")
+  parser.add_argument("--served-name", default="smollm2")
+  parser.add_argument("--code", nargs="+", default=["paged_jax=."], help="LABEL=DIR trees")
+  parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+  parser.add_argument("--num-prompts", type=int, default=48)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=[])
+  parser.add_argument("--json", action="store_true", help="print the rows as JSON too")
+  return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+  args = parse_args(argv)
+  rows = []
+  for dtype in args.dtypes:
+    for label, tree in (code.split("=", 1) for code in args.code):
+      rows += run_server(args, label, tree, dtype)
+  print(markdown(rows))
+  if args.json:
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+  main()
