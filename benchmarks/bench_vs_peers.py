@@ -21,7 +21,12 @@ run) and the tokenizer (it detokenizes, as vLLM does). Note that prefix
 caching (paged_jax, vLLM) lets repeated runs hit the prompts they cached
 before; transformers has no such cache.
 
-Peers run in their own virtualenvs, in subprocesses (`peer_worker.py`), on a
+vLLM's CPU build runs as its documentation advises for a dedicated
+machine: its OpenMP threads bound to both cores, none reserved for the
+frontend, tcmalloc and Intel OpenMP preloaded (`vllm_cpu_env`; its default
+instead reserves one of 2 CPUs, `--vllm-default-cores` adds that as a
+labelled extra column). Peers run in their own virtualenvs, in subprocesses
+(`peer_worker.py`), on a
 Hugging Face folder written here from paged_jax's loaded float32 parameters
 (llama.cpp's Q/K row permutation already undone by the loader). Greedy
 agreement: of the offline prompts, how many give exactly paged_jax's first
@@ -375,9 +380,45 @@ def hf_weights(model) -> dict[str, np.ndarray]:
 # Peers.
 
 
-def bench_peer(engine: str, python: str, dtype: str, hf_dir, workloads, args, workdir) -> dict:
-  """Runs `peer_worker.py` under `python`; its JSON result, or one with an
-  `error` (the exit status and the last lines of its stderr)."""
+def vllm_cpu_env(python: str, all_cores: bool = True) -> dict:
+  """The environment vLLM's CPU build documents for a dedicated machine:
+  its OpenMP threads bound to every core, none reserved for the frontend,
+  with tcmalloc and Intel OpenMP (`libiomp5.so`, the `intel-openmp` wheel
+  in the peer's venv) preloaded. `all_cores=False`: vLLM's own default
+  (on 2 CPUs it reserves one for the frontend and computes on the other).
+
+  Raises:
+    FileNotFoundError: naming the library missing and how to install it.
+  """
+  env = dict(os.environ)
+  if not all_cores:
+    return env
+  venv = pathlib.Path(python).resolve().parents[1]
+  found = {
+    "tcmalloc": sorted(pathlib.Path("/usr/lib").glob("*/libtcmalloc_minimal.so.4")),
+    "libiomp5": sorted(venv.glob("lib/**/libiomp5.so")),
+  }
+  installs = {
+    "tcmalloc": "apt-get install libtcmalloc-minimal4",
+    "libiomp5": f"{venv}/bin/pip install intel-openmp",
+  }
+  for name, paths in found.items():
+    if not paths:
+      raise FileNotFoundError(f"vLLM CPU wants {name} preloaded: {installs[name]}")
+  last = os.cpu_count() - 1
+  return env | dict(
+    VLLM_CPU_OMP_THREADS_BIND=f"0-{last}",
+    VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+    LD_PRELOAD=":".join(str(paths[0]) for paths in found.values()),
+  )
+
+
+def bench_peer(
+  engine: str, python: str, dtype: str, hf_dir, workloads, args, workdir, env=None
+) -> dict:
+  """Runs `peer_worker.py` under `python` in `env` (default this one's);
+  its JSON result, or one with an `error` (the exit status and the last
+  lines of its stderr)."""
   spec = dict(
     engine=engine,
     model_dir=str(hf_dir),
@@ -393,7 +434,11 @@ def bench_peer(engine: str, python: str, dtype: str, hf_dir, workloads, args, wo
   log(f"[{engine} {dtype}] starting {python}")
   with open(out_file, "w") as out:
     proc = subprocess.Popen(
-      [python, str(WORKER), str(spec_file)], stdout=out, stderr=subprocess.PIPE, text=True
+      [python, str(WORKER), str(spec_file)],
+      stdout=out,
+      stderr=subprocess.PIPE,
+      text=True,
+      env=env,
     )
     tail = collections.deque(maxlen=8)
     for line in proc.stderr:
@@ -469,6 +514,11 @@ def parse_args():
   parser.add_argument("--hf-dir", type=pathlib.Path, help="keep the Hugging Face folder here")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument(
+    "--vllm-default-cores",
+    action="store_true",
+    help="also run vLLM on its default cores (on 2 CPUs: 1 for the model), labelled so",
+  )
+  parser.add_argument(
     "--async-scheduling",
     action="store_true",
     help="paged_jax dispatches decode launches ahead (the engine's async_scheduling)",
@@ -515,9 +565,10 @@ def run(args, workdir: pathlib.Path, load_at_start: float) -> None:
   if peers and "float32" not in args.dtypes:
     save_hf_folder(*load_pretrained(MODEL, dtype="float32", max_seq_len=args.max_seq_len), hf_dir)
   columns = {}
-  for engine, label, python in peers:
+  setups = peer_setups(peers, args)
+  for engine, label, python, env in setups:
     for dtype in args.dtypes:
-      result = bench_peer(engine, python, dtype, hf_dir, workloads, args, workdir)
+      result = bench_peer(engine, python, dtype, hf_dir, workloads, args, workdir, env)
       columns[f"{label} {DTYPE_LABELS[dtype]}"] = result
       log_rates(f"{engine} {dtype}", result)
       if "error" in result:
@@ -526,10 +577,25 @@ def run(args, workdir: pathlib.Path, load_at_start: float) -> None:
         notes.append(f"{label} {dtype}: {result['version']}")
   for dtype, result in paged.items():
     columns[f"paged_jax {DTYPE_LABELS[dtype]}"] = result
-  report(args, workloads, columns, peers, notes, load_at_start)
+  report(args, workloads, columns, [label for _, label, _, _ in setups], notes, load_at_start)
 
 
-def report(args, workloads, columns: dict[str, dict], peers, notes, load_at_start: float) -> None:
+def peer_setups(peers, args) -> list:
+  """`(engine, label, python, env)` of each run: vLLM on every core as its
+  CPU docs advise (`vllm_cpu_env`), and with `--vllm-default-cores` also on
+  its own default, labelled so; other peers in this environment."""
+  setups = []
+  for engine, label, python in peers:
+    if engine != "vllm":
+      setups.append((engine, label, python, None))
+      continue
+    setups.append((engine, f"{label} (all cores)", python, vllm_cpu_env(python)))
+    if args.vllm_default_cores:
+      setups.append((engine, f"{label} (its default: 1 core)", python, vllm_cpu_env(python, False)))
+  return setups
+
+
+def report(args, workloads, columns: dict[str, dict], labels, notes, load_at_start: float) -> None:
   """Prints the table, the greedy agreement and the notes."""
   print(
     f"tokens/s, warm median of {args.repeats} (after 1 warm-up run), {MODEL}, "
@@ -542,7 +608,7 @@ def report(args, workloads, columns: dict[str, dict], peers, notes, load_at_star
     tokens = min(AGREEMENT_TOKENS, workloads["offline"].max_tokens)
     reference = columns["paged_jax f32"]["token_ids"]["offline"]
     print("greedy agreement with paged_jax f32 (offline prompts, float32):")
-    for _, label, _ in peers:
+    for label in labels:
       result = columns[f"{label} f32"]
       if "error" not in result:
         print(f"  {label}: {agreement(reference, result['token_ids']['offline'], tokens)}")
