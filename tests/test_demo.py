@@ -50,9 +50,9 @@ def test_demo_json_report(capsys):
   small = ["--max-seqs", "4", "--max-num-batched-tokens", "64", "--num-cpu-blocks", "0"]
   assert main([*argv, *small, "--json"]) == 0
   out, err = capsys.readouterr()
-  # 64 prompt tokens in ceil(64 / 32) + 4 tiles at most: prefill of 32, 64
-  # and 128 tokens; decode rows 1 and 4; 4 other programs.
-  assert "warm-up: 9 programs (" in err
+  # 64 prompt tokens in ceil(64 / 32) + 4 tiles at most: one ragged step
+  # shape (64 tokens in 8 tiles); decode rows 1 and 4; 4 other programs.
+  assert "warm-up: 7 programs (" in err
   report = json.loads(out)  # the warm-up's summary went to stderr
   assert report["requests"] == 2
   assert report["sequences"] == 5  # the second request asks for 4 samples
