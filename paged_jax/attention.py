@@ -17,8 +17,11 @@
 * ``"reference"``: the XLA reference, which gathers every sequence's whole
   table.
 
-Prefill attention (several queries per sequence) runs the chunked XLA
-implementation.
+Prefill attention (several queries per sequence, ``paged_prefill_attention``)
+takes ``"auto"`` (the Mosaic kernel on TPU where it serves the dtype and
+shapes, else, with the reason logged once, the chunked XLA implementation;
+chunked XLA off TPU), ``"pallas"`` (the Mosaic kernel; on CPU in TPU
+interpret mode) or ``"reference"``.
 
 Outside jit (concrete block tables and lengths) the tables are checked on the
 host first, so an out-of-range block gives a ValueError that names it.
@@ -34,7 +37,15 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.paged_attention import chunked, common, gpu, mosaic_gpu, reference, tpu
+from pallas_kernels.paged_attention import (
+  chunked,
+  common,
+  gpu,
+  mosaic_gpu,
+  reference,
+  tpu,
+  tpu_prefill,
+)
 
 logger = logging.getLogger("paged_jax")
 
@@ -146,12 +157,13 @@ def paged_prefill_attention(
   sliding_window: int | None = None,
   k_scales=None,
   v_scales=None,
+  impl: str = "auto",
 ):
   """Causal attention of several new tokens per sequence to their context.
 
-  For prefix-cache hits and chunked prefill: the new tokens' K/V are already
-  written, and row ``i`` of sequence ``b`` is the token at position
-  ``lengths[b] - query_lens[b] + i``. Runs the chunked XLA implementation.
+  For prefix-cache hits, chunked prefill and a ragged step's tiles: the new
+  tokens' K/V are already written, and row ``i`` of sequence ``b`` is the
+  token at position ``lengths[b] - query_lens[b] + i``.
 
   Args:
     q: ``[batch, num_queries, num_q_heads, head_dim]``.
@@ -166,28 +178,86 @@ def paged_prefill_attention(
     sliding_window: keys visible to a query (itself included), or None.
     k_scales: scales of quantized pages, as in ``paged_attention``.
     v_scales: same as ``k_scales``, for ``v_pages``.
+    impl: ``"auto"``, ``"pallas"`` or ``"reference"`` (see the module
+      docstring).
 
   Returns:
     ``[batch, num_queries, num_q_heads, head_dim]`` in ``q.dtype``.
+
+  Raises:
+    ValueError: for bad shapes, dtypes or options, or (``"pallas"``) shapes
+      the Mosaic kernel cannot serve (the message names the kernel).
   """
   common.check_attention_args(
     q, k_pages, v_pages, block_tables, lengths, query_rank=4, k_scales=k_scales, v_scales=v_scales
   )
+  common.check_attention_options(sm_scale, soft_cap, sliding_window)
+  common.check_query_lens(query_lens, lengths)
   if is_concrete(block_tables, lengths):
     common.check_block_tables(block_tables, lengths, k_pages.shape[1], k_pages.shape[2])
-  return chunked.paged_prefill_attention_chunked(
-    q,
-    k_pages,
-    v_pages,
-    block_tables,
-    lengths,
-    query_lens,
+  options = dict(
     sm_scale=sm_scale,
     soft_cap=soft_cap,
     sliding_window=sliding_window,
     k_scales=k_scales,
     v_scales=v_scales,
   )
+  args = (q, k_pages, v_pages, block_tables, lengths, query_lens)
+  if impl == "reference":
+    return reference.paged_prefill_attention_reference(*args, **options)
+  kernel = select_prefill_kernel(
+    impl,
+    dtype=q.dtype,
+    num_queries=q.shape[1],
+    group=q.shape[2] // k_pages.shape[0],
+    block_size=k_pages.shape[2],
+    head_dim=k_pages.shape[3],
+    kv_dtype=k_pages.dtype,
+  )
+  if kernel is None:
+    return chunked.paged_prefill_attention_chunked(*args, **options)
+  _, interpret = kernel
+  return tpu_prefill.paged_prefill_attention(*args, **options, interpret=interpret)
+
+
+def select_prefill_kernel(
+  impl: str, *, dtype, num_queries: int, group: int, block_size: int, head_dim: int, kv_dtype=None
+):
+  """Resolves ``impl`` of ``paged_prefill_attention`` for the kernel platform.
+
+  Args:
+    impl: one of ``IMPLS``.
+    dtype: dtype of the queries.
+    num_queries: query tokens per sequence (a tile's width).
+    group: query heads per KV head.
+    block_size: tokens per page.
+    head_dim: size of a head.
+    kv_dtype: dtype of the pages; None for ``dtype``.
+
+  Returns:
+    None for XLA (the reference, or the chunked implementation), else
+    ``("tpu", interpret)``. On TPU, ``"auto"`` logs its choice once, and why
+    not the kernel when it cannot serve the dtype or shapes.
+
+  Raises:
+    ValueError: for an unknown ``impl``.
+  """
+  if impl not in IMPLS:
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+  platform = kernel_platform()
+  if impl == "reference":
+    return None
+  if impl == "pallas":
+    return "tpu", platform != "tpu"
+  if platform != "tpu":
+    return None
+  reason = tpu_prefill.refusal(dtype, num_queries, group, block_size, head_dim, kv_dtype)
+  choice = "Mosaic kernel" if reason is None else f"chunked XLA, because {reason}"
+  _log_once(
+    f"prefill attention on tpu ({jnp.dtype(dtype).name}, {num_queries} queries x {group} "
+    f"heads per KV head, block_size {block_size}, head_dim {head_dim}): {choice}"
+  )
+  return None if reason else ("tpu", False)
 
 
 def select_kernel(impl: str, *, tile_sizes: tuple[int, ...] = ()):
@@ -358,13 +428,20 @@ def _is_power_of_two(size: int) -> bool:
 
 
 def describe_kernels(
-  *, dtype, block_size: int, head_dim: int, group: int, quantized: bool = False
+  *,
+  dtype,
+  block_size: int,
+  head_dim: int,
+  group: int,
+  quantized: bool = False,
+  num_queries: int = 32,
 ) -> str:
   """One line naming the default backend and what ``impl="auto"`` runs there.
 
-  Takes ``select_attention_kernel``'s arguments; e.g. ``"backend tpu: decode
-  attention = Mosaic (Pallas TPU), prefill attention = chunked XLA, write_kv =
-  Mosaic (Pallas TPU), copy_blocks = Mosaic (Pallas TPU)"``.
+  Takes ``select_attention_kernel``'s arguments, and ``num_queries`` (a
+  prefill tile's width) for the prefill choice; e.g. ``"backend tpu: decode
+  attention = Mosaic (Pallas TPU), prefill attention = Mosaic (Pallas TPU),
+  write_kv = Mosaic (Pallas TPU), copy_blocks = Mosaic (Pallas TPU)"``.
   """
   names = {
     "tpu": "Mosaic (Pallas TPU)",
@@ -376,6 +453,15 @@ def describe_kernels(
   decode = select_attention_kernel(
     "auto", dtype=dtype, block_size=block_size, head_dim=head_dim, group=group, quantized=quantized
   )
+  prefill = select_prefill_kernel(
+    "auto",
+    dtype=dtype,
+    num_queries=num_queries,
+    group=group,
+    block_size=block_size,
+    head_dim=head_dim,
+    kv_dtype=jnp.int8 if quantized else dtype,
+  )
   write = select_kernel("auto", tile_sizes=(head_dim,))
   copy = select_kernel("auto", tile_sizes=(block_size, head_dim))
   platform = kernel_platform()
@@ -384,7 +470,7 @@ def describe_kernels(
     backend += f" (compute capability {gpu_compute_capability():.1f})"
   line = (
     f"backend {backend}: decode attention = {name(decode, 'chunked XLA')}, "
-    f"prefill attention = chunked XLA, write_kv = {name(write, 'XLA')}, "
+    f"prefill attention = {name(prefill, 'chunked XLA')}, write_kv = {name(write, 'XLA')}, "
     f"copy_blocks = {name(copy, 'XLA')}"
   )
   if platform != "tpu" and platform not in _GPU_PLATFORMS:

@@ -21,7 +21,7 @@ def test_cpu_runs_xla_and_names_interpret_mode(monkeypatch):
 def test_tpu_runs_mosaic(monkeypatch):
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
   assert attention.describe_kernels(**SHAPE) == (
-    "backend tpu: decode attention = Mosaic (Pallas TPU), prefill attention = chunked XLA, "
+    "backend tpu: decode attention = Mosaic (Pallas TPU), prefill attention = Mosaic (Pallas TPU), "
     "write_kv = Mosaic (Pallas TPU), copy_blocks = Mosaic (Pallas TPU)"
   )
 

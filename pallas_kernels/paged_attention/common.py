@@ -124,6 +124,22 @@ def require_array(name: str, value, expected: str) -> None:
   raise ValueError(f"{name} must be an array {expected}, got {hint}")
 
 
+def check_query_lens(query_lens, lengths, *, kernel: str = "paged attention") -> None:
+  """Raises ValueError unless ``query_lens`` is int32 shaped like ``lengths``.
+
+  Args:
+    query_lens: new tokens per sequence, ``int32[batch]``.
+    lengths: ``int32[batch]``.
+    kernel: the implementation's name, for the message.
+  """
+  require_array("query_lens", query_lens, "int32[batch]")
+  if query_lens.shape != lengths.shape or query_lens.dtype != jnp.int32:
+    raise ValueError(
+      f"{kernel}: query_lens must be int32{list(lengths.shape)}, got "
+      f"{query_lens.dtype}{list(query_lens.shape)}"
+    )
+
+
 def check_attention_options(sm_scale, soft_cap, sliding_window) -> None:
   """Raises ValueError for a non-positive soft cap or sliding window.
 

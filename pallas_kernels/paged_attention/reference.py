@@ -122,11 +122,7 @@ def paged_prefill_attention_reference(
     kernel=_NAME,
   )
   common.check_attention_options(sm_scale, soft_cap, sliding_window)
-  if query_lens.shape != lengths.shape or query_lens.dtype != jnp.int32:
-    raise ValueError(
-      f"query_lens must be int32{list(lengths.shape)}, got "
-      f"{query_lens.dtype}{list(query_lens.shape)}"
-    )
+  common.check_query_lens(query_lens, lengths, kernel=_NAME)
   batch, num_queries, num_q_heads, head_dim = q.shape
   num_kv_heads, _, block_size, _ = k_pages.shape
   group = num_q_heads // num_kv_heads
