@@ -318,6 +318,8 @@ def test_entry_point_runs_the_kernel_for_pallas_and_xla_for_auto_on_cpu():
     attention.paged_prefill_attention(*args.values(), impl="triton")
   with pytest.raises(ValueError, match="query_lens must be int32"):
     attention.paged_prefill_attention(*list(args.values())[:5], args["lengths"][:1])
+  with pytest.raises(ValueError, match="soft_cap must be > 0"):
+    attention.paged_prefill_attention(*args.values(), soft_cap=0.0)
 
 
 def test_entry_point_on_cpu_traces_the_kernel_only_for_pallas():
