@@ -133,8 +133,8 @@ def paged_prefill_attention(
     ``[batch, num_queries, num_q_heads, head_dim]`` in ``q.dtype``.
 
   Raises:
-    ValueError: for bad shapes, dtypes or options, or shapes the kernel
-      cannot tile (see `refusal`).
+    ValueError: for bad shapes, dtypes or options, or a dtype or shapes the
+      kernel cannot serve (see `refusal`).
   """
   common.check_attention_args(
     q,
