@@ -108,10 +108,12 @@ def check_group_size(group_size: int, in_features: int, name: str = "the weight"
 def unpack_int4(packed: jax.Array, group_size: int) -> jax.Array:
   """uint8 `[out, in / 2]` -> uint8 `[out, in]` of values 0..15 (see the
   module docstring for the nibble order)."""
+  # A shift by a broadcast [0, 4], not a concatenation of the two halves:
+  # XLA:CPU runs the fused product 7x faster so (bench_quant_weights.py).
   out, half = packed.shape
-  grouped = packed.reshape(out, half * 2 // group_size, group_size // 2)
-  both = jnp.concatenate([grouped & 0x0F, grouped >> 4], axis=-1)
-  return both.reshape(out, half * 2)
+  grouped = packed.reshape(out, half * 2 // group_size, 1, group_size // 2)
+  shifts = jnp.array([0, 4], jnp.uint8)[:, None]
+  return ((grouped >> shifts) & 0x0F).reshape(out, half * 2)
 
 
 def pack_int4(values: np.ndarray, group_size: int) -> np.ndarray:
@@ -315,6 +317,20 @@ def quantize_model(model, method: str, group_size: int | None = None):
       check_group_size(group_size, in_features, path)
     linear.kernel = quantize(np.asarray(linear.kernel[...], np.float32), method, group_size)
   return model
+
+
+def quantize_loaded(model, quantization: str | None, source: str):
+  """A model loaded in float (the tiny model, a `save_model` folder) with
+  `quantization` applied: None keeps it, "int8"/"int4" quantize it.
+
+  Raises:
+    ValueError: for "gguf", which needs a GGUF file, naming `source`.
+  """
+  if quantization is None:
+    return model
+  if quantization == "gguf":
+    raise ValueError(f"quantization 'gguf' keeps a GGUF file's types; {source} is not a GGUF file")
+  return quantize_model(model, quantization)
 
 
 def quantizable_linears(model):
