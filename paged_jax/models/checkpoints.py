@@ -129,7 +129,7 @@ def _quantizer(method: str | None, group_size: int | None):
 
   def quantize(path: str, weight: np.ndarray) -> quantized.QuantizedWeight:
     if group_size is not None:
-      quantized.check_group_size(group_size, weight.shape[1], path)
+      quantized.check_group_size(group_size, weight.shape[1], path.removesuffix("/kernel"))
     return quantized.quantize(weight, method, group_size)
 
   return quantize
