@@ -213,7 +213,7 @@ def test_bad_quantization_arguments_are_named(hf_folder, gguf_file):
     models.load_pretrained(hf_folder, quantization="int4", group_size=64)
 
 
-def test_quantizing_a_quantized_model_is_refused():
+def test_quantizing_a_quantized_model_is_refused(tmp_path):
   model = quantized.quantize_model(models.load_tiny(), "int4")
   with pytest.raises(
     ValueError, match=r"blocks/0/attention/\w_proj is already quantized \(4 bits\)"
@@ -221,6 +221,8 @@ def test_quantizing_a_quantized_model_is_refused():
     quantized.quantize_model(model, "int8")
   with pytest.raises(ValueError, match="tiny is not a GGUF file"):
     quantized.quantize_loaded(models.load_tiny(), "gguf", "tiny")
+  with pytest.raises(ValueError, match="save_model stores float weights"):
+    models.save_model(model, tmp_path)
 
 
 def test_quantized_kernels_shard_with_their_channels():
