@@ -294,3 +294,23 @@ print("ok")
     [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
   )
   assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_a_served_draft_model_takes_its_own_quantization():
+  import argparse
+
+  from paged_jax.server import cli
+
+  spec = dict(method="draft_model", model="tiny", num_speculative_tokens=2)
+  for target, own, expected in (("int8", "int4", 4), ("int8", None, None)):
+    config = dict(spec, quantization=own)
+    args = argparse.Namespace(
+      model="tiny", dtype="auto", max_model_len=None, quantization=target,
+      speculative_config=config,
+    )  # fmt: skip
+    loaded = cli._with_draft(args)
+    assert "quantization" not in loaded
+    kernel = loaded["model"].blocks[0].mlp.up_proj.kernel
+    assert (kernel.bits if isinstance(kernel, QuantizedWeight) else None) == expected
+  args.quantization, args.speculative_config = "int8", dict(spec)  # inherits --quantization
+  assert cli._with_draft(args)["model"].blocks[0].mlp.up_proj.kernel.bits == 8

@@ -169,7 +169,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     default=None,
     help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
     '"prompt_lookup_max": 4}\'; a "draft_model" method takes the draft in "model" (what '
-    "--model takes, loaded with --dtype)",
+    '--model takes, loaded with --dtype) and its weights\' "quantization" (what '
+    "--quantization takes, null for float; default: --quantization)",
   )
   serve.add_argument("--log-level", default="info")
   return serve
@@ -205,11 +206,17 @@ def _load(args):
 
 
 def _with_draft(args) -> dict | None:
-  """`--speculative-config` with a draft model's name loaded as the model."""
+  """`--speculative-config` with a draft model's name loaded as the model,
+  its weights quantized as the config's "quantization" says (default: as
+  `--quantization` says)."""
   config = args.speculative_config
   if config is None or config.get("method") != "draft_model" or "model" not in config:
     return config
-  draft = argparse.Namespace(**{**vars(args), "model": config["model"]})
+  config = dict(config)
+  quantization = config.pop("quantization", getattr(args, "quantization", None))
+  draft = argparse.Namespace(
+    **{**vars(args), "model": config["model"], "quantization": quantization}
+  )
   return {**config, "model": _load(draft)[0]}
 
 
