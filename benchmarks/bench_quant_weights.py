@@ -13,7 +13,12 @@ per group of 32) and `rows` activation rows, times `x @ w.T` written as:
 and reports from the optimized HLO whether the dequantization became its own
 fusion writing a float kernel (`materialized`), or fused into the product.
 
+With `--tpu-topology v5e:1x1` (JAX >= 0.12 with libtpu) nothing runs: each
+form is compiled for that TPU's compile-only devices and only the
+`materialized` column is filled.
+
   python benchmarks/bench_quant_weights.py [--rows 1 32] [--n 4096 --k 2048]
+                                           [--tpu-topology v5e:1x1]
 """
 
 from __future__ import annotations
@@ -69,6 +74,21 @@ def materialized(compiled, n: int, k: int) -> bool:
   return re.search(pattern, text) is not None
 
 
+def on_tpu(topology: str):
+  """`(args -> ShapeDtypeStructs on one compile-only TPU device)` for `topology`."""
+  from paged_jax import aot
+
+  devices = aot.topology_devices(topology)
+  sharding = jax.sharding.SingleDeviceSharding(devices[0])
+
+  def abstract(*args):
+    return [
+      None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args
+    ]
+
+  return abstract
+
+
 def time_call(fn, *args, iters: int) -> float:
   jax.block_until_ready(fn(*args))
   best = float("inf")
@@ -87,7 +107,20 @@ def main():
   parser.add_argument("--n", type=int, default=4096)
   parser.add_argument("--k", type=int, default=2048)
   parser.add_argument("--iters", type=int, default=20)
+  parser.add_argument("--tpu-topology", help="compile for this TPU (no run): fusions only")
   args = parser.parse_args()
+  tpu = on_tpu(args.tpu_topology) if args.tpu_topology else None
+
+  def report(fn, *arrays, float_kernel: bool = False) -> tuple[str, str]:
+    """`(us/call, materialized)` of `fn` on `arrays`."""
+    if tpu is not None:
+      compiled = fn.lower(*tpu(*arrays)).compile()
+      return "-", "-" if float_kernel else ("yes" if materialized(compiled, n, k) else "no")
+    us = f"{time_call(fn, *arrays, iters=args.iters) * 1e6:.0f}"
+    if float_kernel:
+      return us, "-"
+    return us, "yes" if materialized(fn.lower(*arrays).compile(), n, k) else "no"
+
   n, k = args.n, args.k
   rng = np.random.default_rng(0)
   w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
@@ -96,7 +129,8 @@ def main():
     "int8/g32": quantized.quantize_int8(w, 32),
     "int4/g32": quantized.quantize_int4(w, 32),
   }
-  print(f"backend {jax.default_backend()}, kernel [{n}, {k}], best of 3 x {args.iters}")
+  backend = f"TPU {args.tpu_topology} (compiled only)" if tpu else jax.default_backend()
+  print(f"backend {backend}, kernel [{n}, {k}], best of 3 x {args.iters}")
   print("| rows | dtype | weights | form | weight MB | us/call | materialized |")
   print("|---|---|---|---|---|---|---|")
   for rows in args.rows:
@@ -104,9 +138,9 @@ def main():
       x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
       wf = jnp.asarray(w, dtype)
       fn = jax.jit(lambda x, w, dtype=dtype: float_dot(x, w, dtype))
-      us = time_call(fn, x, wf, iters=args.iters) * 1e6
+      us, _ = report(fn, x, wf, float_kernel=True)
       name = jnp.dtype(dtype).name
-      print(f"| {rows} | {name} | {name} | dot | {wf.nbytes / 1e6:.1f} | {us:.0f} | - |")
+      print(f"| {rows} | {name} | {name} | dot | {wf.nbytes / 1e6:.1f} | {us} | - |")
       for label, q in formats.items():
         arrays = (q.values[...], q.scales[...], None if q.minimums is None else q.minimums[...])
         mb = sum(a.nbytes for a in arrays if a is not None) / 1e6
@@ -119,9 +153,8 @@ def main():
               x, v, s, m, q.bits, q.group_size, dtype
             )
           )
-          us = time_call(fn, x, *arrays, iters=args.iters) * 1e6
-          fused = "yes" if materialized(fn.lower(x, *arrays).compile(), n, k) else "no"
-          print(f"| {rows} | {name} | {label} | {form} | {mb:.1f} | {us:.0f} | {fused} |")
+          us, fused = report(fn, x, *arrays)
+          print(f"| {rows} | {name} | {label} | {form} | {mb:.1f} | {us} | {fused} |")
 
 
 if __name__ == "__main__":

@@ -137,6 +137,9 @@ def _parser() -> argparse.ArgumentParser:
   aot.add_argument("--topology", required=True, help="a libtpu topology name, e.g. v5e:2x2")
   aot.add_argument("--tensor-parallel-size", type=_positive, default=1)
   aot.add_argument(
+    "--quantization", choices=("gguf", "int8", "int4"), default=None, help="as serve takes it"
+  )
+  aot.add_argument(
     "--variant",
     action="append",
     choices=list(aot_tool.VARIANTS),
@@ -154,7 +157,7 @@ def run_aot(args, parser) -> int:
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
   try:
     aot_tool.require_libtpu()
-    model, _ = load_demo_model(args.model, "bfloat16", 256)
+    model, _ = load_demo_model(args.model, "bfloat16", 256, args.quantization)
     variants = {v: aot_tool.VARIANTS[v] for v in args.variant or aot_tool.VARIANTS}
     report = aot_tool.compile_engine_programs(
       model, args.topology, args.tensor_parallel_size, variants
