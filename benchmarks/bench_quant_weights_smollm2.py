@@ -22,6 +22,9 @@ so that every run computes the same shapes; compiled by a first run)
 serves one greedy stream of `--tokens` tokens and the offline batch of the
 prompts x `--tokens` (warm medians of `--repeats`, `ignore_eos`).
 
+With `--interleaved`, one more process loads every format and serves one
+stream on a 1-slot engine per format, the formats' runs taking turns.
+
 Usage: python benchmarks/bench_quant_weights_smollm2.py
        [--formats none:float32 none:bfloat16 gguf:bfloat16 int8:bfloat16 int4:bfloat16]
        [--workloads accuracy single offline] [--tokens 64] [--repeats 3]
@@ -163,6 +166,36 @@ def child(args) -> dict:
   return row
 
 
+def interleaved(args) -> dict:
+  """Single-stream tokens/s of every format in one process, their runs
+  interleaved (round r runs each format once), so that a load the machine
+  takes on mid-run weighs on every format alike; medians over the rounds."""
+  import paged_jax as pj
+
+  workdir = pathlib.Path(args.workdir)
+  llms, ids = {}, None
+  for form in [REFERENCE] + [f for f in args.formats if f != REFERENCE]:
+    model, tokenizer = load(form, workdir / "hf", args.group_size)
+    ids = ids or prompts(tokenizer)
+    cfg = pj.CacheConfig(
+      block_size=16,
+      num_gpu_blocks=MAX_SEQ_LEN // 16,
+      num_cpu_blocks=0,
+      max_seqs=1,
+      max_blocks_per_seq=MAX_SEQ_LEN // 16,
+    )
+    llms[form] = pj.LLM(model, tokenizer, cfg, warmup=False)
+  params = pj.SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=0.0)
+  rates = {form: [] for form in llms}
+  for round_ in range(args.repeats + 1):  # the first round compiles
+    for form, llm in llms.items():
+      start = time.perf_counter()
+      outs = llm.generate(ids[:1], params)
+      if round_:
+        rates[form].append(len(outs[0].outputs[0].token_ids) / (time.perf_counter() - start))
+  return {form: statistics.median(r) for form, r in rates.items()}
+
+
 def accuracy(model, tokenizer, ids, workdir: pathlib.Path, args) -> dict:
   """Greedy agreement and KL against the reference (which writes them)."""
   import numpy as np
@@ -201,8 +234,8 @@ def table(rows: list[dict]) -> str:
   base = next((r for r in rows if r["form"] == "none:bfloat16"), None)
   lines = [
     "| weights:dtype | weight MB | RSS after load MB | peak RSS MB | greedy agreement "
-    "| KL nats | single tok/s | offline tok/s |",
-    "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    "| KL nats | single tok/s | offline tok/s | single tok/s, interleaved |",
+    "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
   ]
   fmt = lambda r, k, spec: "-" if k not in r else format(r[k], spec)
   for r in rows:
@@ -212,7 +245,7 @@ def table(rows: list[dict]) -> str:
     lines.append(
       f"| {r['form']} | {r['weight_mb']:.0f} | {r['rss_mb']:.0f} | {r['peak_rss_mb']:.0f} "
       f"| {fmt(r, 'agreement', '.1%')} | {fmt(r, 'kl', '.4f')} | {single} "
-      f"| {fmt(r, 'offline_tok_s', '.1f')} |"
+      f"| {fmt(r, 'offline_tok_s', '.1f')} | {fmt(r, 'interleaved_tok_s', '.1f')} |"
     )
   return "\n".join(lines)
 
@@ -225,18 +258,23 @@ def main():
     default=["none:float32", "none:bfloat16", "gguf:bfloat16", "int8:bfloat16", "int4:bfloat16"],
   )
   parser.add_argument(
-    "--workloads", nargs="+", default=["accuracy", "single", "offline"],
+    "--workloads", nargs="*", default=["accuracy", "single", "offline"],
     choices=("accuracy", "single", "offline"),
   )  # fmt: skip
   parser.add_argument("--tokens", type=int, default=64)
   parser.add_argument("--accuracy-tokens", type=int, default=32)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--group-size", type=int, default=32)
+  parser.add_argument(
+    "--interleaved",
+    action="store_true",
+    help="also one process serving a single stream (1-slot engines) of every format in turn",
+  )
   parser.add_argument("--form", help=argparse.SUPPRESS)
   parser.add_argument("--workdir", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.form:
-    print(json.dumps(child(args)))
+    print(json.dumps(interleaved(args) if args.form == "interleaved" else child(args)))
     return
   forms = [REFERENCE] + [f for f in args.formats if f != REFERENCE]
   rows = []
@@ -252,6 +290,16 @@ def main():
         sys.exit(f"{form} failed:\n{result.stderr[-4000:]}")
       rows.append(json.loads(result.stdout.strip().splitlines()[-1]))
       print(f"{form}: {rows[-1]} ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+    if args.interleaved:
+      command = [sys.executable, __file__, "--form", "interleaved", "--workdir", workdir]
+      command += ["--formats", *forms, "--tokens", str(args.tokens)]
+      command += ["--repeats", str(args.repeats), "--group-size", str(args.group_size)]
+      result = subprocess.run(command, capture_output=True, text=True)
+      if result.returncode:
+        sys.exit(f"interleaved run failed:\n{result.stderr[-4000:]}")
+      rates = json.loads(result.stdout.strip().splitlines()[-1])
+      for row in rows:
+        row["interleaved_tok_s"] = rates[row["form"]]
   print(table(rows))
 
 
