@@ -102,13 +102,14 @@ def test_pack_and_unpack_int4_are_inverse():
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_matmul_equals_the_dequantized_product(method):
+@pytest.mark.parametrize("rows", [(2, 3), (1, 1)])  # the single row is another product
+def test_matmul_equals_the_dequantized_product(method, rows):
   rng = np.random.default_rng(3)
   q = quantized.quantize(rng.normal(0.0, 0.1, (48, 64)).astype(np.float32), method)
-  x = jnp.asarray(rng.normal(size=(2, 3, 64)), jnp.float32)
+  x = jnp.asarray(rng.normal(size=(*rows, 64)), jnp.float32)
   got = q.matmul(x, jnp.float32)
   np.testing.assert_allclose(got, x @ q.dequantize().T, rtol=1e-5, atol=1e-5)
-  assert got.dtype == jnp.float32 and got.shape == (2, 3, 48)
+  assert got.dtype == jnp.float32 and got.shape == (*rows, 48)
 
 
 def test_group_sizes_that_do_not_divide_the_inputs_are_named():

@@ -32,6 +32,8 @@ The token embedding and the output layer stay in float (`quantize_model`).
 
 from __future__ import annotations
 
+import math
+
 import gguf
 import jax
 import jax.numpy as jnp
@@ -139,18 +141,27 @@ def matmul(x, values, scales, minimums, bits: int, group_size: int, dtype) -> ja
 
   One scale per row without minimums (per-channel int8): the integers, cast
   to `dtype` (exact), go through the product and the scales multiply its
-  result. Otherwise the kernel is dequantized in float32, rounded to `dtype`
-  (the weight a float load of the same numbers has) and multiplied as a
-  float kernel is (`layers.dot_transposed`), in one expression that XLA
-  fuses into the product where the backend can (see
-  benchmarks/bench_quant_weights.py).
+  result. Otherwise the kernel is dequantized in float32 and rounded to
+  `dtype` (the weight a float load of the same numbers has), in one
+  expression with the product, so that XLA fuses the dequantization into it
+  where the backend can (see benchmarks/bench_quant_weights.py).
+
+  Several rows multiply as a float kernel does (`layers.dot_transposed`). A
+  single row is `jnp.dot` with the kernel transposed, which XLA:CPU runs as
+  one loop over the quantized bytes; its other forms first write the whole
+  float kernel (5x to 100x slower at one row).
   """
   x = x.astype(dtype)
-  if bits == 8 and minimums is None and scales.shape[1] == 1:
-    y = layers.dot_transposed(x, values.astype(dtype))
-    return y * scales[:, 0].astype(jnp.float32)
-  weight = dequantize(values, scales, minimums, bits, group_size).astype(dtype)
-  return layers.dot_transposed(x, weight)
+  per_channel = bits == 8 and minimums is None and scales.shape[1] == 1
+  if per_channel:
+    weight = values.astype(dtype)
+  else:
+    weight = dequantize(values, scales, minimums, bits, group_size).astype(dtype)
+  if math.prod(x.shape[:-1]) == 1:
+    y = jnp.dot(x, weight.T, preferred_element_type=jnp.float32)
+  else:
+    y = layers.dot_transposed(x, weight)
+  return y * scales[:, 0].astype(jnp.float32) if per_channel else y
 
 
 # Quantizing float weights.
