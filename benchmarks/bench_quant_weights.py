@@ -8,7 +8,9 @@ per group of 32) and `rows` activation rows, times `x @ w.T` written as:
 * `dot-scale`: the integers multiplied, the per-channel scales applied to
   the result (`quantized.matmul`'s per-channel int8 form);
 * `group-dot`: one product per group of inputs, each scaled and summed
-  (scale and minimum applied after the dot, per group).
+  (scale and minimum applied after the dot, per group);
+* `library`: `quantized.matmul` as the models run it (one of the above, or
+  at a single row `jnp.dot` with the dequantized kernel transposed).
 
 and reports from the optimized HLO whether the dequantization became its own
 fusion writing a float kernel (`materialized`), or fused into the product.
@@ -147,6 +149,7 @@ def main():
         forms = {"dequant-dot": dequant_dot, "group-dot": group_dot}
         if label == "int8/channel":
           forms = {"dequant-dot": dequant_dot, "dot-scale": dot_scale}
+        forms["library"] = quantized.matmul
         for form, impl in forms.items():
           fn = jax.jit(
             lambda x, v, s, m, impl=impl, q=q, dtype=dtype: impl(
