@@ -114,6 +114,13 @@ def _parser() -> argparse.ArgumentParser:
   demo.add_argument(
     "--max-seq-len", type=_positive, default=256, help="context of a pretrained model in the demo"
   )
+  demo.add_argument(
+    "--quantization",
+    choices=("gguf", "int8", "int4"),
+    default=None,
+    help="weights kept quantized in memory: gguf (a GGUF file's own types), int8 (per output "
+    "channel) or int4 (groups of 32), quantized at load; default: float weights",
+  )
   demo.add_argument("--json", action="store_true", help="print machine-readable JSON")
   trace = sub.add_parser("trace", help="replay a ShareGPT-like trace through the block manager")
   trace.add_argument("--num-requests", type=_positive, default=200)
@@ -129,6 +136,9 @@ def _parser() -> argparse.ArgumentParser:
   aot.add_argument("--model", required=True, help="what serve takes ('tiny', a folder, a name)")
   aot.add_argument("--topology", required=True, help="a libtpu topology name, e.g. v5e:2x2")
   aot.add_argument("--tensor-parallel-size", type=_positive, default=1)
+  aot.add_argument(
+    "--quantization", choices=("gguf", "int8", "int4"), default=None, help="as serve takes it"
+  )
   aot.add_argument(
     "--variant",
     action="append",
@@ -147,7 +157,7 @@ def run_aot(args, parser) -> int:
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
   try:
     aot_tool.require_libtpu()
-    model, _ = load_demo_model(args.model, "bfloat16", 256)
+    model, _ = load_demo_model(args.model, "bfloat16", 256, args.quantization)
     variants = {v: aot_tool.VARIANTS[v] for v in args.variant or aot_tool.VARIANTS}
     report = aot_tool.compile_engine_programs(
       model, args.topology, args.tensor_parallel_size, variants
@@ -201,16 +211,17 @@ def demo_requests(num_requests: int, seed: int, tokenizer=None):
   return prompts, counts, shown
 
 
-def load_demo_model(name: str, dtype: str, max_seq_len: int):
+def load_demo_model(name: str, dtype: str, max_seq_len: int, quantization: str | None = None):
   """`(model, tokenizer)`; tokenizer None for the tiny model or a folder saved
-  by `save_model`."""
+  by `save_model`. `quantization`: see `load_pretrained`."""
   from paged_jax.models import load_pretrained, pretrained
+  from paged_jax.models.quantized import quantize_loaded
 
   if name == "tiny":
-    return pretrained.load_tiny(), None
+    return quantize_loaded(pretrained.load_tiny(), quantization, name), None
   if (pathlib.Path(name) / pretrained.WEIGHTS_FILE).is_file():
-    return pretrained.load_model(name), None
-  return load_pretrained(name, dtype=dtype, max_seq_len=max_seq_len)
+    return quantize_loaded(pretrained.load_model(name), quantization, name), None
+  return load_pretrained(name, dtype=dtype, max_seq_len=max_seq_len, quantization=quantization)
 
 
 def run_demo(args, parser) -> dict:
@@ -221,7 +232,7 @@ def run_demo(args, parser) -> dict:
   from paged_jax.models.tokenizer import ByteTokenizer
 
   try:
-    model, tokenizer = load_demo_model(args.model, args.dtype, args.max_seq_len)
+    model, tokenizer = load_demo_model(args.model, args.dtype, args.max_seq_len, args.quantization)
   except (FileNotFoundError, ValueError) as err:
     parser.error(f"--model: {err}")
   max_len = model.config.max_seq_len

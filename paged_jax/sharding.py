@@ -135,12 +135,18 @@ def stored_kv_heads(num_kv_heads: int, tp: int) -> int:
 
 # (path pattern, spec) in order; the first match wins, unmatched is replicated.
 # Paths are nnx state paths joined by "/", e.g. "blocks/0/attention/q_proj/kernel".
+# A quantized kernel's values, scales and minimums (`kernel/values`, ...)
+# all have one row per output feature and their inputs (or input groups)
+# along axis 1, so they split as the float kernel does: a column-split
+# layer's scales with its output channels, a row-split one's with its input
+# groups (replicated when the groups do not split evenly).
+_KERNEL = r"kernel(/values|/scales|/minimums)?$"
 _RULES = (
-  (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)/kernel$", P("model", None)),
+  (rf"(q_proj|k_proj|v_proj|gate_proj|up_proj)/{_KERNEL}", P("model", None)),
   (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)/bias$", P("model")),
-  (r"(o_proj|down_proj)/kernel$", P(None, "model")),
+  (rf"(o_proj|down_proj)/{_KERNEL}", P(None, "model")),
   (r"embed/embedding$", P("model", None)),
-  (r"lm_head/kernel$", P("model", None)),
+  (rf"lm_head/{_KERNEL}", P("model", None)),
 )
 
 

@@ -21,6 +21,8 @@ FLAGS = {
   "swap": ["--preemption-mode", "swap", "--swap-space", "0.01"],
   "int8-kv": ["--kv-cache-dtype", "int8"],
   "fp8-kv": ["--kv-cache-dtype", "fp8"],
+  "int8-weights": ["--quantization", "int8"],
+  "int4-weights": ["--quantization", "int4"],
   "async": ["--async-scheduling"],
   "one-step": ["--num-scheduler-steps", "1"],
   "ngram": [

@@ -19,6 +19,12 @@ quantized weights, ...) is refused with its name and value, never defaulted.
 
 Weights are read one tensor at a time and cast to the requested dtype before
 the next is read, so a bfloat16 load never holds float32 copies of them all.
+
+`quantization` keeps the linear layers of the decoder blocks quantized (see
+`quantized.py`; the embedding and the output layer stay in `dtype`):
+"gguf" keeps a GGUF file's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K tensors as
+they are stored (float tensors stay float); "int8" and "int4" quantize float
+weights as they are read. None loads every weight in float.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import numpy as np
 import safetensors
 from flax import nnx
 
+from paged_jax.models import quantized
 from paged_jax.models.layers import LinearRopeScaling, Llama3RopeScaling, RopeScaling
 from paged_jax.models.llama import LAYER_TYPES, Llama, LlamaConfig
 from paged_jax.models.tokenizer import PretrainedTokenizer
@@ -59,6 +66,8 @@ GGUF_TYPES = tuple(
   for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 )
 
+QUANTIZATIONS = (None, "gguf", *quantized.METHODS)
+
 # A loader's plan for one parameter: where it comes from, the shape it has
 # there, and how to turn the stored array into the parameter.
 _Source = tuple[str, tuple[int, ...], Callable[[np.ndarray], np.ndarray]]
@@ -69,6 +78,8 @@ def load_pretrained(
   *,
   dtype: str = "bfloat16",
   max_seq_len: int | None = None,
+  quantization: str | None = None,
+  group_size: int | None = None,
 ) -> tuple[Llama, PretrainedTokenizer]:
   """Builds a pretrained model and its tokenizer.
 
@@ -78,6 +89,11 @@ def load_pretrained(
     dtype: parameter and compute dtype: "float32", "bfloat16" or "float16".
     max_seq_len: the config's `max_seq_len` (dense caches default to it);
       defaults to the checkpoint's context length.
+    quantization: None (float weights), "gguf" (a GGUF file's quantized
+      tensors kept as stored), "int8" or "int4" (float weights quantized at
+      load); see the module docstring.
+    group_size: inputs per scale for "int8" (None: one scale per output
+      channel) and "int4" (32, 64 or 128; None: 32).
 
   Returns:
     `(model, tokenizer)`.
@@ -88,12 +104,35 @@ def load_pretrained(
       (the message gives the `pip install` command).
     ValueError: if the architecture, a tensor type or a config value is not
       supported, or a tensor is missing, extra or misshapen (the message names
-      the file, the tensor and both shapes).
+      the file, the tensor and both shapes), or `quantization` does not fit
+      the source: "gguf" for a Hugging Face folder, "int8" or "int4" for a
+      GGUF file whose linear layers are already quantized (naming a tensor
+      and its type; load it with "gguf"), a group size that does not divide
+      a layer's input dimension (naming both).
   """
+  if quantization not in QUANTIZATIONS:
+    raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+  if group_size is not None and quantization not in quantized.METHODS:
+    raise ValueError(f"group_size is for int8 and int4 quantization, not {quantization!r}")
   path = resolve_source(source)
   if path.is_dir():
-    return _load_hf(path, dtype, max_seq_len)
-  return _load_gguf(path, dtype, max_seq_len)
+    if quantization == "gguf":
+      raise ValueError(f"quantization 'gguf' keeps a GGUF file's types; {path} is a folder")
+    return _load_hf(path, dtype, max_seq_len, _quantizer(quantization, group_size))
+  return _load_gguf(path, dtype, max_seq_len, quantization, group_size)
+
+
+def _quantizer(method: str | None, group_size: int | None):
+  """`(path, float32 kernel) -> QuantizedWeight` for "int8"/"int4", else None."""
+  if method is None:
+    return None
+
+  def quantize(path: str, weight: np.ndarray) -> quantized.QuantizedWeight:
+    if group_size is not None:
+      quantized.check_group_size(group_size, weight.shape[1], path.removesuffix("/kernel"))
+    return quantized.quantize(weight, method, group_size)
+
+  return quantize
 
 
 def resolve_source(source: str | pathlib.Path) -> pathlib.Path:
@@ -400,7 +439,7 @@ def _hf_sources(config: LlamaConfig) -> dict[str, _Source]:
   return sources
 
 
-def _load_hf(directory: pathlib.Path, dtype: str, max_seq_len: int | None):
+def _load_hf(directory: pathlib.Path, dtype: str, max_seq_len: int | None, quantizer=None):
   config_file = _required(directory, "config.json")
   config = config_from_hf(json.loads(config_file.read_text()), dtype=dtype, max_seq_len=max_seq_len)
   index = directory / "model.safetensors.index.json"
@@ -422,7 +461,10 @@ def _load_hf(directory: pathlib.Path, dtype: str, max_seq_len: int | None):
   def read(name, dtype):
     return handles[stored[name][0]].get_tensor(name).astype(dtype)
 
-  model = _build(config, _hf_sources(config), stored, read)
+  kernels = None
+  if quantizer is not None:
+    kernels = lambda path, name, layout: quantizer(path, layout(read(name, np.float32)))
+  model = _build(config, _hf_sources(config), stored, read, kernels)
   tokenizer_config = directory / "tokenizer_config.json"
   chat_template = directory / "chat_template.jinja"
   tokenizer = PretrainedTokenizer.from_files(
@@ -682,7 +724,9 @@ def _gguf_sources(config: LlamaConfig, arch: str) -> dict[str, _Source]:
   return sources
 
 
-def _load_gguf(path: pathlib.Path, dtype: str, max_seq_len: int | None):
+def _load_gguf(
+  path: pathlib.Path, dtype: str, max_seq_len: int | None, quantization=None, group_size=None
+):
   try:
     reader = gguf.GGUFReader(str(path))
   except (ValueError, OSError) as err:
@@ -715,9 +759,57 @@ def _load_gguf(path: pathlib.Path, dtype: str, max_seq_len: int | None):
     rope_freqs=rope_freqs,
     source=str(path),
   )
-  model = _build(config, _gguf_sources(config, fields["general.architecture"]), stored, read)
+  sources = _gguf_sources(config, fields["general.architecture"])
+  kernels = _gguf_kernels(path, tensors, sources, read, quantization, group_size)
+  model = _build(config, sources, stored, read, kernels)
   tokenizer = PretrainedTokenizer.from_gguf_fields(fields, source=str(path))
   return model, tokenizer
+
+
+def _gguf_kernels(path, tensors, sources, read, quantization, group_size):
+  """The `kernels` argument of `_build` for a GGUF file (see `_build`).
+
+  Raises:
+    ValueError: for "int8"/"int4" when a kernel of the decoder blocks is
+      stored quantized (naming it and its type).
+  """
+  if quantization is None:
+    return None
+  if quantization == "gguf":
+
+    def keep(_, name, layout):
+      tensor = tensors[name]
+      if tensor.tensor_type not in quantized.GGUF_QUANTIZED:
+        return None  # a float tensor stays float
+      shape = tuple(int(n) for n in reversed(tensor.shape))
+      data = tensor.data.reshape(shape[0], -1)
+      return _rows(quantized.from_gguf(data, tensor.tensor_type, shape, name), layout)
+
+    return keep
+  for key, (name, _, _) in sources.items():
+    kind = tensors[name].tensor_type if name in tensors else None
+    if _is_block_kernel(key) and kind in quantized.GGUF_QUANTIZED:
+      raise ValueError(
+        f"{path}: quantization {quantization!r} quantizes float weights, but tensor "
+        f"{name} is already {kind.name}; load the file with quantization='gguf' "
+        "(its own types) or None (float)"
+      )
+  quantizer = _quantizer(quantization, group_size)
+  return lambda key, name, layout: quantizer(key, layout(read(name, np.float32)))
+
+
+def _rows(weight: quantized.QuantizedWeight, layout) -> quantized.QuantizedWeight:
+  """`weight` with `layout` (a reordering of rows, or nothing) applied to
+  each of its arrays, which all have one row per output feature."""
+  arrays = [weight.values[...], weight.scales[...]]
+  arrays.append(None if weight.minimums is None else weight.minimums[...])
+  moved = [None if a is None else layout(np.asarray(a)) for a in arrays]
+  return quantized.QuantizedWeight(*moved, bits=weight.bits, group_size=weight.group_size)
+
+
+def _is_block_kernel(key: str) -> bool:
+  """Whether parameter path `key` is a linear kernel of a decoder block."""
+  return key.startswith("blocks/") and key.endswith("/kernel")
 
 
 def _dequantize(tensor, shape: tuple[int, ...], dtype, rows_per_chunk: int = 4096) -> np.ndarray:
@@ -741,6 +833,7 @@ def _build(
   sources: dict[str, _Source],
   stored: dict[str, tuple[pathlib.Path, tuple[int, ...]]],
   read: Callable[[str], np.ndarray],
+  kernels: Callable | None = None,
 ) -> Llama:
   """A `Llama` whose parameters are read one by one from a checkpoint.
 
@@ -749,6 +842,9 @@ def _build(
     sources: what each parameter is made from (see `_hf_sources`).
     stored: the checkpoint's tensors: name -> (file, shape).
     read: reads one stored tensor as a numpy array of the given dtype.
+    kernels: `(path, name, layout) -> QuantizedWeight | None`, called for
+      the linear kernels of the decoder blocks: the quantized kernel, or
+      None to load that one in float. None: every kernel in float.
 
   Raises:
     ValueError: if a tensor is missing, extra or misshapen.
@@ -770,16 +866,33 @@ def _build(
   graphdef, params = nnx.split(abstract, nnx.Param)
   pure = nnx.to_pure_dict(params)
   dtype = config.parameter_dtype
+  kept = {}
 
   def load(path, _):
-    name, shape, layout = sources["/".join(str(key.key) for key in path)]
+    key = "/".join(str(k.key) for k in path)
+    name, shape, layout = sources[key]
+    if kernels is not None and _is_block_kernel(key):
+      weight = kernels(key, name, layout)
+      if weight is not None:
+        kept[key] = weight
+        return jnp.zeros((0,), dtype)  # the placeholder of a kernel set below
     # Vectors (norms, biases) are small: laid out in float32, then cast,
     # so that Gemma's `gain - 1` loses nothing to a narrow dtype.
     stored_dtype = np.float32 if len(shape) == 1 else dtype
     return jnp.asarray(layout(read(name, stored_dtype)), dtype)
 
   nnx.replace_by_pure_dict(params, jax.tree_util.tree_map_with_path(load, pure))
-  return nnx.merge(graphdef, params)
+  model = nnx.merge(graphdef, params)
+  for key, weight in kept.items():
+    _module_at(model, key.removesuffix("/kernel")).kernel = weight
+  return model
+
+
+def _module_at(model, path: str):
+  """The submodule of `model` at `path` ("blocks/0/attention/q_proj")."""
+  for name in path.split("/"):
+    model = model[int(name)] if name.isdigit() else getattr(model, name)
+  return model
 
 
 def _files(stored: dict) -> str:

@@ -29,6 +29,7 @@ from flax import nnx
 from paged_jax.models import layers
 from paged_jax.models.cache import DenseCache, KVCacheBackend
 from paged_jax.models.layers import ACTIVATIONS, LinearRopeScaling, Llama3RopeScaling, RopeScaling
+from paged_jax.models.quantized import QuantizedWeight
 
 _DTYPES = ("float32", "bfloat16", "float16")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -299,7 +300,8 @@ class RMSNorm(nnx.Module):
 class Linear(nnx.Module):
   """`x @ kernel.T + bias` with the kernel stored `[out, in]`, as torch
   checkpoints store it (see `layers.dot_transposed` for why), accumulated
-  in float32 and rounded once to `dtype`."""
+  in float32 and rounded once to `dtype`. The kernel is a float `nnx.Param`
+  or a `quantized.QuantizedWeight` (int8 or int4, kept quantized)."""
 
   def __init__(
     self, in_features: int, out_features: int, *, use_bias: bool, dtype, param_dtype, rngs
@@ -310,7 +312,10 @@ class Linear(nnx.Module):
     self.dtype = dtype
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    y = layers.dot_transposed(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+    if isinstance(self.kernel, QuantizedWeight):
+      y = self.kernel.matmul(x, self.dtype)
+    else:
+      y = layers.dot_transposed(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
     y = y.astype(self.dtype)
     return y if self.bias is None else y + self.bias[...].astype(self.dtype)
 

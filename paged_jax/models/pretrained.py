@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, serialization
 
+from paged_jax.models import quantized
 from paged_jax.models.llama import Llama, LlamaConfig
 
 CONFIG_FILE = "config.json"
@@ -34,7 +35,13 @@ def save_model(
     model: the model to save.
     directory: target folder; created if missing, files in it overwritten.
     weights_dtype: dtype the parameters are stored in.
+
+  Raises:
+    ValueError: for a model with quantized weights (the format stores float
+      parameters only).
   """
+  if quantized.is_quantized(model):
+    raise ValueError("save_model stores float weights; this model's linear layers are quantized")
   directory = pathlib.Path(directory)
   directory.mkdir(parents=True, exist_ok=True)
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))

@@ -87,6 +87,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     choices=("auto", "float32", "bfloat16", "float16"),
     help="weights and compute of a pretrained model; auto: float32 on CPU, else bfloat16",
   )
+  serve.add_argument(
+    "--quantization",
+    choices=("gguf", "int8", "int4"),
+    default=None,
+    help="weights kept quantized in memory: gguf (a GGUF file's own types), int8 (per output "
+    "channel) or int4 (groups of 32), quantized at load; default: float weights",
+  )
   serve.add_argument("--max-model-len", type=_positive, default=None, help="default: the model's")
   serve.add_argument("--max-num-seqs", type=_positive, default=32)
   serve.add_argument("--max-num-batched-tokens", type=_positive, default=512)
@@ -158,7 +165,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     default=None,
     help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
     '"prompt_lookup_max": 4}\'; a "draft_model" method takes the draft in "model" (what '
-    "--model takes, loaded with --dtype)",
+    '--model takes, loaded with --dtype) and its weights\' "quantization" (what '
+    "--quantization takes, null for float; default: --quantization)",
   )
   serve.add_argument("--log-level", default="info")
   return serve
@@ -167,10 +175,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def _load(args):
   """`(model, tokenizer)` that `--model` names."""
   from paged_jax.models import load_pretrained, pretrained
+  from paged_jax.models.quantized import quantize_loaded
   from paged_jax.models.tokenizer import ByteTokenizer
 
+  quantization = getattr(args, "quantization", None)
   if args.model == "tiny":
-    model = pretrained.load_tiny()
+    model = quantize_loaded(pretrained.load_tiny(), quantization, args.model)
     if args.max_model_len is not None and args.max_model_len > model.config.max_seq_len:
       raise ValueError(
         f"--max-model-len {args.max_model_len} exceeds the tiny model's "
@@ -178,21 +188,31 @@ def _load(args):
       )
     return model, ByteTokenizer()
   if (pathlib.Path(args.model) / pretrained.WEIGHTS_FILE).is_file():
-    return pretrained.load_model(args.model), ByteTokenizer()
+    return quantize_loaded(
+      pretrained.load_model(args.model), quantization, args.model
+    ), ByteTokenizer()
   dtype = args.dtype
   if dtype == "auto":
     import jax
 
     dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-  return load_pretrained(args.model, dtype=dtype, max_seq_len=args.max_model_len)
+  return load_pretrained(
+    args.model, dtype=dtype, max_seq_len=args.max_model_len, quantization=quantization
+  )
 
 
 def _with_draft(args) -> dict | None:
-  """`--speculative-config` with a draft model's name loaded as the model."""
+  """`--speculative-config` with a draft model's name loaded as the model,
+  its weights quantized as the config's "quantization" says (default: as
+  `--quantization` says)."""
   config = args.speculative_config
   if config is None or config.get("method") != "draft_model" or "model" not in config:
     return config
-  draft = argparse.Namespace(**{**vars(args), "model": config["model"]})
+  config = dict(config)
+  quantization = config.pop("quantization", getattr(args, "quantization", None))
+  draft = argparse.Namespace(
+    **{**vars(args), "model": config["model"], "quantization": quantization}
+  )
   return {**config, "model": _load(draft)[0]}
 
 

@@ -1,0 +1,317 @@
+"""Weights kept quantized: formats, GGUF repacking, loading, errors, engine.
+
+GGUF tensors are written by the `gguf` package (its own quantizer for Q8_0,
+Q4_0 and Q4_1, random blocks with sane scales for the K-quants) and checked
+against its own dequantization, bit for bit; tiny models load with
+`quantization="gguf"` and give the logits of the same file loaded in float.
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from paged_jax import models, sharding
+from paged_jax.models import quantized
+from paged_jax.models.quantized import QuantizedWeight
+from tests.test_pretrained import (
+  GGUF_HF,
+  K_QUANT_SCALES,
+  TOKEN_IDS,
+  _config,
+  _encode_tensor,
+  _forward,
+  random_weights,
+  train_bpe,
+  write_gguf,
+  write_hf,
+)
+
+T = gguf.GGMLQuantizationType
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# (bits, group size, minimums) each GGUF type becomes.
+GGUF_FORMS = {
+  T.Q8_0: (8, 32, False),
+  T.Q4_0: (4, 32, True),
+  T.Q4_1: (4, 32, True),
+  T.Q4_K: (4, 32, True),
+  T.Q5_K: (8, 32, True),
+  T.Q6_K: (8, 16, False),
+}
+
+
+@pytest.fixture(scope="module")
+def bpe():
+  return train_bpe()
+
+
+@pytest.mark.parametrize("kind", GGUF_FORMS, ids=lambda kind: kind.name)
+def test_gguf_blocks_repack_without_loss(kind):
+  rng = np.random.default_rng(int(kind))
+  weight = rng.normal(0.0, 0.1, (4, 512)).astype(np.float32)
+  stored, meant = _encode_tensor(weight, kind, rng)
+  q = quantized.from_gguf(stored, kind, weight.shape, "blk.0.ffn_up.weight")
+  assert (q.bits, q.group_size, q.minimums is not None) == GGUF_FORMS[kind]
+  assert q.shape == weight.shape
+  assert q.values.size * 8 == weight.size * q.bits  # 4 bits: two values per byte
+  np.testing.assert_array_equal(np.asarray(q.dequantize()), meant)
+
+
+def test_gguf_types_without_a_quantized_form_are_named():
+  with pytest.raises(ValueError, match="tensor blk.3.attn_q.weight has GGUF type Q2_K"):
+    quantized.from_gguf(np.zeros((4, 84), np.uint8), T.Q2_K, (4, 256), "blk.3.attn_q.weight")
+  with pytest.raises(ValueError, match=r"tensor w: 10 bytes do not hold Q8_0 \(4, 32\)"):
+    quantized.from_gguf(np.zeros(10, np.uint8), T.Q8_0, (4, 32), "w")
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int4_groups_round_to_the_nearest_of_16_levels(group_size):
+  weight = np.random.default_rng(group_size).normal(0.0, 0.1, (8, 256)).astype(np.float32)
+  q = quantized.quantize_int4(weight, group_size)
+  assert q.values.shape == (8, 128) and q.values.dtype == jnp.uint8
+  assert q.scales.shape == (8, 256 // group_size) and q.scales.dtype == jnp.float16
+  error = np.abs(np.asarray(q.dequantize()) - weight).reshape(8, -1, group_size)
+  step = np.asarray(q.scales[...], np.float32)[..., None]
+  # Half a step, plus float16's rounding of the minimum and of the scale.
+  assert np.all(error <= 0.5 * step + 16 * np.finfo(np.float16).eps * np.abs(weight).max())
+
+
+@pytest.mark.parametrize("group_size", [None, 32])
+def test_int8_rounds_to_the_nearest_step(group_size):
+  weight = np.random.default_rng(1).normal(0.0, 0.1, (8, 64)).astype(np.float32)
+  q = quantized.quantize_int8(weight, group_size)
+  assert q.values.dtype == jnp.int8 and q.scales.shape == (8, 64 // (group_size or 64))
+  error = np.abs(np.asarray(q.dequantize()) - weight).reshape(8, q.scales.shape[1], -1)
+  assert np.all(error <= 0.5001 * np.asarray(q.scales[...])[..., None])
+
+
+def test_pack_and_unpack_int4_are_inverse():
+  ints = np.random.default_rng(2).integers(0, 16, (3, 64)).astype(np.uint8)
+  packed = quantized.pack_int4(ints, 32)
+  assert packed.shape == (3, 32)
+  # Byte j of a group: element j low, element j + 16 high (GGUF's Q4_0 order).
+  assert packed[0, 0] == ints[0, 0] | (ints[0, 16] << 4)
+  np.testing.assert_array_equal(np.asarray(quantized.unpack_int4(packed, 32)), ints)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [(2, 3), (1, 1)])  # the single row is another product
+def test_matmul_equals_the_dequantized_product(method, rows):
+  rng = np.random.default_rng(3)
+  q = quantized.quantize(rng.normal(0.0, 0.1, (48, 64)).astype(np.float32), method)
+  x = jnp.asarray(rng.normal(size=(*rows, 64)), jnp.float32)
+  got = q.matmul(x, jnp.float32)
+  np.testing.assert_allclose(got, x @ q.dequantize().T, rtol=1e-5, atol=1e-5)
+  assert got.dtype == jnp.float32 and got.shape == (*rows, 48)
+
+
+def test_group_sizes_that_do_not_divide_the_inputs_are_named():
+  weight = np.zeros((4, 96), np.float32)
+  with pytest.raises(ValueError, match="group_size 64 does not divide the input dimension 96"):
+    quantized.quantize_int4(weight, 64)
+  with pytest.raises(ValueError, match="group_size 40 does not divide the input dimension 96"):
+    quantized.quantize_int8(weight, 40)
+  with pytest.raises(ValueError, match=r"int4 group_size must be one of \(32, 64, 128\)"):
+    quantized.quantize_int4(weight, 48)
+  with pytest.raises(ValueError, match="scales have shape"):
+    QuantizedWeight(np.zeros((4, 96), np.int8), np.zeros((4, 2)), bits=8, group_size=32)
+
+
+# Models.
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory, bpe):
+  """A tiny Llama GGUF whose matrices cycle through every quantized type."""
+  rng = np.random.default_rng(2)
+  weights = random_weights(GGUF_HF, rng)
+  path = tmp_path_factory.mktemp("gguf") / "quantized.gguf"
+  write_gguf(path, GGUF_HF, weights, bpe, list(GGUF_FORMS), rng)
+  return path
+
+
+def test_gguf_quantized_logits_equal_the_float32_logits(gguf_file):
+  floating, _ = models.load_pretrained(gguf_file, dtype="float32")
+  kept, _ = models.load_pretrained(gguf_file, dtype="float32", quantization="gguf")
+  forms = {
+    (q.bits, q.group_size, q.minimums is not None)
+    for _, linear in quantized.quantizable_linears(kept)
+    if isinstance(q := linear.kernel, QuantizedWeight)
+  }
+  assert forms == set(GGUF_FORMS.values())  # every type is in the model
+  assert quantized.is_quantized(kept) and not quantized.is_quantized(floating)
+  assert kept.embed.embedding.dtype == jnp.float32  # embedding and head stay float
+  assert kept.lm_head.kernel.dtype == jnp.float32
+  want, _ = _forward(floating, TOKEN_IDS[None])
+  got, _ = _forward(kept, TOKEN_IDS[None])
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  nbytes = lambda model: sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+  assert nbytes(kept) < nbytes(floating)
+
+
+def test_gguf_loading_refuses_an_unsupported_type_with_quantization(tmp_path, bpe):
+  path = tmp_path / "q2k.gguf"
+  write_gguf(path, GGUF_HF, random_weights(GGUF_HF, np.random.default_rng(5)), bpe, [T.Q2_K],
+             np.random.default_rng(6))  # fmt: skip
+  with pytest.raises(ValueError, match="tensor token_embd.weight has GGUF type Q2_K"):
+    models.load_pretrained(path, quantization="gguf")
+  assert T.Q2_K in K_QUANT_SCALES  # written as the float loader's test writes it
+
+
+def test_quantizing_a_quantized_gguf_file_is_refused(gguf_file):
+  with pytest.raises(ValueError, match=r"tensor blk\.0\.\S+ is already Q\S+; load the file with"):
+    models.load_pretrained(gguf_file, quantization="int8")
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory, bpe):
+  hf = _config(hidden_size=128, intermediate_size=96)
+  weights = random_weights(hf, np.random.default_rng(8))
+  return write_hf(tmp_path_factory.mktemp("hf"), hf, weights, bpe)
+
+
+@pytest.mark.parametrize("method", [pytest.param("int8", marks=pytest.mark.slow), "int4"])
+def test_float_checkpoints_quantize_at_load(hf_folder, method):
+  floating, _ = models.load_pretrained(hf_folder, dtype="float32")
+  kept, _ = models.load_pretrained(hf_folder, dtype="float32", quantization=method)
+  kernels = [linear.kernel for _, linear in quantized.quantizable_linears(kept)]
+  assert len(kernels) == 14 and all(isinstance(k, QuantizedWeight) for k in kernels)
+  assert {k.bits for k in kernels} == {int(method[-1])}
+  exact, _ = _forward(floating, TOKEN_IDS[None])
+  for (_, linear), (_, twin) in zip(
+    quantized.quantizable_linears(kept), quantized.quantizable_linears(floating), strict=True
+  ):
+    np.testing.assert_allclose(
+      np.asarray(linear.kernel.dequantize()),
+      np.asarray(twin.kernel[...]),
+      atol=0.55 * float(jnp.max(linear.kernel.scales[...])),  # half a step
+    )
+    twin.kernel = nnx.Param(linear.kernel.dequantize())
+  got, _ = _forward(kept, TOKEN_IDS[None])
+  want, _ = _forward(floating, TOKEN_IDS[None])  # the float model of the rounded weights
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  assert not np.allclose(np.asarray(got), np.asarray(exact), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_quantization_arguments_are_named(hf_folder, gguf_file):
+  with pytest.raises(ValueError, match="quantization must be one of"):
+    models.load_pretrained(hf_folder, quantization="int3")
+  with pytest.raises(ValueError, match="quantization 'gguf' keeps a GGUF file's types"):
+    models.load_pretrained(hf_folder, quantization="gguf")
+  with pytest.raises(ValueError, match="group_size is for int8 and int4 quantization"):
+    models.load_pretrained(gguf_file, quantization="gguf", group_size=32)
+  with pytest.raises(
+    ValueError,
+    match="group_size 64 does not divide the input dimension 96 of blocks/0/mlp/down_proj$",
+  ):
+    models.load_pretrained(hf_folder, quantization="int4", group_size=64)
+
+
+def test_quantizing_a_quantized_model_is_refused(tmp_path):
+  model = quantized.quantize_model(models.load_tiny(), "int4")
+  with pytest.raises(
+    ValueError, match=r"blocks/0/attention/\w_proj is already quantized \(4 bits\)"
+  ):
+    quantized.quantize_model(model, "int8")
+  with pytest.raises(ValueError, match="tiny is not a GGUF file"):
+    quantized.quantize_loaded(models.load_tiny(), "gguf", "tiny")
+  with pytest.raises(ValueError, match="save_model stores float weights"):
+    models.save_model(model, tmp_path)
+
+
+def test_quantized_kernels_shard_with_their_channels():
+  spec = lambda path, shape: sharding.partition_spec(path, shape, 2, num_kv_heads=2)
+  column = "blocks/0/mlp/up_proj/kernel"
+  row = "blocks/0/mlp/down_proj/kernel"
+  assert spec(f"{column}/values", (96, 32)) == sharding.P("model", None)
+  assert spec(f"{column}/scales", (96, 2)) == sharding.P("model", None)
+  assert spec(f"{row}/values", (64, 48)) == sharding.P(None, "model")
+  assert spec(f"{row}/minimums", (64, 4)) == sharding.P(None, "model")
+  assert spec(f"{row}/scales", (64, 1)) == sharding.P(None, None)  # per channel: rows kept
+  assert spec("blocks/0/mlp/up_projection/values", (96, 32)) == sharding.P()
+
+
+# The engine and several devices (slow: each compiles its own programs).
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_the_engine_serves_quantized_weights_as_their_float_values(method):
+  """Greedy tokens of the paged engine equal those of the same weights in
+  float (the dequantized kernels), through prefill, decode, prefix caching
+  and preemption."""
+  from paged_jax.config import CacheConfig
+  from paged_jax.generate import Request, SamplingParams, generate
+
+  model = quantized.quantize_model(models.load_tiny(), method)
+  floating = models.load_tiny()
+  for (_, linear), (_, twin) in zip(
+    quantized.quantizable_linears(model), quantized.quantizable_linears(floating), strict=True
+  ):
+    twin.kernel = nnx.Param(linear.kernel.dequantize())
+  prompts = [np.frombuffer(text.encode(), np.uint8).astype(np.int32) for text in
+             ("LOVE, n. ", "HOPE, n. A", "LOVE, n. A tempor")]  # fmt: skip
+  cfg = CacheConfig(
+    block_size=4, num_gpu_blocks=12, num_cpu_blocks=16, max_seqs=3, max_blocks_per_seq=12,
+    enable_prefix_caching=True,
+  )  # fmt: skip
+  greedy = SamplingParams(max_tokens=16, temperature=0.0)
+  got, _ = generate(model, [Request(p) for p in prompts], cfg, greedy, jax.random.key(0))
+  want, _ = generate(floating, [Request(p) for p in prompts], cfg, greedy, jax.random.key(0))
+  for a, b in zip(got, want, strict=True):
+    np.testing.assert_array_equal(a[0], b[0])
+
+
+@pytest.mark.slow
+def test_tensor_parallel_quantized_logits_equal_one_device(tmp_path):
+  script = """
+import numpy as np, jax
+from paged_jax import sharding
+from paged_jax.models import load_tiny, quantized
+model = quantized.quantize_model(load_tiny(), "int4")
+tokens = np.arange(1, 13, dtype=np.int32)[None]
+want = np.asarray(model(tokens)[0])
+sharded = sharding.shard_model(model, sharding.make_mesh(1, 2))
+up = sharded.blocks[0].mlp.up_proj.kernel
+down = sharded.blocks[0].mlp.down_proj.kernel
+assert up.values[...].sharding.spec == sharding.P("model", None), up.values[...].sharding
+assert up.scales[...].sharding.spec == sharding.P("model", None)
+assert down.values[...].sharding.spec == sharding.P(None, "model")
+assert down.scales[...].sharding.spec == sharding.P(None, "model")
+got = np.asarray(sharded(tokens)[0])
+np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+print("ok")
+"""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
+  result = subprocess.run(
+    [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+  )
+  assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_a_served_draft_model_takes_its_own_quantization():
+  import argparse
+
+  from paged_jax.server import cli
+
+  spec = dict(method="draft_model", model="tiny", num_speculative_tokens=2)
+  for target, own, expected in (("int8", "int4", 4), ("int8", None, None)):
+    config = dict(spec, quantization=own)
+    args = argparse.Namespace(
+      model="tiny", dtype="auto", max_model_len=None, quantization=target,
+      speculative_config=config,
+    )  # fmt: skip
+    loaded = cli._with_draft(args)
+    assert "quantization" not in loaded
+    kernel = loaded["model"].blocks[0].mlp.up_proj.kernel
+    assert (kernel.bits if isinstance(kernel, QuantizedWeight) else None) == expected
+  args.quantization, args.speculative_config = "int8", dict(spec)  # inherits --quantization
+  assert cli._with_draft(args)["model"].blocks[0].mlp.up_proj.kernel.bits == 8
