@@ -73,16 +73,13 @@ def test_decode_row_buckets_choose_the_decode_programs():
     assert decode == [f"decode loop {r} rows x8 steps" for r in rows]
 
 
-@pytest.mark.parametrize(
-  "dtype, rows",
-  [("bfloat16", [2, 6]), ("float16", [1, 4, 6]), ("float32", [1, 4, 6])],
-)
-def test_bfloat16_models_on_cpu_decode_at_least_two_rows(dtype, rows):
-  # XLA:CPU's one-row bfloat16 products are 8-15x slower than two-row ones.
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_one_running_sequence_decodes_in_one_row(dtype):
+  # On this AVX-512 machine a bfloat16 SmolLM2 stream decodes at 53 tokens/s
+  # in one row against 42 in two (benchmarks/RESULTS.md).
   model = models.Llama(dataclasses.replace(BYTE_LLAMA, dtype=dtype), rngs=nnx.Rngs(1))
   engine = pj.LLMEngine(model, None, CFG, max_num_seqs=4)
-  assert engine.runner.decode_buckets() == rows
-  assert runner.min_decode_rows(dtype, "gpu") == runner.min_decode_rows(dtype, "tpu") == 1
+  assert engine.runner.decode_buckets() == [1, 4, 6]
 
 
 @pytest.mark.parametrize("buckets", [(0,), (7,), (2.0,), (True,), 4])

@@ -91,8 +91,7 @@ class LLMEngine:
       for besides `max_seqs` (vLLM's CUDA-graph capture sizes, here XLA
       programs): a launch packs the decoding sequences into the smallest
       that holds them. None: powers of four up to the first that holds
-      `max_num_seqs` (from 2 for a bfloat16 model on the CPU backend, see
-      `runner.min_decode_rows`); `()`: one program over every slot (fewest compiles,
+      `max_num_seqs`; `()`: one program over every slot (fewest compiles,
       most padding).
     async_scheduling: overlap the host with the device (vLLM's option of
       that name): when the next round would only decode the same rows
@@ -281,8 +280,8 @@ class LLMEngine:
     largest with room for `ceil(max_num_batched_tokens / prefill_width) +
     max_num_seqs` tiles: a chunk adds at most one partly filled tile).
     With speculation, prompt chunks run alone in those shapes instead. The
-    decode loop runs each data shard's decoding sequences padded to
-    `min_decode_rows` times a power of four below `max_seqs` (up to the
+    decode loop runs each data shard's decoding sequences padded to a
+    power of four below `max_seqs` (up to the
     first that holds `max_num_seqs`; or to one of `decode_row_buckets`),
     or every slot (`max_seqs` per shard, with the beam step, which runs
     only in steps with a beam group), with speculation each of those with

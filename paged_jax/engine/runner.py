@@ -116,8 +116,6 @@ class ModelRunner:
     # weights: the programs see the same argument kinds (no new compile).
     self.params = jax.device_put(params, jax.tree.map(lambda a: a.sharding, params))
     self.graphdef = programs.HashedGraph(graphdef)
-    platform = next(iter(jax.tree.leaves(self.params)[0].sharding.device_set)).platform
-    self.min_decode_rows = min_decode_rows(model.config.dtype, platform)
     self.vocab_size = model.config.vocab_size
     num_rows = cache.num_slots
     self.beams = jax.device_put(
@@ -328,12 +326,12 @@ class ModelRunner:
 
   def decode_buckets(self) -> list[int]:
     """Every row count (per data shard) a decode launch can have, ascending:
-    `decode_row_buckets`, or by default `min_decode_rows` times the powers
-    of four below `max_seqs` that `max_decode_rows` reaches; then
+    `decode_row_buckets`, or by default the powers of four below
+    `max_seqs` that `max_decode_rows` reaches; then
     `max_seqs` (every slot: a beam group's launches, or a full shard).
     Powers of four, not two: each bucket costs a compile of the decode loop
     (in warm-up), and a launch pads to at most four times its rows."""
-    per_shard, buckets = self.cache.cfg.max_seqs, [self.min_decode_rows]
+    per_shard, buckets = self.cache.cfg.max_seqs, [1]
     if self.decode_row_buckets is not None:
       return sorted({*self.decode_row_buckets, per_shard})
     while buckets[-1] < min(self.max_decode_rows, per_shard):
@@ -899,11 +897,3 @@ def _scatter(values: np.ndarray, slots: np.ndarray, num_slots: int) -> np.ndarra
   out = np.zeros((num_slots, *values.shape[1:]), values.dtype)
   out[slots[slots >= 0]] = values[slots >= 0]
   return out
-
-
-def min_decode_rows(compute_dtype, platform: str) -> int:
-  """The smallest default decode bucket: 2 rows for a model computing in
-  bfloat16 on the CPU backend, where XLA:CPU runs a two-row step faster
-  than a one-row one (SmolLM2's single stream: 34.9 tokens/s at two rows,
-  32.3 at one); 1 otherwise."""
-  return 2 if platform == "cpu" and jnp.dtype(compute_dtype) == jnp.bfloat16 else 1
