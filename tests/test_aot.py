@@ -36,6 +36,93 @@ def test_too_large_for_hbm_names_the_bytes():
     aot.kv_blocks_per_chip(1000, 900, 100, 200)
 
 
+def test_weights_larger_than_a_chip_name_the_sizes():
+  aot.check_weights_fit(15 * 2**30, 16 * 2**30, "v5e:1x1", 1)
+  with pytest.raises(
+    ValueError, match=r"too large for v5e:1x1: 16.00 GiB .*tensor parallel 1.*16 GiB"
+  ):
+    aot.check_weights_fit(16 * 2**30, 16 * 2**30, "v5e:1x1", 1)
+
+
+def test_shape_only_models_have_the_published_shapes():
+  """Llama-3-8B; Gemma-3-4B's windows: 1024 on five of every six layers."""
+  llama = aot.ShapeOnlyModel.named("llama-3-8b").config
+  assert (llama.num_layers, llama.hidden, llama.mlp_hidden, llama.vocab_size) == (
+    32,
+    4096,
+    14336,
+    128256,
+  )
+  assert (llama.num_q_heads, llama.num_kv_heads, llama.head_dim, llama.dtype) == (
+    32,
+    8,
+    128,
+    "bfloat16",
+  )
+  gemma = aot.ShapeOnlyModel.named("gemma-3-4b").config
+  assert (gemma.num_layers, gemma.num_q_heads, gemma.num_kv_heads, gemma.head_dim) == (
+    34,
+    8,
+    4,
+    256,
+  )
+  windows = [gemma.layer_window(layer) for layer in range(gemma.num_layers)]
+  assert windows == [None if layer % 6 == 5 else 1024 for layer in range(34)]
+  assert gemma.local_rope_theta == 10000.0 and gemma.attn_logit_softcap is None
+  with pytest.raises(ValueError, match="no shape-only model 'llama-9'"):
+    aot.ShapeOnlyModel.named("llama-9")
+
+
+@pytest.mark.slow
+def test_shape_only_parameters_and_stand_in():
+  """Llama-3-8B's 8,030,261,248 parameters, shapes only; the stand-in the
+  host runs has Gemma's vocabulary, heads and both layer kinds."""
+  import jax
+
+  host = aot.jax_mesh(jax.devices()[:1], (1, 1))
+  _, params = aot.ShapeOnlyModel.named("llama-3-8b").abstract_params(host)
+  assert sum(x.size for x in jax.tree.leaves(params)) == 8_030_261_248
+  assert {x.dtype.name for x in jax.tree.leaves(params)} == {"bfloat16"}
+  stand_in = aot.ShapeOnlyModel.named("gemma-3-4b").stand_in().config
+  assert (stand_in.vocab_size, stand_in.num_kv_heads, stand_in.head_dim) == (262208, 4, 256)
+  assert stand_in.layer_types == ("sliding_attention", "full_attention")
+
+
+def test_a_stand_in_cache_grows_to_the_models_layers():
+  import paged_jax as pj
+
+  model = aot.ShapeOnlyModel.named("llama-3-8b")
+  cfg = pj.CacheConfig(block_size=16, num_gpu_blocks=4, num_cpu_blocks=0, max_seqs=1)
+  kv = model.with_layers(pj.KVCache.create(cfg, 1, 8, 128, dtype="int8"))
+  assert len(kv.k) == len(kv.v) == len(kv.k_scale) == len(kv.v_scale) == 32
+  assert kv.k[31].shape == (8, 4, 16, 128)
+
+
+def test_the_cli_without_libtpu_says_how_to_install(monkeypatch, capsys):
+  from paged_jax.__main__ import main
+
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # the tool appends to it
+  monkeypatch.setattr(aot.importlib.util, "find_spec", lambda name: None)
+  with pytest.raises(SystemExit) as exit_:
+    main(["aot", "--model", "llama-3-8b", "--topology", "v5e:1x1"])
+  assert exit_.value.code == 2
+  assert 'pip install "jax[tpu]"' in capsys.readouterr().err
+
+
+@needs_libtpu
+def test_bad_setups_fail_before_compiling_naming_the_limit():
+  llama_f32 = aot.ShapeOnlyModel.named("llama-3-8b", "float32")
+  with pytest.raises(ValueError, match=r"too large for v5e:1x1: 29.9\d GiB of weights"):
+    aot.compile_engine_programs(llama_f32, "v5e:1x1")
+  gemma = aot.ShapeOnlyModel.named("gemma-3-4b")
+  with pytest.raises(
+    ValueError, match=r"num_q_heads \(8\) must be a multiple of the model axis \(16\)"
+  ):
+    aot.compile_engine_programs(gemma, "v5e:4x4", 16)
+  with pytest.raises(ValueError, match="no HBM size known for 'v4'"):
+    aot.compile_engine_programs(gemma, "v4:2x2x1", 8)
+
+
 @needs_libtpu
 def test_unknown_topology_names_it_and_known_ones():
   with pytest.raises(ValueError, match=r"'v9z:3x3'.*v5e:2x2"):
