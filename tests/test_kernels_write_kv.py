@@ -89,7 +89,7 @@ def test_kernel_matches_numpy(case, backend):
 GROUPED_SLOTS = [8, 9, 10, -1, 11, 20, 21, 12, 3, -1, 13, 0, 23, 22]
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "int8", "float8_e4m3fn", "float32"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "float8_e4m3fn"])
 def test_tpu_kernel_groups_the_tokens_of_a_block(dtype):
   caches, new, _ = make_inputs((2, 128, 8, 4, len(GROUPED_SLOTS), dtype), seed=2)
   slots = np.asarray(GROUPED_SLOTS, np.int32)
@@ -120,22 +120,23 @@ def test_kernel_lowers_for_its_platform(backend, platform):
 
 
 @needs_libtpu
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "float8_e4m3fn"])
 def test_tpu_kernel_compiles_for_tpu_in_place(dtype):
-  """libtpu compiles the kernel for v5e (compile only) for every page width;
-  Mosaic refused a one-row DMA into 16- and 8-bit pages."""
+  """libtpu compiles the kernel for v5e (compile only) for 16- and 8-bit
+  pages, where Mosaic refused a one-row DMA (32-bit pages: the tiny engine's
+  TPU compile)."""
   from jax.sharding import NamedSharding, PartitionSpec
 
   from paged_jax import aot
 
   mesh = aot.jax_mesh(aot.topology_devices("v5e:1x1"), (1, 1))
   shape = functools.partial(jax.ShapeDtypeStruct, sharding=NamedSharding(mesh, PartitionSpec()))
-  cache, rows = shape((8, 64, 16, 128), dtype), shape((37, 8, 128), dtype)
+  cache, rows = shape((2, 8, 16, 128), dtype), shape((5, 2, 128), dtype)
   write = jax.jit(functools.partial(write_kv_lib.write_kv, backend="tpu"), donate_argnums=(0, 1))
-  compiled = write.lower(cache, cache, rows, rows, shape((37,), jnp.int32)).compile()
+  compiled = write.lower(cache, cache, rows, rows, shape((5,), jnp.int32)).compile()
   assert "write_kv_tpu" in compiled.as_text()
   itemsize = jnp.dtype(dtype).itemsize
-  assert compiled.memory_analysis().alias_size_in_bytes == 2 * 8 * 64 * 16 * 128 * itemsize
+  assert compiled.memory_analysis().alias_size_in_bytes == 2 * 2 * 8 * 16 * 128 * itemsize
 
 
 def good_args():
