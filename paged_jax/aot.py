@@ -9,6 +9,12 @@ host mesh), with the kernels chosen for TPU (`attention.target_platform`:
 Mosaic paged attention, the TPU `write_kv` and `copy_blocks`), and compiled
 by libtpu on this host. No array is ever placed on a TPU.
 
+A shape-only model (`SHAPE_ONLY`: Llama-3-8B, Gemma-3-4B; `ShapeOnlyModel`)
+has no weights anywhere: warm-up is captured on a narrow stand-in with the
+model's vocabulary, heads and layer kinds, and each launch is compiled with
+the model's graph, its parameters as sharded `jax.ShapeDtypeStruct`s
+(`nnx.eval_shape`) and a cache of its layers.
+
 The set compiled is warm-up's set for each engine variant of `VARIANTS`
 (plain, int8 and fp8 pages, the mixed prefill-and-decode step with async
 carries, n-gram speculation); beams are part of every variant's

@@ -129,17 +129,17 @@ def test_unknown_topology_names_it_and_known_ones():
     aot.topology_devices("v9z:3x3")
 
 
-def _run_tool(topology: str, tp: int, variants: list[str]) -> dict:
+def _run_tool(topology: str, tp: int, variants: list[str], model="tiny", timeout=900) -> dict:
   # This process may hold libtpu already (the in-process tests).
   env = {**os.environ, "PYTHONPATH": os.getcwd(), "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
-  args = ["--model", "tiny", "--topology", topology, "--tensor-parallel-size", str(tp), "--json"]
+  args = ["--model", model, "--topology", topology, "--tensor-parallel-size", str(tp), "--json"]
   args += [a for v in variants for a in ("--variant", v)]
   result = subprocess.run(
     [sys.executable, "-m", "paged_jax", "aot", *args],
     env=env,
     capture_output=True,
     text=True,
-    timeout=900,
+    timeout=timeout,
   )
   assert result.returncode == 0, result.stderr[-3000:]
   return json.loads(result.stdout.strip().splitlines()[-1])
@@ -178,6 +178,28 @@ def test_tiny_engine_compiles_every_variant_for_tpu(topology, tp):
   names = [p["name"] for p in report["programs"]]
   assert any("prefill_and_decode_step" in n for n in names)
   assert any("continue_decoding" in n for n in names)
+
+
+@needs_libtpu
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "model, topology, tp", [("llama-3-8b", "v5e:2x4", 8), ("gemma-3-4b", "v5e:1x1", 1)]
+)
+def test_shape_only_models_compile_for_tpu(model, topology, tp):
+  """Setups (b) and (c), bfloat16 (about 8 minutes each on 2 CPU cores)."""
+  report = _run_tool(topology, tp, ["plain"], model=model, timeout=2400)
+  _check_report(report, topology, ["plain"])
+  config = aot.ShapeOnlyModel.named(model).config
+  heads = max(config.num_kv_heads, tp) // tp  # stored per chip
+  block = config.num_layers * heads * aot.BLOCK_SIZE * config.head_dim * 2 * 2  # K, V; bfloat16
+  assert report["kv_block_bytes_per_chip"] == block
+  assert report["max_temp_bytes"] > 0
+  names = [p["name"] for p in report["programs"]]
+  assert any(n.startswith("plain: decode_loop") for n in names)
+  assert any(n.startswith("plain: prefill") for n in names)
+  # Every program that holds the weights holds at least this chip's share.
+  largest = max(p["argument_bytes"] for p in report["programs"])
+  assert largest >= report["weight_bytes_per_chip"] + 32 * block
 
 
 @needs_libtpu
