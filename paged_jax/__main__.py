@@ -133,7 +133,18 @@ def _parser() -> argparse.ArgumentParser:
   aot = sub.add_parser(
     "aot", help="compile the engine's programs for a TPU topology, no TPU needed"
   )
-  aot.add_argument("--model", required=True, help="what serve takes ('tiny', a folder, a name)")
+  aot.add_argument(
+    "--model",
+    required=True,
+    help="what serve takes ('tiny', a folder, a name), or a shape-only model without weights: "
+    + ", ".join(aot_tool.SHAPE_ONLY),
+  )
+  aot.add_argument(
+    "--dtype",
+    default="bfloat16",
+    choices=("bfloat16", "float32"),
+    help="weights and compute of a downloaded or shape-only model",
+  )
   aot.add_argument("--topology", required=True, help="a libtpu topology name, e.g. v5e:2x2")
   aot.add_argument("--tensor-parallel-size", type=_positive, default=1)
   aot.add_argument(
@@ -151,13 +162,18 @@ def _parser() -> argparse.ArgumentParser:
 
 def run_aot(args, parser) -> int:
   """Compiles the engine's programs for `args.topology`; prints the report."""
+  if args.model in aot_tool.SHAPE_ONLY and args.quantization is not None:
+    parser.error(f"--quantization needs a model with weights; {args.model} is shapes only")
   # The host engine the programs are captured from needs one CPU device per
   # model shard; set before JAX starts its backends.
   flag = f"--xla_force_host_platform_device_count={args.tensor_parallel_size}"
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
   try:
     aot_tool.require_libtpu()
-    model, _ = load_demo_model(args.model, "bfloat16", 256, args.quantization)
+    if args.model in aot_tool.SHAPE_ONLY:
+      model = aot_tool.ShapeOnlyModel.named(args.model, args.dtype)
+    else:
+      model, _ = load_demo_model(args.model, args.dtype, 256, args.quantization)
     variants = {v: aot_tool.VARIANTS[v] for v in args.variant or aot_tool.VARIANTS}
     report = aot_tool.compile_engine_programs(
       model, args.topology, args.tensor_parallel_size, variants

@@ -9,6 +9,12 @@ host mesh), with the kernels chosen for TPU (`attention.target_platform`:
 Mosaic paged attention, the TPU `write_kv` and `copy_blocks`), and compiled
 by libtpu on this host. No array is ever placed on a TPU.
 
+A shape-only model (`SHAPE_ONLY`: Llama-3-8B, Gemma-3-4B; `ShapeOnlyModel`)
+has no weights anywhere: warm-up is captured on a narrow stand-in with the
+model's vocabulary, heads and layer kinds, and each launch is compiled with
+the model's graph, its parameters as sharded `jax.ShapeDtypeStruct`s
+(`nnx.eval_shape`) and a cache of its layers.
+
 The set compiled is warm-up's set for each engine variant of `VARIANTS`
 (plain, int8 and fp8 pages, async scheduling's carries, n-gram
 speculation with its prefill apart); beams are part of every variant's
@@ -32,6 +38,50 @@ HBM_BYTES = {"v5e": 16 * 2**30, "v6e": 32 * 2**30}
 KNOWN_TOPOLOGIES = ("v5e:1x1", "v5e:2x2", "v5e:2x4", "v6e:1x1", "v6e:2x2", "v6e:2x4")
 SEQUENCE_TOKENS = 8192
 BLOCK_SIZE = 16
+# Shape-only models (`--model NAME`): the text configs of the published
+# checkpoints, in Hugging Face's `config.json` form (read by
+# `checkpoints.config_from_hf`), without weights.
+SHAPE_ONLY = {
+  "llama-3-8b": {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+  },
+  "gemma-3-4b": {  # the text decoder of Gemma3ForConditionalGeneration
+    "architectures": ["Gemma3ForCausalLM"],
+    "vocab_size": 262208,
+    "hidden_size": 2560,
+    "intermediate_size": 10240,
+    "num_hidden_layers": 34,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 1024,
+    "sliding_window_pattern": 6,
+    "rope_theta": 1000000.0,
+    "rope_local_base_freq": 10000.0,
+    "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 131072,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+    "tie_word_embeddings": True,
+  },
+}
+# Width of a shape-only model's stand-in (see `ShapeOnlyModel.stand_in`).
+STAND_IN_WIDTH = 128
 VARIANTS = {
   "plain": {},
   "int8 pages": dict(kv_cache_dtype="int8"),
@@ -110,6 +160,83 @@ def kv_blocks_per_chip(hbm: int, weight_bytes: int, temp_bytes: int, block_bytes
       f"temporaries leave {free} of {hbm} bytes of HBM, less than one {block_bytes}-byte KV block"
     )
   return free // block_bytes
+
+
+class ShapeOnlyModel:
+  """A model known by its config alone: no weights are ever allocated.
+
+  The host engine whose warm-up is captured runs a small real stand-in
+  (`stand_in`); each captured launch then gets this model's graph, its
+  parameters as sharded `jax.ShapeDtypeStruct`s (`abstract_params`) and a
+  KV cache of its layers (`with_layers`) before it is compiled.
+  """
+
+  def __init__(self, config):
+    self.config = config
+
+  @classmethod
+  def named(cls, name: str, dtype: str = "bfloat16", max_seq_len: int = SEQUENCE_TOKENS):
+    """The shape-only model `name` (a key of `SHAPE_ONLY`) in `dtype`, its
+    block tables sized for `max_seq_len` tokens."""
+    from paged_jax.models.checkpoints import config_from_hf
+
+    if name not in SHAPE_ONLY:
+      raise ValueError(f"no shape-only model {name!r} (known: {', '.join(SHAPE_ONLY)})")
+    return cls(config_from_hf(SHAPE_ONLY[name], dtype=dtype, max_seq_len=max_seq_len))
+
+  def stand_in(self):
+    """A real model the host runs warm-up with: this model's vocabulary,
+    heads and head size (so the launches' other arguments and the cache's
+    sharding are this model's), one layer of each kind, `STAND_IN_WIDTH`
+    wide."""
+    from flax import nnx
+
+    from paged_jax.models.llama import Llama
+
+    config = self.config
+    kinds = None if config.layer_types is None else tuple(dict.fromkeys(config.layer_types))
+    small = dataclasses.replace(
+      config,
+      num_layers=1 if kinds is None else len(kinds),
+      layer_types=kinds,
+      hidden=STAND_IN_WIDTH,
+      mlp_hidden=2 * STAND_IN_WIDTH,
+    )
+    return Llama(small, rngs=nnx.Rngs(0))
+
+  def abstract_params(self, mesh):
+    """`(graph, params)`: the model's `HashedGraph` and its parameters as
+    `jax.ShapeDtypeStruct`s on `mesh` (see `abstract_params`)."""
+    from flax import nnx
+
+    from paged_jax.models.llama import Llama
+
+    return abstract_params(nnx.eval_shape(lambda: Llama(self.config, rngs=nnx.Rngs(0))), mesh)
+
+  def with_layers(self, kv):
+    """The cache `kv` of the stand-in with every per-layer page and scale
+    array repeated for this model's layers (their shapes are the same)."""
+    layers = self.config.num_layers
+    grow = lambda pages: None if pages is None else (pages[0],) * layers
+    fields = ("k", "v", "k_host", "v_host", "k_scale", "v_scale", "k_scale_host", "v_scale_host")
+    return kv.replace(**{name: grow(getattr(kv, name)) for name in fields})
+
+
+def abstract_params(model, mesh):
+  """`(graph, params)`: `model`'s `HashedGraph` and its parameters as
+  `jax.ShapeDtypeStruct`s placed on `mesh` by the engine's tensor-parallel
+  rules (`sharding.state_partition_specs`)."""
+  import jax
+  from flax import nnx
+  from jax.sharding import NamedSharding
+
+  from paged_jax import sharding
+  from paged_jax.engine.programs import HashedGraph
+
+  graphdef, state = nnx.split(model)
+  specs = sharding.state_partition_specs(state, mesh.shape["model"], model.config.num_kv_heads)
+  place = lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+  return HashedGraph(graphdef), jax.tree.map(place, state, specs)
 
 
 @dataclasses.dataclass
@@ -204,15 +331,15 @@ def _launch_key(launch: Launch, abstract_args) -> tuple:
   return launch.fn, str(treedef), specs
 
 
-def compile_launch(launch: Launch, mesh) -> tuple[float, object]:
-  """Compiles `launch` for the TPU `mesh` with the TPU kernels; returns the
-  seconds it took and `memory_analysis()`."""
+def compile_launch(fn, args, kwargs) -> tuple[float, object]:
+  """Compiles `fn` for the TPU devices its abstract `args` and `kwargs` are
+  sharded on, with the TPU kernels; returns the seconds it took and
+  `memory_analysis()`."""
   from paged_jax.attention import target_platform
 
-  args, kwargs = abstract((launch.args, launch.kwargs), mesh)
   start = time.perf_counter()
   with target_platform("tpu"):
-    compiled = launch.fn.lower(*args, **kwargs).compile()
+    compiled = fn.lower(*args, **kwargs).compile()
   return time.perf_counter() - start, compiled.memory_analysis()
 
 
@@ -228,14 +355,25 @@ def _hbm(memory) -> int:
 
 
 def per_chip_bytes(tree) -> int:
-  """Bytes of `tree`'s arrays on one device (each its shard's shape)."""
+  """Bytes of `tree`'s arrays (or sharded `jax.ShapeDtypeStruct`s) on one
+  device (each its shard's shape)."""
   import jax
 
   return sum(
     math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
     for x in jax.tree.leaves(tree)
-    if isinstance(x, jax.Array)
+    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
   )
+
+
+def check_weights_fit(weight_bytes: int, hbm: int, topology: str, tp: int) -> None:
+  """Raises ValueError naming the sizes when the weights alone fill a chip
+  (checked before any compile)."""
+  if weight_bytes >= hbm:
+    raise ValueError(
+      f"too large for {topology}: {weight_bytes / 2**30:.2f} GiB of weights per chip "
+      f"(tensor parallel {tp}) do not fit a chip's {hbm / 2**30:.0f} GiB of HBM"
+    )
 
 
 def build_engine(model, tp: int, **kwargs):
@@ -260,45 +398,88 @@ def build_engine(model, tp: int, **kwargs):
   )
 
 
+def _on_tpu(launch: Launch, mesh, swap: dict, model):
+  """`launch`'s arguments, abstract on the TPU `mesh`: objects in `swap` (by
+  id) replaced by their values, and a shape-only `model`'s KV caches grown
+  to its layers."""
+  import jax
+
+  from paged_jax.kv_cache import KVCache
+
+  shape_only = isinstance(model, ShapeOnlyModel)
+
+  def leaf(x):
+    if id(x) in swap:
+      return swap[id(x)]
+    return model.with_layers(x) if shape_only and isinstance(x, KVCache) else x
+
+  tree = jax.tree.map(
+    leaf, (launch.args, launch.kwargs), is_leaf=lambda x: id(x) in swap or isinstance(x, KVCache)
+  )
+  return abstract(tree, mesh)
+
+
 def compile_engine_programs(model, topology: str, tp: int = 1, variants=VARIANTS) -> dict:
   """Compiles warm-up's whole program set of `model`'s engine (each of
   `variants`; a launch already compiled for an earlier variant is skipped) for
-  `topology`. Returns the report: each program's name, compile seconds and
-  HBM bytes per chip, the weights and one KV block per chip, the largest
-  temporaries, and `kv_blocks_per_chip` and the 8k-token sequences they hold."""
+  `topology`. `model` is a real model or a `ShapeOnlyModel`. Returns the
+  report: each program's name, compile seconds and HBM bytes per chip, the
+  weights and one KV block per chip, the largest temporaries, and
+  `kv_blocks_per_chip` and the 8k-token sequences they hold.
+
+  Raises:
+    RuntimeError: without libtpu (saying how to install it), or naming the
+      program that failed to compile.
+    ValueError: for an unknown topology, a tensor-parallel size that does not
+      match the chips or split the heads, or weights (and temporaries) that
+      leave no HBM for a KV block.
+  """
   import jax
 
   require_libtpu()
   devices = topology_devices(topology)
-  check_mesh(model.config.num_q_heads, model.config.num_kv_heads, tp, len(devices))
+  config = model.config
+  check_mesh(config.num_q_heads, config.num_kv_heads, tp, len(devices))
+  hbm = hbm_per_chip(topology)
   if jax.device_count() < tp:
     raise ValueError(
       f"tensor parallelism {tp} needs {tp} host devices to capture on, {jax.device_count()} here "
       f"(set XLA_FLAGS=--xla_force_host_platform_device_count={tp})"
     )
-  programs, seen, weights, block_bytes = [], set(), 0, 0
+  shape_only = isinstance(model, ShapeOnlyModel)
+  # The engine's mesh is (1, tp) (`build_engine`); the weights must fit
+  # before anything is built or compiled.
+  mesh = jax_mesh(devices, (1, tp))
+  graph, params = model.abstract_params(mesh) if shape_only else abstract_params(model, mesh)
+  weights = per_chip_bytes(params)
+  check_weights_fit(weights, hbm, topology, tp)
+  host_model = model.stand_in() if shape_only else model
+  programs, seen, block_bytes = [], set(), 0
   for variant, kwargs in variants.items():
-    engine = build_engine(model, tp, **kwargs)
-    host_mesh = engine.cache.kv.device_sharding.mesh if tp > 1 else None
-    shape = host_mesh.devices.shape if host_mesh is not None else (1, 1)
-    mesh = jax_mesh(devices, shape)
+    engine = build_engine(host_model, tp, **kwargs)
+    swap = {}
+    if shape_only:
+      swap = {id(engine.runner.graphdef): graph, id(engine.runner.params): params}
+    kv = engine.cache.kv
+    big_kv = abstract(model.with_layers(kv) if shape_only else kv, mesh)
+    block_bytes = max(block_bytes, per_chip_bytes(big_kv) // engine.cfg.num_gpu_blocks)
     launches = []
     with capture(launches):
       engine.warmup()
-    weights = max(weights, per_chip_bytes(engine.runner.params))
-    kv = engine.cache.kv
-    block_bytes = max(block_bytes, per_chip_bytes(kv) // engine.cfg.num_gpu_blocks)
     counts = {}
     for launch in launches:
-      key = _launch_key(launch, abstract((launch.args, launch.kwargs), mesh))
+      args, kwargs = _on_tpu(launch, mesh, swap, model)
+      key = _launch_key(launch, (args, kwargs))
       if key in seen:
         continue
       seen.add(key)
       counts[launch.name] = counts.get(launch.name, 0) + 1
       try:
-        seconds, memory = compile_launch(launch, mesh)
+        seconds, memory = compile_launch(launch.fn, args, kwargs)
       except Exception as err:  # XLA and Mosaic raise their own error types
         message = next((line for line in str(err).splitlines() if line.strip()), repr(err))
+        if "RESOURCE_EXHAUSTED" in message or "out of memory" in message.lower():
+          message = f"too large for a chip's {hbm / 2**30:.0f} GiB of HBM: {message}"
         raise RuntimeError(
           f"{variant}: {launch.name} failed to compile for {topology}: {message}"
         ) from err
@@ -307,11 +488,12 @@ def compile_engine_programs(model, topology: str, tp: int = 1, variants=VARIANTS
           name=f"{variant}: {launch.name} #{counts[launch.name]}",
           compile_s=round(seconds, 3),
           hbm_bytes=_hbm(memory),
+          argument_bytes=memory.argument_size_in_bytes,
           temp_bytes=memory.temp_size_in_bytes,
         )
       )
   temps = max(p["temp_bytes"] for p in programs)
-  blocks = kv_blocks_per_chip(hbm_per_chip(topology), weights, temps, block_bytes)
+  blocks = kv_blocks_per_chip(hbm, weights, temps, block_bytes)
   return dict(
     topology=topology,
     tensor_parallel_size=tp,

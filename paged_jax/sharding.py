@@ -200,15 +200,21 @@ def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh) -> nnx.Module:
   mesh = serving_mesh(mesh)
   check_heads(config.num_q_heads, config.num_kv_heads, mesh.shape["model"])
   graphdef, state = nnx.split(model)
-  tp = mesh.shape["model"]
+  specs = state_partition_specs(state, mesh.shape["model"], config.num_kv_heads)
+  place = lambda value, spec: jax.device_put(value, jax.sharding.NamedSharding(mesh, spec))
+  return nnx.merge(graphdef, jax.tree.map(place, state, specs))
 
-  def place(path, value):
+
+def state_partition_specs(state, tp: int, num_kv_heads: int):
+  """``state`` (an ``nnx.State`` of arrays or ``jax.ShapeDtypeStruct``s) with
+  each leaf replaced by its ``partition_spec`` over ``tp`` model shards."""
+
+  def spec(path, value):
     name = "/".join(_key_name(key) for key in path)
     name = name.removesuffix("/value")  # the nnx.Variable's array
-    spec = partition_spec(name, value.shape, tp, num_kv_heads=config.num_kv_heads)
-    return jax.device_put(value, jax.sharding.NamedSharding(mesh, spec))
+    return partition_spec(name, value.shape, tp, num_kv_heads=num_kv_heads)
 
-  return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(place, state))
+  return jax.tree_util.tree_map_with_path(spec, state)
 
 
 def _key_name(key) -> str:

@@ -8,8 +8,13 @@ flavours, one reference:
 
 * ``backend="gpu"``: grid ``(tokens, num_kv_heads)``, one ``[head_dim]`` row
   per program (Triton lowering; ``interpret=True`` runs it on CPU).
-* ``backend="tpu"``: one program, slots scalar-prefetched into SMEM, one
-  HBM-to-HBM DMA per token (Mosaic; ``interpret=True`` is TPU interpret mode).
+* ``backend="tpu"``: one program, slots scalar-prefetched into SMEM (Mosaic;
+  ``interpret=True`` is TPU interpret mode). 32-bit pages: one HBM-to-HBM DMA
+  per token. Narrower pages (bfloat16, float16, int8, fp8) pack 2 or 4 rows
+  into a 32-bit sublane, so a DMA cannot start at any one row of a block
+  (Mosaic refuses the unaligned offset): their write reads the whole block
+  (every KV head) into VMEM, selects the new rows in as 32-bit integers, and
+  writes it back; consecutive tokens of one block share one read and write.
 
 Slots must be distinct (the block manager never maps two tokens to one slot);
 with duplicates, which token lands is unspecified.
@@ -175,20 +180,34 @@ def _write_row_kernel(slots_ref, k_ref, v_ref, k_cache_in, v_cache_in, k_cache_r
 
 def _write_kv_tpu(k_cache, v_cache, k, v, slot_mapping, interpret):
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
-  return pl.pallas_call(
-    _write_tokens_dma_kernel,
+  width = k_cache.dtype.itemsize
+  if width == 4:
+    kernel, scratch, name = _write_tokens_dma_kernel, [], "write_kv_tpu"
+  else:  # as same-width integers (a free bitcast), selected in int32
+    stored = k_cache.dtype
+    as_int = lambda x: lax.bitcast_convert_type(x, jnp.dtype(f"int{8 * width}"))
+    k_cache, v_cache, k, v = map(as_int, (k_cache, v_cache, k, v))
+    num_kv_heads, _, block_size, head_dim = k_cache.shape
+    block = pltpu.VMEM((num_kv_heads, block_size, head_dim), k_cache.dtype)
+    row = pltpu.VMEM((num_kv_heads, head_dim), k_cache.dtype)
+    kernel, scratch, name = _write_tokens_block_kernel, [block, block, row, row], "write_kv_tpu_rmw"
+  out = pl.pallas_call(
+    kernel,
     grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1,
       grid=(1,),
       in_specs=[any_spec] * 4,
       out_specs=[any_spec] * 2,
-      scratch_shapes=[pltpu.SemaphoreType.DMA(())],
+      scratch_shapes=[*scratch, pltpu.SemaphoreType.DMA(())],
     ),
     out_shape=[jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)] * 2,
     input_output_aliases={3: 0, 4: 1},
     interpret=pltpu.InterpretParams() if interpret else False,
-    name="write_kv_tpu",
+    name=name,
   )(slot_mapping, k, v, k_cache, v_cache)
+  if width == 4:
+    return out
+  return tuple(lax.bitcast_convert_type(x, stored) for x in out)
 
 
 def _write_tokens_dma_kernel(
@@ -217,3 +236,75 @@ def _write_tokens_dma_kernel(
 
   for_each_written_token(lambda copy: copy.start())
   for_each_written_token(lambda copy: copy.wait())
+
+
+def _write_tokens_block_kernel(
+  slots_ref,
+  k_hbm,
+  v_hbm,
+  k_cache_in,
+  v_cache_in,
+  k_cache_hbm,
+  v_cache_hbm,
+  k_block,
+  v_block,
+  k_row,
+  v_row,
+  sem,
+):
+  """Writes each token's rows into its block in VMEM: the block is read when
+  a token's block differs from the previous written token's, and written back
+  (then waited for) before the next block is read and at the end."""
+  del k_cache_in, v_cache_in  # aliased to the outputs
+  tokens = k_hbm.shape[0]
+  block_size = k_cache_hbm.shape[2]
+  blocks = ((k_cache_hbm, k_block), (v_cache_hbm, v_block))
+
+  def move(block, to_cache: bool):
+    copies = [
+      pltpu.make_async_copy(
+        *((vmem, cache.at[:, block]) if to_cache else (cache.at[:, block], vmem)), sem
+      )
+      for cache, vmem in blocks
+    ]
+    for copy in copies:
+      copy.start()
+    for copy in copies:
+      copy.wait()
+
+  def body(token, current):
+    slot = slots_ref[token]
+    written = slot >= 0
+    block = jnp.where(written, lax.div(slot, block_size), current)
+
+    @pl.when(written & (block != current))
+    def _():
+      @pl.when(current >= 0)
+      def _():
+        move(current, to_cache=True)
+
+      move(block, to_cache=False)
+
+    @pl.when(written)
+    def _():
+      rows = ((k_hbm, k_row), (v_hbm, v_row))
+      copies = [pltpu.make_async_copy(new.at[token], vmem, sem) for new, vmem in rows]
+      for copy in copies:
+        copy.start()
+      for copy in copies:
+        copy.wait()
+      offset = lax.rem(slot, block_size)
+      for (_, vmem), (_, row) in zip(blocks, rows):
+        pages = vmem[...].astype(jnp.int32)
+        at_offset = lax.broadcasted_iota(jnp.int32, pages.shape, 1) == offset
+        vmem[...] = jnp.where(at_offset, row[...].astype(jnp.int32)[:, None], pages).astype(
+          vmem.dtype
+        )
+
+    return block
+
+  last = lax.fori_loop(0, tokens, body, jnp.int32(-1))
+
+  @pl.when(last >= 0)
+  def _():
+    move(last, to_cache=True)

@@ -69,15 +69,8 @@ def _forward(graphdef, params, kv, tokens, positions, tables, slots):
 def logits_of(model, mesh, kv_cache_dtype=None) -> list[list[float]]:
   """Prefill logits of the prompts, then the logits of one decode step, on a
   cache of `kv_cache_dtype` (None: the model's compute dtype)."""
-  bm = pj.BlockSpaceManager(CFG)
   prompts = [r.prompt for r in requests()]
-  seqs = np.arange(len(prompts), dtype=np.int32)
-  lengths = np.array([p.size for p in prompts], np.int32)
-  state = bm.init()
-  for seq, prompt in zip(seqs, prompts):
-    tokens = np.zeros(CFG.max_tokens_per_seq, np.int32)
-    tokens[: prompt.size] = prompt
-    state, _ = _allocate(state, seqs[seq : seq + 1], tokens, prompt.size)
+  state, seqs, lengths = _prompt_state()
   config = model.config
   if mesh is not None:
     model = sharding.shard_model(model, mesh)
@@ -113,6 +106,58 @@ def logits_of(model, mesh, kv_cache_dtype=None) -> list[list[float]]:
   )
   valid = np.asarray(prefill)[positions >= 0]
   return [valid.ravel().tolist(), np.asarray(decode).ravel().tolist()]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _attend(layer, kv, q, k, v, positions, tables, slots):
+  cache = paged_cache(kv=kv, block_tables=tables, slot_mapping=slots)
+  out, cache = cache.attend(layer, q, k, v, positions, sm_scale=0.2)
+  return out, cache.kv
+
+
+def quantized_attend(mesh) -> dict:
+  """The same random K/V written into an int8 cache and attended by the
+  prompts' rows (one per data shard) on `mesh` and on one device: whether
+  the pages and scales are equal bit for bit (each data shard's blocks
+  where the one-device cache has them) and the attention outputs' largest
+  difference."""
+  state, seqs, lengths = _prompt_state()
+  width, num_q_heads, num_kv_heads, head_dim = 16, 4, 2, 32
+  rng = np.random.default_rng(3)
+  q = rng.standard_normal((len(seqs), width, num_q_heads, head_dim), np.float32)
+  k, v = (rng.standard_normal((len(seqs), width, num_kv_heads, head_dim), np.float32) for _ in "kv")
+  positions = np.full((len(seqs), width), -1, np.int32)
+  for row, length in enumerate(lengths):
+    positions[row, :length] = np.arange(length)
+  tables, slots = _block_tables(state, seqs), _slot_mapping(state, seqs, lengths, width=width)
+  runs = []
+  for on in (None, mesh):
+    kv = pj.KVCache.create(CFG, 1, num_kv_heads, head_dim, dtype="int8", mesh=on)
+    out, kv = _attend(0, kv, q, k, v, positions, tables, slots)
+    runs.append((np.asarray(out)[positions >= 0], kv))
+  (want_out, want), (got_out, got) = runs
+  data = mesh.shape["data"]
+  # The rows use distinct blocks, so adding the shards' (zeroed elsewhere) blocks
+  # lays them out as the one-device cache has them.
+  merged = lambda x: np.asarray(x).reshape(x.shape[0], data, -1, *x.shape[2:]).sum(1, x.dtype)
+  equal = all(
+    np.array_equal(np.asarray(getattr(want, name)[0]), merged(getattr(got, name)[0]))
+    for name in ("k", "v", "k_scale", "v_scale")
+  )
+  return {"pages_and_scales_equal": equal, "out_max_diff": float(np.abs(got_out - want_out).max())}
+
+
+def _prompt_state():
+  """The manager state with the prompts allocated, their seq ids and lengths."""
+  prompts = [r.prompt for r in requests()]
+  seqs = np.arange(len(prompts), dtype=np.int32)
+  lengths = np.array([p.size for p in prompts], np.int32)
+  state = pj.BlockSpaceManager(CFG).init()
+  for seq, prompt in zip(seqs, prompts):
+    tokens = np.zeros(CFG.max_tokens_per_seq, np.int32)
+    tokens[: prompt.size] = prompt
+    state, _ = _allocate(state, seqs[seq : seq + 1], tokens, prompt.size)
+  return state, seqs, lengths
 
 
 def device_bytes(kv) -> dict[str, list[int]]:
@@ -505,6 +550,7 @@ def single_process(out: str) -> None:
   result["int8_ops_match"] = ops_match(sharding.make_mesh(2, 2), "int8")
   int8_mesh = sharding.make_mesh(2, 2)
   result["int8_2x2_logits"] = logits_of(model, int8_mesh, "int8")
+  result["int8_2x2_attend"] = quantized_attend(int8_mesh)
   result["int8_2x2_bytes"] = device_bytes(
     pj.KVCache.create(CFG, 4, 2, 32, dtype="int8", mesh=int8_mesh)
   )

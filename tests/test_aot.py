@@ -36,23 +36,121 @@ def test_too_large_for_hbm_names_the_bytes():
     aot.kv_blocks_per_chip(1000, 900, 100, 200)
 
 
+def test_weights_larger_than_a_chip_name_the_sizes():
+  aot.check_weights_fit(15 * 2**30, 16 * 2**30, "v5e:1x1", 1)
+  with pytest.raises(
+    ValueError, match=r"too large for v5e:1x1: 16.00 GiB .*tensor parallel 1.*16 GiB"
+  ):
+    aot.check_weights_fit(16 * 2**30, 16 * 2**30, "v5e:1x1", 1)
+
+
+def test_shape_only_models_have_the_published_shapes():
+  """Llama-3-8B; Gemma-3-4B's windows: 1024 on five of every six layers."""
+  llama = aot.ShapeOnlyModel.named("llama-3-8b").config
+  assert (llama.num_layers, llama.hidden, llama.mlp_hidden, llama.vocab_size) == (
+    32,
+    4096,
+    14336,
+    128256,
+  )
+  assert (llama.num_q_heads, llama.num_kv_heads, llama.head_dim, llama.dtype) == (
+    32,
+    8,
+    128,
+    "bfloat16",
+  )
+  gemma = aot.ShapeOnlyModel.named("gemma-3-4b").config
+  assert (gemma.num_layers, gemma.num_q_heads, gemma.num_kv_heads, gemma.head_dim) == (
+    34,
+    8,
+    4,
+    256,
+  )
+  windows = [gemma.layer_window(layer) for layer in range(gemma.num_layers)]
+  assert windows == [None if layer % 6 == 5 else 1024 for layer in range(34)]
+  assert gemma.local_rope_theta == 10000.0 and gemma.attn_logit_softcap is None
+  with pytest.raises(ValueError, match="no shape-only model 'llama-9'"):
+    aot.ShapeOnlyModel.named("llama-9")
+
+
+@pytest.mark.slow
+def test_shape_only_parameters_and_stand_in():
+  """Llama-3-8B's 8,030,261,248 parameters, shapes only; the stand-in the
+  host runs has Gemma's vocabulary, heads and both layer kinds."""
+  import jax
+
+  host = aot.jax_mesh(jax.devices()[:1], (1, 1))
+  _, params = aot.ShapeOnlyModel.named("llama-3-8b").abstract_params(host)
+  assert sum(x.size for x in jax.tree.leaves(params)) == 8_030_261_248
+  assert {x.dtype.name for x in jax.tree.leaves(params)} == {"bfloat16"}
+  stand_in = aot.ShapeOnlyModel.named("gemma-3-4b").stand_in().config
+  assert (stand_in.vocab_size, stand_in.num_kv_heads, stand_in.head_dim) == (262208, 4, 256)
+  assert stand_in.layer_types == ("sliding_attention", "full_attention")
+
+
+def test_a_stand_in_cache_grows_to_the_models_layers():
+  import paged_jax as pj
+
+  model = aot.ShapeOnlyModel.named("llama-3-8b")
+  cfg = pj.CacheConfig(block_size=16, num_gpu_blocks=4, num_cpu_blocks=0, max_seqs=1)
+  kv = model.with_layers(pj.KVCache.create(cfg, 1, 8, 128, dtype="int8"))
+  assert len(kv.k) == len(kv.v) == len(kv.k_scale) == len(kv.v_scale) == 32
+  assert kv.k[31].shape == (8, 4, 16, 128)
+
+
+def test_the_cli_without_libtpu_says_how_to_install(monkeypatch, capsys):
+  from paged_jax.__main__ import main
+
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # the tool appends to it
+  monkeypatch.setattr(aot.importlib.util, "find_spec", lambda name: None)
+  with pytest.raises(SystemExit) as exit_:
+    main(["aot", "--model", "llama-3-8b", "--topology", "v5e:1x1"])
+  assert exit_.value.code == 2
+  assert 'pip install "jax[tpu]"' in capsys.readouterr().err
+
+
+def test_the_cli_refuses_to_quantize_a_shape_only_model(capsys):
+  from paged_jax.__main__ import main
+
+  with pytest.raises(SystemExit) as exit_:
+    main(["aot", "--model", "llama-3-8b", "--topology", "v5e:1x1", "--quantization", "int8"])
+  assert exit_.value.code == 2
+  assert "--quantization needs a model with weights; llama-3-8b is shapes only" in (
+    capsys.readouterr().err
+  )
+
+
+@needs_libtpu
+def test_bad_setups_fail_before_compiling_naming_the_limit():
+  llama_f32 = aot.ShapeOnlyModel.named("llama-3-8b", "float32")
+  with pytest.raises(ValueError, match=r"too large for v5e:1x1: 29.9\d GiB of weights"):
+    aot.compile_engine_programs(llama_f32, "v5e:1x1")
+  gemma = aot.ShapeOnlyModel.named("gemma-3-4b")
+  with pytest.raises(
+    ValueError, match=r"num_q_heads \(8\) must be a multiple of the model axis \(16\)"
+  ):
+    aot.compile_engine_programs(gemma, "v5e:4x4", 16)
+  with pytest.raises(ValueError, match="no HBM size known for 'v4'"):
+    aot.compile_engine_programs(gemma, "v4:2x2x1", 8)
+
+
 @needs_libtpu
 def test_unknown_topology_names_it_and_known_ones():
   with pytest.raises(ValueError, match=r"'v9z:3x3'.*v5e:2x2"):
     aot.topology_devices("v9z:3x3")
 
 
-def _run_tool(topology: str, tp: int, variants: list[str]) -> dict:
+def _run_tool(topology: str, tp: int, variants: list[str], model="tiny", timeout=900) -> dict:
   # This process may hold libtpu already (the in-process tests).
   env = {**os.environ, "PYTHONPATH": os.getcwd(), "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
-  args = ["--model", "tiny", "--topology", topology, "--tensor-parallel-size", str(tp), "--json"]
+  args = ["--model", model, "--topology", topology, "--tensor-parallel-size", str(tp), "--json"]
   args += [a for v in variants for a in ("--variant", v)]
   result = subprocess.run(
     [sys.executable, "-m", "paged_jax", "aot", *args],
     env=env,
     capture_output=True,
     text=True,
-    timeout=900,
+    timeout=timeout,
   )
   assert result.returncode == 0, result.stderr[-3000:]
   return json.loads(result.stdout.strip().splitlines()[-1])
@@ -92,6 +190,28 @@ def test_tiny_engine_compiles_every_variant_for_tpu(topology, tp):
   assert any("ragged_step" in n for n in names)
   assert any(n.startswith("speculation: prefill") for n in names)
   assert any("continue_decoding" in n for n in names)
+
+
+@needs_libtpu
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "model, topology, tp", [("llama-3-8b", "v5e:2x4", 8), ("gemma-3-4b", "v5e:1x1", 1)]
+)
+def test_shape_only_models_compile_for_tpu(model, topology, tp):
+  """Setups (b) and (c), bfloat16 (about 8 minutes each on 2 CPU cores)."""
+  report = _run_tool(topology, tp, ["plain"], model=model, timeout=2400)
+  _check_report(report, topology, ["plain"])
+  config = aot.ShapeOnlyModel.named(model).config
+  heads = max(config.num_kv_heads, tp) // tp  # stored per chip
+  block = config.num_layers * heads * aot.BLOCK_SIZE * config.head_dim * 2 * 2  # K, V; bfloat16
+  assert report["kv_block_bytes_per_chip"] == block
+  assert report["max_temp_bytes"] > 0
+  names = [p["name"] for p in report["programs"]]
+  assert any(n.startswith("plain: decode_loop") for n in names)
+  assert any(n.startswith("plain: prefill") for n in names)
+  # Every program that holds the weights holds at least this chip's share.
+  largest = max(p["argument_bytes"] for p in report["programs"])
+  assert largest >= report["weight_bytes_per_chip"] + 32 * block
 
 
 @needs_libtpu

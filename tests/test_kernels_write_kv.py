@@ -2,6 +2,7 @@
 backend) and reference."""
 
 import functools
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,10 @@ import pytest
 from pallas_kernels import write_kv as write_kv_lib
 from tests.abstract_gpu import lower_for
 from tests.kernel_modes import interpret
+
+needs_libtpu = pytest.mark.skipif(
+  importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed"
+)
 
 # (num_kv_heads, head_dim, block_size, num_blocks, tokens, dtype): every value
 # of Hkv in {1, 2, 4, 8}, head_dim 64/128, block 8/16/32, both float dtypes
@@ -79,6 +84,19 @@ def test_kernel_matches_numpy(case, backend):
   assert_caches_equal(got, expected_caches(caches, new, slots))
 
 
+# Slots that keep the TPU kernel's narrow-page path on one block for several
+# tokens, leave it, skip tokens and come back (blocks of 8).
+GROUPED_SLOTS = [8, 9, 10, -1, 11, 20, 21, 12, 3, -1, 13, 0, 23, 22]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "float8_e4m3fn"])
+def test_tpu_kernel_groups_the_tokens_of_a_block(dtype):
+  caches, new, _ = make_inputs((2, 128, 8, 4, len(GROUPED_SLOTS), dtype), seed=2)
+  slots = np.asarray(GROUPED_SLOTS, np.int32)
+  got = KERNELS["tpu"](*caches, *new, slots)
+  assert_caches_equal(got, expected_caches(caches, new, slots))
+
+
 @pytest.mark.parametrize("backend", ["gpu", "tpu"])
 def test_kernel_writes_in_place_when_donated(backend):
   caches, new, slots = make_inputs(CASES[0])
@@ -99,6 +117,26 @@ def test_kernel_lowers_for_its_platform(backend, platform):
   write = jax.jit(functools.partial(write_kv_lib.write_kv, backend=backend), donate_argnums=(0, 1))
   lowered = lower_for(platform, write, cache, cache, rows, rows, shape((5,), jnp.int32))
   assert f"write_kv_{backend}" in lowered.as_text()
+
+
+@needs_libtpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "float8_e4m3fn"])
+def test_tpu_kernel_compiles_for_tpu_in_place(dtype):
+  """libtpu compiles the kernel for v5e (compile only) for 16- and 8-bit
+  pages, where Mosaic refused a one-row DMA (32-bit pages: the tiny engine's
+  TPU compile)."""
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  from paged_jax import aot
+
+  mesh = aot.jax_mesh(aot.topology_devices("v5e:1x1"), (1, 1))
+  shape = functools.partial(jax.ShapeDtypeStruct, sharding=NamedSharding(mesh, PartitionSpec()))
+  cache, rows = shape((2, 8, 16, 128), dtype), shape((5, 2, 128), dtype)
+  write = jax.jit(functools.partial(write_kv_lib.write_kv, backend="tpu"), donate_argnums=(0, 1))
+  compiled = write.lower(cache, cache, rows, rows, shape((5,), jnp.int32)).compile()
+  assert "write_kv_tpu" in compiled.as_text()
+  itemsize = jnp.dtype(dtype).itemsize
+  assert compiled.memory_analysis().alias_size_in_bytes == 2 * 2 * 8 * 16 * 128 * itemsize
 
 
 def good_args():

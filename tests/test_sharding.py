@@ -220,10 +220,22 @@ def test_sharded_copy_and_swaps_match_one_device(meshes):
 
 @pytest.mark.slow
 def test_a_quantized_cache_serves_sharded(meshes):
-  # Prefill and decode logits over an int8 cache (pages and scales written
-  # and read on each shard) equal the one-device int8 cache's.
-  for got, want in zip(meshes["int8_2x2_logits"], meshes["int8_reference_logits"]):
-    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+  # The same K/V written into an int8 cache and attended on each shard of a
+  # (2, 2) mesh: pages and scales bit for bit, attention to float rounding.
+  attend = meshes["int8_2x2_attend"]
+  assert attend["pages_and_scales_equal"] is True
+  assert attend["out_max_diff"] < 1e-6
+  # Through the model, the K/V computed on the mesh differ from one device's
+  # in their last bits (float32 logits agree to 1e-5, above), and rounding to
+  # int8 can turn a value at a half-code boundary into the next code (on JAX
+  # 0.12's XLA:CPU: 1 of about 1,150 codes of layer 0, which moves the logits
+  # by 1.5e-3 at prefill and 5.8e-3 at decode). So the sharded int8 logits
+  # stay within half of int8's own error against float32 (0.038 and 0.019).
+  for got, want, exact in zip(
+    meshes["int8_2x2_logits"], meshes["int8_reference_logits"], meshes["reference_logits"]
+  ):
+    got, want, exact = map(np.asarray, (got, want, exact))
+    assert np.abs(got - want).max() < 0.5 * np.abs(want - exact).max()
   full = meshes["int8_unsharded_bytes"]
   for kind in ("device", "host"):  # pages and scales split over 2 heads
     assert meshes["int8_2x2_bytes"][kind] == [full[kind][0] // 2] * 4
