@@ -29,27 +29,16 @@ import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from soak_serve import Server  # noqa: E402
+from soak_serve import BENCH_FIELDS, Server  # noqa: E402
 
 WORKLOADS = {
   "4 req/s": ["--request-rate", "4"],
   "16 concurrent": ["--request-rate", "inf", "--max-concurrency", "16"],
 }
-FIELDS = (
-  "output_throughput",
-  "median_ttft_ms",
-  "p99_ttft_ms",
-  "median_tpot_ms",
-  "p99_tpot_ms",
-  "median_itl_ms",
-  "p99_itl_ms",
-  "completed",
-  "failed",
-)
 
 
 def bench_serve(args, url: str, workload: list[str]) -> dict:
-  """One `vllm bench serve` run against `url`; the fields of `FIELDS`."""
+  """One `vllm bench serve` run against `url`; the fields of `BENCH_FIELDS`."""
   with tempfile.TemporaryDirectory() as folder:
     command = [
       args.vllm, "bench", "serve", "--backend", "openai", "--base-url", url,
@@ -61,7 +50,7 @@ def bench_serve(args, url: str, workload: list[str]) -> dict:
     ]  # fmt: skip
     subprocess.run(command, check=True, capture_output=True, timeout=1800)
     measured = json.loads(pathlib.Path(folder, "result.json").read_text())
-  return {field: measured.get(field) for field in FIELDS}
+  return {field: measured.get(field) for field in BENCH_FIELDS}
 
 
 def run_server(args, label: str, tree: str, dtype: str) -> list[dict]:

@@ -114,13 +114,7 @@ def _parser() -> argparse.ArgumentParser:
   demo.add_argument(
     "--max-seq-len", type=_positive, default=256, help="context of a pretrained model in the demo"
   )
-  demo.add_argument(
-    "--quantization",
-    choices=("gguf", "int8", "int4"),
-    default=None,
-    help="weights kept quantized in memory: gguf (a GGUF file's own types), int8 (per output "
-    "channel) or int4 (groups of 32), quantized at load; default: float weights",
-  )
+  serve_cli.add_quantization_argument(demo)
   demo.add_argument("--json", action="store_true", help="print machine-readable JSON")
   trace = sub.add_parser("trace", help="replay a ShareGPT-like trace through the block manager")
   trace.add_argument("--num-requests", type=_positive, default=200)
@@ -147,9 +141,7 @@ def _parser() -> argparse.ArgumentParser:
   )
   aot.add_argument("--topology", required=True, help="a libtpu topology name, e.g. v5e:2x2")
   aot.add_argument("--tensor-parallel-size", type=_positive, default=1)
-  aot.add_argument(
-    "--quantization", choices=("gguf", "int8", "int4"), default=None, help="as serve takes it"
-  )
+  serve_cli.add_quantization_argument(aot)
   aot.add_argument(
     "--variant",
     action="append",

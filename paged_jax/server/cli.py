@@ -87,13 +87,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     choices=("auto", "float32", "bfloat16", "float16"),
     help="weights and compute of a pretrained model; auto: float32 on CPU, else bfloat16",
   )
-  serve.add_argument(
-    "--quantization",
-    choices=("gguf", "int8", "int4"),
-    default=None,
-    help="weights kept quantized in memory: gguf (a GGUF file's own types), int8 (per output "
-    "channel) or int4 (groups of 32), quantized at load; default: float weights",
-  )
+  add_quantization_argument(serve)
   serve.add_argument("--max-model-len", type=_positive, default=None, help="default: the model's")
   serve.add_argument("--max-num-seqs", type=_positive, default=32)
   serve.add_argument("--max-num-batched-tokens", type=_positive, default=512)
@@ -235,6 +229,17 @@ def _num_gpu_blocks(args, model, block_bytes: int, max_model_len: int) -> int:
   weights //= args.tensor_parallel_size
   return pj.num_gpu_blocks_for_memory(
     memory, block_bytes, utilization=args.gpu_memory_utilization, reserved_bytes=weights
+  )
+
+
+def add_quantization_argument(parser: argparse.ArgumentParser) -> None:
+  """`--quantization`, as `serve`, `demo` and `aot` take it."""
+  parser.add_argument(
+    "--quantization",
+    choices=("gguf", "int8", "int4"),
+    default=None,
+    help="weights kept quantized in memory: gguf (a GGUF file's own types), int8 (per output "
+    "channel) or int4 (groups of 32), quantized at load; default: float weights",
   )
 
 
