@@ -1,7 +1,7 @@
 """How long the device waits for the host while an engine serves.
 
 `watch_launches()` wraps the engine's model launches (`programs.prefill`,
-`decode_loop`, `prefill_and_decode_step`): a thread waits for each launch's
+`decode_loop`, `ragged_step`): a thread waits for each launch's
 outputs and notes when they are ready. The device runs launches in the order
 they were dispatched, so launch `i` is busy from `max(dispatched_i,
 ready_{i-1})` to `ready_i`; the rest of the wall time the device is idle,
@@ -26,7 +26,7 @@ import jax
 
 from paged_jax.engine import programs
 
-LAUNCHES = ("prefill", "decode_loop", "prefill_and_decode_step")
+LAUNCHES = ("prefill", "decode_loop", "ragged_step")
 
 
 class LaunchWatch:

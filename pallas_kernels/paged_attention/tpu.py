@@ -147,22 +147,9 @@ def _decode_kernel(
   quantized,
 ):
   """One (sequence, KV head): the normalized output of its query heads."""
-  if quantized:
-    (
-      k_scale_hbm,
-      v_scale_hbm,
-      o_ref,
-      k_buffer,
-      v_buffer,
-      k_scale_buffer,
-      v_scale_buffer,
-      k_sems,
-      v_sems,
-    ) = refs
-    scale_streams = ((k_scale_hbm, k_scale_buffer, k_sems), (v_scale_hbm, v_scale_buffer, v_sems))
-  else:
-    o_ref, k_buffer, v_buffer, k_sems, v_sems = refs
-    scale_streams = ()
+  o_ref, k_buffer, v_buffer, k_scale_buffer, v_scale_buffer, streams = unpack_refs(
+    k_hbm, v_hbm, refs, quantized
+  )
   batch_index, head = pl.program_id(0), pl.program_id(1)
   block_size, head_dim = k_hbm.shape[2], k_hbm.shape[3]
   step_tokens = pages_per_step * block_size
@@ -172,26 +159,9 @@ def _decode_kernel(
   first_step = lax.div(first_visible, step_tokens)
   stop_step = lax.div(length + step_tokens - 1, step_tokens)
 
-  def table_entry(step, page):
-    return tables_ref[batch_index * blocks_per_seq + step * pages_per_step + page]
-
-  def page_copies(step, slot):
-    copies = []
-    for page in range(pages_per_step):
-      block = jnp.maximum(table_entry(step, page), 0)
-      for hbm, buffer, sems in (
-        (k_hbm, k_buffer, k_sems),
-        (v_hbm, v_buffer, v_sems),
-        *scale_streams,
-      ):
-        copies.append(
-          pltpu.make_async_copy(hbm.at[head, block], buffer.at[slot, page], sems.at[slot])
-        )
-    return copies
-
-  def start_loading(step, slot):
-    for copy in page_copies(step, slot):
-      copy.start()
+  table_entry, page_copies, start_loading = page_loader(
+    tables_ref, batch_index, head, blocks_per_seq, pages_per_step, streams
+  )
 
   @pl.when(first_step < stop_step)
   def _():
@@ -246,3 +216,47 @@ def _decode_kernel(
   acc, _, row_sum = lax.fori_loop(first_step, stop_step, step, init)
   out = jnp.where(row_sum > 0, acc / jnp.maximum(row_sum, 1e-30), 0.0)
   o_ref[...] = out.reshape(o_ref.shape).astype(o_ref.dtype)
+
+
+def unpack_refs(k_hbm, v_hbm, refs, quantized: bool):
+  """A paged kernel's refs after its K/V pages: `(o_ref, k_buffer,
+  v_buffer, k_scale_buffer, v_scale_buffer, streams)`, the scale buffers
+  None unless `quantized`; `streams` are the `(hbm, buffer, semaphores)`
+  triples a step copies."""
+  if quantized:
+    k_scale_hbm, v_scale_hbm, o_ref, k_buffer, v_buffer, k_scales, v_scales, k_sems, v_sems = refs
+    scale_streams = ((k_scale_hbm, k_scales, k_sems), (v_scale_hbm, v_scales, v_sems))
+  else:
+    o_ref, k_buffer, v_buffer, k_sems, v_sems = refs
+    k_scales = v_scales = None
+    scale_streams = ()
+  streams = ((k_hbm, k_buffer, k_sems), (v_hbm, v_buffer, v_sems), *scale_streams)
+  return o_ref, k_buffer, v_buffer, k_scales, v_scales, streams
+
+
+def page_loader(tables_ref, row: int, head: int, blocks_per_seq: int, pages_per_step: int, streams):
+  """`(table_entry, page_copies, start_loading)` of sequence `row`'s pages
+  of KV head `head`, `pages_per_step` at a time into buffer slot 0 or 1:
+  `table_entry(step, page)` reads its flattened block table (-1: no
+  block, which loads block 0 and is masked by the caller), `page_copies(step,
+  slot)` are the step's copies of every stream, `start_loading` starts
+  them."""
+
+  def table_entry(step, page):
+    return tables_ref[row * blocks_per_seq + step * pages_per_step + page]
+
+  def page_copies(step, slot):
+    copies = []
+    for page in range(pages_per_step):
+      block = jnp.maximum(table_entry(step, page), 0)
+      for hbm, buffer, sems in streams:
+        copies.append(
+          pltpu.make_async_copy(hbm.at[head, block], buffer.at[slot, page], sems.at[slot])
+        )
+    return copies
+
+  def start_loading(step, slot):
+    for copy in page_copies(step, slot):
+      copy.start()
+
+  return table_entry, page_copies, start_loading

@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.paged_attention import common
+from pallas_kernels.paged_attention.tpu import page_loader, unpack_refs
 
 _TOKENS_PER_STEP = 128
 _NAME = "paged_prefill_attention_tpu"
@@ -250,22 +251,9 @@ def _prefill_kernel(
   quantized,
 ):
   """One (sequence, KV head, row block): the normalized output of its rows."""
-  if quantized:
-    (
-      k_scale_hbm,
-      v_scale_hbm,
-      o_ref,
-      k_buffer,
-      v_buffer,
-      k_scale_buffer,
-      v_scale_buffer,
-      k_sems,
-      v_sems,
-    ) = refs
-    scale_streams = ((k_scale_hbm, k_scale_buffer, k_sems), (v_scale_hbm, v_scale_buffer, v_sems))
-  else:
-    o_ref, k_buffer, v_buffer, k_sems, v_sems = refs
-    scale_streams = ()
+  o_ref, k_buffer, v_buffer, k_scale_buffer, v_scale_buffer, streams = unpack_refs(
+    k_hbm, v_hbm, refs, quantized
+  )
   batch_index, head, row_block_index = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   block_size, head_dim = k_hbm.shape[2], k_hbm.shape[3]
   step_tokens = pages_per_step * block_size
@@ -290,26 +278,9 @@ def _prefill_kernel(
     first_index <= last_index, lax.div(stop + step_tokens - 1, step_tokens), first_step
   )
 
-  def table_entry(step, page):
-    return tables_ref[batch_index * blocks_per_seq + step * pages_per_step + page]
-
-  def page_copies(step, slot):
-    copies = []
-    for page in range(pages_per_step):
-      block = jnp.maximum(table_entry(step, page), 0)
-      for hbm, buffer, sems in (
-        (k_hbm, k_buffer, k_sems),
-        (v_hbm, v_buffer, v_sems),
-        *scale_streams,
-      ):
-        copies.append(
-          pltpu.make_async_copy(hbm.at[head, block], buffer.at[slot, page], sems.at[slot])
-        )
-    return copies
-
-  def start_loading(step, slot):
-    for copy in page_copies(step, slot):
-      copy.start()
+  table_entry, page_copies, start_loading = page_loader(
+    tables_ref, batch_index, head, blocks_per_seq, pages_per_step, streams
+  )
 
   @pl.when(first_step < stop_step)
   def _():
