@@ -92,11 +92,9 @@ def make_engine(
 # on 2 cores; in CI test_engine's tests ran first and most are warm); the
 # traces themselves take a few seconds.
 def test_random_traces(model, preemption_mode, enable_prefix_caching, first_seed, ahead, capsys):
-  # As in a fresh server: JAX's in-memory caches are bounded (LRU), and on a
-  # worker that ran many modules a warm-up served by the fast dispatch path
-  # leaves the compiled entry of a program to be evicted, which a trace's
-  # call with other argument kinds then needs. Cleared, warm-up fills them
-  # again (from the run's persistent cache).
+  # As in a fresh server: a program that an earlier module's engine
+  # compiled must not hide one that this warm-up leaves out (it did: swap-in
+  # plans of another argument kind, fixed in `CacheManager.warm_up`).
   jax.clear_caches()
   engine = make_engine(model, preemption_mode, enable_prefix_caching, ahead)
   num_programs = len(engine.compiled_programs())

@@ -400,4 +400,7 @@ class CacheManager:
       (BlockSpaceManager.swap_in, kv_ops.swap_in, sizes[::-1]),
     ):
       _, plan = _on_shard(op, self.state, shard, no_group)
+      if op is BlockSpaceManager.swap_in and self.cfg.enable_prefix_caching:
+        # As `swap_in` hands it on: its arrays are new ones (no slot: no pair).
+        plan = _with_unwritten_hits(plan, self.state, self.state, shard, np.zeros(0, np.int64))
       self.kv = move(self.kv, sharding.shard_plan(plan, shard, src, dst))
