@@ -395,7 +395,9 @@ class ModelRunner:
     """Compiles the decode loop of `num_steps` steps on `rows_per_shard`
     rows per shard that do nothing (for every slot: with beams, and the
     start and end of a beam group; the pages, states and beams stay as they
-    are), and with `run_ahead` the carry of a launch that continues it.
+    are), and with `run_ahead` the carry of a launch that continues it and
+    that launch (on JAX 0.12 the loop's outputs are another kind of
+    argument than the host's arrays: another program).
 
     Raises:
       RuntimeError: if a row decodes.
@@ -405,8 +407,8 @@ class ModelRunner:
     for speculating in self.decode_kinds():
       loop = self.decode_carry(num_steps, rows, speculating=speculating)
       loop = self._launch_decode(loop, rows, False, speculating=speculating)
-    if run_ahead:
-      programs.continue_decoding(loop, jax.device_put(np.int32(1), self.cache.replicated))
+    if run_ahead:  # a launch on a continued carry: its arrays are the loop's outputs
+      loop = self._launch_decode(self._continued(loop, 1), rows, False)
     if loop.beams is not None:
       no_group = self._group_slots([])  # starting and forgetting a group (results dropped)
       programs.start_beams(self.beams, no_group, 1, 1.0)
@@ -582,10 +584,14 @@ class ModelRunner:
     """Dispatches the launch that continues `loop` (dispatched, maybe not
     computed) on its rows, for `take_ahead`."""
     steps = self._launch_steps(loop.draws.tokens.shape[1])
-    max_steps = jax.device_put(np.int32(steps), self.cache.replicated)
-    launch = self._launch_decode(programs.continue_decoding(loop, max_steps), rows, False, table)
+    launch = self._launch_decode(self._continued(loop, steps), rows, False, table)
     self.ahead = AheadLaunch(launch, rows, table, steps)
     self.counters["loop_launches_ahead"] += 1
+
+  def _continued(self, loop: programs.DecodeLoop, steps: int) -> programs.DecodeLoop:
+    """The carry of a launch that continues `loop` for `steps` steps at most."""
+    max_steps = jax.device_put(np.int32(steps), self.cache.replicated)
+    return programs.continue_decoding(loop, max_steps)
 
   def _launched(self, result: DecodeResult) -> None:
     """Counts a decode launch read back; the launch running ahead of it
