@@ -287,7 +287,8 @@ class LLMEngine:
     only in steps with a beam group), with speculation each of those with
     speculating steps (and plain ones too when adaptive); every launch
     length runs the same program. With `async_scheduling`, a small program
-    per decode row count carries a launch on to the next; the block
+    per decode row count carries a launch on to the next (and warm-up also
+    runs the loop on such a carry, another argument kind on JAX 0.12); the block
     manager's calls over a group take its slots padded to `max_seqs`; swaps
     move fixed-capacity plans; a request's PRNG keys come from a few small
     host-side programs.
