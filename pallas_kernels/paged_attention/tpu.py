@@ -94,7 +94,6 @@ def paged_attention(
   buffer_shape = (2, pages_per_step, block_size, head_dim)
   quantized = k_scales is not None
   scale_args = (k_scales, v_scales) if quantized else ()
-  scale_buffers = [pltpu.VMEM(buffer_shape[:3], jnp.float32)] * len(scale_args)
   kernel = functools.partial(
     _decode_kernel,
     sm_scale=common.default_sm_scale(head_dim, sm_scale),
@@ -109,20 +108,9 @@ def paged_attention(
     grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2,
       grid=(batch, num_kv_heads),
-      in_specs=[
-        q_spec,
-        pl.BlockSpec(memory_space=pl.ANY),
-        pl.BlockSpec(memory_space=pl.ANY),
-      ]
-      + [pl.BlockSpec(memory_space=pl.ANY)] * len(scale_args),
+      in_specs=[q_spec, *page_specs(len(scale_args))],
       out_specs=q_spec,
-      scratch_shapes=[
-        pltpu.VMEM(buffer_shape, k_pages.dtype),
-        pltpu.VMEM(buffer_shape, v_pages.dtype),
-        *scale_buffers,
-        pltpu.SemaphoreType.DMA((2,)),
-        pltpu.SemaphoreType.DMA((2,)),
-      ],
+      scratch_shapes=page_buffers(buffer_shape, k_pages.dtype, v_pages.dtype, len(scale_args)),
     ),
     out_shape=jax.ShapeDtypeStruct(kernel_q.shape, kernel_q.dtype),
     compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
@@ -260,3 +248,23 @@ def page_loader(tables_ref, row: int, head: int, blocks_per_seq: int, pages_per_
       copy.start()
 
   return table_entry, page_copies, start_loading
+
+
+def page_specs(num_scales: int) -> list:
+  """The in-specs of a paged kernel's K and V pages and their `num_scales`
+  scale arrays: left in HBM, copied by the kernel (`page_loader`)."""
+  return [pl.BlockSpec(memory_space=pl.ANY)] * (2 + num_scales)
+
+
+def page_buffers(buffer_shape, k_dtype, v_dtype, num_scales: int) -> list:
+  """The scratch of a paged kernel: double buffers for a step's K and V
+  pages (`buffer_shape`) and their scales, and one DMA semaphore pair per
+  stream kind (pages, as `unpack_refs` takes them)."""
+  scales = [pltpu.VMEM(buffer_shape[:3], jnp.float32)] * num_scales
+  return [
+    pltpu.VMEM(buffer_shape, k_dtype),
+    pltpu.VMEM(buffer_shape, v_dtype),
+    *scales,
+    pltpu.SemaphoreType.DMA((2,)),
+    pltpu.SemaphoreType.DMA((2,)),
+  ]

@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.paged_attention import common
-from pallas_kernels.paged_attention.tpu import page_loader, unpack_refs
+from pallas_kernels.paged_attention.tpu import page_buffers, page_loader, page_specs, unpack_refs
 
 _TOKENS_PER_STEP = 128
 _NAME = "paged_prefill_attention_tpu"
@@ -189,7 +189,6 @@ def paged_prefill_attention(
   buffer_shape = (2, pages_per_step, block_size, head_dim)
   quantized = k_scales is not None
   scale_args = (k_scales, v_scales) if quantized else ()
-  scale_buffers = [pltpu.VMEM(buffer_shape[:3], jnp.float32)] * len(scale_args)
   kernel = functools.partial(
     _prefill_kernel,
     sm_scale=common.default_sm_scale(head_dim, sm_scale),
@@ -206,20 +205,9 @@ def paged_prefill_attention(
     grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=3,
       grid=(batch, num_kv_heads, rows // block),
-      in_specs=[
-        q_spec,
-        pl.BlockSpec(memory_space=pl.ANY),
-        pl.BlockSpec(memory_space=pl.ANY),
-      ]
-      + [pl.BlockSpec(memory_space=pl.ANY)] * len(scale_args),
+      in_specs=[q_spec, *page_specs(len(scale_args))],
       out_specs=q_spec,
-      scratch_shapes=[
-        pltpu.VMEM(buffer_shape, k_pages.dtype),
-        pltpu.VMEM(buffer_shape, v_pages.dtype),
-        *scale_buffers,
-        pltpu.SemaphoreType.DMA((2,)),
-        pltpu.SemaphoreType.DMA((2,)),
-      ],
+      scratch_shapes=page_buffers(buffer_shape, k_pages.dtype, v_pages.dtype, len(scale_args)),
     ),
     out_shape=jax.ShapeDtypeStruct(kernel_q.shape, q.dtype),
     compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
