@@ -246,7 +246,8 @@ def run_trace(name: str, seed: int, num_ops: int):
     _check_window_bound(fast, cfg)
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+# CI runs the Gemma-shaped config; the two-window one runs in the full suite.
+@pytest.mark.parametrize("name", ["gemma", pytest.param("two_windows", marks=pytest.mark.slow)])
 @hypothesis.settings(
   max_examples=EXAMPLES,
   deadline=None,
@@ -256,3 +257,139 @@ def run_trace(name: str, seed: int, num_ops: int):
 @hypothesis.given(seed=st.integers(0, 2**32 - 1), num_ops=st.integers(40, 60))
 def test_hybrid_matches_reference(name, seed, num_ops):
   run_trace(name, seed, num_ops)
+
+
+# One type: the plain manager's op, bit for bit.
+
+_ONE_TYPE = {
+  "uncached": HybridCacheConfig(dataclasses.replace(_BASE, num_gpu_blocks=8), (None, None)),
+  "cached": HybridCacheConfig(
+    dataclasses.replace(_BASE, enable_prefix_caching=True, num_gpu_blocks=8), (None, None)
+  ),
+  "window": HybridCacheConfig(dataclasses.replace(_BASE, num_gpu_blocks=8), (3, 3)),
+}
+
+
+# The cached variant compiles the cached plain and hybrid ops again (~20 s).
+@pytest.mark.parametrize(
+  "variant",
+  [
+    "uncached",
+    pytest.param("cached", marks=pytest.mark.slow),
+    "window",
+  ],
+)
+def test_one_type_is_the_plain_manager(variant):
+  """Every op on a one-type hybrid gives the plain manager's state and result, leaf for leaf."""
+  cfg = _ONE_TYPE[variant]
+  plain_bm = BlockSpaceManager(cfg.group_config(0))
+  plain, hyb = plain_bm.init(), HybridBlockSpaceManager(cfg).init()
+  ids = jnp.array([0, 1, -1, -1], jnp.int32)
+  prompt = jnp.array([1, 2, 1, 2, 1, 0, 0, 0, 0, 0, 0, 0], jnp.int32)
+  rows = jnp.array([[2, 1, 2, 1]] * 4, jnp.int32)
+  script = [
+    ("allocate", (ids, prompt, jnp.int32(5)), {}),
+    ("append_slots", (ids, rows, jnp.array([3, 2, 0, 0], jnp.int32)), {"num_lookahead_slots": 2}),
+    ("fork", (jnp.int32(1), jnp.int32(3)), {}),
+    ("swap_out", (jnp.array([3, -1], jnp.int32),), {}),
+    ("allocate", (jnp.array([2], jnp.int32), prompt, jnp.int32(12)), {}),  # OUT_OF_BLOCKS
+    ("swap_in", (jnp.array([3, -1], jnp.int32),), {}),
+    ("free", (ids,), {}),
+  ]
+  for name, args, kwargs in script:
+    plain, want = jit_op(getattr(plain_bm, name))(plain, *args, **kwargs)
+    hyb, got = _jitted(cfg, name)(hyb, *args, **kwargs)
+    assert int(got.status) == int(want.status), name
+    for mine, theirs in zip(
+      jax.tree.leaves((hyb.groups[0], got.results[0])), jax.tree.leaves((plain, want))
+    ):
+      np.testing.assert_array_equal(mine, theirs, err_msg=name)
+  assert int(want.status) == Status.OK  # the script ran to its end
+
+
+# Bad input.
+
+
+@pytest.mark.parametrize("window", [0, -4, 2.5, True, "512"])
+def test_a_window_that_is_not_a_positive_int_names_the_layer(window):
+  with pytest.raises(
+    ValueError, match=rf"layer 1: sliding_window must be a positive int or None, got {window!r}"
+  ):
+    HybridCacheConfig(_BASE, (None, window, 4))
+
+
+def test_config_refusals_name_what_is_wrong():
+  with pytest.raises(ValueError, match="cache.sliding_window must be None"):
+    HybridCacheConfig(dataclasses.replace(_BASE, sliding_window=4), (None, 4))
+  with pytest.raises(ValueError, match=r"layer 0: a sliding window \(4\) cannot be combined"):
+    HybridCacheConfig(dataclasses.replace(_BASE, enable_prefix_caching=True), (4, None))
+  with pytest.raises(
+    ValueError, match=r"gpu_blocks must be 2 ints >= 1 \(one per type global, sliding window 4\)"
+  ):
+    HybridCacheConfig(_BASE, (4, None), gpu_blocks=(8,))
+  with pytest.raises(ValueError, match="at least one layer"):
+    HybridCacheConfig(_BASE, ())
+
+
+def test_layers_and_types_the_model_does_not_declare():
+  cfg = CONFIGS["gemma"]
+  assert cfg.windows == (None, 3)
+  assert [cfg.layer_group(layer) for layer in range(3)] == [1, 1, 0]
+  assert cfg.group_of_window(3) == 1 and cfg.type_name(1) == "sliding window 3"
+  with pytest.raises(ValueError, match=r"layer 3: the model declares layers 0..2"):
+    cfg.layer_group(3)
+  with pytest.raises(ValueError, match=r"layer -1: the model declares layers 0..2"):
+    cfg.layer_group(-1)
+  with pytest.raises(
+    ValueError,
+    match=r"type sliding window 7; the model's types: global, sliding window 3",
+  ):
+    cfg.group_of_window(7)
+  with pytest.raises(ValueError, match="no layer declares the attention type global"):
+    CONFIGS["two_windows"].group_of_window(None)
+
+
+def _leaves_equal(a, b) -> bool:
+  return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_a_failing_type_leaves_every_type_unchanged():
+  """Under jit: the sliding type runs out, the global one would not; nothing changes."""
+  cfg = CONFIGS["gemma"]  # global 14 blocks, window 3 with 7
+  state = HybridBlockSpaceManager(cfg).init()
+  tokens = np.ones(cfg.cache.max_tokens_per_seq, np.int32)
+  for seq in range(3):
+    state, res = _jitted(cfg, "allocate")(
+      state, np.array([seq, -1, -1, -1], np.int32), tokens, np.int32(6)
+    )
+    assert Status(int(res.status)) == Status.OK
+  # Global: 3 blocks per sequence (9 of 14); window 3 of 6 tokens: blocks 1 and 2 (6 of 7).
+  assert np.asarray(state.groups[0].tables)[0, :4].tolist() == [13, 12, 11, -1]
+  assert np.asarray(state.groups[1].tables)[0, :4].tolist() == [-1, 6, 5, -1]
+  before = state
+  rows = np.ones((4, COLUMNS), np.int32)
+  state, res = _jitted(cfg, "append_slots")(
+    before, np.array([0, 1, 2, -1], np.int32), rows, np.array([2, 2, 2, 0], np.int32)
+  )
+  assert Status(int(res.status)) == Status.OUT_OF_BLOCKS and int(res.group) == 1
+  assert _leaves_equal(state, before)
+  assert [int(r.count) for r in res.results] == [0, 0]
+  assert all(np.all(np.asarray(r.src) == -1) for r in res.results)
+  state, res = _jitted(cfg, "free")(before, np.array([0, 7, -1, -1], np.int32))
+  assert Status(int(res.status)) == Status.INVALID_ARGUMENT and int(res.group) == -1
+  assert _leaves_equal(state, before)
+
+
+def test_never_names_the_type_that_cannot_hold_the_prompt():
+  small_global = HybridCacheConfig(
+    dataclasses.replace(_BASE, watermark=0.0), (None, 2), gpu_blocks=(4, 20)
+  )
+  small_window = HybridCacheConfig(
+    dataclasses.replace(_BASE, watermark=0.0), (None, 8), gpu_blocks=(20, 3)
+  )
+  for cfg, want in ((small_global, 0), (small_window, 1)):
+    state = HybridBlockSpaceManager(cfg).init()
+    status, group = _jitted(cfg, "can_allocate")(state, np.int32(12))
+    assert (AllocStatus(int(status)), int(group)) == (AllocStatus.NEVER, want), cfg.type_names()
+    status, group = _jitted(cfg, "can_allocate")(state, np.int32(4))
+    assert (AllocStatus(int(status)), int(group)) == (AllocStatus.OK, -1)
