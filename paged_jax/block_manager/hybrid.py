@@ -10,8 +10,12 @@ global type holds every block.
 Every mutating op runs the plain manager's op with the same arguments on
 each type's state (a loop over the static, small number of types; each op
 stays batched over sequences) and keeps every new state only if every type
-succeeded; otherwise each type keeps the state it was given. With a single
-type an op is the plain op on that type's state, bit for bit.
+succeeded; otherwise each type keeps the state it was given. To keep the
+states' updates in place, a multi-type op runs the types' ops once for their
+statuses and again under a `lax.cond` on them (XLA drops the first run's
+writes); a select between old and new states would copy every array each
+call (`benchmarks/bench_hybrid_manager.py`). With a single type an op is
+the plain op on that type's state, bit for bit.
 """
 
 from __future__ import annotations
@@ -211,10 +215,17 @@ def _on_every_type(state: HybridState, op, *args, **kwargs):
     )
   status, group = _first_failure([result.status for _, result in outs])
   ok = status == Status.OK
-  groups = tuple(
-    jax.tree.map(lambda new, old: jnp.where(ok, new, old), new, old)
-    for (new, _), old in zip(outs, state.groups)
-  )
+
+  def run(groups):
+    return [op(group_state, *args, **kwargs) for group_state in groups]
+
+  def unchanged(groups):
+    return [(old, _emptied(result, ok, status)) for old, (_, result) in zip(groups, outs)]
+
+  # The run above only decides the status (its states are dropped); this one writes
+  # the states in place, where a select would keep the old ones alive and copy them.
+  outs = jax.lax.cond(ok, run, unchanged, state.groups)
+  groups = tuple(new for new, _ in outs)
   results = tuple(_emptied(result, ok, status) for _, result in outs)
   return state.replace(groups=groups), HybridResult(status=status, group=group, results=results)
 
