@@ -391,5 +391,12 @@ def test_never_names_the_type_that_cannot_hold_the_prompt():
     state = HybridBlockSpaceManager(cfg).init()
     status, group = _jitted(cfg, "can_allocate")(state, np.int32(12))
     assert (AllocStatus(int(status)), int(group)) == (AllocStatus.NEVER, want), cfg.type_names()
+    message = hybrid.describe_admission(cfg, 12, status, group)
+    assert message.startswith(f"can_allocate(12): NEVER: the {cfg.type_name(want)} type needs ")
     status, group = _jitted(cfg, "can_allocate")(state, np.int32(4))
     assert (AllocStatus(int(status)), int(group)) == (AllocStatus.OK, -1)
+  message = hybrid.describe_admission(small_window, 12, AllocStatus.NEVER, 1)
+  assert message == (
+    "can_allocate(12): NEVER: the sliding window 8 type needs 4 of its 3 GPU blocks "
+    "(watermark 0, table of 6 blocks)"
+  )

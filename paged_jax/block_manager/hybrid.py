@@ -146,6 +146,30 @@ class HybridCacheConfig:
     return _type_name(self.windows[group])
 
 
+def describe_admission(cfg: HybridCacheConfig, num_tokens: int, answer, group) -> str:
+  """A message for `can_allocate`'s answer that names the type that decided it.
+
+  Args:
+    cfg: the hybrid config.
+    num_tokens: the prompt length asked about.
+    answer: the AllocStatus `can_allocate` returned.
+    group: the type it named (-1 for OK).
+  """
+  answer, group = AllocStatus(int(answer)), int(group)
+  if answer == AllocStatus.OK:
+    return f"can_allocate({num_tokens}): OK in every type ({cfg.type_names()})"
+  type_cfg = cfg.group_config(group)
+  first_live = 0
+  if type_cfg.sliding_window is not None:
+    first_live = max(0, (num_tokens - type_cfg.sliding_window) // type_cfg.block_size)
+  need = max(type_cfg.blocks_for(max(num_tokens, 0)) - first_live, 0)
+  return (
+    f"can_allocate({num_tokens}): {answer.name}: the {cfg.type_name(group)} type needs "
+    f"{need} of its {type_cfg.num_gpu_blocks} GPU blocks "
+    f"(watermark {type_cfg.watermark_blocks}, table of {type_cfg.max_blocks_per_seq} blocks)"
+  )
+
+
 def _type_name(window: int | None) -> str:
   return "global" if window is None else f"sliding window {window}"
 
