@@ -400,3 +400,23 @@ def test_never_names_the_type_that_cannot_hold_the_prompt():
     "can_allocate(12): NEVER: the sliding window 8 type needs 4 of its 3 GPU blocks "
     "(watermark 0, table of 6 blocks)"
   )
+
+
+@pytest.mark.slow  # a vmapped allocate of its own (~10 s of compiles)
+def test_data_shards_run_as_one_vmapped_call():
+  """Stacked per-shard hybrid states: a vmapped op is the op on each shard's state."""
+  cfg = CONFIGS["gemma"]
+  states = hybrid.init_hybrid_states(cfg, 2)
+  tokens = np.ones((2, cfg.cache.max_tokens_per_seq), np.int32)
+  ids = np.array([[0, -1, -1, -1], [1, 2, -1, -1]], np.int32)
+  lengths = np.array([5, 7], np.int32)
+  stacked, res = jax.jit(jax.vmap(HybridBlockSpaceManager(cfg).allocate))(
+    states, ids, tokens, lengths
+  )
+  assert [Status(int(s)) for s in res.status] == [Status.OK, Status.OK]
+  for shard in range(2):
+    one, _ = _jitted(cfg, "allocate")(
+      HybridBlockSpaceManager(cfg).init(), ids[shard], tokens[shard], np.int32(lengths[shard])
+    )
+    mine = jax.tree.map(lambda x: x[shard], stacked)
+    assert _leaves_equal(mine, one), shard

@@ -203,6 +203,15 @@ def init_hybrid_state(cfg: HybridCacheConfig) -> HybridState:
   return HybridState(cfg=cfg, groups=groups)
 
 
+def init_hybrid_states(cfg: HybridCacheConfig, num_shards: int) -> HybridState:
+  """One empty hybrid state per data shard, stacked on a leading axis (as `init_states`).
+
+  ``jax.vmap`` (or `state.on_every_shard`) of a hybrid op then runs it on
+  every shard at once.
+  """
+  return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_shards, *x.shape)), init_hybrid_state(cfg))
+
+
 def _first_failure(statuses: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
   """(the first non-OK status in type order, else OK; the type it names, else -1)."""
   status, group = i32(Status.OK), i32(-1)
