@@ -34,7 +34,6 @@ from paged_jax.block_manager.state import _ShowsStatus, init_state
 from paged_jax.config import AllocStatus, CacheConfig, Status
 
 i32 = jnp.int32
-_POOL_STATUSES = (Status.OUT_OF_BLOCKS, Status.SWAP_SPACE_EXHAUSTED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,8 +205,8 @@ def init_hybrid_state(cfg: HybridCacheConfig) -> HybridState:
 def init_hybrid_states(cfg: HybridCacheConfig, num_shards: int) -> HybridState:
   """One empty hybrid state per data shard, stacked on a leading axis (as `init_states`).
 
-  ``jax.vmap`` (or `state.on_every_shard`) of a hybrid op then runs it on
-  every shard at once.
+  ``jax.vmap`` (or `paged_jax.block_manager.state.on_every_shard`) of a
+  hybrid op then runs it on every shard at once.
   """
   return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_shards, *x.shape)), init_hybrid_state(cfg))
 
