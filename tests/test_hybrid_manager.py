@@ -420,3 +420,22 @@ def test_data_shards_run_as_one_vmapped_call():
     )
     mine = jax.tree.map(lambda x: x[shard], stacked)
     assert _leaves_equal(mine, one), shard
+
+
+def test_one_byte_budget_holds_several_times_more_long_sequences():
+  """Gemma 3 4B's types at 32k tokens: the budget of 10 sequences with every block kept."""
+  layers = tuple(None if (layer + 1) % 6 == 0 else 1024 for layer in range(34))
+  block_bytes = 2 * 4 * 16 * 256 * 2  # one layer's K and V of a block: 4 heads of 256, bf16
+  every_block = 34 * 2048 * block_bytes  # one 32k sequence, every layer, every block
+  budget = 10 * every_block
+  blocks = hybrid.gpu_blocks_for_budget(
+    layers, block_size=16, layer_block_bytes=block_bytes, budget_bytes=budget, max_tokens=32768
+  )
+  global_blocks, sliding_blocks = blocks
+  assert 5 * global_blocks * block_bytes + 29 * sliding_blocks * block_bytes <= budget
+  sequences = min(global_blocks // 2048, sliding_blocks // (64 + 1))
+  assert sequences == 57  # against 10: 5.7x
+  with pytest.raises(ValueError, match="gives a type no block"):
+    hybrid.gpu_blocks_for_budget(
+      layers, block_size=16, layer_block_bytes=block_bytes, budget_bytes=1000, max_tokens=32768
+    )

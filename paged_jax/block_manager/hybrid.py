@@ -101,9 +101,8 @@ class HybridCacheConfig:
 
   @property
   def windows(self) -> tuple:
-    """The attention types, in type order: None (global) first, then the windows ascending."""
-    distinct = set(self.layer_windows)
-    return ((None,) if None in distinct else ()) + tuple(sorted(distinct - {None}))
+    """The attention types, in type order (`attention_types`)."""
+    return attention_types(self.layer_windows)
 
   @property
   def num_groups(self) -> int:
@@ -167,6 +166,70 @@ def describe_admission(cfg: HybridCacheConfig, num_tokens: int, answer, group) -
     f"{need} of its {type_cfg.num_gpu_blocks} GPU blocks "
     f"(watermark {type_cfg.watermark_blocks}, table of {type_cfg.max_blocks_per_seq} blocks)"
   )
+
+
+def attention_types(layer_windows) -> tuple:
+  """The distinct layer types, in type order: None (global) first, then the windows ascending."""
+  distinct = set(layer_windows)
+  return ((None,) if None in distinct else ()) + tuple(sorted(distinct - {None}))
+
+
+def blocks_per_sequence(window: int | None, num_tokens: int, block_size: int, extra: int = 0):
+  """Blocks one sequence of `num_tokens` holds in a type: all, or its window's (plus `extra`).
+
+  `extra` counts the blocks an append takes before the window frees any
+  (a prompt chunk's, lookahead slots'); a type never holds more than every
+  block.
+  """
+  every = -(-num_tokens // block_size)
+  if window is None:
+    return every
+  return min(every, -(-window // block_size) + 1 + extra)
+
+
+def gpu_blocks_for_budget(
+  layer_windows,
+  *,
+  block_size: int,
+  layer_block_bytes: int,
+  budget_bytes: int,
+  max_tokens: int,
+  extra_blocks: int = 0,
+) -> tuple:
+  """Each type's GPU blocks, splitting one byte budget by what a longest sequence needs.
+
+  A type's share of the budget is its share of the bytes that one sequence
+  of `max_tokens` holds (its layers times its blocks per sequence), so
+  every type runs out at the same number of such sequences.
+
+  Args:
+    layer_windows: each layer's window, None for global attention.
+    block_size: tokens per block.
+    layer_block_bytes: bytes of one block of one layer (K and V;
+      `pj.bytes_per_block(num_layers=1, ...)`).
+    budget_bytes: device bytes for every type's pages together.
+    max_tokens: the longest sequence the split is made for.
+    extra_blocks: blocks a sliding type holds past its window (see
+      `blocks_per_sequence`).
+
+  Returns:
+    The blocks of each type, in type order (`HybridCacheConfig.gpu_blocks`).
+
+  Raises:
+    ValueError: a budget that cannot give every type one block.
+  """
+  windows = tuple(layer_windows)
+  types = attention_types(windows)
+  type_bytes = [windows.count(w) * layer_block_bytes for w in types]
+  need = [blocks_per_sequence(w, max_tokens, block_size, extra_blocks) for w in types]
+  per_sequence = sum(n * b for n, b in zip(need, type_bytes))
+  blocks = tuple(budget_bytes * n // per_sequence for n in need)  # (budget * n * b / per_seq) / b
+  if min(blocks) < 1:
+    raise ValueError(
+      f"a budget of {budget_bytes} bytes gives a type no block "
+      f"(one sequence of {max_tokens} tokens needs {per_sequence} bytes)"
+    )
+  return blocks
 
 
 def _type_name(window: int | None) -> str:
