@@ -14,8 +14,9 @@ succeeded; otherwise each type keeps the state it was given. To keep the
 states' updates in place, a multi-type op runs the types' ops once for their
 statuses and again under a `lax.cond` on them (XLA drops the first run's
 writes); a select between old and new states would copy every array each
-call (`benchmarks/bench_hybrid_manager.py`). With a single type an op is
-the plain op on that type's state, bit for bit.
+call (`benchmarks/bench_hybrid_manager.py`). Under `jax.vmap` over several
+data shards the cond becomes such a select again. With a single type an op
+is the plain op on that type's state, bit for bit.
 """
 
 from __future__ import annotations
