@@ -46,7 +46,7 @@ class ReferenceHybridManager:
     cpu_blocks = cpu_blocks or [cache.num_cpu_blocks] * count
     self.types = [
       ReferenceBlockSpaceManager(
-        dataclasses.replace(cache, sliding_window=window, num_gpu_blocks=gpu, num_cpu_blocks=cpu)
+        dataclasses.replace(cache, num_gpu_blocks=gpu, num_cpu_blocks=cpu), sliding_window=window
       )
       for window, gpu, cpu in zip(self.windows, gpu_blocks, cpu_blocks)
     ]
@@ -66,8 +66,10 @@ class ReferenceHybridManager:
   # Mutating calls: (status, failing type, per-type plans or hit counts).
 
   def allocate_counting_hits(self, seq_ids, token_ids, num_tokens, salt=0):
+    """Allocates on every type with the common hit: the blocks every type serves."""
+    common = min(manager.served_blocks(token_ids, num_tokens, salt) for manager in self.types)
     status, group, results = self._every_type(
-      "allocate_counting_hits", seq_ids, token_ids, num_tokens, salt
+      "allocate_counting_hits", seq_ids, token_ids, num_tokens, salt, common
     )
     return status, group, [hits for _, hits in results] if results else [0] * len(self.types)
 
