@@ -4,6 +4,9 @@ The rules of docs/semantics.md ("Hybrid caches"), literally: every mutating
 call runs on each type's `ReferenceBlockSpaceManager` in type order; if any
 type fails, every type is put back as it was and the call reports the first
 failing type's status. Admission answers the worst of the types' answers.
+With prefix caching, `allocate` gives every type the common hit (the
+leading blocks every type has cached) as its cap, and a sliding type caches
+under the window rules that `ReferenceBlockSpaceManager` states.
 """
 
 from __future__ import annotations
