@@ -258,3 +258,41 @@ def test_allocate_equals_empty_allocate_then_append_under_a_window(seed):
   assert two_steps.append_slots([seq_id], [tokens], [len(tokens)])[0] == status
   if status == Status.OK:
     assert two_steps._state == one_step._state
+
+
+def apply_hybrid(hybrid, operation):
+  """`apply` on the hybrid reference: its status."""
+  name, *args = operation
+  if name == "allocate":
+    seq_ids, tokens, salt = args
+    return hybrid.allocate_counting_hits(seq_ids, tokens, len(tokens), salt)[0]
+  if name == "append":
+    rows, lookahead = args
+    seq_ids, new = [s for s, _ in rows], [t for _, t in rows]
+    return hybrid.append_slots(seq_ids, new, [len(t) for t in new], lookahead)[0]
+  if name == "access":
+    for manager in hybrid.types:
+      manager.access_all_blocks_in_seq(*args)
+    return Status.OK
+  return getattr(hybrid, name)(*args)[0]  # fork, free, swap_out, swap_in
+
+
+@hypothesis.settings(max_examples=20, deadline=None)
+@hypothesis.given(seed=st.integers(0, 2**31 - 1))
+def test_hybrid_random_programs_keep_every_type_whole(seed):
+  rng = random.Random(seed)
+  hybrid = ReferenceHybridManager(
+    cached_config(num_gpu_blocks=6, num_cpu_blocks=4, max_blocks_per_seq=4),
+    [None, 3, 5],
+    gpu_blocks=[6, 4, 5],
+  )
+  for _ in range(24):
+    before = copy.deepcopy([manager._state for manager in hybrid.types])
+    status = apply_hybrid(hybrid, random_operation(rng, hybrid.types[0]))
+    if status != Status.OK:
+      assert [manager._state for manager in hybrid.types] == before
+    for manager in hybrid.types:
+      check_invariants(manager)
+      check_cached_chains(manager)
+    slots = [[(s.device, s.tokens) if s else None for s in m._state.seqs] for m in hybrid.types]
+    assert all(other == slots[0] for other in slots)
