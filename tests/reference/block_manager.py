@@ -30,6 +30,7 @@ Plan = list[tuple[int, int]]
 
 PADDING = -1
 DEVICES = ("gpu", "cpu")
+FROM_CONFIG = object()  # ReferenceBlockSpaceManager's default window: cfg.sliding_window
 
 
 @dataclasses.dataclass
@@ -80,9 +81,9 @@ class ReferenceBlockSpaceManager:
       still refuses for the jitted manager.
   """
 
-  def __init__(self, cfg: CacheConfig, sliding_window: int | None | str = "cfg"):
+  def __init__(self, cfg: CacheConfig, sliding_window: int | None | object = FROM_CONFIG):
     self.cfg = cfg
-    self.window = cfg.sliding_window if sliding_window == "cfg" else sliding_window
+    self.window = cfg.sliding_window if sliding_window is FROM_CONFIG else sliding_window
     self._state = self._initial_state()
 
   # Admission queries.
