@@ -115,6 +115,9 @@ class UncachedBlockAllocator:
       self.free_stack.append(block_number)
     return status
 
+  def settle(self) -> None:
+    """Ends a call (nothing to do without content)."""
+
 
 @dataclasses.dataclass
 class LRUEvictor:
@@ -180,6 +183,8 @@ class CachedBlockAllocator:
     cached: block number of every registered identity (held or in the
       evictor).
     release_counter: releases to the evictor so far.
+    orphans: evictor blocks whose identity an eviction of this call took
+      (see ``take``); ``settle`` moves them to ``released`` at the call's end.
   """
 
   num_blocks: int
@@ -189,6 +194,7 @@ class CachedBlockAllocator:
   evictor: LRUEvictor = dataclasses.field(default_factory=LRUEvictor)
   cached: dict[Identity, int] = dataclasses.field(default_factory=dict)
   release_counter: int = 0
+  orphans: set[int] = dataclasses.field(default_factory=set)
 
   def __post_init__(self):
     self.blocks = _fresh_blocks(self.num_blocks)
@@ -202,6 +208,12 @@ class CachedBlockAllocator:
 
   def take(self) -> int:
     """Hands out a block for new content, evicting one if it must.
+
+    Evicting a block also takes the identity of every cached block that
+    extends its prefix (same salt, longer prefix), so no cached block
+    outlives its parent: held ones keep their ref counts, unreferenced ones
+    become orphans. Orphans keep their place in the evictor until ``settle``,
+    so a call's takes follow the pool as it stood when the call began.
 
     Returns:
       The block number, with ref count 0, no content, not computed and
@@ -217,7 +229,12 @@ class CachedBlockAllocator:
       block_number = self.released.pop()
     elif self.evictor:
       block_number = self.evictor.evict()
-      del self.cached[self.blocks[block_number].identity]
+      identity = self.blocks[block_number].identity
+      if identity is None:  # an orphan of this call, taken before it settles
+        self.orphans.discard(block_number)
+      else:
+        del self.cached[identity]
+        self._forget_extensions(identity)
     else:
       raise _no_free_block(self.num_blocks)
     self.blocks[block_number] = PhysicalTokenBlock(block_number)
@@ -252,6 +269,28 @@ class CachedBlockAllocator:
     block.identity = identity
     block.num_hashed_tokens = num_hashed_tokens
     self.cached[identity] = block_number
+
+  def settle(self) -> None:
+    """Ends a call: its orphans leave the evictor for ``released``, lowest first."""
+    for block_number in sorted(self.orphans):
+      self.evictor.remove(block_number)
+      self.released.append(block_number)
+    self.orphans.clear()
+
+  def _forget_extensions(self, identity: Identity) -> None:
+    """Takes the identity (and computed flag) of every block extending ``identity``."""
+    salt, prefix = identity
+    for other in list(self.cached):
+      other_salt, other_prefix = other
+      if (
+        other_salt == salt
+        and len(other_prefix) > len(prefix)
+        and other_prefix[: len(prefix)] == prefix
+      ):
+        block = self.blocks[self.cached.pop(other)]
+        block.identity, block.computed = None, False
+        if block.block_number in self.evictor:
+          self.orphans.add(block.block_number)
 
   def touch(self, block_number: int, now: int) -> None:
     """Moves ``last_accessed`` forward to ``now`` (never backwards)."""

@@ -30,6 +30,7 @@ Plan = list[tuple[int, int]]
 
 PADDING = -1
 DEVICES = ("gpu", "cpu")
+FROM_CONFIG = object()  # ReferenceBlockSpaceManager's default window: cfg.sliding_window
 
 
 @dataclasses.dataclass
@@ -75,10 +76,14 @@ class ReferenceBlockSpaceManager:
 
   Args:
     cfg: the cache configuration.
+    sliding_window: the window, if not ``cfg.sliding_window``; this lets the
+      reference state prefix caching under a window, which ``CacheConfig``
+      still refuses for the jitted manager.
   """
 
-  def __init__(self, cfg: CacheConfig):
+  def __init__(self, cfg: CacheConfig, sliding_window: int | None | object = FROM_CONFIG):
     self.cfg = cfg
+    self.window = cfg.sliding_window if sliding_window is FROM_CONFIG else sliding_window
     self._state = self._initial_state()
 
   # Admission queries.
@@ -135,7 +140,12 @@ class ReferenceBlockSpaceManager:
   # Mutating calls.
 
   def allocate(
-    self, seq_ids: Sequence[int], token_ids: Sequence[int], num_tokens: int, salt: int = 0
+    self,
+    seq_ids: Sequence[int],
+    token_ids: Sequence[int],
+    num_tokens: int,
+    salt: int = 0,
+    max_hit_blocks: int | None = None,
   ) -> Status:
     """Gives every sequence of a group the same table for one prompt.
 
@@ -144,6 +154,8 @@ class ReferenceBlockSpaceManager:
       token_ids: the prompt, padded to any length.
       num_tokens: how many of ``token_ids`` are the prompt.
       salt: the group's salt; blocks are shared by content only within a salt.
+      max_hit_blocks: the hybrid's common hit: blocks from this one on are
+        not taken from the cache (None: no cap).
 
     Returns:
       The call's status.
@@ -158,16 +170,33 @@ class ReferenceBlockSpaceManager:
     if not group:
       return Status.OK
     tokens = list(token_ids[:num_tokens])
-    status, _ = self._atomically(lambda: (self._allocate(group, tokens, salt), []))
+    status, _ = self._atomically(lambda: (self._allocate(group, tokens, salt, max_hit_blocks), []))
     return status
 
   def allocate_counting_hits(
-    self, seq_ids: Sequence[int], token_ids: Sequence[int], num_tokens: int, salt: int = 0
+    self,
+    seq_ids: Sequence[int],
+    token_ids: Sequence[int],
+    num_tokens: int,
+    salt: int = 0,
+    max_hit_blocks: int | None = None,
   ) -> tuple[Status, int]:
     """``allocate``, and how many prompt blocks it found in the prefix cache."""
     hits = self._state.hits
-    status = self.allocate(seq_ids, token_ids, num_tokens, salt)
+    status = self.allocate(seq_ids, token_ids, num_tokens, salt, max_hit_blocks)
     return status, self._state.hits - hits
+
+  def served_blocks(self, token_ids: Sequence[int], num_tokens: int, salt: int = 0) -> int:
+    """How many leading full blocks of a prompt the GPU pool has cached (no lookup counted)."""
+    if not self.cfg.enable_prefix_caching:
+      return 0
+    tokens = list(token_ids[:num_tokens])
+    count = 0
+    while (count + 1) * self.cfg.block_size <= len(tokens) and self._state.pools["gpu"].lookup(
+      (salt, tuple(tokens[: (count + 1) * self.cfg.block_size]))
+    ) is not None:
+      count += 1
+    return count
 
   def append_slots(
     self,
@@ -418,6 +447,8 @@ class ReferenceBlockSpaceManager:
     if status != Status.OK:
       self._state = saved
       return status, []
+    for pool in self._state.pools.values():
+      pool.settle()
     return status, plan
 
   def _admission(self, required: int) -> AllocStatus:
@@ -453,7 +484,7 @@ class ReferenceBlockSpaceManager:
 
   def _is_dead(self, j: int, num_tokens: int) -> bool:
     """Whether block ``j`` of ``num_tokens`` tokens has left the window."""
-    window = self.cfg.sliding_window
+    window = self.window
     return window is not None and (j + 1) * self.cfg.block_size <= (num_tokens - window)
 
   def _identity(self, seq: _Sequence, tokens: list[int], j: int) -> Identity:
@@ -488,25 +519,40 @@ class ReferenceBlockSpaceManager:
     return blocks
 
   def _slot(self, seq: _Sequence, position: int) -> int:
-    window = self.cfg.sliding_window
+    window = self.window
     block_number = seq.table[position // self.cfg.block_size]
     if block_number == PADDING or (window is not None and position < len(seq.tokens) - window):
       return PADDING
     return block_number * self.cfg.block_size + position % self.cfg.block_size
 
-  def _allocate(self, group: list[int], tokens: list[int], salt: int) -> Status:
-    """Phases of ``allocate``: lookups, takes, registration."""
+  def _allocate(
+    self, group: list[int], tokens: list[int], salt: int, max_hit_blocks: int | None
+  ) -> Status:
+    """Phases of ``allocate``: lookups, takes, registration.
+
+    Every full block is looked up; the hits are the cached chain from block 0
+    (at most ``max_hit_blocks``). A hit whose entry is dead is passed through
+    but not held. A new block is registered only if its identity is not
+    cached and the entry before it holds a block with content.
+    """
     pool = self._state.pools["gpu"]
     num_tokens = len(tokens)
     num_full = num_tokens // self.cfg.block_size
     caching = self.cfg.enable_prefix_caching
     template = _Sequence([PADDING] * self.cfg.blocks_for(num_tokens), tokens, salt, "gpu")
     table = template.table
+    chain = []
     for j in range(num_full if caching else 0):
-      hit = self._look_up(self._identity(template, tokens, j))
-      if hit is not None:
-        pool.add_reference(hit, len(group))
-        table[j] = hit
+      self._state.lookups += 1
+      found = pool.lookup(self._identity(template, tokens, j))
+      if found is not None and len(chain) == j:
+        chain.append(found)
+    num_hits = len(chain) if max_hit_blocks is None else min(len(chain), max_hit_blocks)
+    self._state.hits += num_hits
+    for j in range(num_hits):
+      if not self._is_dead(j, num_tokens):
+        pool.add_reference(chain[j], len(group))
+        table[j] = chain[j]
     misses = [
       j for j in range(len(table)) if table[j] == PADDING and not self._is_dead(j, num_tokens)
     ]
@@ -516,7 +562,7 @@ class ReferenceBlockSpaceManager:
       table[j] = pool.take()
       pool.add_reference(table[j], len(group))
     for j in misses:
-      if caching and j < num_full:
+      if caching and len(chain) <= j < num_full and _parent_has_content(pool, table, j):
         pool.register(table[j], self._identity(template, tokens, j), (j + 1) * self.cfg.block_size)
     for seq_id in group:
       self._state.seqs[seq_id] = copy.deepcopy(template)
@@ -542,6 +588,11 @@ class ReferenceBlockSpaceManager:
 
     Returns:
       The changed entries in logical order; hits are pinned.
+
+    The row's full landing blocks are looked up only if the entry before the
+    first of them holds a block with content (or it is block 0). An entry
+    the call leaves dead is looked up (the chain passes through it) but
+    changes nothing.
     """
     block_size = self.cfg.block_size
     num_before, num_after = len(seq.tokens), len(tokens)
@@ -550,13 +601,21 @@ class ReferenceBlockSpaceManager:
       self.cfg.blocks_for(num_after) - 1 if num_after > num_before else first_landing - 1
     )
     length = max(len(seq.table), self.cfg.blocks_for(num_after + num_lookahead_slots))
+    looks_up = self.cfg.enable_prefix_caching and _parent_has_content(
+      self._state.pools["gpu"], seq.table, first_landing
+    )
     entries = []
     for j in range(first_landing, length):
       held = seq.table[j] if j < len(seq.table) else PADDING
-      if self._is_dead(j, num_after) or (j > last_landing and held != PADDING):
+      full = looks_up and j <= last_landing and (j + 1) * block_size <= num_after
+      if self._is_dead(j, num_after):
+        if full:
+          self._look_up(self._identity(seq, tokens, j))
+        continue
+      if j > last_landing and held != PADDING:
         continue
       entry = _Entry(j, "take" if held == PADDING else "in_place", held)
-      if self.cfg.enable_prefix_caching and j <= last_landing and (j + 1) * block_size <= num_after:
+      if full:
         entry.identity = self._identity(seq, tokens, j)
         entry.hit_block = self._look_up(entry.identity)
         if entry.hit_block is not None:
@@ -631,7 +690,11 @@ class ReferenceBlockSpaceManager:
           table[j] = PADDING
     for table, entries in zip(tables, plans):
       for entry in entries:
-        if entry.identity is not None and entry.action not in ("hit", "share"):
+        if (
+          entry.identity is not None
+          and entry.action not in ("hit", "share")
+          and _parent_has_content(pool, table, entry.j)
+        ):
           pool.register(table[entry.j], entry.identity, (entry.j + 1) * self.cfg.block_size)
     for seq, table, row_tokens in zip(seqs, tables, tokens):
       seq.table, seq.tokens = table, row_tokens
@@ -655,7 +718,11 @@ class ReferenceBlockSpaceManager:
     """Phases of a swap.
 
     Lookups and takes in the destination pool, releases in the source pool,
-    then registration of the moved content.
+    then registration of the moved content. Each table is looked up from
+    block 0, left to right, up to the first entry that is dead, holds a block
+    without content or misses; a block several tables hold is looked up once.
+    A moved block is registered only where the entry before it holds a block
+    with content.
     """
     source_pool = self._state.pools[source]
     destination_pool = self._state.pools[destination]
@@ -665,14 +732,21 @@ class ReferenceBlockSpaceManager:
       for block_number in _live(seq.table):
         uses[block_number] = uses.get(block_number, 0) + 1
     identities = {b: source_pool.blocks[b].identity for b in uses}
-    moved = {}
-    for block_number, identity in identities.items():
-      if identity is None:
-        continue
-      hit = self._look_up(identity) if destination == "gpu" else destination_pool.lookup(identity)
-      if hit is not None:
-        destination_pool.add_reference(hit, uses[block_number])
-        moved[block_number] = hit
+    found = {}
+    for seq in seqs:
+      for block_number in seq.table:
+        if block_number == PADDING or identities[block_number] is None:
+          break
+        if block_number not in found:
+          identity = identities[block_number]
+          found[block_number] = (
+            self._look_up(identity) if destination == "gpu" else destination_pool.lookup(identity)
+          )
+        if found[block_number] is None:
+          break
+    moved = {b: hit for b, hit in found.items() if hit is not None}
+    for block_number, hit in moved.items():
+      destination_pool.add_reference(hit, uses[block_number])
     misses = [b for b in uses if b not in moved]
     if len(misses) > destination_pool.num_free():
       return exhausted, []
@@ -684,12 +758,21 @@ class ReferenceBlockSpaceManager:
     for seq in seqs:
       for block_number in _live(seq.table):
         self._release(source_pool, block_number)
-    for b in misses:
-      if identities[b] is not None:
-        destination_pool.register(moved[b], identities[b], source_pool.blocks[b].num_hashed_tokens)
     for seq in seqs:
       seq.table = [moved.get(b, PADDING) for b in seq.table]
       seq.device = destination
+    to_register = {moved[b]: b for b in misses if identities[b] is not None}
+    registered = True
+    while registered:  # until no table registers one more block
+      registered = False
+      for seq in seqs:
+        for j, block_number in enumerate(seq.table):
+          if block_number in to_register and _parent_has_content(destination_pool, seq.table, j):
+            b = to_register.pop(block_number)
+            destination_pool.register(
+              block_number, identities[b], source_pool.blocks[b].num_hashed_tokens
+            )
+            registered = True
     return Status.OK, plan
 
 
@@ -697,6 +780,11 @@ def _grown(table: list[int], entries: list[_Entry]) -> list[int]:
   """A copy of ``table`` long enough for the entries a call changes."""
   length = max([len(table)] + [entry.j + 1 for entry in entries])
   return table + [PADDING] * (length - len(table))
+
+
+def _parent_has_content(pool: Pool, table: list[int], j: int) -> bool:
+  """Whether entry ``j`` is block 0 or the entry before it holds a block with content."""
+  return j == 0 or (table[j - 1] != PADDING and pool.blocks[table[j - 1]].identity is not None)
 
 
 def _live(table: list[int]) -> list[int]:

@@ -4,6 +4,9 @@ The rules of docs/semantics.md ("Hybrid caches"), literally: every mutating
 call runs on each type's `ReferenceBlockSpaceManager` in type order; if any
 type fails, every type is put back as it was and the call reports the first
 failing type's status. Admission answers the worst of the types' answers.
+With prefix caching, `allocate` gives every type the common hit (the
+leading blocks every type has cached) as its cap, and a sliding type caches
+under the window rules that `ReferenceBlockSpaceManager` states.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ class ReferenceHybridManager:
     cpu_blocks = cpu_blocks or [cache.num_cpu_blocks] * count
     self.types = [
       ReferenceBlockSpaceManager(
-        dataclasses.replace(cache, sliding_window=window, num_gpu_blocks=gpu, num_cpu_blocks=cpu)
+        dataclasses.replace(cache, num_gpu_blocks=gpu, num_cpu_blocks=cpu), sliding_window=window
       )
       for window, gpu, cpu in zip(self.windows, gpu_blocks, cpu_blocks)
     ]
@@ -66,8 +69,10 @@ class ReferenceHybridManager:
   # Mutating calls: (status, failing type, per-type plans or hit counts).
 
   def allocate_counting_hits(self, seq_ids, token_ids, num_tokens, salt=0):
+    """Allocates on every type with the common hit: the blocks every type serves."""
+    common = min(manager.served_blocks(token_ids, num_tokens, salt) for manager in self.types)
     status, group, results = self._every_type(
-      "allocate_counting_hits", seq_ids, token_ids, num_tokens, salt
+      "allocate_counting_hits", seq_ids, token_ids, num_tokens, salt, common
     )
     return status, group, [hits for _, hits in results] if results else [0] * len(self.types)
 
