@@ -54,6 +54,7 @@ import paged_jax as pj
 from paged_jax import models
 from paged_jax.attention import paged_attention
 from paged_jax.block_manager.manager import BlockSpaceManager
+from paged_jax.block_manager.state import on_every_shard
 from paged_jax.engine import programs
 from paged_jax.engine.sampling import RowParams, greedy_tokens, sample_rows
 from paged_jax.kv_cache import write_kv
@@ -367,7 +368,7 @@ def block_manager_timings(llm, reps, repeats):
   cfg = state0.cfg
   bm = BlockSpaceManager(cfg)
   local = jnp.asarray(runner.seq_ids.reshape(1, -1))  # rows = slots, every one running
-  on = programs.on_every_shard
+  on = on_every_shard
   running = (local >= 0).astype(jnp.int32)
   tokens = jnp.full((1, local.shape[1], 1), 5, jnp.int32)
 

@@ -259,8 +259,11 @@ def capture(launches: list):
 
   from paged_jax.engine import cache_manager, programs
 
+  # The package's names (what the runner calls) and its modules' (what the
+  # programs call on the host, e.g. `continue_decoding`'s copy).
+  modules = [programs, *(m for m in vars(programs).values() if isinstance(m, type(programs)))]
   saved = []
-  for module in (programs, cache_manager):
+  for module in (*modules, cache_manager):
     for attr, fn in list(vars(module).items()):
       if callable(fn) and hasattr(fn, "lower") and hasattr(fn, "trace"):
         saved.append((module, attr, fn))
