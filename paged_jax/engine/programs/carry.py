@@ -102,6 +102,21 @@ class HashedGraph:
     return nnx.merge(self.graphdef, params)
 
 
+def by_shard(rows: jax.Array, num_shards: int) -> jax.Array:
+  """A per-row array `[R, ...]` as `[D, R/D, ...]`, each shard's rows."""
+  return rows.reshape(num_shards, -1, *rows.shape[1:])
+
+
+def flat(per_shard_rows: jax.Array) -> jax.Array:
+  """A per-shard array `[D, R/D, ...]` as one of rows `[R, ...]`."""
+  return per_shard_rows.reshape(-1, *per_shard_rows.shape[2:])
+
+
+def local_slots(loop: DecodeLoop) -> jax.Array:
+  """The loop's rows as each shard's local slots `[D, R/D]` (see `per_shard`)."""
+  return per_shard(loop.seq_ids, loop.out_of_blocks.shape[0], loop.state.cfg.max_seqs)
+
+
 def per_shard(ids: jax.Array, num_shards: int, slots_per_shard: int) -> jax.Array:
   """Rows' global slots `[R]` (-1: none) as each shard's local slots
   `[D, R/D]` (row `r` holds a slot of shard `r // (R/D)`)."""

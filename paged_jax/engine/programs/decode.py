@@ -31,11 +31,22 @@ import jax.numpy as jnp
 from paged_jax import sharding, structured
 from paged_jax.block_manager.manager import BlockSpaceManager
 from paged_jax.block_manager.state import BlockManagerState, CopyPlan, on_every_shard
-from paged_jax.config import Status
 from paged_jax.engine import beam, speculative
-from paged_jax.engine.programs.carry import DecodeLoop, pairs_per_shard, per_shard
+from paged_jax.engine.programs.carry import (
+  DecodeLoop,
+  by_shard,
+  flat,
+  local_slots,
+  pairs_per_shard,
+)
 from paged_jax.engine.programs.speculating import append_pending, speculative_step
-from paged_jax.engine.programs.step import append_last_tokens, copy_for_append
+from paged_jax.engine.programs.step import (
+  append_last_tokens,
+  copy_for_append,
+  finish_step,
+  step_automata,
+  unless_out_of_blocks,
+)
 from paged_jax.engine.sampling import (
   RowParams,
   is_stop,
@@ -61,11 +72,8 @@ def decode_step(
   one (None, no constrained row runs), nothing is masked.
   """
   state, plan = append_last_tokens(loop)
-  out_of_blocks = plan.status != Status.OK
   advance = lambda _: advance_rows(graphdef, params_state, rows, table, loop, state, plan)[0]
-  return jax.lax.cond(
-    ~jnp.any(out_of_blocks), advance, lambda _: loop.replace(out_of_blocks=out_of_blocks), None
-  )
+  return unless_out_of_blocks(loop, plan, advance)
 
 
 def _call_model(model, tokens, positions, cache, kv):
@@ -94,13 +102,11 @@ def advance_rows(
   bm = BlockSpaceManager(cfg)
   num_shards = loop.out_of_blocks.shape[0]
   running = loop.seq_ids >= 0
-  local = per_shard(loop.seq_ids, num_shards, cfg.max_seqs)
-  shaped = lambda a: a.reshape(num_shards, -1, *a.shape[1:])
-  flat = lambda a: a.reshape(-1, *a.shape[2:])
+  local = local_slots(loop)
   kv = copy_for_append(loop.kv, loop.state, state, local, plan, 1)
   num_tokens = flat(on_every_shard(bm.get_num_tokens)(state, local))
   slot_mapping = on_every_shard(functools.partial(bm.get_slot_mapping, width=1))(
-    state, local, shaped(running.astype(jnp.int32))
+    state, local, by_shard(running.astype(jnp.int32), num_shards)
   )
   cache = paged_cache(
     kv=kv,
@@ -123,14 +129,8 @@ def advance_rows(
   sampled = running if loop.beams is None else running & (loop.beams.leader < 0)
   num_generated = loop.num_generated + sampled
   done = sampled & ((num_generated >= loop.limit) | is_stop(draw.tokens, rows.stop_ids))
-  automaton_state = loop.automaton_state
-  if table is not None:
-    automaton_state = jnp.where(
-      sampled, structured.advance(table, automaton_state, draw.tokens), automaton_state
-    )
-    done = done | (sampled & structured.is_dead(table, automaton_state))
-  used = cfg.num_gpu_blocks - on_every_shard(bm.num_free_gpu_blocks)(state)
-  held = jnp.sum(num_tokens)
+  automaton_state, dead = step_automata(table, loop.automaton_state, sampled, draw.tokens)
+  done = done | dead
   seq_ids = jnp.where(done, -1, loop.seq_ids)
   last_token = jnp.where(sampled, draw.tokens, loop.last_token)
   s, per = running.shape[0], cfg.max_seqs
@@ -175,11 +175,13 @@ def advance_rows(
     forked, beams, moves = jax.lax.cond(
       jnp.any(running & (loop.beams.leader >= 0)), beam_step, no_beams, None
     )
-  freed, _ = on_every_shard(bm.free)(
-    forked, per_shard(jnp.where(done | moves.dropped, loop.seq_ids, -1), num_shards, per)
-  )
-  return loop.replace(
-    state=freed,
+  return finish_step(
+    loop,
+    forked,
+    plan,
+    num_tokens,
+    free=jnp.where(done | moves.dropped, loop.seq_ids, -1),
+    finished=jnp.any(done) | jnp.any(moves.finished),
     kv=cache.kv,
     seq_ids=moves.seq_ids,
     last_token=moves.last_token,
@@ -187,12 +189,6 @@ def advance_rows(
     beams=beams,
     automaton_state=automaton_state,
     draws=draws,
-    step=loop.step + 1,
-    rows_run=loop.rows_run + jnp.sum(running),
-    finished_any=loop.finished_any | jnp.any(done) | jnp.any(moves.finished),
-    cow_copies=loop.cow_copies + jnp.sum(plan.count),
-    peak_blocks=jnp.maximum(loop.peak_blocks, jnp.max(used)),
-    utilization_sum=loop.utilization_sum + held / jnp.maximum(jnp.sum(used) * cfg.block_size, 1),
   ), extra
 
 

@@ -222,18 +222,20 @@ def ragged_step(
   num_shards, num_prompt_tokens = tokens.shape
 
   def call_model(model, row_tokens, row_positions, cache, kv):
-    per_shard = lambda a: a.reshape(num_shards, -1)
+    after_prompt = lambda prompt, rows: jnp.concatenate(
+      [prompt, rows.reshape(num_shards, -1)], axis=1
+    )
     ragged = paged_cache(
       kv=cache.kv,
       block_tables=prompt_tables,
-      slot_mapping=jnp.concatenate([prompt_slots, per_shard(cache.slot_mapping)], axis=1),
+      slot_mapping=after_prompt(prompt_slots, cache.slot_mapping),
       cache_sliding_window=cache.cache_sliding_window,
       query_tiles=tiles,
       decode_tables=cache.block_tables,
     )
     args = (
-      sharding.split_rows(jnp.concatenate([tokens, per_shard(row_tokens)], axis=1), kv),
-      sharding.split_rows(jnp.concatenate([positions, per_shard(row_positions)], axis=1), kv),
+      sharding.split_rows(after_prompt(tokens, row_tokens), kv),
+      sharding.split_rows(after_prompt(positions, row_positions), kv),
       ragged,
     )
     hidden, ragged, logits_of = _hidden_states(model, args)

@@ -15,10 +15,15 @@ import jax.numpy as jnp
 from paged_jax import sharding, structured
 from paged_jax.block_manager.manager import BlockSpaceManager
 from paged_jax.block_manager.state import on_every_shard
-from paged_jax.config import Status
 from paged_jax.engine import speculative
-from paged_jax.engine.programs.carry import DecodeLoop, per_shard
-from paged_jax.engine.programs.step import copy_for_append, slots_of
+from paged_jax.engine.programs.carry import DecodeLoop, by_shard, flat, local_slots
+from paged_jax.engine.programs.step import (
+  copy_for_append,
+  finish_step,
+  slots_of,
+  step_automata,
+  unless_out_of_blocks,
+)
 from paged_jax.engine.sampling import (
   Draw,
   RowParams,
@@ -59,14 +64,12 @@ def speculative_step(
   num_rows = loop.seq_ids.shape[0]
   row_ids = jnp.arange(num_rows)
   running = loop.seq_ids >= 0
-  local = per_shard(loop.seq_ids, num_shards, cfg.max_seqs)
-  shaped = lambda a: a.reshape(num_shards, -1, *a.shape[1:])
-  flat = lambda a: a.reshape(-1, *a.shape[2:])
+  local = local_slots(loop)
   new_tokens = jnp.concatenate([spec.pending, spec.pending[:, :1]], axis=1)
   new_tokens = new_tokens.at[row_ids, spec.num_pending].set(loop.last_token)
   num_new = jnp.where(running, spec.num_pending + 1, 0)
   state, plan = on_every_shard(functools.partial(bm.append_slots, num_lookahead_slots=k))(
-    loop.state, local, shaped(new_tokens), shaped(num_new)
+    loop.state, local, by_shard(new_tokens, num_shards), by_shard(num_new, num_shards)
   )
 
   def advance(_):
@@ -111,12 +114,9 @@ def speculative_step(
     num_emitted = jnp.where(running, jnp.minimum(accepted + 1, first_stop + 1), 0)
     num_generated = loop.num_generated + num_emitted
     done = running & ((num_generated >= loop.limit) | (first_stop < num_emitted))
-    automaton_state = loop.automaton_state
-    if table is not None:  # constrained rows emit one token
-      automaton_state = jnp.where(
-        running, structured.advance(table, automaton_state, draw.tokens[:, 0]), automaton_state
-      )
-      done = done | (running & structured.is_dead(table, automaton_state))
+    # Constrained rows emit one token.
+    automaton_state, dead = step_automata(table, loop.automaton_state, running, draw.tokens[:, 0])
+    done = done | dead
     emitted = offsets[None, :] < num_emitted[:, None]
     column = jnp.where(
       emitted, spec.emitted[:, None] + offsets[None, :], loop.draws.tokens.shape[1]
@@ -126,26 +126,20 @@ def speculative_step(
     )
     at = jnp.where(emitted, spec.history_len[:, None] + offsets[None, :], spec.history.shape[1])
     last = jnp.maximum(num_emitted - 1, 0)
-    used = cfg.num_gpu_blocks - on_every_shard(bm.num_free_gpu_blocks)(state)
-    freed, _ = on_every_shard(bm.free)(
-      state, per_shard(jnp.where(done, loop.seq_ids, -1), num_shards, cfg.max_seqs)
-    )
     proposed = jnp.stack([jnp.sum(count > 0), jnp.sum(count), jnp.sum(accepted)])
-    return loop.replace(
-      state=freed,
+    return finish_step(
+      loop,
+      state,
+      plan,
+      num_tokens,
+      free=jnp.where(done, loop.seq_ids, -1),
+      finished=jnp.any(done),
       kv=cache.kv,
       seq_ids=jnp.where(done, -1, loop.seq_ids),
       last_token=jnp.where(running, draw.tokens[row_ids, last], loop.last_token),
       num_generated=num_generated,
       automaton_state=automaton_state,
       draws=draws,
-      step=loop.step + 1,
-      rows_run=loop.rows_run + jnp.sum(running),
-      finished_any=loop.finished_any | jnp.any(done),
-      cow_copies=loop.cow_copies + jnp.sum(plan.count),
-      peak_blocks=jnp.maximum(loop.peak_blocks, jnp.max(used)),
-      utilization_sum=loop.utilization_sum
-      + jnp.sum(num_tokens) / jnp.maximum(jnp.sum(used) * cfg.block_size, 1),
       spec=spec.replace(
         history=spec.history.at[row_ids[:, None], at].set(draw.tokens, mode="drop"),
         history_len=spec.history_len + num_emitted,
@@ -156,10 +150,7 @@ def speculative_step(
       ),
     )
 
-  out_of_blocks = plan.status != Status.OK
-  return jax.lax.cond(
-    ~jnp.any(out_of_blocks), advance, lambda _: loop.replace(out_of_blocks=out_of_blocks), None
-  )
+  return unless_out_of_blocks(loop, plan, advance)
 
 
 def _accept_sampled_drafts(logits, rows, loop, drafts, draft_dists, count, accepted, draw):
@@ -207,10 +198,9 @@ def append_pending(loop: DecodeLoop) -> DecodeLoop:
   cfg, spec = loop.state.cfg, loop.spec
   bm = BlockSpaceManager(cfg)
   num_shards = loop.out_of_blocks.shape[0]
-  local = per_shard(loop.seq_ids, num_shards, cfg.max_seqs)
-  shaped = lambda a: a.reshape(num_shards, -1, *a.shape[1:])
+  local = local_slots(loop)
   state, plan = on_every_shard(bm.append_slots)(
-    loop.state, local, shaped(spec.pending), shaped(spec.num_pending)
+    loop.state, local, by_shard(spec.pending, num_shards), by_shard(spec.num_pending, num_shards)
   )
   kv = copy_for_append(loop.kv, loop.state, state, local, plan, spec.pending.shape[1])
   return loop.replace(

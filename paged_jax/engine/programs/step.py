@@ -17,24 +17,69 @@ import jax
 import jax.numpy as jnp
 
 from paged_jax import kv_cache as kv_ops
+from paged_jax import structured
 from paged_jax.block_manager.manager import BlockSpaceManager
 from paged_jax.block_manager.plans import unwritten_hit_copies
 from paged_jax.block_manager.state import CopyPlan, on_every_shard
-from paged_jax.engine.programs.carry import DecodeLoop, per_shard
+from paged_jax.config import Status
+from paged_jax.engine.programs.carry import DecodeLoop, by_shard, local_slots, per_shard
 from paged_jax.kv_cache import KVCache
 
 
 def append_last_tokens(loop: DecodeLoop):
   """`append_slots` of every running row's last token, on every shard."""
-  cfg = loop.state.cfg
   num_shards = loop.out_of_blocks.shape[0]
   running = loop.seq_ids >= 0
-  shaped = lambda a: a.reshape(num_shards, -1, *a.shape[1:])
-  return on_every_shard(BlockSpaceManager(cfg).append_slots)(
+  return on_every_shard(BlockSpaceManager(loop.state.cfg).append_slots)(
     loop.state,
-    per_shard(loop.seq_ids, num_shards, cfg.max_seqs),
-    shaped(loop.last_token[:, None]),
-    shaped(running.astype(jnp.int32)),
+    local_slots(loop),
+    by_shard(loop.last_token[:, None], num_shards),
+    by_shard(running.astype(jnp.int32), num_shards),
+  )
+
+
+def unless_out_of_blocks(loop: DecodeLoop, plan: CopyPlan, advance) -> DecodeLoop:
+  """`advance(None)`, the step after an append whose `plan` every shard
+  could carry out; else `loop` with the shards that ran out of blocks
+  marked (no row steps)."""
+  out_of_blocks = plan.status != Status.OK
+  return jax.lax.cond(
+    ~jnp.any(out_of_blocks), advance, lambda _: loop.replace(out_of_blocks=out_of_blocks), None
+  )
+
+
+def step_automata(table, automaton_state, stepped, tokens):
+  """The rows' automaton states after the `stepped` rows drew `tokens`, and
+  which of those rows' new states allow no token (they finish); without a
+  `table`, the states unchanged and none."""
+  if table is None:
+    return automaton_state, jnp.zeros_like(stepped)
+  advanced = jnp.where(stepped, structured.advance(table, automaton_state, tokens), automaton_state)
+  return advanced, stepped & structured.is_dead(table, advanced)
+
+
+def finish_step(loop: DecodeLoop, state, plan: CopyPlan, num_tokens, free, finished, **rows):
+  """The carry after one step of `loop`'s rows, the bookkeeping every step
+  ends with: `state` with the global slots `free` (-1: none) freed, the
+  step and its rows counted with `plan`'s copies, the blocks in use and
+  the `num_tokens` they hold, `finished` (a row finished) noted, and the
+  rows' new fields `rows` (`kv`, `seq_ids`, `last_token`, ...)."""
+  cfg = state.cfg
+  bm = BlockSpaceManager(cfg)
+  used = cfg.num_gpu_blocks - on_every_shard(bm.num_free_gpu_blocks)(state)
+  freed, _ = on_every_shard(bm.free)(
+    state, per_shard(free, loop.out_of_blocks.shape[0], cfg.max_seqs)
+  )
+  held = jnp.sum(num_tokens)
+  return loop.replace(
+    state=freed,
+    step=loop.step + 1,
+    rows_run=loop.rows_run + jnp.sum(loop.seq_ids >= 0),
+    finished_any=loop.finished_any | finished,
+    cow_copies=loop.cow_copies + jnp.sum(plan.count),
+    peak_blocks=jnp.maximum(loop.peak_blocks, jnp.max(used)),
+    utilization_sum=loop.utilization_sum + held / jnp.maximum(jnp.sum(used) * cfg.block_size, 1),
+    **rows,
   )
 
 
