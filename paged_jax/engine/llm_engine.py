@@ -19,12 +19,8 @@ from paged_jax.engine.outputs import GenerationStats, RequestOutput
 from paged_jax.engine.params import SamplingParams
 from paged_jax.engine.protocol import check_model
 from paged_jax.engine.runner import ModelRunner
-from paged_jax.engine.scheduler import (
-  PREEMPTION_MODES,
-  Scheduler,
-  SchedulerOutput,
-  admission_error,
-)
+from paged_jax.engine.scheduler import PREEMPTION_MODES, Scheduler, admission_error
+from paged_jax.engine.scheduler_output import SchedulerOutput
 from paged_jax.engine.sequence import SequenceGroup
 from paged_jax.models.paged import window_chunk
 

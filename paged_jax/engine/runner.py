@@ -24,7 +24,7 @@ from paged_jax import sharding, structured
 from paged_jax.engine import beam, programs
 from paged_jax.engine.cache_manager import CacheManager
 from paged_jax.engine.sampling import Draw, RowParams
-from paged_jax.engine.scheduler import RowChanges
+from paged_jax.engine.scheduler_output import RowChanges
 
 
 @dataclasses.dataclass
