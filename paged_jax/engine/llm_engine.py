@@ -639,13 +639,13 @@ class LLMEngine:
         self.cache.move_out(plan)
       for plan in out.swap_in:
         self.cache.move_in(plan)
-      self.runner.apply(out.rows)
+      self.runner.table.apply(out.rows)
     touched: dict[str, SequenceGroup] = {}
     chunks = [chunk for out in rounds for chunk in out.chunks]
     result = None
     if chunks and self.speculative is None:
       result = self._ragged_step(rounds, chunks, touched)
-    elif chunks or self.runner.has_running_rows():
+    elif chunks or self.runner.table.has_running_rows():
       if chunks:
         self._prefill(rounds, chunks, touched)
       result = self._decode(rounds, touched)
@@ -671,10 +671,10 @@ class LLMEngine:
       _constraints(_decoding(rounds)),
     )
     for out in rounds:
-      touched.update(self.processor.take_decode(out.decoding, result, self.runner.hypotheses))
+      touched.update(self.processor.take_decode(out.decoding, result, self.runner.table.hypotheses))
     touched.update(self.processor.take_prefill(chunks, draws, scores))
     for scheduler, out in zip(self.schedulers, rounds):
-      self.runner.apply(scheduler.after_prefill(out))
+      self.runner.table.apply(scheduler.after_prefill(out))
     return result
 
   def _prefill(self, rounds, chunks, touched) -> None:
@@ -683,12 +683,12 @@ class LLMEngine:
     draws, scores = self._timed(self.runner.prefill, chunks, samples, sample_constraints)
     touched.update(self.processor.take_prefill(chunks, draws, scores))
     for scheduler, out in zip(self.schedulers, rounds):
-      self.runner.apply(scheduler.after_prefill(out))
+      self.runner.table.apply(scheduler.after_prefill(out))
 
   def _decode(self, rounds, touched):
     """Runs the decode loop on the running rows (as many steps as
     `ModelRunner.decode` ramps up to) and takes in what they drew."""
-    if not self.runner.has_running_rows():
+    if not self.runner.table.has_running_rows():
       return None
     stop_on_finish = any(out.stop_on_finish for out in rounds)
     decoding = _decoding(rounds)
@@ -711,7 +711,7 @@ class LLMEngine:
     )
     seconds = time.perf_counter() - launched
     for out in rounds:
-      touched.update(self.processor.take_decode(out.decoding, result, self.runner.hypotheses))
+      touched.update(self.processor.take_decode(out.decoding, result, self.runner.table.hypotheses))
     if self._chooser is not None:
       self._record_launch(decoding, result, speculate, seconds)
     return result
@@ -722,7 +722,7 @@ class LLMEngine:
     round would only decode them again (`Scheduler.decodes_only`)."""
     return (
       self.async_scheduling
-      and self.runner.has_running_rows()
+      and self.runner.table.has_running_rows()
       and all(scheduler.decodes_only() for scheduler in self.schedulers)
     )
 
@@ -769,7 +769,7 @@ class LLMEngine:
     rounds = [SchedulerOutput(s.shard, decoding=list(s.running)) for s in self.schedulers]
     touched: dict[str, SequenceGroup] = {}
     for out in rounds:
-      touched.update(self.processor.take_decode(out.decoding, result, self.runner.hypotheses))
+      touched.update(self.processor.take_decode(out.decoding, result, self.runner.table.hypotheses))
     self._update_or_defer(rounds, result)
     return touched
 
