@@ -6,7 +6,8 @@ side by side, its block axis split over "data" (`paged_jax.sharding`).
 Sequence slots are global: slot `g` is slot `g % max_seqs` of shard
 `g // max_seqs`. The scheduler asks it what fits and changes the states
 (allocations, forks, frees, swap plans); the engine has it move the pages
-that swap plans name.
+that swap plans name; the model runner's launches hand it their new pages
+and states (`take_launch`). It alone stores them.
 """
 
 from __future__ import annotations
@@ -326,6 +327,15 @@ class CacheManager:
     if self.cfg.enable_prefix_caching:
       plan = _with_unwritten_hits(plan, before, self.state, shard, local)
     return sharding.shard_plan(plan, shard, self.cfg.num_cpu_blocks, self.cfg.num_gpu_blocks)
+
+  def take_launch(self, kv: KVCache, state: BlockManagerState | None = None) -> None:
+    """Takes the pages and, if it changed them, the manager states that a
+    launch of the model runner handed back (maybe not computed yet) as the
+    ones the next operation starts from; the launch took the old ones
+    (donated)."""
+    self.kv = kv
+    if state is not None:
+      self.state = state
 
   def move_out(self, plan) -> None:
     """Copies the pages of a `swap_out` plan from the device to the host."""

@@ -671,7 +671,7 @@ class LLMEngine:
       _constraints(_decoding(rounds)),
     )
     for out in rounds:
-      touched.update(self.processor.take_decode(out.decoding, result, self.runner.table.hypotheses))
+      touched.update(self.processor.take_decode(out.decoding, result))
     touched.update(self.processor.take_prefill(chunks, draws, scores))
     for scheduler, out in zip(self.schedulers, rounds):
       self.runner.table.apply(scheduler.after_prefill(out))
@@ -711,7 +711,7 @@ class LLMEngine:
     )
     seconds = time.perf_counter() - launched
     for out in rounds:
-      touched.update(self.processor.take_decode(out.decoding, result, self.runner.table.hypotheses))
+      touched.update(self.processor.take_decode(out.decoding, result))
     if self._chooser is not None:
       self._record_launch(decoding, result, speculate, seconds)
     return result
@@ -769,7 +769,7 @@ class LLMEngine:
     rounds = [SchedulerOutput(s.shard, decoding=list(s.running)) for s in self.schedulers]
     touched: dict[str, SequenceGroup] = {}
     for out in rounds:
-      touched.update(self.processor.take_decode(out.decoding, result, self.runner.table.hypotheses))
+      touched.update(self.processor.take_decode(out.decoding, result))
     self._update_or_defer(rounds, result)
     return touched
 

@@ -85,22 +85,17 @@ class RowTable:
   def has_running_rows(self) -> bool:
     return bool(np.any(self.seq_ids >= 0))
 
-  def hypotheses(self, leader: int, count: int):
-    """The best `count` finished hypotheses of a beam group, best first:
-    `(tokens, cumulative logprob, stopped)` triples."""
-    b = jax.tree.map(lambda a: np.asarray(a)[leader], self.beams)
-    return [
-      (b.hyp_tokens[i, : b.hyp_len[i]].tolist(), float(b.hyp_logprob[i]), bool(b.hyp_stopped[i]))
-      for i in range(count)
-      if b.hyp_score[i] > -np.inf
-    ]
-
-  def beams_done(self) -> np.ndarray:
-    """bool `[S]`, leaders whose beam group finished; while no group runs
-    none, read without waiting for a launch that runs ahead."""
+  def finished_beams(self) -> dict[int, list]:
+    """The hypotheses of each beam group that finished, by leader slot:
+    `(tokens, cumulative logprob, stopped)` triples, best first. While no
+    group runs none, read without waiting for a launch that runs ahead."""
     if not np.any(self.in_beam_group):
-      return np.zeros(self.seq_ids.shape[0], bool)
-    return np.asarray(self.beams.done)
+      return {}
+    beams = jax.device_get(self.beams)
+    return {
+      int(leader): _hypotheses(jax.tree.map(lambda a, leader=leader: a[leader], beams))
+      for leader in np.flatnonzero(beams.done)
+    }
 
   def slots_of(self, rows) -> np.ndarray:
     """The slots of a launch's `rows`: themselves, or every slot for None."""
@@ -145,6 +140,20 @@ def per_slot(values: np.ndarray, slots: np.ndarray, num_slots: int) -> np.ndarra
   out = np.zeros((num_slots, *values.shape[1:]), values.dtype)
   out[slots[slots >= 0]] = values[slots >= 0]
   return out
+
+
+def _hypotheses(group) -> list:
+  """A beam group's finished hypotheses (one group's `Beams` rows, NumPy),
+  best first, as `(tokens, cumulative logprob, stopped)` triples."""
+  return [
+    (
+      group.hyp_tokens[i, : group.hyp_len[i]].tolist(),
+      float(group.hyp_logprob[i]),
+      bool(group.hyp_stopped[i]),
+    )
+    for i in range(group.hyp_score.shape[0])
+    if group.hyp_score[i] > -np.inf
+  ]
 
 
 def speculation_carry(slots: np.ndarray, histories, k: int, max_tokens: int):

@@ -47,7 +47,8 @@ class DecodeResult:
       blocks are freed).
     out_of_blocks: bool `[D]`, the data shards whose blocks ran out (the
       loop stopped for them).
-    beams_done: bool `[S]`, leaders whose beam group has finished.
+    finished_beams: the hypotheses of each beam group that finished, by
+      leader slot (see `RowTable.finished_beams`).
     num_rows: the launch's rows (its row bucket, over every data shard).
     steps: steps the loop ran.
     row_steps: rows that decoded, summed over the steps.
@@ -57,7 +58,7 @@ class DecodeResult:
   counts: np.ndarray
   finished: np.ndarray
   out_of_blocks: np.ndarray
-  beams_done: np.ndarray
+  finished_beams: dict[int, list]
   num_rows: int = 0
   steps: int = 0
   row_steps: int = 0
@@ -244,7 +245,7 @@ class ModelRunner(RunAhead):
     self, packed: PackedPrefill, last_token_of, samples, table=None, draw_states=None
   ):
     cache = self.cache
-    (draw, scores), cache.kv = programs.prefill(
+    (draw, scores), kv = programs.prefill(
       self.graphdef,
       self.params,
       cache.kv,
@@ -257,6 +258,7 @@ class ModelRunner(RunAhead):
       draw_states,
       **self.draft,
     )
+    cache.take_launch(kv)
     return draw, scores
 
   def decode_buckets(self) -> list[int]:
@@ -374,7 +376,7 @@ class ModelRunner(RunAhead):
   def _keep(self, loop: programs.DecodeLoop) -> None:
     """Takes a dispatched launch's pages, manager state and beams (maybe
     not computed yet) as the ones the next launch starts from."""
-    self.cache.state, self.cache.kv = loop.state, loop.kv
+    self.cache.take_launch(loop.kv, loop.state)
     if loop.beams is not None:
       self.table.beams = loop.beams
 
@@ -514,7 +516,7 @@ class ModelRunner(RunAhead):
       counts=counts,
       finished=finished,
       out_of_blocks=np.array(loop.out_of_blocks),
-      beams_done=self.table.beams_done(),
+      finished_beams=self.table.finished_beams(),
       num_rows=slots.shape[0],
       steps=steps,
       row_steps=int(loop.rows_run),
