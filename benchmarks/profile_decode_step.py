@@ -56,10 +56,10 @@ from paged_jax.attention import paged_attention
 from paged_jax.block_manager.manager import BlockSpaceManager
 from paged_jax.block_manager.state import on_every_shard
 from paged_jax.engine import programs
-from paged_jax.engine.sampling import RowParams, greedy_tokens, sample_rows
 from paged_jax.kv_cache import write_kv
 from paged_jax.models import layers
 from paged_jax.models.paged import paged_cache
+from paged_jax.sampling import RowParams, greedy_tokens, sample_rows
 
 SLOTS, MAX_BLOCKS, BLOCK = 32, 32, 16
 ROWS = 32

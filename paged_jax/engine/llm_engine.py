@@ -16,13 +16,13 @@ from paged_jax.engine.cache_manager import CacheManager
 from paged_jax.engine.input_processor import MAX_STOP_TOKENS, InputProcessor
 from paged_jax.engine.output_processor import OutputProcessor
 from paged_jax.engine.outputs import GenerationStats, RequestOutput
-from paged_jax.engine.params import SamplingParams
 from paged_jax.engine.protocol import check_model
 from paged_jax.engine.runner import ModelRunner
 from paged_jax.engine.scheduler import PREEMPTION_MODES, Scheduler, admission_error
 from paged_jax.engine.scheduler_output import SchedulerOutput
 from paged_jax.engine.sequence import SequenceGroup
 from paged_jax.models.paged import window_chunk
+from paged_jax.params import SamplingParams
 
 # The most model programs (prompt shapes and decode loops) one engine
 # compiles: each costs a compile in warm-up and, on XLA:CPU, memory

@@ -15,7 +15,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from paged_jax.engine.sampling import Draw
+from paged_jax.sampling import Draw
 
 
 @dataclasses.dataclass

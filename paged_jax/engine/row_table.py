@@ -15,8 +15,8 @@ import jax
 import numpy as np
 
 from paged_jax.engine import programs
-from paged_jax.engine.sampling import RowParams
 from paged_jax.engine.scheduler_output import RowChanges
+from paged_jax.sampling import RowParams
 
 
 class RowTable:

@@ -33,7 +33,7 @@ from paged_jax.engine.packing import (
 )
 from paged_jax.engine.row_table import RowTable, per_slot, speculation_carry
 from paged_jax.engine.run_ahead import AheadLaunch, RunAhead
-from paged_jax.engine.sampling import Draw
+from paged_jax.sampling import Draw
 
 
 @dataclasses.dataclass

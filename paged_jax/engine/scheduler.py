@@ -30,7 +30,6 @@ import numpy as np
 
 from paged_jax.config import AllocStatus, CacheConfig
 from paged_jax.engine.cache_manager import CacheManager
-from paged_jax.engine.params import SamplingParams
 from paged_jax.engine.scheduler_output import (
   NewRow,
   PrefillChunk,
@@ -38,6 +37,7 @@ from paged_jax.engine.scheduler_output import (
   SchedulerOutput,
 )
 from paged_jax.engine.sequence import Sequence, SequenceGroup
+from paged_jax.params import SamplingParams
 
 PREEMPTION_MODES = ("recompute", "swap")
 

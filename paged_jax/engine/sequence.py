@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from paged_jax.engine.params import SamplingParams
+from paged_jax.params import SamplingParams
 from paged_jax.structured import Automaton
 
 

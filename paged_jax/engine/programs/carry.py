@@ -18,10 +18,10 @@ from flax import nnx
 
 from paged_jax.block_manager.state import BlockManagerState
 from paged_jax.engine import beam
-from paged_jax.engine.sampling import (
+from paged_jax.kv_cache import KVCache
+from paged_jax.sampling import (
   Draw,
 )
-from paged_jax.kv_cache import KVCache
 
 
 @flax.struct.dataclass

@@ -47,12 +47,12 @@ from paged_jax.engine.programs.step import (
   step_automata,
   unless_out_of_blocks,
 )
-from paged_jax.engine.sampling import (
+from paged_jax.models.paged import paged_cache
+from paged_jax.sampling import (
   RowParams,
   is_stop,
   sample_rows,
 )
-from paged_jax.models.paged import paged_cache
 
 
 def decode_step(

@@ -24,7 +24,8 @@ from paged_jax.engine.programs.step import (
   step_automata,
   unless_out_of_blocks,
 )
-from paged_jax.engine.sampling import (
+from paged_jax.models.paged import paged_cache
+from paged_jax.sampling import (
   Draw,
   RowParams,
   categorical_rows,
@@ -33,7 +34,6 @@ from paged_jax.engine.sampling import (
   sample_rows,
   sampling_logits,
 )
-from paged_jax.models.paged import paged_cache
 
 
 def speculative_step(
