@@ -26,7 +26,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType, SingleDeviceSha
 
 import paged_jax as pj
 from paged_jax import attention, models
-from paged_jax.models.paged import paged_cache
+from paged_jax.paged_cache import paged_cache
 from pallas_kernels.paged_attention import gpu, mosaic_gpu
 
 DEVICE_KINDS = {"h100": "NVIDIA H100 80GB HBM3", "h200": "NVIDIA H200 141GB HBM3e"}

@@ -58,7 +58,7 @@ from paged_jax.block_manager.state import on_every_shard
 from paged_jax.engine import programs
 from paged_jax.kv_cache import write_kv
 from paged_jax.models import layers
-from paged_jax.models.paged import paged_cache
+from paged_jax.paged_cache import paged_cache
 from paged_jax.sampling import RowParams, greedy_tokens, sample_rows
 
 SLOTS, MAX_BLOCKS, BLOCK = 32, 32, 16

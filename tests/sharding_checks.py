@@ -24,7 +24,7 @@ from paged_jax.engine.cache_manager import CacheManager
 from paged_jax.engine.packing import PackedPrefill
 from paged_jax.engine.runner import ModelRunner
 from paged_jax.models import LlamaConfig, load_tiny
-from paged_jax.models.paged import paged_cache
+from paged_jax.paged_cache import paged_cache
 from tests import engine_traces
 
 MESHES = ((1, 2), (1, 4), (2, 2), (2, 4), (8, 1))

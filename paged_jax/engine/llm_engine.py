@@ -21,7 +21,7 @@ from paged_jax.engine.runner import ModelRunner
 from paged_jax.engine.scheduler import PREEMPTION_MODES, Scheduler, admission_error
 from paged_jax.engine.scheduler_output import SchedulerOutput
 from paged_jax.engine.sequence import SequenceGroup
-from paged_jax.models.paged import window_chunk
+from paged_jax.paged_cache import window_chunk
 from paged_jax.params import SamplingParams
 
 # The most model programs (prompt shapes and decode loops) one engine

@@ -26,7 +26,7 @@ from paged_jax.engine.programs.carry import DecodeLoop
 from paged_jax.engine.programs.decode import advance_rows
 from paged_jax.engine.programs.speculating import draft_call
 from paged_jax.engine.programs.step import append_last_tokens, slots_of
-from paged_jax.models.paged import paged_cache, take_tiles, tile_token_index, untile
+from paged_jax.paged_cache import paged_cache, take_tiles, tile_token_index, untile
 from paged_jax.sampling import (
   RowParams,
   sample_rows,

@@ -24,7 +24,7 @@ from paged_jax.engine.programs.step import (
   step_automata,
   unless_out_of_blocks,
 )
-from paged_jax.models.paged import paged_cache
+from paged_jax.paged_cache import paged_cache
 from paged_jax.sampling import (
   Draw,
   RowParams,
