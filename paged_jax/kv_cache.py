@@ -69,7 +69,7 @@ from jax import lax
 from jax.experimental.compute_on import compute_on
 
 from paged_jax import sharding
-from paged_jax.attention import check_block_size, is_concrete, select_kernel
+from paged_jax.kernel_choice import check_block_size, is_concrete, select_kernel
 from paged_jax.kv_memory import check_cache_dtype, host_memory_kind
 from pallas_kernels import bits, quantization
 from pallas_kernels import copy_blocks as copy_blocks_kernels
