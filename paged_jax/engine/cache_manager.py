@@ -18,8 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax import kv_cache as kv_ops
-from paged_jax import sharding
+from paged_jax import kv_swap, sharding
 from paged_jax.block_manager import manager
 from paged_jax.block_manager.manager import BlockSpaceManager
 from paged_jax.block_manager.state import EMPTY, BlockManagerState, init_states
@@ -339,12 +338,12 @@ class CacheManager:
 
   def move_out(self, plan) -> None:
     """Copies the pages of a `swap_out` plan from the device to the host."""
-    self.kv = kv_ops.swap_out(self.kv, plan)
+    self.kv = kv_swap.swap_out(self.kv, plan)
     self.num_swapped_blocks += int(plan.count)
 
   def move_in(self, plan) -> None:
     """Copies the pages of a `swap_in` plan from the host to the device."""
-    self.kv = kv_ops.swap_in(self.kv, plan)
+    self.kv = kv_swap.swap_in(self.kv, plan)
     self.num_swapped_blocks += int(plan.count)
 
   # Sleep and new weights.
@@ -406,8 +405,8 @@ class CacheManager:
       return
     sizes = (self.cfg.num_gpu_blocks, self.cfg.num_cpu_blocks)
     for op, move, (src, dst) in (
-      (BlockSpaceManager.swap_out, kv_ops.swap_out, sizes),
-      (BlockSpaceManager.swap_in, kv_ops.swap_in, sizes[::-1]),
+      (BlockSpaceManager.swap_out, kv_swap.swap_out, sizes),
+      (BlockSpaceManager.swap_in, kv_swap.swap_in, sizes[::-1]),
     ):
       _, plan = _on_shard(op, self.state, shard, no_group)
       if op is BlockSpaceManager.swap_in and self.cfg.enable_prefix_caching:
