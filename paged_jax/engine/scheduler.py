@@ -36,16 +36,10 @@ from paged_jax.engine.scheduler_output import (
   RowChanges,
   SchedulerOutput,
 )
-from paged_jax.engine.sequence import Sequence, SequenceGroup
+from paged_jax.engine.sequence import Sequence, SequenceGroup, token_limit
 from paged_jax.params import SamplingParams
 
 PREEMPTION_MODES = ("recompute", "swap")
-
-
-def token_limit(max_len: int, num_prompt_tokens: int, params: SamplingParams) -> int:
-  """Tokens each sequence of a request may draw: `max_tokens`, or fewer
-  where the sequence would pass `max_len` positions."""
-  return min(params.max_tokens, max_len - num_prompt_tokens)
 
 
 def blocks_held(cfg: CacheConfig, num_tokens: int, max_chunk: int | None = None) -> int:

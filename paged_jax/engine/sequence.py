@@ -10,6 +10,12 @@ from paged_jax.params import SamplingParams
 from paged_jax.structured import Automaton
 
 
+def token_limit(max_len: int, num_prompt_tokens: int, params: SamplingParams) -> int:
+  """Tokens each sequence of a request may draw: `max_tokens`, or fewer
+  where the sequence would pass `max_len` positions."""
+  return min(params.max_tokens, max_len - num_prompt_tokens)
+
+
 @dataclasses.dataclass
 class Detokenized:
   """A sequence's text, decoded a few tokens at a time, as vLLM's detokenizer does.
