@@ -5,18 +5,49 @@ it decodes, from which token, how many it drew and may draw, and with which
 sampling parameters (small NumPy arrays on the host), and the beam state
 (on the device). The scheduler's `RowChanges` change it (`apply`); a launch
 reads the rows it runs (`row_params`, `row_constraints`) and its carry is
-taken back (`take`). A launch's rows are slots (-1: padding), or every slot
+taken back (`take`), and what the launch did per slot is its
+`DecodeResult`. A launch's rows are slots (-1: padding), or every slot
 in order (None).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import numpy as np
 
 from paged_jax.engine import programs
 from paged_jax.engine.scheduler_output import RowChanges
-from paged_jax.sampling import RowParams
+from paged_jax.sampling import Draw, RowParams
+
+
+@dataclasses.dataclass
+class DecodeResult:
+  """What one launch of the decode loop did.
+
+  Attributes:
+    draws: NumPy draws `[S, num_steps]` of every row.
+    counts: int `[S]`, the tokens each row drew.
+    finished: bool `[S]`, the rows that finished on the device (their
+      blocks are freed).
+    out_of_blocks: bool `[D]`, the data shards whose blocks ran out (the
+      loop stopped for them).
+    finished_beams: the hypotheses of each beam group that finished, by
+      leader slot (see `RowTable.finished_beams`).
+    num_rows: the launch's rows (its row bucket, over every data shard).
+    steps: steps the loop ran.
+    row_steps: rows that decoded, summed over the steps.
+  """
+
+  draws: Draw
+  counts: np.ndarray
+  finished: np.ndarray
+  out_of_blocks: np.ndarray
+  finished_beams: dict[int, list]
+  num_rows: int = 0
+  steps: int = 0
+  row_steps: int = 0
 
 
 class RowTable:

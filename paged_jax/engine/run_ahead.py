@@ -11,16 +11,13 @@ the model runner; it uses the runner's `_launch_decode`, `_launch_steps`,
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
 from paged_jax.engine import programs
 from paged_jax.engine.packing import pack_decode_rows
-
-if TYPE_CHECKING:
-  from paged_jax.engine.runner import DecodeResult
+from paged_jax.engine.row_table import DecodeResult
 
 
 @dataclasses.dataclass

@@ -13,8 +13,6 @@ decode launch runs ahead (`paged_jax.engine.run_ahead`).
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,37 +29,9 @@ from paged_jax.engine.packing import (
   prompt_buckets,
   prompt_outputs,
 )
-from paged_jax.engine.row_table import RowTable, per_slot, speculation_carry
+from paged_jax.engine.row_table import DecodeResult, RowTable, per_slot, speculation_carry
 from paged_jax.engine.run_ahead import AheadLaunch, RunAhead
 from paged_jax.sampling import Draw
-
-
-@dataclasses.dataclass
-class DecodeResult:
-  """What one launch of the decode loop did.
-
-  Attributes:
-    draws: NumPy draws `[S, num_steps]` of every row.
-    counts: int `[S]`, the tokens each row drew.
-    finished: bool `[S]`, the rows that finished on the device (their
-      blocks are freed).
-    out_of_blocks: bool `[D]`, the data shards whose blocks ran out (the
-      loop stopped for them).
-    finished_beams: the hypotheses of each beam group that finished, by
-      leader slot (see `RowTable.finished_beams`).
-    num_rows: the launch's rows (its row bucket, over every data shard).
-    steps: steps the loop ran.
-    row_steps: rows that decoded, summed over the steps.
-  """
-
-  draws: Draw
-  counts: np.ndarray
-  finished: np.ndarray
-  out_of_blocks: np.ndarray
-  finished_beams: dict[int, list]
-  num_rows: int = 0
-  steps: int = 0
-  row_steps: int = 0
 
 
 class ModelRunner(RunAhead):
