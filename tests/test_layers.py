@@ -123,7 +123,7 @@ def test_no_import_runs_up_the_layers():
 @pytest.mark.parametrize(
   ("importer", "imported", "wrong"),
   [
-    ("paged_jax.models.dense", "paged_jax.engine.sampling", True),
+    ("paged_jax.models.dense", "paged_jax.engine.llm_engine", True),
     ("paged_jax.kv_cache", "paged_jax.engine", True),
     ("paged_jax.engine.runner", "paged_jax.models", True),
     ("paged_jax.engine.runner", "paged_jax.kv_cache", False),
