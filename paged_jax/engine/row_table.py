@@ -3,11 +3,11 @@
 The model runner's persistent batch: for each global sequence slot, whether
 it decodes, from which token, how many it drew and may draw, and with which
 sampling parameters (small NumPy arrays on the host), and the beam state
-(on the device). The scheduler's `RowChanges` change it (`apply`); a launch
-reads the rows it runs (`row_params`, `row_constraints`) and its carry is
-taken back (`take`), and what the launch did per slot is its
-`DecodeResult`. A launch's rows are slots (-1: padding), or every slot
-in order (None).
+(on the device). The scheduler encodes a sequence's row with `new_row`,
+and its `RowChanges` change the table (`apply`); a launch reads the rows
+it runs (`row_params`, `row_constraints`), its carry is taken back
+(`take`), and what it did per slot is its `DecodeResult`. A launch's rows
+are slots (-1: padding), or every slot in order (None).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import jax
 import numpy as np
 
 from paged_jax.engine import programs
-from paged_jax.engine.scheduler_output import RowChanges
+from paged_jax.engine.scheduler_output import NewRow, RowChanges
+from paged_jax.engine.sequence import Sequence, SequenceGroup
 from paged_jax.sampling import Draw, RowParams
 
 
@@ -164,6 +165,23 @@ class RowTable:
     self.last_token[ran] = np.asarray(loop.last_token)[live]
     self.num_generated[ran] = np.asarray(loop.num_generated)[live]
     return self.num_generated - before, running & (self.seq_ids < 0)
+
+
+def new_row(group: SequenceGroup, seq: Sequence, slot: int, greedy: bool) -> NewRow:
+  """The row of `seq` (of `group`) in `slot`: its request's sampling
+  parameters (greedy ones for a beam search's rows), key, stop tokens and
+  token limit."""
+  params = group.params
+  return NewRow(
+    slot=slot,
+    temperature=0.0 if greedy else params.temperature,
+    top_k=0 if greedy else params.top_k,
+    top_p=1.0 if greedy else params.top_p,
+    key_data=seq.key_data,
+    stop_ids=group.stop_ids,
+    limit=group.limit,
+    processed=params.logprobs_mode == "processed",
+  )
 
 
 def per_slot(values: np.ndarray, slots: np.ndarray, num_slots: int) -> np.ndarray:

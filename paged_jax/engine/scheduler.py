@@ -30,8 +30,8 @@ import numpy as np
 
 from paged_jax.config import AllocStatus, CacheConfig
 from paged_jax.engine.cache_manager import CacheManager
+from paged_jax.engine.row_table import new_row
 from paged_jax.engine.scheduler_output import (
-  NewRow,
   PrefillChunk,
   RowChanges,
   SchedulerOutput,
@@ -340,19 +340,6 @@ class Scheduler:
     fits = resident_blocks(self.cache.cfg, prompt, lengths, self.cache.max_chunk) <= free
     return (AllocStatus.OK if fits else AllocStatus.LATER), None
 
-  def _new_row(self, group: SequenceGroup, seq: Sequence, slot: int, greedy: bool) -> NewRow:
-    params = group.params
-    return NewRow(
-      slot=slot,
-      temperature=0.0 if greedy else params.temperature,
-      top_k=0 if greedy else params.top_k,
-      top_p=1.0 if greedy else params.top_p,
-      key_data=seq.key_data,
-      stop_ids=group.stop_ids,
-      limit=group.limit,
-      processed=params.logprobs_mode == "processed",
-    )
-
   def _admit(self, group: SequenceGroup) -> None:
     """Allocates a group's blocks; its prompt (or tokens) await prefill."""
     if group.beam:
@@ -361,7 +348,7 @@ class Scheduler:
     live = group.live()
     for seq, slot in zip(live, self._take_slots(len(live))):
       seq.slot = slot
-      self._next.rows.new_rows.append(self._new_row(group, seq, slot, greedy=False))
+      self._next.rows.new_rows.append(new_row(group, seq, slot, greedy=False))
     if group.fresh:
       leader = live[0]
       leader.prefill = group.prompt_token_ids
@@ -382,7 +369,7 @@ class Scheduler:
     slots = self._take_slots(group.num_slots())
     leader = group.seqs[0]
     for slot in slots:
-      self._next.rows.new_rows.append(self._new_row(group, leader, slot, greedy=True))
+      self._next.rows.new_rows.append(new_row(group, leader, slot, greedy=True))
     self._next.rows.new_beams.append((slots, group.params.n, group.params.length_penalty))
     group.beam_slots = slots
     leader.slot = slots[0]
