@@ -123,10 +123,11 @@ class RowTable:
     group runs none, read without waiting for a launch that runs ahead."""
     if not np.any(self.in_beam_group):
       return {}
-    beams = jax.device_get(self.beams)
+    leaders = np.flatnonzero(np.asarray(self.beams.done))
+    beams = jax.device_get(self.beams) if leaders.size else None
     return {
       int(leader): _hypotheses(jax.tree.map(lambda a, leader=leader: a[leader], beams))
-      for leader in np.flatnonzero(beams.done)
+      for leader in leaders
     }
 
   def slots_of(self, rows) -> np.ndarray:
