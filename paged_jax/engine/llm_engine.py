@@ -12,13 +12,14 @@ from tqdm.auto import tqdm
 from paged_jax import compilation_cache, compile_guard, sharding, structured
 from paged_jax.config import CacheConfig
 from paged_jax.engine import speculative, weights
+from paged_jax.engine.admission import admission_error
 from paged_jax.engine.cache_manager import CacheManager
 from paged_jax.engine.input_processor import MAX_STOP_TOKENS, InputProcessor
 from paged_jax.engine.output_processor import OutputProcessor
 from paged_jax.engine.outputs import GenerationStats, RequestOutput
 from paged_jax.engine.protocol import check_model
 from paged_jax.engine.runner import ModelRunner
-from paged_jax.engine.scheduler import PREEMPTION_MODES, Scheduler, admission_error
+from paged_jax.engine.scheduler import PREEMPTION_MODES, Scheduler
 from paged_jax.engine.scheduler_output import SchedulerOutput
 from paged_jax.engine.sequence import SequenceGroup
 from paged_jax.paged_cache import window_chunk
@@ -375,7 +376,7 @@ class LLMEngine:
   # Requests.
   def admission_error(self, num_prompt_tokens: int, params: SamplingParams) -> str | None:
     """Why a prompt of this length with `params` can never be served, or
-    None (see `paged_jax.engine.scheduler.admission_error`)."""
+    None (see `paged_jax.engine.admission.admission_error`)."""
     return admission_error(
       self.cfg,
       max_len=self._max_len(),
