@@ -25,8 +25,8 @@ from jax.experimental import topologies
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, SingleDeviceSharding
 
 import paged_jax as pj
-from paged_jax import attention, models
-from paged_jax.models.paged import paged_cache
+from paged_jax import kernel_choice, models
+from paged_jax.paged_cache import paged_cache
 from pallas_kernels.paged_attention import gpu, mosaic_gpu
 
 DEVICE_KINDS = {"h100": "NVIDIA H100 80GB HBM3", "h200": "NVIDIA H200 141GB HBM3e"}
@@ -129,7 +129,7 @@ def main():
   # The model's attention picks its kernel from the default backend (here CPU).
   with (
     mock.patch.object(jax, "default_backend", lambda: "gpu"),
-    mock.patch.object(attention, "gpu_compute_capability", lambda: 9.0),
+    mock.patch.object(kernel_choice, "gpu_compute_capability", lambda: 9.0),
   ):
     for name, (fn, fn_args) in programs.items():
       seconds, memory = compile_for(device, fn, fn_args)

@@ -31,8 +31,8 @@ import jax.numpy as jnp
 
 import paged_jax as pj
 from paged_jax import structured as st
-from paged_jax.engine.sampling import RowParams, sample_rows
 from paged_jax.models import ByteTokenizer
+from paged_jax.sampling import RowParams, sample_rows
 
 PERSON = {
   "type": "object",

@@ -29,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks.sizes import parse_size_args  # pylint: disable=g-import-not-at-top
-from paged_jax import kv_cache, kv_memory  # pylint: disable=g-import-not-at-top
+from paged_jax import kv_cache, kv_memory, kv_swap  # pylint: disable=g-import-not-at-top
 from paged_jax.config import CacheConfig  # pylint: disable=g-import-not-at-top
 
 
@@ -120,8 +120,8 @@ def main():
   print(
     f"{'blocks':>7} {'MiB':>8} {'direction':<9} {'swap GB/s':>10} {'contig GB/s':>12} {'ratio':>7}"
   )
-  swap_out = jax.jit(kv_cache.swap_out, donate_argnums=0)
-  swap_in = jax.jit(kv_cache.swap_in, donate_argnums=0)
+  swap_out = jax.jit(kv_swap.swap_out, donate_argnums=0)
+  swap_in = jax.jit(kv_swap.swap_in, donate_argnums=0)
   ratios = {}
   for count in sizes.block_counts:
     num_bytes = count * block_bytes

@@ -54,11 +54,12 @@ import paged_jax as pj
 from paged_jax import models
 from paged_jax.attention import paged_attention
 from paged_jax.block_manager.manager import BlockSpaceManager
+from paged_jax.block_manager.state import on_every_shard
 from paged_jax.engine import programs
-from paged_jax.engine.sampling import RowParams, greedy_tokens, sample_rows
 from paged_jax.kv_cache import write_kv
 from paged_jax.models import layers
-from paged_jax.models.paged import paged_cache
+from paged_jax.paged_cache import paged_cache
+from paged_jax.sampling import RowParams, greedy_tokens, sample_rows
 
 SLOTS, MAX_BLOCKS, BLOCK = 32, 32, 16
 ROWS = 32
@@ -129,13 +130,13 @@ def whole_step(llm, repeats):
   for i, prompt in enumerate(PROMPTS):
     engine.add_request(f"live{i}", prompt, long)
   runner = engine.runner
-  while not np.all(runner.seq_ids >= 0):
+  while not np.all(runner.table.seq_ids >= 0):
     engine.step()
   engine.step()  # another decode launch: contexts ~ prompt + 2 launches
   steps = engine.num_decode_steps
   rows = runner._decode_rows()
   carry = runner.decode_carry(steps, rows)
-  contexts = np.asarray(runner.num_generated) + 0  # generated tokens so far per slot
+  contexts = np.asarray(runner.table.num_generated) + 0  # generated tokens so far per slot
 
   def launch(c):
     return runner._launch_decode(c, rows, False)
@@ -366,8 +367,8 @@ def block_manager_timings(llm, reps, repeats):
   state0 = runner.cache.state
   cfg = state0.cfg
   bm = BlockSpaceManager(cfg)
-  local = jnp.asarray(runner.seq_ids.reshape(1, -1))  # rows = slots, every one running
-  on = programs.on_every_shard
+  local = jnp.asarray(runner.table.seq_ids.reshape(1, -1))  # rows = slots, every one running
+  on = on_every_shard
   running = (local >= 0).astype(jnp.int32)
   tokens = jnp.full((1, local.shape[1], 1), 5, jnp.int32)
 

@@ -35,13 +35,14 @@ from paged_jax.engine import (
   rollout,
 )
 from paged_jax.generate import Request, generate
-from paged_jax.kv_cache import KVCache, copy_blocks, swap_in, swap_out, write_kv
+from paged_jax.kv_cache import KVCache, copy_blocks, write_kv
 from paged_jax.kv_memory import (
   bytes_per_block,
   device_memory_bytes,
   num_cpu_blocks_for_swap_space,
   num_gpu_blocks_for_memory,
 )
+from paged_jax.kv_swap import swap_in, swap_out
 from paged_jax.models.dense import generate_dense, sample_tokens
 from paged_jax.structured import StructuredOutputsParams, TableCapacity
 

@@ -5,7 +5,7 @@ every jitted program it launches (`engine.programs`, the cache manager's
 calls) is recorded with its arguments. Each recorded launch is then lowered
 again from `jax.ShapeDtypeStruct`s whose shardings sit on a mesh of a named
 TPU topology's compile-only devices (the same `PartitionSpec`s as on the
-host mesh), with the kernels chosen for TPU (`attention.target_platform`:
+host mesh), with the kernels chosen for TPU (`kernel_choice.target_platform`:
 Mosaic paged attention, the TPU `write_kv` and `copy_blocks`), and compiled
 by libtpu on this host. No array is ever placed on a TPU.
 
@@ -259,8 +259,11 @@ def capture(launches: list):
 
   from paged_jax.engine import cache_manager, programs
 
+  # The package's names (what the runner calls) and its modules' (what the
+  # programs call on the host, e.g. `continue_decoding`'s copy).
+  modules = [programs, *(m for m in vars(programs).values() if isinstance(m, type(programs)))]
   saved = []
-  for module in (programs, cache_manager):
+  for module in (*modules, cache_manager):
     for attr, fn in list(vars(module).items()):
       if callable(fn) and hasattr(fn, "lower") and hasattr(fn, "trace"):
         saved.append((module, attr, fn))
@@ -336,7 +339,7 @@ def compile_launch(fn, args, kwargs) -> tuple[float, object]:
   """Compiles `fn` for the TPU devices its abstract `args` and `kwargs` are
   sharded on, with the TPU kernels; returns the seconds it took and
   `memory_analysis()`."""
-  from paged_jax.attention import target_platform
+  from paged_jax.kernel_choice import target_platform
 
   start = time.perf_counter()
   with target_platform("tpu"):

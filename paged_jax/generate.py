@@ -27,8 +27,8 @@ import numpy as np
 from paged_jax.config import CacheConfig
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.outputs import GenerationStats
-from paged_jax.engine.params import SamplingParams
 from paged_jax.models.dense import prompt_array
+from paged_jax.params import SamplingParams
 
 __all__ = ["GenerationStats", "Request", "SamplingParams", "generate"]
 

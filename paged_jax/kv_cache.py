@@ -10,9 +10,9 @@ in place, touching only the slots and blocks it names:
 
 * ``write_kv`` scatters new tokens' K/V into their slots (one layer).
 * ``copy_blocks`` executes a CopyPlan on every layer's K and V in one call.
-* ``swap_out`` / ``swap_in`` move a SwapPlan's blocks between device and host
-  memory: one gather, one transfer, one scatter for all layers. They are
-  jitted here with the cache donated.
+* ``swap_out`` / ``swap_in`` (`paged_jax.kv_swap`) move a SwapPlan's blocks
+  between device and host memory: one gather, one transfer, one scatter for
+  all layers. They are jitted there with the cache donated.
 
 ``KVCache.create(..., mesh=mesh)`` splits a cache over a ``("data",
 "model")`` mesh (see ``paged_jax.sharding``): heads over "model", every data
@@ -37,7 +37,7 @@ pages go through the Pallas kernels where ``impl`` picks them.
 A plan is any object with int32 fields ``src``, ``dst`` (fixed capacity,
 unused entries -1) and an int32 scalar ``count``. Called outside jit
 (concrete plans, slots), the ops first check them on the host and raise a
-ValueError that names the bad entry; under jit nothing is checked and entries
+ValueError that names the bad entry (`paged_jax.kv_plans`); under jit nothing is checked and entries
 that are -1 or past ``count`` are skipped.
 
 In a step, run ``copy_blocks`` (and swaps) before ``write_kv`` and attention,
@@ -58,19 +58,17 @@ so the host side of a swap is in place on every backend.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 from jax import lax
-from jax.experimental.compute_on import compute_on
 
 from paged_jax import sharding
-from paged_jax.attention import check_block_size, is_concrete, select_kernel
+from paged_jax.kernel_choice import check_block_size, is_concrete, select_kernel
 from paged_jax.kv_memory import check_cache_dtype, host_memory_kind
+from paged_jax.kv_plans import check_plan, check_slot_mapping, shard_plans
 from pallas_kernels import bits, quantization
 from pallas_kernels import copy_blocks as copy_blocks_kernels
 from pallas_kernels import write_kv as write_kv_kernels
@@ -450,7 +448,7 @@ def copy_blocks(cache: KVCache, plan, *, impl: str = "auto") -> KVCache:
     ValueError: for a plan of the wrong shape or dtype (one plan for a cache
       of several data shards), or a concrete plan out of range.
   """
-  src, dst, count = _shard_plans(plan, cache.num_data_shards)
+  src, dst, count = shard_plans(plan, cache.num_data_shards)
   if is_concrete(src, dst, count):
     blocks = cache.num_gpu_blocks // cache.num_data_shards
     for shard in range(cache.num_data_shards):
@@ -524,193 +522,6 @@ def in_shape_groups(op, pages, *aligned) -> tuple:
   return tuple(out)
 
 
-def swap_out(cache: KVCache, plan) -> KVCache:
-  """Copies device blocks to host blocks (``src[i]`` -> ``dst[i]``, i < count).
-
-  One jitted call for all layers' K and V, with ``cache`` donated: the planned
-  blocks are gathered on the device, moved to host memory in one transfer and
-  scattered into the host pages (a quantized cache's scales likewise, in a
-  second transfer). The device pages are left as they are (the block manager
-  has freed them).
-
-  Args:
-    cache: the cache; donated, do not use it afterwards.
-    plan: a SwapPlan from ``BlockSpaceManager.swap_out``.
-
-  Returns:
-    The cache with the blocks in host memory.
-  """
-  src, dst, count = _plan_arrays(plan)
-  if is_concrete(src, dst, count):
-    check_plan(
-      src,
-      dst,
-      count,
-      num_src_blocks=cache.num_gpu_blocks,
-      num_dst_blocks=cache.num_cpu_blocks,
-      name="swap_out plan",
-    )
-  return _jitted_for(cache, _swap_out)(cache, src, dst, count)
-
-
-def swap_in(cache: KVCache, plan) -> KVCache:
-  """Copies host blocks to device blocks (``src[i]`` -> ``dst[i]``, i < count).
-
-  One jitted call for all layers' K and V, with ``cache`` donated: gather in
-  host memory, one transfer to the device, scatter into the device pages (a
-  quantized cache's scales likewise, in a second transfer).
-
-  Args:
-    cache: the cache; donated, do not use it afterwards.
-    plan: a SwapPlan from ``BlockSpaceManager.swap_in``.
-
-  Returns:
-    The cache with the blocks back on the device.
-  """
-  src, dst, count = _plan_arrays(plan)
-  if is_concrete(src, dst, count):
-    check_plan(
-      src,
-      dst,
-      count,
-      num_src_blocks=cache.num_cpu_blocks,
-      num_dst_blocks=cache.num_gpu_blocks,
-      name="swap_in plan",
-    )
-  return _jitted_for(cache, _swap_in)(cache, src, dst, count)
-
-
-def _jitted_for(cache: KVCache, swap):
-  """``swap`` jitted with the cache donated and its shardings kept."""
-  return _jit_swap(
-    swap,
-    cache.num_layers,
-    cache.device_sharding,
-    cache.host_sharding,
-    cache.quantized,
-    cache.bits_of,
-  )
-
-
-@functools.cache
-def _jit_swap(swap, num_layers, device_sharding, host_sharding, quantized, bits_of):
-  on_device = (device_sharding,) * num_layers
-  on_host = (host_sharding,) * num_layers
-  scales = {}
-  if quantized:
-    scales = dict(k_scale=on_device, v_scale=on_device, k_scale_host=on_host, v_scale_host=on_host)
-  cache_shardings = KVCache(
-    on_device,
-    on_device,
-    on_host,
-    on_host,
-    device_sharding=device_sharding,
-    host_sharding=host_sharding,
-    **scales,
-    bits_of=bits_of,
-  )
-  plan_shardings = (_replicated(device_sharding),) * 3
-  return jax.jit(
-    swap,
-    donate_argnums=0,
-    in_shardings=(cache_shardings, *plan_shardings),
-    out_shardings=cache_shardings,
-  )
-
-
-def _swap_out(cache: KVCache, src, dst, count) -> KVCache:
-  live = _live_pairs(src, dst, count)
-  sources = jnp.where(live, src, 0)
-  targets = jax.device_put(
-    jnp.where(live, dst, cache.num_cpu_blocks), _replicated(cache.host_sharding)
-  )
-
-  def move(device_arrays, host_arrays, to_bits):
-    staged = _gather_blocks(device_arrays, sources)
-    staged = jax.device_put(to_bits(staged), _staging(cache.host_sharding))
-    return _on_host(cache, _set_blocks)(host_arrays, targets, staged)
-
-  layers = cache.num_layers
-  pages = in_shape_groups(
-    lambda device, host: move(device, host, _bits), cache.k + cache.v, cache.k_host + cache.v_host
-  )
-  cache = cache.replace(k_host=pages[:layers], v_host=pages[layers:])
-  if not cache.quantized:
-    return cache
-  scales = in_shape_groups(
-    lambda device, host: move(device, host, lambda x: x),
-    cache.k_scale + cache.v_scale,
-    cache.k_scale_host + cache.v_scale_host,
-  )
-  return cache.replace(k_scale_host=scales[:layers], v_scale_host=scales[layers:])
-
-
-def _swap_in(cache: KVCache, src, dst, count) -> KVCache:
-  live = _live_pairs(src, dst, count)
-  sources = jax.device_put(jnp.where(live, src, 0), _replicated(cache.host_sharding))
-  targets = jnp.where(live, dst, cache.num_gpu_blocks)
-
-  def move(host_arrays, device_arrays, from_bits):
-    staged = _on_host(cache, _gather_blocks)(host_arrays, sources)
-    staged = jax.device_put(staged, _staging(cache.device_sharding))
-    staged = from_bits(staged)
-    return _set_blocks(device_arrays, targets, staged)
-
-  layers = cache.num_layers
-  pages = in_shape_groups(
-    lambda host, device: move(host, device, lambda x: lax.bitcast_convert_type(x, device[0].dtype)),
-    cache.k_host + cache.v_host,
-    cache.k + cache.v,
-  )
-  cache = cache.replace(k=pages[:layers], v=pages[layers:])
-  if not cache.quantized:
-    return cache
-  scales = in_shape_groups(
-    lambda host, device: move(host, device, lambda x: x),
-    cache.k_scale_host + cache.v_scale_host,
-    cache.k_scale + cache.v_scale,
-  )
-  return cache.replace(k_scale=scales[:layers], v_scale=scales[layers:])
-
-
-def _gather_blocks(pages, blocks):
-  """``[num_kv_heads, len(pages), len(blocks), *page]``: heads stay first, so
-  a cache split over heads stages, moves and scatters only its own."""
-  return jnp.stack([page[:, blocks] for page in pages], axis=1)
-
-
-def _set_blocks(pages, blocks, staged):
-  """Writes ``staged[:, i]`` into ``pages[i]`` at ``blocks``; past-end dropped."""
-  return tuple(page.at[:, blocks].set(staged[:, i], mode="drop") for i, page in enumerate(pages))
-
-
-def _staging(sharding: jax.sharding.NamedSharding):
-  """Where staged blocks ``[heads, pages, blocks, ...]`` live: split over
-  heads like the pages, whole along the other axes."""
-  return sharding.update(spec=jax.sharding.PartitionSpec(*sharding.spec[:1]))
-
-
-def _replicated(sharding: jax.sharding.NamedSharding):
-  """``sharding`` with nothing split (for plans and block indices)."""
-  return sharding.update(spec=jax.sharding.PartitionSpec())
-
-
-def _on_host(cache: KVCache, fn):
-  """Runs ``fn`` where the host pages live (host compute when offloaded),
-  its outputs in host memory."""
-  if cache.host_sharding.memory_kind == cache.device_sharding.memory_kind:
-    return fn
-  if "out_memory_spaces" in inspect.signature(compute_on).parameters:  # JAX >= 0.12
-    return compute_on(
-      jax.jit(fn), compute_type="device_host", out_memory_spaces=jax.memory.Space.Host
-    )
-  return compute_on("device_host")(jax.jit(fn))
-
-
-def _bits(x: jax.Array) -> jax.Array:
-  return lax.bitcast_convert_type(x, bits.bits_dtype(x.dtype))
-
-
 def _as_stored(cache: KVCache, x: jax.Array) -> jax.Array:
   """``x`` (of the cache's dtype) as its device pages hold it."""
   return x if cache.bits_of is None else lax.bitcast_convert_type(x, cache.k[0].dtype)
@@ -719,120 +530,6 @@ def _as_stored(cache: KVCache, x: jax.Array) -> jax.Array:
 def _as_values(cache: KVCache, pages: jax.Array) -> jax.Array:
   """Device pages viewed as the cache's dtype."""
   return pages if cache.bits_of is None else lax.bitcast_convert_type(pages, cache.bits_of)
-
-
-def _live_pairs(src, dst, count):
-  return (jnp.arange(src.shape[0]) < count) & (src >= 0) & (dst >= 0)
-
-
-def check_plan(
-  src,
-  dst,
-  count,
-  *,
-  num_src_blocks: int,
-  num_dst_blocks: int,
-  name: str = "plan",
-  disjoint: bool = False,
-) -> None:
-  """Host-side check of a concrete plan (the checked path).
-
-  Args:
-    src: int32 source blocks.
-    dst: int32 destination blocks.
-    count: number of leading entries in use.
-    num_src_blocks: blocks in the source pool.
-    num_dst_blocks: blocks in the destination pool.
-    name: how error messages call the plan.
-    disjoint: also require that no block is both a source and a destination
-      (copy plans).
-
-  Raises:
-    ValueError: naming the first bad entry: a block out of range, a
-      destination used twice, a block both read and written, or a count
-      outside ``0 .. capacity``.
-  """
-  src, dst = np.asarray(jax.device_get(src)), np.asarray(jax.device_get(dst))
-  count = int(jax.device_get(count))
-  if not 0 <= count <= src.shape[0]:
-    raise ValueError(f"{name}: count {count} is outside 0..{src.shape[0]} (the plan's capacity)")
-  src, dst = src[:count], dst[:count]
-  for label, blocks, limit in (("src", src, num_src_blocks), ("dst", dst, num_dst_blocks)):
-    bad = np.flatnonzero((blocks < 0) | (blocks >= limit))
-    if bad.size:
-      entry = bad[0]
-      raise ValueError(
-        f"{name} entry {entry}: {label} block {blocks[entry]} is out of range 0..{limit - 1}"
-      )
-  values, counts = np.unique(dst, return_counts=True)
-  if (counts > 1).any():
-    raise ValueError(
-      f"{name}: dst block {values[counts > 1][0]} appears {counts[counts > 1][0]} times"
-    )
-  if disjoint:
-    both = np.intersect1d(src, dst)
-    if both.size:
-      raise ValueError(f"{name}: block {both[0]} is both a source and a destination")
-
-
-def check_slot_mapping(slot_mapping, num_slots: int) -> None:
-  """Host-side check of concrete slots: each -1 or in range, none repeated.
-
-  Args:
-    slot_mapping: int32 slots.
-    num_slots: ``num_gpu_blocks * block_size``.
-
-  Raises:
-    ValueError: naming the first bad slot.
-  """
-  slots = np.asarray(jax.device_get(slot_mapping)).reshape(-1)
-  bad = np.flatnonzero((slots < -1) | (slots >= num_slots))
-  if bad.size:
-    raise ValueError(
-      f"slot_mapping[{bad[0]}] = {slots[bad[0]]} is out of range -1..{num_slots - 1}"
-    )
-  written = slots[slots >= 0]
-  values, counts = np.unique(written, return_counts=True)
-  if (counts > 1).any():
-    raise ValueError(
-      f"slot {values[counts > 1][0]} is written {counts[counts > 1][0]} times in one slot_mapping"
-    )
-
-
-def _shard_plans(plan, num_shards: int):
-  """``src``, ``dst`` ``[num_shards, K]`` and ``count`` ``[num_shards]`` of
-  one plan (one shard) or of the plans of ``num_shards`` data shards."""
-  if jnp.ndim(plan.src) == 1:
-    if num_shards > 1:
-      raise ValueError(
-        f"a cache of {num_shards} data shards needs one copy plan per shard "
-        f"([{num_shards}, K] src and dst), got {jnp.shape(plan.src)}"
-      )
-    return tuple(a[None] for a in _plan_arrays(plan))
-  return _plan_arrays(plan, (num_shards,))
-
-
-def _plan_arrays(plan, shards: tuple[int, ...] = ()):
-  """The plan's arrays, checked to be int32 ``src``, ``dst`` ``[*shards,
-  capacity]`` and ``count`` ``[*shards]``."""
-  src, dst = jnp.asarray(plan.src), jnp.asarray(plan.dst)
-  count = jnp.asarray(plan.count)
-  rows = "".join(f"{size}, " for size in shards)
-  for name, array in (("src", src), ("dst", dst)):
-    if (
-      array.ndim != len(shards) + 1
-      or array.shape[: len(shards)] != shards
-      or array.dtype != jnp.int32
-    ):
-      raise ValueError(
-        f"plan.{name} must be int32[{rows}capacity], got {array.dtype}{list(array.shape)}"
-      )
-  if src.shape != dst.shape:
-    raise ValueError(f"plan.src {src.shape} and plan.dst {dst.shape} differ")
-  if count.shape != shards or count.dtype != jnp.int32:
-    kind = f"int32[{rows[:-2]}]" if shards else "an int32 scalar"
-    raise ValueError(f"plan.count must be {kind}, got {count.dtype}{list(count.shape)}")
-  return src, dst, count
 
 
 def _check_layer(cache: KVCache, layer) -> None:

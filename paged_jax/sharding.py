@@ -19,7 +19,7 @@ run on all shards at once under ``jax.vmap``; the engine puts each request
 on its least loaded shard. Block tables hold a shard's own block ids and the
 rows of a batch are grouped by shard, so ``write_kv``, paged attention and
 ``copy_blocks`` run on each device's own heads and blocks under
-``jax.shard_map`` (``per_device``: ``models.paged.ShardedPagedCache``,
+``jax.shard_map`` (``per_device``: ``paged_cache.ShardedPagedCache``,
 ``kv_cache.copy_blocks``), and ``pj.swap_out`` and ``pj.swap_in`` serve a
 sharded cache as they are, given a shard's plan in the cache's block ids
 (``shard_plan``).

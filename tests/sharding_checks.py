@@ -21,9 +21,10 @@ from paged_jax import sharding
 from paged_jax.block_manager import manager
 from paged_jax.engine import programs
 from paged_jax.engine.cache_manager import CacheManager
-from paged_jax.engine.runner import ModelRunner, PackedPrefill
+from paged_jax.engine.packing import PackedPrefill
+from paged_jax.engine.runner import ModelRunner
 from paged_jax.models import LlamaConfig, load_tiny
-from paged_jax.models.paged import paged_cache
+from paged_jax.paged_cache import paged_cache
 from tests import engine_traces
 
 MESHES = ((1, 2), (1, 4), (2, 2), (2, 4), (8, 1))
@@ -199,7 +200,11 @@ def step_collectives(model, mesh) -> dict[str, list[list[str]]]:
   cache = CacheManager(CFG, model.config, mesh=mesh)
   runner = ModelRunner(model, cache, mesh=mesh)
   decode = programs.decode_loop.lower(
-    runner.graphdef, runner.params, runner.rows, runner.decode_carry(4, None), np.array(True)
+    runner.graphdef,
+    runner.params,
+    runner.table.sampling,
+    runner.decode_carry(4, None),
+    np.array(True),
   )
   packed = PackedPrefill.empty(cache.num_shards, (32, 2), runner.prefill_width)
   draws = cache.num_shards * CFG.max_seqs
@@ -210,7 +215,7 @@ def step_collectives(model, mesh) -> dict[str, list[list[str]]]:
     cache.state,
     *packed.arrays(),
     np.zeros(draws, np.int32),
-    jax.tree.map(lambda a: a[:draws], runner.rows),
+    jax.tree.map(lambda a: a[:draws], runner.table.sampling),
     0,
   )
   plan = np.zeros(8, np.int32)

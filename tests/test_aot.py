@@ -231,7 +231,7 @@ def test_captured_launches_match_compiled_programs():
 
 @needs_libtpu
 def test_decode_loop_uses_the_mosaic_kernels():
-  from paged_jax.attention import target_platform
+  from paged_jax.kernel_choice import target_platform
   from paged_jax.models import pretrained
 
   engine = aot.build_engine(pretrained.load_tiny(), 1)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import paged_jax as pj
-from paged_jax import attention
+from paged_jax import kernel_choice
 
 BLOCK_SIZE = 16
 
@@ -73,13 +73,13 @@ def test_the_tuple_of_layers_instead_of_one_layer_is_refused(cache):
 
 
 def test_a_block_size_no_gpu_kernel_serves_is_refused_with_the_sizes():
-  attention.check_block_size(12, "cpu")  # the XLA reference serves any
-  attention.check_block_size(12, "tpu")
-  attention.check_block_size(64, "gpu")
+  kernel_choice.check_block_size(12, "cpu")  # the XLA reference serves any
+  kernel_choice.check_block_size(12, "tpu")
+  kernel_choice.check_block_size(64, "gpu")
   with pytest.raises(
     ValueError,
     match=r"block_size 12 is served by no "
     r"paged-attention kernel on gpu \(triton: powers of two; "
     r"mosaic_gpu: 16, 32, 64, 128\)",
   ):
-    attention.check_block_size(12, "gpu")
+    kernel_choice.check_block_size(12, "gpu")

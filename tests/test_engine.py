@@ -15,9 +15,9 @@ import paged_jax as pj
 from paged_jax import models
 from paged_jax.block_manager import manager
 from paged_jax.engine.cache_manager import CacheManager
-from paged_jax.engine.runner import pack_decode_rows, pack_prefill, prompt_buckets
-from paged_jax.engine.sampling import categorical_rows, greedy_tokens
-from paged_jax.engine.scheduler import PrefillChunk
+from paged_jax.engine.packing import pack_decode_rows, pack_prefill, prompt_buckets
+from paged_jax.engine.scheduler_output import PrefillChunk
+from paged_jax.sampling import categorical_rows, greedy_tokens
 from tests.tiny_models import BYTE_LLAMA, ENGINE_CFG
 
 MODEL_CONFIG = BYTE_LLAMA

@@ -18,10 +18,10 @@ from flax import nnx
 
 import paged_jax as pj
 from paged_jax import compile_guard, models
-from paged_jax.engine.params import SamplingParams
 from paged_jax.models.dense import generate_dense
 from paged_jax.models.layers import LinearRopeScaling
-from paged_jax.models.paged import PagedCache
+from paged_jax.paged_cache import PagedCache
+from paged_jax.params import SamplingParams
 from tests.checkpoint_files import _forward, write_hf
 from tests.family_checkpoints import (
   ATOL,

@@ -11,7 +11,7 @@ from paged_jax import models
 from paged_jax.block_manager import manager
 from paged_jax.generate import Request, SamplingParams, generate
 from paged_jax.models.dense import generate_dense, sample_tokens
-from paged_jax.models.paged import PagedCache
+from paged_jax.paged_cache import PagedCache
 
 CONFIG = models.LlamaConfig(
   vocab_size=61,

@@ -4,14 +4,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from paged_jax import attention
+from paged_jax import kernel_choice
 
 SHAPE = dict(dtype=jnp.bfloat16, block_size=16, head_dim=128, group=4)
 
 
 def test_cpu_runs_xla_and_names_interpret_mode(monkeypatch):
   monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-  assert attention.describe_kernels(**SHAPE) == (
+  assert kernel_choice.describe_kernels(**SHAPE) == (
     "backend cpu: decode attention = chunked XLA, prefill attention = chunked XLA, "
     "write_kv = XLA, copy_blocks = XLA; the Pallas kernels run on cpu only in interpret mode "
     "(impl='pallas')"
@@ -20,7 +20,7 @@ def test_cpu_runs_xla_and_names_interpret_mode(monkeypatch):
 
 def test_tpu_runs_mosaic(monkeypatch):
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-  assert attention.describe_kernels(**SHAPE) == (
+  assert kernel_choice.describe_kernels(**SHAPE) == (
     "backend tpu: decode attention = Mosaic (Pallas TPU), prefill attention = Mosaic (Pallas TPU), "
     "write_kv = Mosaic (Pallas TPU), copy_blocks = Mosaic (Pallas TPU)"
   )
@@ -36,12 +36,12 @@ def test_tpu_runs_mosaic(monkeypatch):
 )
 def test_gpu_names_the_selected_decode_kernel(monkeypatch, decode, name):
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  monkeypatch.setattr(attention, "gpu_compute_capability", lambda: 9.0)
+  monkeypatch.setattr(kernel_choice, "gpu_compute_capability", lambda: 9.0)
   asked = {}
   monkeypatch.setattr(
-    attention, "select_attention_kernel", lambda impl, **kwargs: asked.update(kwargs) or decode
+    kernel_choice, "select_attention_kernel", lambda impl, **kwargs: asked.update(kwargs) or decode
   )
-  assert attention.describe_kernels(**SHAPE, quantized=True) == (
+  assert kernel_choice.describe_kernels(**SHAPE, quantized=True) == (
     f"backend gpu (compute capability 9.0): decode attention = {name}, prefill attention = "
     "chunked XLA, write_kv = Triton (Pallas GPU), copy_blocks = Triton (Pallas GPU)"
   )

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax import attention
+from paged_jax import attention, kernel_choice
 from pallas_kernels.paged_attention import gpu, mosaic_gpu
 from tests.abstract_gpu import lower_for
 from tests.test_kernels_paged_attention import (
@@ -165,7 +165,7 @@ def test_mosaic_kernel_rejects_bad_arguments(kwargs, message):
 
 
 def select(impl, dtype=jnp.bfloat16, block_size=16, head_dim=128, group=4, quantized=False):
-  return attention.select_attention_kernel(
+  return kernel_choice.select_attention_kernel(
     impl, dtype=dtype, block_size=block_size, head_dim=head_dim, group=group, quantized=quantized
   )
 
@@ -185,7 +185,7 @@ def select(impl, dtype=jnp.bfloat16, block_size=16, head_dim=128, group=4, quant
 )
 def test_auto_picks_mosaic_on_sm90_and_newer(monkeypatch, capability, shape, expected):
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  monkeypatch.setattr(attention, "gpu_compute_capability", lambda: capability)
+  monkeypatch.setattr(kernel_choice, "gpu_compute_capability", lambda: capability)
   assert select("auto", **shape) == expected
   assert select("triton", **shape) == ("triton", False)
   assert select("mosaic_gpu", **shape) == ("mosaic_gpu", False)
@@ -212,8 +212,8 @@ def test_paged_attention_runs_the_forced_triton_kernel():
 
 def on_gpu(monkeypatch, capability):
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  monkeypatch.setattr(attention, "gpu_compute_capability", lambda: capability)
-  attention._log_once.cache_clear()
+  monkeypatch.setattr(kernel_choice, "gpu_compute_capability", lambda: capability)
+  kernel_choice._log_once.cache_clear()
 
 
 @pytest.mark.parametrize(
@@ -265,7 +265,7 @@ def test_jax_without_pallas_triton_takes_the_chunked_path(monkeypatch, caplog):
 def test_jax_without_mosaic_gpu_falls_back_to_triton(monkeypatch):
   monkeypatch.setattr(mosaic_gpu, "plgpu", None)
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  monkeypatch.setattr(attention, "gpu_compute_capability", lambda: 9.0)
+  monkeypatch.setattr(kernel_choice, "gpu_compute_capability", lambda: 9.0)
   assert select("auto") == ("triton", False)
   with pytest.raises(NotImplementedError, match="needs a JAX with"):
     mosaic_gpu.paged_attention(**mosaic_args())

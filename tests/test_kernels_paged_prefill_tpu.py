@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax import attention
+from paged_jax import attention, kernel_choice
 from pallas_kernels import quantization
 from pallas_kernels.paged_attention import paged_prefill_attention_reference, tpu_prefill
 from tests.kernel_modes import interpret
@@ -354,9 +354,9 @@ SELECT = dict(dtype=jnp.bfloat16, num_queries=32, group=4, block_size=16, head_d
   ],
 )
 def test_prefill_kernel_choice(caplog, platform, impl, overrides, expected, logged):
-  attention._log_once.cache_clear()
-  with caplog.at_level(logging.INFO, logger="paged_jax"), attention.target_platform(platform):
-    assert attention.select_prefill_kernel(impl, **{**SELECT, **overrides}) == expected
+  kernel_choice._log_once.cache_clear()
+  with caplog.at_level(logging.INFO, logger="paged_jax"), kernel_choice.target_platform(platform):
+    assert kernel_choice.select_prefill_kernel(impl, **{**SELECT, **overrides}) == expected
   messages = [r.getMessage() for r in caplog.records if r.name == "paged_jax"]
   if logged is None:
     assert not messages
@@ -368,10 +368,12 @@ def test_prefill_kernel_choice(caplog, platform, impl, overrides, expected, logg
 def test_describe_kernels_names_the_prefill_choice(monkeypatch):
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
   shape = dict(block_size=16, head_dim=128, group=4)
-  assert "prefill attention = Mosaic (Pallas TPU)" in attention.describe_kernels(
+  assert "prefill attention = Mosaic (Pallas TPU)" in kernel_choice.describe_kernels(
     dtype=jnp.bfloat16, **shape
   )
-  assert "prefill attention = chunked XLA" in attention.describe_kernels(dtype=jnp.float16, **shape)
+  assert "prefill attention = chunked XLA" in kernel_choice.describe_kernels(
+    dtype=jnp.float16, **shape
+  )
 
 
 # TPU v5e compiles by libtpu (Python >= 3.12, JAX >= 0.12), at a ragged step's
@@ -410,7 +412,7 @@ def compile_for_v5e(dtype, kv_dtype, head_dim, options, *, tiles=16, num_queries
       q, k, v, tables, lengths, query_lens, k_scales=k_scales, v_scales=v_scales, **options
     )
 
-  with attention.target_platform("tpu"):
+  with kernel_choice.target_platform("tpu"):
     lowered = jax.jit(run).lower(
       shape((tiles, num_queries, 8, head_dim), dtype),
       pages,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import paged_jax as pj
-from paged_jax import kv_cache, kv_memory
+from paged_jax import kv_cache, kv_memory, kv_swap
 from paged_jax.config import CacheConfig
 from paged_jax.models import checkpoints, kv_accuracy
 from paged_jax.models.pretrained import load_tiny, tiny_corpus
@@ -250,7 +250,7 @@ def test_copy_blocks_moves_scales_with_pages(quantized, impl):
 def test_swap_round_trip_keeps_pages_and_scales_bit_for_bit(dtype):
   cache = filled_cache(dtype)  # the swaps donate it
   device = [np.array(x) for x in cache.k + cache.v + cache.k_scale + cache.v_scale]
-  cache = kv_cache.swap_out(cache, make_plan([(1, 2), (5, 0)]))
+  cache = kv_swap.swap_out(cache, make_plan([(1, 2), (5, 0)]))
   # Overwrite everything on the device before bringing the blocks back.
   cache = filled_cache(dtype, seed=11).replace(
     k_host=cache.k_host,
@@ -258,7 +258,7 @@ def test_swap_round_trip_keeps_pages_and_scales_bit_for_bit(dtype):
     k_scale_host=cache.k_scale_host,
     v_scale_host=cache.v_scale_host,
   )
-  cache = kv_cache.swap_in(cache, make_plan([(2, 3), (0, 4)]))
+  cache = kv_swap.swap_in(cache, make_plan([(2, 3), (0, 4)]))
   returned = [np.array(x) for x in cache.k + cache.v + cache.k_scale + cache.v_scale]
   for old, new in zip(device, returned):
     np.testing.assert_array_equal(new[:, [3, 4]].view(np.uint8), old[:, [1, 5]].view(np.uint8))

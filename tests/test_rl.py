@@ -12,7 +12,7 @@ from flax import nnx
 import paged_jax as pj
 from paged_jax import compile_guard, models
 from paged_jax.engine import memory, weights
-from paged_jax.engine.sampling import RowParams, sampling_logits
+from paged_jax.sampling import RowParams, sampling_logits
 from tests.tiny_models import BYTE_LLAMA
 
 CFG = pj.CacheConfig(

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 import paged_jax as pj
+from paged_jax.engine.admission import admission_error
 from paged_jax.engine.cache_manager import CacheManager
-from paged_jax.engine.scheduler import Scheduler, SchedulerOutput, admission_error
+from paged_jax.engine.scheduler import Scheduler
+from paged_jax.engine.scheduler_output import SchedulerOutput
 from paged_jax.engine.sequence import Sequence, SequenceGroup
 
 CFG = pj.CacheConfig(

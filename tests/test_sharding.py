@@ -33,7 +33,7 @@ from paged_jax import sharding
 from paged_jax.block_manager import manager
 from paged_jax.block_manager.state import init_states, on_every_shard
 from paged_jax.models import LlamaConfig
-from paged_jax.models.paged import ShardedPagedCache, paged_cache
+from paged_jax.paged_cache import ShardedPagedCache, paged_cache
 from tests.conftest import FAST_COMPILE
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

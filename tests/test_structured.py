@@ -13,8 +13,8 @@ from flax import nnx
 
 import paged_jax as pj
 from paged_jax import structured as st
-from paged_jax.engine.sampling import RowParams, sample_rows
 from paged_jax.models import ByteTokenizer, PretrainedTokenizer, init_dense_cache, load_tiny
+from paged_jax.sampling import RowParams, sample_rows
 
 # Every match is short, so the tiny model's greedy outputs finish within the budget.
 PERSON = {

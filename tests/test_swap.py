@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax import kv_cache
+from paged_jax import kv_cache, kv_swap
 from paged_jax.config import CacheConfig
 from pallas_kernels.paged_attention import paged_attention_reference
 
@@ -107,7 +107,7 @@ def test_preemption_round_trip_is_bitwise(dtype):
   moved = [3, 7, 5, 9]
   pages_before = [p[:, moved] for p in device_pages(cache)]
 
-  cache = kv_cache.swap_out(cache, make_plan(zip(moved, [4, 0, 6, 2])))
+  cache = kv_swap.swap_out(cache, make_plan(zip(moved, [4, 0, 6, 2])))
   for pages, want in zip(host_pages(cache), pages_before):
     np.testing.assert_array_equal(pages[:, [4, 0, 6, 2]], want)
   # D takes the freed blocks 9, 5, 7 and fills them with new tokens.
@@ -119,7 +119,7 @@ def test_preemption_round_trip_is_bitwise(dtype):
   for got, want in zip(c_after, before):
     np.testing.assert_array_equal(got, want[2:])
 
-  cache = kv_cache.swap_in(cache, make_plan(zip([4, 0, 6, 2], [12, 13, 14, 15])))
+  cache = kv_swap.swap_in(cache, make_plan(zip([4, 0, 6, 2], [12, 13, 14, 15])))
   for pages, want in zip(device_pages(cache), pages_before):
     np.testing.assert_array_equal(pages[:, [12, 13, 14, 15]], want)
   swapped_tables = [[12, 13, 14, -1], [12, 13, 15, -1], c_table]
@@ -130,8 +130,8 @@ def test_preemption_round_trip_is_bitwise(dtype):
 
 def test_pages_stay_in_their_memory_kinds_and_types():
   cache = random_cache(jnp.bfloat16)
-  cache = kv_cache.swap_out(cache, make_plan([(1, 2)]))
-  cache = kv_cache.swap_in(cache, make_plan([(2, 3)]))
+  cache = kv_swap.swap_out(cache, make_plan([(1, 2)]))
+  cache = kv_swap.swap_in(cache, make_plan([(2, 3)]))
   host = cache.k_host + cache.v_host
   assert {p.sharding.memory_kind for p in host} == {"pinned_host"}
   assert {p.dtype for p in host} == {jnp.dtype(jnp.uint16)}
@@ -142,7 +142,7 @@ def test_pages_stay_in_their_memory_kinds_and_types():
   assert {p.dtype for p in cache.pages(0) + cache.pages(1)} == {jnp.dtype(jnp.bfloat16)}
 
 
-@pytest.mark.parametrize("swap", [kv_cache.swap_out, kv_cache.swap_in], ids=["out", "in"])
+@pytest.mark.parametrize("swap", [kv_swap.swap_out, kv_swap.swap_in], ids=["out", "in"])
 def test_count_zero_is_a_no_op(swap):
   cache = random_cache(jnp.float32)
   before = device_pages(cache) + host_pages(cache)
@@ -155,21 +155,21 @@ def test_count_zero_is_a_no_op(swap):
 
 SWAP_ERRORS = [
   (
-    kv_cache.swap_out,
+    kv_swap.swap_out,
     [(16, 0)],
     "swap_out plan entry 0: src block 16 is out"
     r" of range 0..15",
   ),
   (
-    kv_cache.swap_out,
+    kv_swap.swap_out,
     [(0, 1), (2, 8)],
     "entry 1: dst block 8 is out of"
     r" range 0..7",
   ),
-  (kv_cache.swap_in, [(8, 0)], "swap_in plan entry 0: src block 8"),
-  (kv_cache.swap_in, [(0, 16)], "dst block 16 is out of range 0..15"),
-  (kv_cache.swap_out, [(0, 1), (2, 1)], "dst block 1 appears 2 times"),
-  (kv_cache.swap_in, [(0, 1), (-1, 2)], "src block -1 is out of range"),
+  (kv_swap.swap_in, [(8, 0)], "swap_in plan entry 0: src block 8"),
+  (kv_swap.swap_in, [(0, 16)], "dst block 16 is out of range 0..15"),
+  (kv_swap.swap_out, [(0, 1), (2, 1)], "dst block 1 appears 2 times"),
+  (kv_swap.swap_in, [(0, 1), (-1, 2)], "src block -1 is out of range"),
 ]
 
 
@@ -184,17 +184,17 @@ def test_out_of_range_plans_raise_before_donating(swap, pairs, message):
 def test_count_beyond_capacity_raises():
   plan = make_plan([(0, 1)], capacity=2)._replace(count=jnp.int32(3))
   with pytest.raises(ValueError, match="count 3 is outside 0..2"):
-    kv_cache.swap_out(random_cache(jnp.float32), plan)
+    kv_swap.swap_out(random_cache(jnp.float32), plan)
 
 
 @pytest.mark.parametrize(
   "swap,dtype",
   [
-    (kv_cache._swap_out, jnp.float32),
-    (kv_cache._swap_in, jnp.float32),
+    (kv_swap._swap_out, jnp.float32),
+    (kv_swap._swap_in, jnp.float32),
     # Bits on both sides on the CPU backend (see kv_cache).
-    (kv_cache._swap_out, jnp.bfloat16),
-    (kv_cache._swap_in, jnp.bfloat16),
+    (kv_swap._swap_out, jnp.bfloat16),
+    (kv_swap._swap_in, jnp.bfloat16),
   ],
   ids=["out", "in", "out-bfloat16", "in-bfloat16"],
 )
@@ -213,7 +213,7 @@ def test_swap_memory_follows_the_plan_not_the_cache(swap, dtype):
       max_blocks_per_seq=4,
     )
     cache = kv_cache.KVCache.create(cfg, LAYERS, KV_HEADS, HEAD_DIM, dtype)
-    compiled = kv_cache._jitted_for(cache, swap).lower(cache, *plan).compile()
+    compiled = kv_swap._jitted_for(cache, swap).lower(cache, *plan).compile()
     memory = compiled.memory_analysis()
     assert memory.alias_size_in_bytes == cache.nbytes + cache.host_nbytes
     temps.append(memory.temp_size_in_bytes)
@@ -226,7 +226,7 @@ def test_swaps_compose_inside_a_jitted_step():
   want = np.asarray(cache.pages(1)[1])[:, 3]
 
   def step(cache, out_plan, in_plan):
-    return kv_cache.swap_in(kv_cache.swap_out(cache, out_plan), in_plan)
+    return kv_swap.swap_in(kv_swap.swap_out(cache, out_plan), in_plan)
 
   cache = jax.jit(step, donate_argnums=0)(cache, make_plan([(3, 6)]), make_plan([(6, 10)]))
   np.testing.assert_array_equal(np.asarray(cache.host_pages(1)[1])[:, 6], want)

@@ -11,7 +11,7 @@ from flax import nnx
 
 import paged_jax as pj
 from paged_jax import models
-from paged_jax.engine import programs, runner
+from paged_jax.engine import packing, programs
 from tests.tiny_models import BYTE_LLAMA
 
 CFG = pj.CacheConfig(block_size=4, num_gpu_blocks=12, max_seqs=6, max_blocks_per_seq=16)
@@ -41,9 +41,9 @@ def test_compiled_programs_lists_the_bucket_set():
 def test_prompt_buckets_double_up_to_the_token_budget_and_its_tiles():
   # (tokens, tiles) per shard: (2 * width * 2**i, 4 * 2**i), the last with
   # room for every tile a budget's chunks can fill.
-  assert runner.prompt_buckets(32, 512, 48) == [(64, 4), (128, 8), (256, 16), (512, 64)]
-  assert runner.prompt_buckets(32, 500, 20) == [(64, 4), (128, 8), (256, 16), (512, 32)]
-  assert runner.prompt_buckets(16, 8, 3) == [(32, 4)]
+  assert packing.prompt_buckets(32, 512, 48) == [(64, 4), (128, 8), (256, 16), (512, 64)]
+  assert packing.prompt_buckets(32, 500, 20) == [(64, 4), (128, 8), (256, 16), (512, 32)]
+  assert packing.prompt_buckets(16, 8, 3) == [(32, 4)]
 
 
 def _chunk(slot: int, size: int):
@@ -54,8 +54,8 @@ def _chunk(slot: int, size: int):
 
 
 def test_prompt_chunks_pack_into_the_smallest_bucket_that_holds_them():
-  buckets = runner.prompt_buckets(32, 512, 48)
-  shape = lambda sizes: runner.pack_prefill(
+  buckets = packing.prompt_buckets(32, 512, 48)
+  shape = lambda sizes: packing.pack_prefill(
     [_chunk(i, n) for i, n in enumerate(sizes)], 32, 1, 64, buckets
   ).tokens.shape[1]
   assert shape([46]) == 64

@@ -3,11 +3,11 @@
 from paged_jax.engine.llm import LLM
 from paged_jax.engine.llm_engine import EngineStateError, LLMEngine
 from paged_jax.engine.outputs import CompletionOutput, GenerationStats, RequestOutput
-from paged_jax.engine.params import SamplingParams
 from paged_jax.engine.protocol import ModelProtocol, check_model
 from paged_jax.engine.rollout import Rollout, rollout
-from paged_jax.engine.sampling import RowParams, sample_rows
 from paged_jax.engine.weights import NonFiniteWeightsError, WeightsMismatchError
+from paged_jax.params import SamplingParams
+from paged_jax.sampling import RowParams, sample_rows
 
 __all__ = [
   "CompletionOutput",

@@ -6,7 +6,8 @@ side by side, its block axis split over "data" (`paged_jax.sharding`).
 Sequence slots are global: slot `g` is slot `g % max_seqs` of shard
 `g // max_seqs`. The scheduler asks it what fits and changes the states
 (allocations, forks, frees, swap plans); the engine has it move the pages
-that swap plans name.
+that swap plans name; the model runner's launches hand it their new pages
+and states (`take_launch`). It alone stores them.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax import kv_cache as kv_ops
-from paged_jax import sharding
+from paged_jax import kv_swap, sharding
 from paged_jax.block_manager import manager
 from paged_jax.block_manager.manager import BlockSpaceManager
 from paged_jax.block_manager.state import EMPTY, BlockManagerState, init_states
@@ -327,14 +327,23 @@ class CacheManager:
       plan = _with_unwritten_hits(plan, before, self.state, shard, local)
     return sharding.shard_plan(plan, shard, self.cfg.num_cpu_blocks, self.cfg.num_gpu_blocks)
 
+  def take_launch(self, kv: KVCache, state: BlockManagerState | None = None) -> None:
+    """Takes the pages and, if it changed them, the manager states that a
+    launch of the model runner handed back (maybe not computed yet) as the
+    ones the next operation starts from; the launch took the old ones
+    (donated)."""
+    self.kv = kv
+    if state is not None:
+      self.state = state
+
   def move_out(self, plan) -> None:
     """Copies the pages of a `swap_out` plan from the device to the host."""
-    self.kv = kv_ops.swap_out(self.kv, plan)
+    self.kv = kv_swap.swap_out(self.kv, plan)
     self.num_swapped_blocks += int(plan.count)
 
   def move_in(self, plan) -> None:
     """Copies the pages of a `swap_in` plan from the host to the device."""
-    self.kv = kv_ops.swap_in(self.kv, plan)
+    self.kv = kv_swap.swap_in(self.kv, plan)
     self.num_swapped_blocks += int(plan.count)
 
   # Sleep and new weights.
@@ -396,8 +405,8 @@ class CacheManager:
       return
     sizes = (self.cfg.num_gpu_blocks, self.cfg.num_cpu_blocks)
     for op, move, (src, dst) in (
-      (BlockSpaceManager.swap_out, kv_ops.swap_out, sizes),
-      (BlockSpaceManager.swap_in, kv_ops.swap_in, sizes[::-1]),
+      (BlockSpaceManager.swap_out, kv_swap.swap_out, sizes),
+      (BlockSpaceManager.swap_in, kv_swap.swap_in, sizes[::-1]),
     ):
       _, plan = _on_shard(op, self.state, shard, no_group)
       if op is BlockSpaceManager.swap_in and self.cfg.enable_prefix_caching:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from paged_jax.engine.params import SamplingParams
-from paged_jax.engine.scheduler import token_limit
-from paged_jax.engine.sequence import Sequence, SequenceGroup
+from paged_jax.engine.sequence import Sequence, SequenceGroup, token_limit
+from paged_jax.params import SamplingParams
 from paged_jax.structured import Automaton, compile_constraint
 
 MAX_STOP_TOKENS = 8

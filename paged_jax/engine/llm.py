@@ -10,8 +10,8 @@ from tqdm.auto import tqdm
 from paged_jax.config import CacheConfig
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.outputs import RequestOutput
-from paged_jax.engine.params import SamplingParams
 from paged_jax.engine.rollout import Rollout, rollout
+from paged_jax.params import SamplingParams
 
 
 def _as_prompt_list(prompts) -> list:

@@ -12,21 +12,18 @@ from tqdm.auto import tqdm
 from paged_jax import compilation_cache, compile_guard, sharding, structured
 from paged_jax.config import CacheConfig
 from paged_jax.engine import speculative, weights
+from paged_jax.engine.admission import admission_error
 from paged_jax.engine.cache_manager import CacheManager
 from paged_jax.engine.input_processor import MAX_STOP_TOKENS, InputProcessor
 from paged_jax.engine.output_processor import OutputProcessor
 from paged_jax.engine.outputs import GenerationStats, RequestOutput
-from paged_jax.engine.params import SamplingParams
 from paged_jax.engine.protocol import check_model
 from paged_jax.engine.runner import ModelRunner
-from paged_jax.engine.scheduler import (
-  PREEMPTION_MODES,
-  Scheduler,
-  SchedulerOutput,
-  admission_error,
-)
+from paged_jax.engine.scheduler import PREEMPTION_MODES, Scheduler
+from paged_jax.engine.scheduler_output import SchedulerOutput
 from paged_jax.engine.sequence import SequenceGroup
-from paged_jax.models.paged import window_chunk
+from paged_jax.paged_cache import window_chunk
+from paged_jax.params import SamplingParams
 
 # The most model programs (prompt shapes and decode loops) one engine
 # compiles: each costs a compile in warm-up and, on XLA:CPU, memory
@@ -379,7 +376,7 @@ class LLMEngine:
   # Requests.
   def admission_error(self, num_prompt_tokens: int, params: SamplingParams) -> str | None:
     """Why a prompt of this length with `params` can never be served, or
-    None (see `paged_jax.engine.scheduler.admission_error`)."""
+    None (see `paged_jax.engine.admission.admission_error`)."""
     return admission_error(
       self.cfg,
       max_len=self._max_len(),
@@ -643,13 +640,13 @@ class LLMEngine:
         self.cache.move_out(plan)
       for plan in out.swap_in:
         self.cache.move_in(plan)
-      self.runner.apply(out.rows)
+      self.runner.table.apply(out.rows)
     touched: dict[str, SequenceGroup] = {}
     chunks = [chunk for out in rounds for chunk in out.chunks]
     result = None
     if chunks and self.speculative is None:
       result = self._ragged_step(rounds, chunks, touched)
-    elif chunks or self.runner.has_running_rows():
+    elif chunks or self.runner.table.has_running_rows():
       if chunks:
         self._prefill(rounds, chunks, touched)
       result = self._decode(rounds, touched)
@@ -675,10 +672,10 @@ class LLMEngine:
       _constraints(_decoding(rounds)),
     )
     for out in rounds:
-      touched.update(self.processor.take_decode(out.decoding, result, self.runner.hypotheses))
+      touched.update(self.processor.take_decode(out.decoding, result))
     touched.update(self.processor.take_prefill(chunks, draws, scores))
     for scheduler, out in zip(self.schedulers, rounds):
-      self.runner.apply(scheduler.after_prefill(out))
+      self.runner.table.apply(scheduler.after_prefill(out))
     return result
 
   def _prefill(self, rounds, chunks, touched) -> None:
@@ -687,12 +684,12 @@ class LLMEngine:
     draws, scores = self._timed(self.runner.prefill, chunks, samples, sample_constraints)
     touched.update(self.processor.take_prefill(chunks, draws, scores))
     for scheduler, out in zip(self.schedulers, rounds):
-      self.runner.apply(scheduler.after_prefill(out))
+      self.runner.table.apply(scheduler.after_prefill(out))
 
   def _decode(self, rounds, touched):
     """Runs the decode loop on the running rows (as many steps as
     `ModelRunner.decode` ramps up to) and takes in what they drew."""
-    if not self.runner.has_running_rows():
+    if not self.runner.table.has_running_rows():
       return None
     stop_on_finish = any(out.stop_on_finish for out in rounds)
     decoding = _decoding(rounds)
@@ -715,7 +712,7 @@ class LLMEngine:
     )
     seconds = time.perf_counter() - launched
     for out in rounds:
-      touched.update(self.processor.take_decode(out.decoding, result, self.runner.hypotheses))
+      touched.update(self.processor.take_decode(out.decoding, result))
     if self._chooser is not None:
       self._record_launch(decoding, result, speculate, seconds)
     return result
@@ -726,7 +723,7 @@ class LLMEngine:
     round would only decode them again (`Scheduler.decodes_only`)."""
     return (
       self.async_scheduling
-      and self.runner.has_running_rows()
+      and self.runner.table.has_running_rows()
       and all(scheduler.decodes_only() for scheduler in self.schedulers)
     )
 
@@ -773,7 +770,7 @@ class LLMEngine:
     rounds = [SchedulerOutput(s.shard, decoding=list(s.running)) for s in self.schedulers]
     touched: dict[str, SequenceGroup] = {}
     for out in rounds:
-      touched.update(self.processor.take_decode(out.decoding, result, self.runner.hypotheses))
+      touched.update(self.processor.take_decode(out.decoding, result))
     self._update_or_defer(rounds, result)
     return touched
 

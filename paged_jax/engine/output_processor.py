@@ -104,15 +104,13 @@ class OutputProcessor:
       touched[group.request_id] = group
     return touched
 
-  def take_decode(self, groups, result, hypotheses) -> dict[str, SequenceGroup]:
+  def take_decode(self, groups, result) -> dict[str, SequenceGroup]:
     """Appends what a decode launch drew to the sequences of `groups`, and
-    reads the hypotheses of the beam groups that finished.
+    the hypotheses of the beam groups that finished.
 
     Args:
       groups: the groups that were running.
       result: the launch's `DecodeResult`.
-      hypotheses: `(leader slot, count) -> (tokens, logprob, stopped)`
-        triples of a finished beam group.
 
     Returns:
       The groups that drew or finished, by request id.
@@ -125,8 +123,10 @@ class OutputProcessor:
     draws = result.draws
     for group in groups:
       if group.beam:
-        if group.beam_slots and result.beams_done[group.beam_slots[0]]:
-          self.finish_beams(group, hypotheses(group.beam_slots[0], group.params.n))
+        leader = group.beam_slots[0] if group.beam_slots else None
+        hypotheses = result.finished_beams.get(leader)
+        if hypotheses is not None:
+          self.finish_beams(group, hypotheses[: group.params.n])
           touched[group.request_id] = group
         continue
       for seq in group.live():

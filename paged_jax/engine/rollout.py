@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 
 from paged_jax.engine.outputs import RequestOutput
-from paged_jax.engine.params import SamplingParams
+from paged_jax.params import SamplingParams
 
 
 @dataclasses.dataclass

@@ -28,210 +28,18 @@ import dataclasses
 
 import numpy as np
 
-from paged_jax.config import AllocStatus, CacheConfig
+from paged_jax.config import AllocStatus
+from paged_jax.engine.admission import admission_error, resident_blocks
 from paged_jax.engine.cache_manager import CacheManager
-from paged_jax.engine.params import SamplingParams
+from paged_jax.engine.row_table import new_row
+from paged_jax.engine.scheduler_output import (
+  PrefillChunk,
+  RowChanges,
+  SchedulerOutput,
+)
 from paged_jax.engine.sequence import Sequence, SequenceGroup
 
 PREEMPTION_MODES = ("recompute", "swap")
-
-
-def token_limit(max_len: int, num_prompt_tokens: int, params: SamplingParams) -> int:
-  """Tokens each sequence of a request may draw: `max_tokens`, or fewer
-  where the sequence would pass `max_len` positions."""
-  return min(params.max_tokens, max_len - num_prompt_tokens)
-
-
-def blocks_held(cfg: CacheConfig, num_tokens: int, max_chunk: int | None = None) -> int:
-  """The most GPU blocks a sequence of `num_tokens` tokens holds at once:
-  every block, or on a cache that frees the blocks outside its window
-  (appending prompts in chunks of at most `max_chunk` tokens) the window's
-  plus one chunk's, since an append takes blocks before it frees them."""
-  every = cfg.blocks_for(num_tokens)
-  if cfg.sliding_window is None:
-    return every
-  return min(every, cfg.blocks_for(cfg.sliding_window) + 1 + cfg.blocks_for(max_chunk or 1))
-
-
-def resident_blocks(
-  cfg: CacheConfig, num_prompt_tokens: int, lengths, max_chunk: int | None = None
-) -> int:
-  """GPU blocks sequences of `lengths` tokens take when their group is
-  admitted again after a recompute preemption (each is prefilled on its own;
-  with prefix caching they share the prompt's full blocks)."""
-  needed = sum(blocks_held(cfg, length, max_chunk) for length in lengths)
-  if cfg.enable_prefix_caching:
-    needed -= (len(lengths) - 1) * (num_prompt_tokens // cfg.block_size)
-  return needed
-
-
-def admission_error(
-  cfg: CacheConfig,
-  *,
-  max_len: int,
-  max_num_seqs: int,
-  num_prompt_tokens: int,
-  params: SamplingParams,
-  resident_lengths=None,
-  max_chunk: int | None = None,
-  lookahead: int = 0,
-) -> str | None:
-  """Why a request can never be served, or None: the one answer to "can it
-  ever fit", asked when it arrives and whenever it is to be admitted.
-
-  A request fits if its sequences and slots fit the budgets, its prompt
-  leaves room for new tokens in `max_len` positions, and one group alone
-  fits the GPU blocks: finishing (each of its `n` sequences holds `prompt +
-  max_tokens - 1` tokens and `lookahead` slots; they share the prompt's
-  full blocks) and being
-  admitted (above the watermark: its prompt, or `resident_lengths` after a
-  recompute preemption).
-
-  Args:
-    cfg: the cache of one data shard.
-    max_len: positions a sequence may use (the model's and the block
-      table's).
-    max_num_seqs: sequences that run at once at most.
-    num_prompt_tokens: the prompt's length.
-    params: the request's sampling parameters.
-    resident_lengths: tokens each unfinished sequence puts in the cache when
-      the group is admitted again after a recompute preemption; None for a
-      new request.
-    max_chunk: the most prompt tokens a sequence appends at once on a cache
-      that frees the blocks outside its window (see `blocks_held`).
-    lookahead: slots each decode step reserves past a sequence's tokens
-      (speculative decoding's proposals).
-  """
-  n = params.n
-  if n > max_num_seqs:
-    return f"n={n} sequences exceed max_num_seqs={max_num_seqs}"
-  if params.use_beam_search:
-    if 2 * n - 1 > cfg.max_seqs:
-      return f"{n} beams need {2 * n - 1} sequence slots, the cache has max_seqs={cfg.max_seqs}"
-    if num_prompt_tokens < 2:
-      return "beam search needs a prompt of at least 2 tokens"
-  if num_prompt_tokens >= max_len:
-    return (
-      f"a prompt of {num_prompt_tokens} tokens leaves no room for new tokens in {max_len} "
-      f"positions (the model's max_seq_len and the block table's {cfg.max_tokens_per_seq} tokens)"
-    )
-  limit = token_limit(max_len, num_prompt_tokens, params)
-  per_seq = blocks_held(cfg, num_prompt_tokens + limit - 1 + lookahead, max_chunk)
-  # Under a window the samples' shared prompt blocks leave it as they decode.
-  shared = 0 if cfg.sliding_window else min(num_prompt_tokens // cfg.block_size, per_seq)
-  needed = per_seq + (n - 1) * (per_seq - shared)
-  admittable = cfg.num_gpu_blocks - cfg.watermark_blocks
-  if needed > cfg.num_gpu_blocks or (
-    resident_lengths is None and blocks_held(cfg, num_prompt_tokens, max_chunk) > admittable
-  ):
-    return (
-      f"needs {needed} GPU blocks (n={n} x ({num_prompt_tokens} prompt "
-      f"+ {limit} new tokens{f' + {lookahead} lookahead slots' if lookahead else ''}) "
-      f"in blocks of {cfg.block_size}), the "
-      f"cache has {cfg.num_gpu_blocks} (watermark {cfg.watermark_blocks})"
-    )
-  if resident_lengths is not None:
-    resident = resident_blocks(cfg, num_prompt_tokens, resident_lengths, max_chunk)
-    if resident > admittable:
-      return (
-        f"its sequences of {list(resident_lengths)} tokens need {resident} GPU blocks to be "
-        f"prefilled again, the cache has {admittable} above the watermark"
-      )
-  return None
-
-
-@dataclasses.dataclass
-class NewRow:
-  """A request's sampling parameters and token limit for a decode row."""
-
-  slot: int
-  temperature: float
-  top_k: int
-  top_p: float
-  key_data: np.ndarray
-  stop_ids: tuple[int, ...]
-  limit: int
-  processed: bool = False
-
-
-@dataclasses.dataclass
-class RowChanges:
-  """How the model runner's decode rows change, applied in this order.
-
-  Attributes:
-    stop: slots that stop decoding (freed, swapped out or released).
-    clear_beams: slot lists (leader first) of beam groups to forget.
-    new_rows: rows that get a request's parameters.
-    new_beams: `(slots, width, length_penalty)` of new beam groups.
-    start: `(slot, last token, tokens drawn)`: rows that decode from then.
-    resume: beam rows that decode on from where they were (swapped in).
-  """
-
-  stop: list[int] = dataclasses.field(default_factory=list)
-  clear_beams: list[list[int]] = dataclasses.field(default_factory=list)
-  new_rows: list[NewRow] = dataclasses.field(default_factory=list)
-  new_beams: list[tuple[list[int], int, float]] = dataclasses.field(default_factory=list)
-  start: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
-  resume: list[int] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class PrefillChunk:
-  """Prompt tokens that go into a sequence's cache this round.
-
-  Attributes:
-    group, seq: the sequence.
-    tokens: the tokens, for positions `start ..`.
-    start: the first one's position.
-    samples: the sequences that draw their first token from the logits this
-      chunk ends with (a fresh group's when it completes its prompt).
-    write_from: positions before it already hold their K/V (prefix-cache
-      hits that run again for their prompt log-probabilities).
-    next_tokens: with prompt log-probabilities asked for, the prompt token
-      after each position (-1 after the last), whose log-probability the
-      chunk computes; else None.
-  """
-
-  group: SequenceGroup
-  seq: Sequence
-  tokens: np.ndarray
-  start: int
-  samples: list[Sequence] = dataclasses.field(default_factory=list)
-  write_from: int = 0
-  next_tokens: np.ndarray | None = None
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-  """One round of one data shard, as the scheduler decided it.
-
-  The engine moves the swapped pages, applies the row changes, runs the
-  chunks, hands the first tokens and `after_prefill`'s row changes back,
-  decodes, and reports to `update`. What was decided after the last round
-  (aborts, finished sequences, the preemption after its decode) comes first.
-
-  Attributes:
-    shard: the data shard.
-    preempted: groups preempted after the last round's decode (already
-      back in a queue); nothing is swapped in or admitted this round.
-    failed: groups that can never be admitted (taken out of the queue).
-    swap_out, swap_in: the swap plans whose pages must move, in order.
-    rows: the decode rows' changes since the last round.
-    chunks: the prompt chunks to run.
-    decoding: the running groups; their started rows decode.
-    stop_on_finish: whether the decode loop should hand back control when
-      a row finishes (groups wait to be admitted or swapped in).
-  """
-
-  shard: int
-  preempted: list[SequenceGroup] = dataclasses.field(default_factory=list)
-  failed: list[SequenceGroup] = dataclasses.field(default_factory=list)
-  swap_out: list = dataclasses.field(default_factory=list)
-  swap_in: list = dataclasses.field(default_factory=list)
-  rows: RowChanges = dataclasses.field(default_factory=RowChanges)
-  chunks: list[PrefillChunk] = dataclasses.field(default_factory=list)
-  decoding: list[SequenceGroup] = dataclasses.field(default_factory=list)
-  stop_on_finish: bool = False
 
 
 def _score_whole_prompt(group: SequenceGroup, leader: Sequence) -> None:
@@ -434,19 +242,6 @@ class Scheduler:
     fits = resident_blocks(self.cache.cfg, prompt, lengths, self.cache.max_chunk) <= free
     return (AllocStatus.OK if fits else AllocStatus.LATER), None
 
-  def _new_row(self, group: SequenceGroup, seq: Sequence, slot: int, greedy: bool) -> NewRow:
-    params = group.params
-    return NewRow(
-      slot=slot,
-      temperature=0.0 if greedy else params.temperature,
-      top_k=0 if greedy else params.top_k,
-      top_p=1.0 if greedy else params.top_p,
-      key_data=seq.key_data,
-      stop_ids=group.stop_ids,
-      limit=group.limit,
-      processed=params.logprobs_mode == "processed",
-    )
-
   def _admit(self, group: SequenceGroup) -> None:
     """Allocates a group's blocks; its prompt (or tokens) await prefill."""
     if group.beam:
@@ -455,7 +250,7 @@ class Scheduler:
     live = group.live()
     for seq, slot in zip(live, self._take_slots(len(live))):
       seq.slot = slot
-      self._next.rows.new_rows.append(self._new_row(group, seq, slot, greedy=False))
+      self._next.rows.new_rows.append(new_row(group, seq, slot, greedy=False))
     if group.fresh:
       leader = live[0]
       leader.prefill = group.prompt_token_ids
@@ -476,7 +271,7 @@ class Scheduler:
     slots = self._take_slots(group.num_slots())
     leader = group.seqs[0]
     for slot in slots:
-      self._next.rows.new_rows.append(self._new_row(group, leader, slot, greedy=True))
+      self._next.rows.new_rows.append(new_row(group, leader, slot, greedy=True))
     self._next.rows.new_beams.append((slots, group.params.n, group.params.length_penalty))
     group.beam_slots = slots
     leader.slot = slots[0]

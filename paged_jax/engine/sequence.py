@@ -6,8 +6,14 @@ import dataclasses
 
 import numpy as np
 
-from paged_jax.engine.params import SamplingParams
+from paged_jax.params import SamplingParams
 from paged_jax.structured import Automaton
+
+
+def token_limit(max_len: int, num_prompt_tokens: int, params: SamplingParams) -> int:
+  """Tokens each sequence of a request may draw: `max_tokens`, or fewer
+  where the sequence would pass `max_len` positions."""
+  return min(params.max_tokens, max_len - num_prompt_tokens)
 
 
 @dataclasses.dataclass

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax.engine.sampling import categorical_rows
+from paged_jax.sampling import categorical_rows
 
 METHODS = ("ngram", "draft_model")
 _KEYS = {

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from paged_jax.engine.params import SamplingParams
-from paged_jax.engine.sampling import RowParams, is_stop, sample_rows
 from paged_jax.models.llama import init_dense_cache
+from paged_jax.params import SamplingParams
+from paged_jax.sampling import RowParams, is_stop, sample_rows
 
 
 def prompt_array(prompt) -> np.ndarray:

@@ -26,7 +26,7 @@ from jax import lax
 from paged_jax.config import CacheConfig
 from paged_jax.kv_cache import KVCache
 from paged_jax.models.llama import Llama
-from paged_jax.models.paged import PagedCache
+from paged_jax.paged_cache import PagedCache
 
 
 def with_compute_dtype(model: Llama, dtype) -> Llama:

@@ -23,8 +23,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from paged_jax.engine.outputs import CompletionOutput
-from paged_jax.engine.params import SamplingParams
 from paged_jax.models.tokenizer import ByteTokenizer
+from paged_jax.params import SamplingParams
 from paged_jax.server import protocol
 from paged_jax.server.bodies import (
   APIError,

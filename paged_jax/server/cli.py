@@ -355,7 +355,7 @@ def run(args) -> int:
   """Loads, warms up, then serves until Ctrl-C or SIGTERM."""
   import uvicorn
 
-  from paged_jax.attention import describe_kernels
+  from paged_jax.kernel_choice import describe_kernels
   from paged_jax.server.app import ServerSettings, build_app
   from paged_jax.server.engine_thread import EngineThread
   from paged_jax.server.metrics import ServerMetrics

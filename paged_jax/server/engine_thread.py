@@ -22,7 +22,7 @@ import numpy as np
 
 from paged_jax.config import CacheConfig
 from paged_jax.engine.outputs import RequestOutput
-from paged_jax.engine.params import SamplingParams
+from paged_jax.params import SamplingParams
 from paged_jax.server import prompt_logprobs
 from paged_jax.server.metrics import ServerMetrics
 

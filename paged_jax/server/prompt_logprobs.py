@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from paged_jax.engine.outputs import RequestOutput
-from paged_jax.engine.params import SamplingParams
+from paged_jax.params import SamplingParams
 
 
 @dataclasses.dataclass

@@ -1,0 +1,105 @@
+"""One decode step's block-manager work, shared by the plain, speculative
+and ragged steps.
+
+Before the model call, `append_last_tokens` appends the rows' tokens and
+`copy_for_append` carries out the resulting page copies; `slots_of` maps
+positions to cache slots through block tables. After the draws,
+`step_automata` advances the constrained rows' automata and
+`finish_step` does the bookkeeping every step ends with: free the rows
+that finished and count the step.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from paged_jax import kv_cache as kv_ops
+from paged_jax import structured
+from paged_jax.block_manager.manager import BlockSpaceManager
+from paged_jax.block_manager.plans import unwritten_hit_copies
+from paged_jax.block_manager.state import CopyPlan, on_every_shard
+from paged_jax.config import Status
+from paged_jax.engine.programs.carry import DecodeLoop, by_shard, local_slots, per_shard
+from paged_jax.kv_cache import KVCache
+
+
+def append_last_tokens(loop: DecodeLoop):
+  """`append_slots` of every running row's last token, on every shard."""
+  num_shards = loop.out_of_blocks.shape[0]
+  running = loop.seq_ids >= 0
+  return on_every_shard(BlockSpaceManager(loop.state.cfg).append_slots)(
+    loop.state,
+    local_slots(loop),
+    by_shard(loop.last_token[:, None], num_shards),
+    by_shard(running.astype(jnp.int32), num_shards),
+  )
+
+
+def unless_out_of_blocks(loop: DecodeLoop, plan: CopyPlan, advance) -> DecodeLoop:
+  """`advance(None)`, the step after an append whose `plan` every shard
+  could carry out; else `loop` with the shards that ran out of blocks
+  marked (no row steps)."""
+  out_of_blocks = plan.status != Status.OK
+  return jax.lax.cond(
+    ~jnp.any(out_of_blocks), advance, lambda _: loop.replace(out_of_blocks=out_of_blocks), None
+  )
+
+
+def step_automata(table, automaton_state, stepped, tokens):
+  """The rows' automaton states after the `stepped` rows drew `tokens`, and
+  which of those rows' new states allow no token (they finish); without a
+  `table`, the states unchanged and none."""
+  if table is None:
+    return automaton_state, jnp.zeros_like(stepped)
+  advanced = jnp.where(stepped, structured.advance(table, automaton_state, tokens), automaton_state)
+  return advanced, stepped & structured.is_dead(table, advanced)
+
+
+def finish_step(loop: DecodeLoop, state, plan: CopyPlan, num_tokens, free, finished, **rows):
+  """The carry after one step of `loop`'s rows, the bookkeeping every step
+  ends with: `state` with the global slots `free` (-1: none) freed, the
+  step and its rows counted with `plan`'s copies, the blocks in use and
+  the `num_tokens` they hold, `finished` (a row finished) noted, and the
+  rows' new fields `rows` (`kv`, `seq_ids`, `last_token`, ...)."""
+  cfg = state.cfg
+  bm = BlockSpaceManager(cfg)
+  used = cfg.num_gpu_blocks - on_every_shard(bm.num_free_gpu_blocks)(state)
+  freed, _ = on_every_shard(bm.free)(
+    state, per_shard(free, loop.out_of_blocks.shape[0], cfg.max_seqs)
+  )
+  held = jnp.sum(num_tokens)
+  return loop.replace(
+    state=freed,
+    step=loop.step + 1,
+    rows_run=loop.rows_run + jnp.sum(loop.seq_ids >= 0),
+    finished_any=loop.finished_any | finished,
+    cow_copies=loop.cow_copies + jnp.sum(plan.count),
+    peak_blocks=jnp.maximum(loop.peak_blocks, jnp.max(used)),
+    utilization_sum=loop.utilization_sum + held / jnp.maximum(jnp.sum(used) * cfg.block_size, 1),
+    **rows,
+  )
+
+
+def slots_of(tables: jax.Array, positions: jax.Array, block_size: int) -> jax.Array:
+  """The cache slot of each position `[rows, width]` (-1: none) through the
+  rows' block tables."""
+  blocks = jnp.take_along_axis(tables, jnp.maximum(positions, 0) // block_size, axis=1)
+  return jnp.where(
+    (positions >= 0) & (blocks >= 0), blocks * block_size + positions % block_size, -1
+  )
+
+
+def copy_for_append(kv, before, after, local, plan: CopyPlan, num_cols: int) -> KVCache:
+  """The pages after an `append_slots` of up to `num_cols` tokens per row:
+  its copy-on-write `plan`, then, with prefix caching, the copies that give
+  the cached blocks it shared the K/V they lack (`unwritten_hit_copies`,
+  over every block such a call can fill)."""
+  kv = kv_ops.copy_blocks(kv, plan)
+  if not before.cfg.enable_prefix_caching:
+    return kv
+  span = -(-(num_cols - 1) // before.cfg.block_size) + 1
+  hits = functools.partial(unwritten_hit_copies, span=span)
+  return kv_ops.copy_blocks(kv, on_every_shard(hits)(before, after, local, plan))

@@ -1,0 +1,319 @@
+"""Kernel choice: which implementation each paged op runs, in one place.
+
+``impl`` chooses the implementation of the paged attention ops
+(`paged_jax.attention`) and of the KV cache's ops (`paged_jax.kv_cache`:
+`write_kv`, `copy_blocks`):
+
+* ``"auto"``: the Mosaic kernel on TPU; on CUDA GPUs of compute capability
+  9.0 and newer (Hopper, Blackwell) the Mosaic GPU kernel when this JAX has
+  Mosaic GPU and it serves the page dtype and tiles, else the Pallas (Triton)
+  kernel while this JAX ships it and its tiles fit (power-of-two block size
+  and head_dim), as on older and ROCm GPUs; the chunked XLA implementation
+  everywhere else (CPU), which reads only the table chunks the longest
+  context reaches. On a GPU the choice and its reason are logged once
+  (logger ``paged_jax``).
+* ``"pallas"``: the backend's kernel (the one ``"auto"`` prefers); on CPU the
+  Triton kernel in interpret mode.
+* ``"mosaic_gpu"``, ``"triton"``: that GPU kernel (decode attention only);
+  on CPU in its interpret mode.
+* ``"reference"``: the XLA reference.
+
+`select_attention_kernel`, `select_prefill_kernel` and `select_kernel`
+resolve ``impl`` for the decode attention, prefill attention and the KV
+cache's ops on the kernel platform (`kernel_platform`, or `target_platform`'s
+inside it); `check_block_size` refuses a block size no kernel serves;
+`describe_kernels` names what ``"auto"`` runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.paged_attention import gpu, mosaic_gpu, tpu_prefill
+
+logger = logging.getLogger("paged_jax")
+
+IMPLS = ("auto", "pallas", "reference")
+ATTENTION_IMPLS = IMPLS + ("mosaic_gpu", "triton")
+_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+_TARGET_PLATFORM = contextvars.ContextVar("target_platform", default=None)
+
+
+@contextlib.contextmanager
+def target_platform(platform: str):
+  """Kernels traced inside choose those of `platform` (e.g. ``"tpu"``) instead
+  of the default backend's: ahead-of-time compiles for devices this host lacks."""
+  token = _TARGET_PLATFORM.set(platform)
+  try:
+    yield
+  finally:
+    _TARGET_PLATFORM.reset(token)
+
+
+def kernel_platform() -> str:
+  """The platform kernels are chosen for: `target_platform`'s, else the default backend."""
+  return _TARGET_PLATFORM.get() or jax.default_backend()
+
+
+def select_prefill_kernel(
+  impl: str, *, dtype, num_queries: int, group: int, block_size: int, head_dim: int, kv_dtype=None
+):
+  """Resolves ``impl`` of ``paged_prefill_attention`` for the kernel platform.
+
+  Args:
+    impl: one of ``IMPLS``.
+    dtype: dtype of the queries.
+    num_queries: query tokens per sequence (a tile's width).
+    group: query heads per KV head.
+    block_size: tokens per page.
+    head_dim: size of a head.
+    kv_dtype: dtype of the pages; None for ``dtype``.
+
+  Returns:
+    None for XLA (the reference, or the chunked implementation), else
+    ``("tpu", interpret)``. On TPU, ``"auto"`` logs its choice once, and why
+    not the kernel when it cannot serve the dtype or shapes.
+
+  Raises:
+    ValueError: for an unknown ``impl``.
+  """
+  if impl not in IMPLS:
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+  platform = kernel_platform()
+  if impl == "reference":
+    return None
+  if impl == "pallas":
+    return "tpu", platform != "tpu"
+  if platform != "tpu":
+    return None
+  reason = tpu_prefill.refusal(dtype, num_queries, group, block_size, head_dim, kv_dtype)
+  choice = "Mosaic kernel" if reason is None else f"chunked XLA, because {reason}"
+  _log_once(
+    f"prefill attention on tpu ({jnp.dtype(dtype).name}, {num_queries} queries x {group} "
+    f"heads per KV head, block_size {block_size}, head_dim {head_dim}): {choice}"
+  )
+  return None if reason else ("tpu", False)
+
+
+def select_kernel(impl: str, *, tile_sizes: tuple[int, ...] = ()):
+  """Resolves ``impl`` for the kernel platform (`kernel_platform`).
+
+  Args:
+    impl: ``"auto"``, ``"pallas"`` or ``"reference"``.
+    tile_sizes: sizes the GPU kernels tile by; ``"auto"`` uses the XLA
+      reference on a GPU unless all are powers of two.
+
+  Returns:
+    None for the XLA reference, else ``(backend, interpret)`` with backend
+    ``"gpu"`` or ``"tpu"``.
+  """
+  if impl not in IMPLS:
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+  platform = kernel_platform()
+  if impl == "reference":
+    return None
+  if platform == "tpu":
+    return "tpu", False
+  if platform in _GPU_PLATFORMS:
+    if impl == "auto" and not all(_is_power_of_two(n) for n in tile_sizes):
+      return None
+    return "gpu", False
+  return None if impl == "auto" else ("gpu", True)
+
+
+def select_attention_kernel(
+  impl: str, *, dtype, block_size: int, head_dim: int, group: int, quantized: bool = False
+):
+  """Resolves ``impl`` of ``paged_attention`` for the kernel platform (`kernel_platform`).
+
+  Args:
+    impl: one of ``ATTENTION_IMPLS``.
+    dtype: dtype of the queries and pages.
+    block_size: tokens per page.
+    head_dim: size of a head.
+    group: query heads per KV head.
+    quantized: whether the pages are int8 / fp8 with scales, which the Mosaic
+      GPU kernel does not serve (``"auto"`` then takes the Triton kernel).
+
+  Returns:
+    None for XLA (the reference, or the chunked implementation), else
+    ``(kernel, interpret)`` with kernel ``"tpu"``, ``"mosaic_gpu"`` or
+    ``"triton"``.
+
+  Raises:
+    ValueError: for an unknown ``impl``.
+  """
+  if impl not in ATTENTION_IMPLS:
+    raise ValueError(f"impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+  platform = kernel_platform()
+  on_gpu = platform in _GPU_PLATFORMS
+  if impl in ("mosaic_gpu", "triton"):
+    return impl, not on_gpu
+  if impl == "reference":
+    return None
+  if platform == "tpu":
+    return "tpu", False
+  if not on_gpu:
+    return None if impl == "auto" else ("triton", True)
+  capability = gpu_compute_capability()
+  kernel, reason = gpu_kernel_choice(
+    impl == "auto", capability, dtype, block_size, head_dim, group, quantized
+  )
+  names = {"mosaic_gpu": "Mosaic GPU kernel", "triton": "Triton kernel", None: "chunked XLA"}
+  choice = names[kernel] + (f", because {reason}" if reason else "")
+  sm = f"sm{round(capability * 10)}"
+  _log_once(f"paged attention on {platform} ({sm}, {jnp.dtype(dtype).name}): {choice}")
+  return None if kernel is None else (kernel, False)
+
+
+def gpu_kernel_choice(
+  auto: bool, capability: float, dtype, block_size: int, head_dim: int, group: int, quantized: bool
+) -> tuple[str | None, str | None]:
+  """The decode kernel for a GPU, and why not a kernel it prefers.
+
+  Mosaic GPU where this JAX has it and the GPU (sm90+: TMA and wgmma), page
+  dtype and shapes can be served; else Triton while this JAX ships it (for
+  ``auto`` only on power-of-two tiles); else the chunked XLA path (None).
+
+  Args:
+    auto: whether ``impl`` is ``"auto"`` (else ``"pallas"``).
+    capability: the GPU's compute capability (9.0 for Hopper).
+    dtype: dtype of the queries and pages.
+    block_size: tokens per page.
+    head_dim: size of a head.
+    group: query heads per KV head.
+    quantized: whether the pages are int8 / fp8 with scales.
+
+  Returns:
+    ``(kernel, reason)``: kernel ``"mosaic_gpu"``, ``"triton"`` or None; the
+    reason is None for Mosaic GPU.
+  """
+  reason = mosaic_gpu_refusal(capability, dtype, block_size, head_dim, group, quantized)
+  if reason is None:
+    return "mosaic_gpu", None
+  if gpu.pltriton is None:
+    return None, f"{reason} and this JAX ships no Pallas Triton"
+  if auto and not all(_is_power_of_two(n) for n in (block_size, head_dim)):
+    return None, f"{reason} and Triton tiles powers of two only"
+  return "triton", reason
+
+
+def mosaic_gpu_refusal(
+  capability: float, dtype, block_size: int, head_dim: int, group: int, quantized: bool
+) -> str | None:
+  """Why the Mosaic GPU kernel cannot serve this GPU, dtype and shapes; None if it can."""
+  if capability < 9.0:
+    return "Mosaic GPU kernel needs sm90+ (TMA and wgmma; JAX's Ampere mma needs another kernel)"
+  if quantized:
+    return "the Mosaic GPU kernel takes no quantized pages"
+  return mosaic_gpu.refusal(dtype, block_size, head_dim, group)
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+  logger.info(message)
+
+
+def kernel_block_sizes(platform: str) -> dict[str, str]:
+  """The block sizes each compiled attention kernel of `platform` serves."""
+  if platform in _GPU_PLATFORMS:
+    return {"triton": "powers of two", "mosaic_gpu": ", ".join(map(str, mosaic_gpu.BLOCK_SIZES))}
+  if platform == "tpu":
+    return {"tpu": "any"}
+  return {"reference (XLA)": "any"}
+
+
+def check_block_size(block_size: int, platform: str | None = None) -> None:
+  """Refuses a block size that no attention kernel of `platform` serves.
+
+  Args:
+    block_size: tokens per page.
+    platform: a JAX backend name; None for the default backend.
+
+  Raises:
+    ValueError: naming the block size and the sizes each kernel serves (on a
+      GPU, Triton needs a power of two and Mosaic GPU one of its sizes).
+  """
+  platform = platform or kernel_platform()
+  if platform in _GPU_PLATFORMS and not _is_power_of_two(block_size):
+    sizes = "; ".join(
+      f"{kernel}: {served}" for kernel, served in kernel_block_sizes(platform).items()
+    )
+    raise ValueError(
+      f"block_size {block_size} is served by no paged-attention kernel on {platform} ({sizes})"
+    )
+
+
+def gpu_compute_capability() -> float:
+  """Compute capability of the first device (9.0 for Hopper), 0 if none."""
+  capability = getattr(jax.devices()[0], "compute_capability", None)
+  try:
+    return float(capability)
+  except (TypeError, ValueError):
+    return 0.0
+
+
+def is_concrete(*arrays) -> bool:
+  """True when no argument is a tracer (called outside jit)."""
+  return not any(isinstance(a, jax.core.Tracer) for a in arrays)
+
+
+def _is_power_of_two(size: int) -> bool:
+  return size > 0 and not size & (size - 1)
+
+
+def describe_kernels(
+  *,
+  dtype,
+  block_size: int,
+  head_dim: int,
+  group: int,
+  quantized: bool = False,
+  num_queries: int = 32,
+) -> str:
+  """One line naming the default backend and what ``impl="auto"`` runs there.
+
+  Takes ``select_attention_kernel``'s arguments, and ``num_queries`` (a
+  prefill tile's width) for the prefill choice; e.g. ``"backend tpu: decode
+  attention = Mosaic (Pallas TPU), prefill attention = Mosaic (Pallas TPU),
+  write_kv = Mosaic (Pallas TPU), copy_blocks = Mosaic (Pallas TPU)"``.
+  """
+  names = {
+    "tpu": "Mosaic (Pallas TPU)",
+    "mosaic_gpu": "Mosaic GPU (Pallas)",
+    "triton": "Triton (Pallas GPU)",
+    "gpu": "Triton (Pallas GPU)",
+  }
+  name = lambda kernel, xla: xla if kernel is None else names[kernel[0]]
+  decode = select_attention_kernel(
+    "auto", dtype=dtype, block_size=block_size, head_dim=head_dim, group=group, quantized=quantized
+  )
+  prefill = select_prefill_kernel(
+    "auto",
+    dtype=dtype,
+    num_queries=num_queries,
+    group=group,
+    block_size=block_size,
+    head_dim=head_dim,
+    kv_dtype=jnp.int8 if quantized else dtype,
+  )
+  write = select_kernel("auto", tile_sizes=(head_dim,))
+  copy = select_kernel("auto", tile_sizes=(block_size, head_dim))
+  platform = kernel_platform()
+  backend = platform
+  if platform in _GPU_PLATFORMS:
+    backend += f" (compute capability {gpu_compute_capability():.1f})"
+  line = (
+    f"backend {backend}: decode attention = {name(decode, 'chunked XLA')}, "
+    f"prefill attention = {name(prefill, 'chunked XLA')}, write_kv = {name(write, 'XLA')}, "
+    f"copy_blocks = {name(copy, 'XLA')}"
+  )
+  if platform != "tpu" and platform not in _GPU_PLATFORMS:
+    line += f"; the Pallas kernels run on {platform} only in interpret mode (impl='pallas')"
+  return line
