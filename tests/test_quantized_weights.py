@@ -94,19 +94,34 @@ def test_int8_rounds_to_the_nearest_step(group_size):
 
 def test_pack_and_unpack_int4_are_inverse():
   ints = np.random.default_rng(2).integers(0, 16, (3, 64)).astype(np.uint8)
-  packed = quantized.pack_int4(ints, 32)
+  packed = quantized.pack_int4(ints)
   assert packed.shape == (3, 32)
-  # Byte j of a group: element j low, element j + 16 high (GGUF's Q4_0 order).
-  assert packed[0, 0] == ints[0, 0] | (ints[0, 16] << 4)
-  np.testing.assert_array_equal(np.asarray(quantized.unpack_int4(packed, 32)), ints)
+  # Byte c of a row: input c low, input c + 32 high (each nibble a half row).
+  assert packed[0, 0] == ints[0, 0] | (ints[0, 32] << 4)
+  assert packed[2, 31] == ints[2, 31] | (ints[2, 63] << 4)
+  np.testing.assert_array_equal(np.asarray(quantized.unpack_int4(packed)), ints)
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
-@pytest.mark.parametrize("rows", [(2, 3), (1, 1)])  # the single row is another product
-def test_matmul_equals_the_dequantized_product(method, rows):
+# 96 inputs in groups of 32: the halves of a 4-bit row split the middle group.
+FORMS = {
+  "int8": lambda w: quantized.quantize_int8(w),
+  "int8/g32": lambda w: quantized.quantize_int8(w, 32),
+  "int4/g32": lambda w: quantized.quantize_int4(w, 32),
+  "int4/no-minimums": lambda w: QuantizedWeight(
+    quantized.pack_int4(np.arange(48 * 96).reshape(48, 96) % 16),
+    np.full((48, 3), 0.01),
+    bits=4,
+    group_size=32,
+  ),
+}
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("rows", [(2, 3), (1, 1)])  # the single row is `matvec`
+def test_matmul_equals_the_dequantized_product(form, rows):
   rng = np.random.default_rng(3)
-  q = quantized.quantize(rng.normal(0.0, 0.1, (48, 64)).astype(np.float32), method)
-  x = jnp.asarray(rng.normal(size=(*rows, 64)), jnp.float32)
+  q = FORMS[form](rng.normal(0.0, 0.1, (48, 96)).astype(np.float32))
+  x = jnp.asarray(rng.normal(size=(*rows, 96)), jnp.float32)
   got = q.matmul(x, jnp.float32)
   np.testing.assert_allclose(got, x @ q.dequantize().T, rtol=1e-5, atol=1e-5)
   assert got.dtype == jnp.float32 and got.shape == (*rows, 48)
