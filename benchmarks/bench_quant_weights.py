@@ -4,16 +4,23 @@ For one `[N, K]` kernel (float32, bfloat16, int8 per channel, int8 and int4
 per group of 32) and `rows` activation rows, times `x @ w.T` written as:
 
 * `dequant-dot`: the kernel dequantized in float32, rounded to the compute
-  dtype and multiplied (`quantized.matmul`'s general form);
+  dtype and multiplied (`quantized.matmul`'s form for several rows; at one
+  row `jnp.dot` with the kernel transposed);
 * `dot-scale`: the integers multiplied, the per-channel scales applied to
-  the result (`quantized.matmul`'s per-channel int8 form);
-* `group-dot`: one product per group of inputs, each scaled and summed
-  (scale and minimum applied after the dot, per group);
-* `library`: `quantized.matmul` as the models run it (one of the above, or
-  at a single row `jnp.dot` with the dequantized kernel transposed).
+  the result (per-channel int8 at several rows);
+* `interleaved` (int4): `dequant-dot` over the layout int4 had before, the
+  nibbles interleaved within each group of 32 (GGUF's Q4_0 order: byte `j`
+  of a group holds its inputs `j` and `j + 16`), unpacked by a broadcast shift;
+* `halves-concat` (int4): one float32 product over the two nibble halves of
+  each row concatenated (the halves layout `quantized` keeps, without
+  `matvec`'s two products);
+* `library`: `quantized.matmul` as the models run it (at one row
+  `quantized.matvec`: float32, no rounding of the weights, 4 bits as two
+  products over the halves).
 
-and reports from the optimized HLO whether the dequantization became its own
-fusion writing a float kernel (`materialized`), or fused into the product.
+and reports from the optimized HLO whether some fusion other than the
+product writes a float kernel (`materialized`: an output of at least
+`N * K / 2` floats), or the dequantization fused into the product.
 
 With `--tpu-topology v5e:1x1` (JAX >= 0.12 with libtpu) nothing runs: each
 form is compiled for that TPU's compile-only devices and only the
@@ -26,6 +33,7 @@ form is compiled for that TPU's compile-only devices and only the
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import time
 
@@ -36,28 +44,12 @@ import numpy as np
 from paged_jax.models import layers, quantized
 
 
-def group_dot(x, values, scales, minimums, bits, group_size, dtype):
-  """`x @ w.T` as per-group products scaled after the dot (float32)."""
-  ints = quantized.unpack_int4(values, group_size) if bits == 4 else values
-  n, k = ints.shape
-  groups = k // group_size
-  xg = x.astype(dtype).reshape(*x.shape[:-1], groups, group_size)
-  partial = jnp.einsum(
-    "...gk,ngk->...ng",
-    xg,
-    ints.reshape(n, groups, group_size).astype(dtype),
-    preferred_element_type=jnp.float32,
-  )
-  y = jnp.sum(partial * scales.astype(jnp.float32), axis=-1)
-  if minimums is not None:
-    sums = jnp.sum(xg.astype(jnp.float32), axis=-1)
-    y = y + jnp.einsum("...g,ng->...n", sums, minimums.astype(jnp.float32))
-  return y
-
-
 def dequant_dot(x, values, scales, minimums, bits, group_size, dtype):
   weight = quantized.dequantize(values, scales, minimums, bits, group_size).astype(dtype)
-  return layers.dot_transposed(x.astype(dtype), weight)
+  x = x.astype(dtype)
+  if math.prod(x.shape[:-1]) == 1:
+    return jnp.dot(x, weight.T, preferred_element_type=jnp.float32)
+  return layers.dot_transposed(x, weight)
 
 
 def dot_scale(x, values, scales, minimums, bits, group_size, dtype):
@@ -65,15 +57,46 @@ def dot_scale(x, values, scales, minimums, bits, group_size, dtype):
   return y * scales[:, 0].astype(jnp.float32)
 
 
+def interleave(packed: np.ndarray, group_size: int) -> np.ndarray:
+  """Halves-packed int4 values repacked with the nibbles interleaved within
+  each group (byte `j` of a group: inputs `j` and `j + group_size / 2`)."""
+  ints = np.asarray(quantized.unpack_int4(packed))
+  out, k = ints.shape
+  grouped = ints.reshape(out, k // group_size, 2, group_size // 2)
+  return (grouped[:, :, 0] | (grouped[:, :, 1] << 4)).reshape(out, k // 2)
+
+
+def interleaved(x, values, scales, minimums, bits, group_size, dtype):
+  """`dequant-dot` over interleaved values (see `interleave`)."""
+  out, half = values.shape
+  grouped = values.reshape(out, half * 2 // group_size, 1, group_size // 2)
+  ints = ((grouped >> jnp.array([0, 4], jnp.uint8)[:, None]) & 0x0F).reshape(out, half * 2)
+  weight = (
+    ints.reshape(out, -1, group_size).astype(jnp.float32) * scales.astype(jnp.float32)[..., None]
+    + minimums.astype(jnp.float32)[..., None]
+  )
+  weight = weight.reshape(out, half * 2).astype(dtype)
+  return jnp.dot(x.astype(dtype), weight.T, preferred_element_type=jnp.float32)
+
+
+def halves_concat(x, values, scales, minimums, bits, group_size, dtype):
+  """One float32 product over the concatenated nibble halves."""
+  weight = quantized.dequantize(values, scales, minimums, bits, group_size)
+  x = x.astype(dtype).astype(jnp.float32)
+  return jnp.dot(x, weight.T, preferred_element_type=jnp.float32)
+
+
 def float_dot(x, weight, dtype):
   return layers.dot_transposed(x.astype(dtype), weight)
 
 
 def materialized(compiled, n: int, k: int) -> bool:
-  """Whether some fusion other than the product outputs a float `[n, k]`."""
-  text = compiled.as_text()
-  pattern = rf"(f32|bf16)\[{n},{k}\]\{{[^}}]*\}} fusion\("
-  return re.search(pattern, text) is not None
+  """Whether some fusion other than the product outputs a float kernel (at
+  least `n * k / 2` floats: a whole kernel, or one half of a 4-bit one)."""
+  for dims in re.findall(r"(?:f32|bf16)\[([\d,]+)\]\{[^}]*\} fusion\(", compiled.as_text()):
+    if math.prod(int(d) for d in dims.split(",")) >= n * k // 2:
+      return True
+  return False
 
 
 def on_tpu(topology: str):
@@ -146,18 +169,22 @@ def main():
       for label, q in formats.items():
         arrays = (q.values[...], q.scales[...], None if q.minimums is None else q.minimums[...])
         mb = sum(a.nbytes for a in arrays if a is not None) / 1e6
-        forms = {"dequant-dot": dequant_dot, "group-dot": group_dot}
+        forms = {"dequant-dot": (dequant_dot, arrays)}
         if label == "int8/channel":
-          forms = {"dequant-dot": dequant_dot, "dot-scale": dot_scale}
-        forms["library"] = quantized.matmul
-        for form, impl in forms.items():
+          forms["dot-scale"] = (dot_scale, arrays)
+        if q.bits == 4 and rows == 1:
+          mixed = (jnp.asarray(interleave(arrays[0], q.group_size)), *arrays[1:])
+          forms["interleaved"] = (interleaved, mixed)
+          forms["halves-concat"] = (halves_concat, arrays)
+        forms["library"] = (quantized.matmul, arrays)
+        for form, (impl, inputs) in forms.items():
           fn = jax.jit(
             lambda x, v, s, m, impl=impl, q=q, dtype=dtype: impl(
               x, v, s, m, q.bits, q.group_size, dtype
             )
           )
-          us, fused = report(fn, x, *arrays)
-          print(f"| {rows} | {name} | {label} | {form} | {mb:.1f} | {us} | {fused} |")
+          us, fused = report(fn, x, *inputs)
+          print(f"| {rows} | {name} | {label} | {form} | {mb:.1f} | {us} | {fused} |", flush=True)
 
 
 if __name__ == "__main__":
