@@ -237,6 +237,19 @@ def test_shape_only_models_compile_for_tpu(model, topology, tp):
 
 
 @needs_libtpu
+@pytest.mark.slow
+def test_programs_that_name_no_launch_are_refused_naming_the_launches():
+  from paged_jax.models import pretrained
+
+  with pytest.raises(
+    ValueError, match=r"no launch named \['decode'\]; warm-up launches \[.*'decode_loop'"
+  ):
+    aot.compile_engine_programs(
+      pretrained.load_tiny(), "v5e:1x1", variants={"plain": {}}, programs={"decode"}
+    )
+
+
+@needs_libtpu
 def test_captured_launches_match_compiled_programs():
   """The capture records one launch per program shape `compiled_programs` lists."""
   from paged_jax.models import pretrained
