@@ -43,7 +43,7 @@ from paged_jax.kv_memory import (
   num_gpu_blocks_for_memory,
 )
 from paged_jax.models.dense import generate_dense, sample_tokens
-from paged_jax.structured import StructuredOutputsParams
+from paged_jax.structured import StructuredOutputsParams, TableCapacity
 
 __all__ = [
   "AllocStatus",
@@ -80,6 +80,7 @@ __all__ = [
   "Request",
   "SamplingParams",
   "StructuredOutputsParams",
+  "TableCapacity",
   "generate",
   "generate_dense",
   "sample_tokens",

@@ -18,9 +18,10 @@ the model's graph, its parameters as sharded `jax.ShapeDtypeStruct`s
 The set compiled is warm-up's set for each engine variant of `VARIANTS`
 (plain, int8 and fp8 pages, async scheduling's carries, n-gram
 speculation with its prefill apart); beams are part of every variant's
-every-slot decode loop. Swaps are left out (no host pages: `num_cpu_blocks`
-0), as are structured outputs' automaton tables, which warm-up does not
-launch.
+every-slot decode loop, and every program carries the engine's automaton
+table (structured outputs; `pj.TableCapacity.for_vocabulary` of the
+model's vocabulary). Swaps are left out (no host pages: `num_cpu_blocks`
+0).
 """
 
 from __future__ import annotations

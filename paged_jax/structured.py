@@ -11,10 +11,11 @@ The automata of the rows that run are packed into one `AutomatonTable` of
 device arrays (`pack_automata`): a bitmask of the allowed tokens of every
 state, and the transitions in compressed sparse rows (per state, its allowed
 tokens in ascending order and their next states). State 0 of every table is
-the dead state (no allowed token), each automaton's states follow at its own
-offset, and padding rounds the table up to power-of-two buckets so a decode
-loop compiles once per bucket. A row's state is an int32 index into the
-table, or `UNCONSTRAINED` (-1) for a row without a constraint.
+the dead state (no allowed token), and each automaton's states follow at its
+own offset. An engine packs every table to one `TableCapacity`, so its
+programs compile once with or without constrained rows; without a capacity,
+padding rounds a table up to power-of-two buckets. A row's state is an int32
+index into the table, or `UNCONSTRAINED` (-1) for a row without a constraint.
 
 The device functions (`allowed_mask`, `mask_logits`, `advance`, `is_dead`,
 `is_accepting`) are pure and jittable, so a decode loop can mask, sample and
@@ -498,34 +499,6 @@ class PackedAutomata:
     """
     return self._start(automaton)
 
-  def translate(self, states: np.ndarray, rows: Sequence[Automaton | None], target: PackedAutomata):
-    """Maps rows' states in this table to the same states in `target`.
-
-    The engine calls it when the set of running automata changes between
-    launches, for the rows that keep running.
-
-    Args:
-      states: int `[rows]` table states (`UNCONSTRAINED` or dead pass through).
-      rows: each row's automaton, None for unconstrained rows.
-      target: the next launch's table.
-
-    Returns:
-      int32 `[rows]` states in `target`.
-
-    Raises:
-      ValueError: if a row's automaton is missing from either table, or its
-        state is not one of its automaton's.
-    """
-    out = np.asarray(states, np.int32).copy()
-    for row, automaton in enumerate(rows):
-      if automaton is None or out[row] in (UNCONSTRAINED, DEAD_STATE):
-        continue
-      local = int(out[row]) - self._start(automaton)
-      if not 0 <= local < automaton.num_states:
-        raise ValueError(f"row {row}: state {int(out[row])} is not one of its automaton's")
-      out[row] = target._start(automaton) + local
-    return out
-
   def _start(self, automaton: Automaton) -> int:
     for candidate, start in zip(self.automata, self.starts):
       if candidate is automaton:
@@ -533,34 +506,88 @@ class PackedAutomata:
     raise ValueError("the automaton is not in this table")
 
 
+@dataclasses.dataclass(frozen=True)
+class TableCapacity:
+  """The size every automaton table of an engine is packed to.
+
+  Attributes:
+    states: table states, the dead state included.
+    edges: transitions (allowed tokens) of all states together.
+  """
+
+  states: int
+  edges: int
+
+  def __post_init__(self):
+    for name in ("states", "edges"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"TableCapacity.{name} must be a positive int, got {value!r}")
+
+  @classmethod
+  def for_vocabulary(cls, vocab_size: int) -> TableCapacity:
+    """The default for a vocabulary: 1,024 states, and 32 transitions per
+    token (at least 16,384). A 49,152-token vocabulary's `json_object`
+    automaton has 401 states and 823,952 transitions, so SmolLM2's default
+    (1,572,864) holds it and a few smaller ones; on the device that is 12.6
+    MB of transitions and 6.3 MB of token masks."""
+    return cls(states=1024, edges=max(-(-32 * vocab_size // 1024) * 1024, 16384))
+
+  def shortfall(self, automata: Sequence[Automaton]) -> str | None:
+    """Why `automata` (each counted once) do not fit one table, or None."""
+    states, edges = table_size(automata)
+    if states <= self.states and edges <= self.edges:
+      return None
+    return (
+      f"{states} states and {edges} transitions, the automaton table holds "
+      f"{self.states} and {self.edges} (TableCapacity)"
+    )
+
+
+def table_size(automata: Sequence[Automaton]) -> tuple[int, int]:
+  """`(states, transitions)` one table of `automata` needs (the dead state
+  and each automaton once)."""
+  unique = {id(automaton): automaton for automaton in automata}.values()
+  return 1 + sum(a.num_states for a in unique), sum(a.num_edges for a in unique)
+
+
 def _bucket(count: int, minimum: int) -> int:
   return max(minimum, 1 << max(count - 1, 0).bit_length())
 
 
-def pack_automata(automata: Sequence[Automaton], vocab_size: int) -> PackedAutomata:
-  """Packs automata into one device table (cached by the automata and vocabulary size).
+def pack_automata(
+  automata: Sequence[Automaton], vocab_size: int, capacity: TableCapacity | None = None
+) -> PackedAutomata:
+  """Packs automata into one device table (cached by the automata, vocabulary
+  size and capacity).
 
   State 0 is the dead state; then each automaton's states in turn. States and
-  edges are padded to powers of two (at least 64 states and 1024 edges), so
-  tables of similar size share compiled programs; padding states have no
-  allowed token.
+  edges are padded to `capacity`, or without one to powers of two (at least
+  64 states and 1024 edges), so tables share compiled programs; padding
+  states have no allowed token.
 
   Args:
     automata: the automata of the rows that run (repeats are packed once).
     vocab_size: the width of the model's logits.
+    capacity: the size to pad to, or None for power-of-two buckets.
 
   Returns:
     The packed table.
 
   Raises:
-    ValueError: if an automaton's token does not fit `vocab_size`.
+    ValueError: if an automaton's token does not fit `vocab_size`, or the
+      automata do not fit `capacity` (naming both sizes).
   """
   unique = tuple({id(automaton): automaton for automaton in automata}.values())
-  return _packed(unique, vocab_size)
+  if capacity is not None and (reason := capacity.shortfall(unique)) is not None:
+    raise ValueError(f"the automata need {reason}")
+  return _packed(unique, vocab_size, capacity)
 
 
-@functools.lru_cache(maxsize=16)
-def _packed(automata: tuple[Automaton, ...], vocab_size: int) -> PackedAutomata:
+@functools.lru_cache(maxsize=4)
+def _packed(
+  automata: tuple[Automaton, ...], vocab_size: int, capacity: TableCapacity | None
+) -> PackedAutomata:
   num_words = -(-vocab_size // 32)
   for automaton in automata:
     if automaton.num_edges and int(automaton.tokens.max()) >= vocab_size:
@@ -572,7 +599,10 @@ def _packed(automata: tuple[Automaton, ...], vocab_size: int) -> PackedAutomata:
   starts = tuple(int(start) for start in 1 + np.cumsum([0, *sizes[:-1]]))
   num_states = 1 + sum(sizes)
   num_edges = sum(automaton.num_edges for automaton in automata)
-  state_capacity, edge_capacity = _bucket(num_states, _MIN_STATES), _bucket(num_edges, _MIN_EDGES)
+  if capacity is None:
+    state_capacity, edge_capacity = _bucket(num_states, _MIN_STATES), _bucket(num_edges, _MIN_EDGES)
+  else:
+    state_capacity, edge_capacity = capacity.states, capacity.edges
   bits = np.zeros((state_capacity, num_words), np.uint32)
   accepting = np.zeros(state_capacity, bool)
   counts = np.zeros(state_capacity, np.int64)

@@ -105,19 +105,23 @@ LONG_TESTS = (
   "tests/test_speculative.py::",
   "tests/test_beam_search.py::",
   "tests/test_engine.py::",
-  "tests/test_families.py::",
+  "tests/test_families",  # test_families.py and its test_families_*.py
   "tests/test_differential.py::",
   "tests/test_kernels_paged_attention.py::",
   "tests/test_generate.py::",
   "tests/test_prompt_logprobs.py::",
   "tests/test_quant_kv.py::",
 )
-# Tests that run on the worker of another module, whose engine config they
-# share (the jit caches of one process serve both): the demo's JSON test
-# builds the tiny server's engine, test_engine_random test_engine's.
+# Tests that run on the worker of another module, whose engine config or
+# jitted functions they share (the jit caches of one process serve both): the
+# demo's JSON test builds the tiny server's engine, test_engine_random
+# test_engine's; the modules a long test file was split into run together,
+# as the one file did.
 SHARED_SCOPES = {
   "tests/test_demo.py::test_demo_json_report": "tests/test_server.py",
   "tests/test_engine_random.py": "tests/test_engine.py",
+  "tests/test_families_": "tests/test_families.py",
+  "tests/test_pretrained_": "tests/test_pretrained.py",
 }
 
 
@@ -167,3 +171,23 @@ def pytest_xdist_make_scheduler(config, log):
 def manager_factory(request):
   """A callable ``cfg -> manager`` with the reference manager's interface."""
   return request.param
+
+
+@pytest.fixture(scope="module")
+def bpe():
+  """A small byte-level BPE tokenizer (`tests.checkpoint_files.train_bpe`),
+  once per module, for the checkpoints the loader's tests write."""
+  from tests.checkpoint_files import train_bpe
+
+  return train_bpe()
+
+
+@pytest.fixture(scope="module")
+def family_weights():
+  """`{family: weights}` of `tests.family_checkpoints.FAMILIES`, once per module."""
+  import numpy as np
+
+  from tests.family_checkpoints import FAMILIES, random_weights
+
+  rng = np.random.default_rng(10)
+  return {family: random_weights(hf, rng) for family, hf in FAMILIES.items()}

@@ -21,7 +21,7 @@ from flax import nnx
 from paged_jax import models, sharding
 from paged_jax.models import quantized
 from paged_jax.models.quantized import QuantizedWeight
-from tests.test_pretrained import (
+from tests.checkpoint_files import (
   GGUF_HF,
   K_QUANT_SCALES,
   TOKEN_IDS,
@@ -29,7 +29,6 @@ from tests.test_pretrained import (
   _encode_tensor,
   _forward,
   random_weights,
-  train_bpe,
   write_gguf,
   write_hf,
 )
@@ -45,11 +44,6 @@ GGUF_FORMS = {
   T.Q5_K: (8, 32, True),
   T.Q6_K: (8, 16, False),
 }
-
-
-@pytest.fixture(scope="module")
-def bpe():
-  return train_bpe()
 
 
 @pytest.mark.parametrize("kind", GGUF_FORMS, ids=lambda kind: kind.name)

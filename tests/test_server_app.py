@@ -29,6 +29,18 @@ def test_the_api_key_comes_from_the_environment_unless_given(monkeypatch):
   assert _parser().parse_args(["serve", "--api-key", "flag"]).api_key == "flag"
 
 
+def test_the_automaton_capacity_flag_takes_states_and_edges(capsys):
+  from paged_jax.__main__ import _parser
+
+  assert _parser().parse_args(["serve"]).automaton_capacity is None
+  args = _parser().parse_args(["serve", "--automaton-capacity", "512,65536"])
+  assert args.automaton_capacity == pj.TableCapacity(states=512, edges=65536)
+  for bad in ("512", "512,0", "a,b"):
+    with pytest.raises(SystemExit):
+      _parser().parse_args(["serve", "--automaton-capacity", bad])
+    assert "STATES,EDGES (two positive ints) are needed" in capsys.readouterr().err
+
+
 def test_bearer_matches_only_the_whole_key():
   assert server_app.bearer_matches("Bearer s3cret", "s3cret")
   for header in ("", "Bearer", "Bearer s3cre", "Bearer s3cret2", "bearer s3cret", "s3cret"):

@@ -382,7 +382,7 @@ def test_mask_logits_refuses_logits_of_another_width(byte_automata):
 # Packing.
 
 
-def test_tables_pad_to_buckets_and_translate_states_between_launches(byte_automata):
+def test_tables_pad_to_buckets_and_name_each_automatons_start(byte_automata):
   json_automaton, phone, choice = byte_automata
   first = st.pack_automata([json_automaton, phone, json_automaton], ByteTokenizer.vocab_size)
   assert first is st.pack_automata([json_automaton, phone], ByteTokenizer.vocab_size)
@@ -390,16 +390,30 @@ def test_tables_pad_to_buckets_and_translate_states_between_launches(byte_automa
   for size in (first.table.accepting.shape[0], first.table.tokens.shape[0]):
     assert size & (size - 1) == 0
   assert first.table.accepting.shape[0] >= 1 + json_automaton.num_states + phone.num_states
-  second = st.pack_automata([choice, phone], ByteTokenizer.vocab_size)
-  states = np.asarray([first.initial_state(phone) + 3, st.UNCONSTRAINED, st.DEAD_STATE])
-  moved = first.translate(states, [phone, None, json_automaton], second)
-  assert moved.tolist() == [second.initial_state(phone) + 3, st.UNCONSTRAINED, st.DEAD_STATE]
+  assert first.initial_state(phone) == 1 + json_automaton.num_states
   with pytest.raises(ValueError, match="the automaton is not in this table"):
-    first.translate(np.asarray([first.initial_state(json_automaton)]), [json_automaton], second)
-  with pytest.raises(ValueError, match="row 0: state 1 is not one of its automaton's"):
-    first.translate(np.asarray([1]), [phone], second)
+    first.initial_state(choice)
   with pytest.raises(ValueError, match="is outside the vocabulary of 100"):
     st.pack_automata([phone], 100)
+
+
+def test_tables_pack_to_a_capacity_or_name_both_sizes(byte_automata):
+  json_automaton, phone, choice = byte_automata
+  capacity = st.TableCapacity(states=1024, edges=32768)
+  packed = st.pack_automata([phone, choice], ByteTokenizer.vocab_size, capacity)
+  empty = st.pack_automata([], ByteTokenizer.vocab_size, capacity)
+  for table in (packed.table, empty.table):
+    assert table.accepting.shape == (1024,) and table.tokens.shape == (32768,)
+  assert not np.asarray(empty.table.bits).any()  # every state is dead
+  states = st.table_size([json_automaton, phone, json_automaton])
+  assert states == (
+    1 + json_automaton.num_states + phone.num_states,
+    json_automaton.num_edges + phone.num_edges,
+  )
+  tight = st.TableCapacity(states=states[0], edges=states[1] - 1)
+  assert st.TableCapacity(*states).shortfall([json_automaton, phone]) is None
+  with pytest.raises(ValueError, match=f"need {states[0]} states and {states[1]} transitions"):
+    st.pack_automata([json_automaton, phone], ByteTokenizer.vocab_size, tight)
 
 
 # With the tiny model.

@@ -6,6 +6,7 @@ import pytest
 from flax import nnx
 
 import paged_jax as pj
+from paged_jax import compile_guard
 from paged_jax import structured as st
 from paged_jax.engine import input_processor
 from paged_jax.models import ByteTokenizer, load_tiny
@@ -38,19 +39,6 @@ UNCONSTRAINED = (
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_table_size():
-  """Pads every launch's automaton table to one size (the largest launch's,
-  every constraint at once), so each program compiles once in this module
-  instead of once per table bucket; buckets have their own tests."""
-  floors = st._MIN_STATES, st._MIN_EDGES
-  st._MIN_STATES, st._MIN_EDGES = 1024, 32768
-  st._packed.cache_clear()  # tables packed before, at their own size
-  yield
-  st._MIN_STATES, st._MIN_EDGES = floors
-  st._packed.cache_clear()
-
-
 @pytest.fixture(scope="module")
 def tiny():
   return load_tiny()
@@ -68,7 +56,10 @@ def llm(tiny):
 # programs, the automaton steps inside the decode loop included.
 @pytest.fixture(scope="module")
 def mixed(llm):
-  """One batch: every constraint greedy, and the unconstrained requests."""
+  """Every constraint greedy, and the unconstrained requests, added at once.
+  The default table (1,024 states, 16,384 transitions for the tiny
+  vocabulary) does not hold the four automata together: the last one waits
+  for room."""
   prompts = [PROMPT] * len(ALL_CONSTRAINTS) + [prompt for prompt, _ in UNCONSTRAINED]
   params = [
     pj.SamplingParams(max_tokens=96, structured_outputs=constraint)
@@ -129,6 +120,60 @@ def test_logprobs_are_those_of_the_masked_distribution(llm):
     state = automaton.next_state(state, token)
   assert completion.token_ids[-1] == automaton.eos_token_id
   assert completion.logprobs[-1][automaton.eos_token_id] == 0.0  # EOS alone is allowed
+
+
+def test_a_warm_engine_serves_constrained_rows_without_compiling(tiny):
+  """Every program carries the engine's automaton table, so warm-up covers
+  structured outputs: constrained rows, some waiting for table room, in
+  ragged steps and decode loops of every length compile nothing."""
+  llm = pj.LLM(tiny, ByteTokenizer(), CFG, decode_row_buckets=(), warmup=True)
+  params = [pj.SamplingParams(max_tokens=40, structured_outputs=c) for c in ALL_CONSTRAINTS]
+  with compile_guard.no_compiles("constrained rows after warm-up"):
+    outputs = llm.generate([PROMPT] * len(params), params)
+  for output, constraint in zip(outputs, ALL_CONSTRAINTS):
+    assert output.outputs[0].token_ids
+    if output.outputs[0].finish_reason == "stop":
+      check_output(constraint, output.outputs[0].text)
+
+
+def test_an_automaton_that_does_not_fit_beside_the_running_ones_waits(tiny, mixed):
+  """Each automaton fits the default table alone, not two together: the
+  second request waits until the first finishes, and both give the tokens
+  they give in a batch."""
+  engine = pj.LLMEngine(tiny, ByteTokenizer(), CFG, decode_row_buckets=())
+  capacity = engine.runner.automaton_capacity
+  first, second = ALL_CONSTRAINTS[0], JSON_OBJECT
+  automata = [st.compile_constraint(c, ByteTokenizer()) for c in (first, second)]
+  assert capacity.shortfall(automata[:1]) is None and capacity.shortfall(automata[1:]) is None
+  assert capacity.shortfall(automata) is not None
+  for request_id, constraint in zip("ab", (first, second)):
+    engine.add_request(
+      request_id, PROMPT, pj.SamplingParams(max_tokens=96, structured_outputs=constraint)
+    )
+  done = {}
+  while engine.has_unfinished_requests():
+    for output in engine.step():
+      if output.finished:
+        done[output.request_id] = output
+    if "a" not in done:
+      assert [g.request_id for g in engine.schedulers[0].running] == ["a"]
+  assert done["a"].outputs[0].token_ids == mixed[0].outputs[0].token_ids
+  assert done["b"].outputs[0].token_ids == mixed[len(ALL_CONSTRAINTS) - 1].outputs[0].token_ids
+
+
+def test_an_automaton_larger_than_the_table_is_refused_with_both_sizes(tiny):
+  small = pj.TableCapacity(states=64, edges=1024)
+  engine = pj.LLMEngine(tiny, ByteTokenizer(), CFG, automaton_capacity=small)
+  with pytest.raises(
+    ValueError, match="needs 402 states and 9417 transitions, .* holds 64 and 1024"
+  ):
+    engine.add_request("a", PROMPT, pj.SamplingParams(structured_outputs=JSON_OBJECT))
+  assert not engine.has_unfinished_requests()
+  with pytest.raises(TypeError, match="automaton_capacity must be a pj.TableCapacity"):
+    pj.LLMEngine(tiny, ByteTokenizer(), CFG, automaton_capacity=(64, 1024))
+  for states, edges in ((0, 1024), (64, 2.5), (True, 8)):
+    with pytest.raises(ValueError, match="must be a positive int"):
+      pj.TableCapacity(states=states, edges=edges)
 
 
 def test_bad_constraints_are_refused_when_added_before_any_step(tiny):

@@ -23,6 +23,8 @@ state it was given. The modules, by phase:
 - `commit`, `tables`, `pool`, `prefix_cache`: applying a call's effects to a
   pool, masked table writes, the free lists and evictor, content identities.
 - `manager`: `BlockSpaceManager`, and every op under its name.
+- `hybrid`, `hybrid_kv`: a hybrid cache, one manager state (and one set of
+  pages) per attention type.
 - `checked`, `invariants`: the raising host layer and the state's invariants.
 """
 
@@ -37,6 +39,12 @@ from paged_jax.block_manager.checked import (
   TableFullError,
   WrongDeviceError,
   checked,
+)
+from paged_jax.block_manager.hybrid import (
+  HybridBlockSpaceManager,
+  HybridCacheConfig,
+  HybridResult,
+  HybridState,
 )
 from paged_jax.block_manager.invariants import check_invariants
 from paged_jax.block_manager.manager import BlockSpaceManager

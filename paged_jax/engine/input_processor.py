@@ -23,15 +23,27 @@ class InputProcessor:
     max_len: positions a sequence may use.
     max_logprobs: the largest `SamplingParams.logprobs` accepted.
     max_beam_width: the most beams a request may ask for.
+    automaton_capacity: the `TableCapacity` a request's automaton must fit
+      alone, or None (no tokenizer: no structured outputs).
   """
 
-  def __init__(self, tokenizer, eos_token_id, vocab_size, max_len, max_logprobs, max_beam_width):
+  def __init__(
+    self,
+    tokenizer,
+    eos_token_id,
+    vocab_size,
+    max_len,
+    max_logprobs,
+    max_beam_width,
+    automaton_capacity=None,
+  ):
     self.tokenizer = tokenizer
     self.eos_token_id = eos_token_id
     self.vocab_size = vocab_size
     self.max_len = max_len
     self.max_logprobs = max_logprobs
     self.max_beam_width = max_beam_width
+    self.automaton_capacity = automaton_capacity
 
   def _encode(self, prompt) -> tuple[str | None, np.ndarray]:
     if isinstance(prompt, str):
@@ -101,8 +113,9 @@ class InputProcessor:
 
     Raises:
       ValueError: without a tokenizer, or if the constraint cannot be
-        compiled (`paged_jax.structured.compile_constraint` says why) or
-        spells tokens outside the model's vocabulary.
+        compiled (`paged_jax.structured.compile_constraint` says why),
+        spells tokens outside the model's vocabulary, or needs a larger
+        automaton table than the engine's `automaton_capacity`.
     """
     constraint = params.structured_outputs
     if constraint is None:
@@ -115,4 +128,7 @@ class InputProcessor:
         f"structured_outputs: token {int(automaton.tokens.max())} of the tokenizer is outside "
         f"the model's vocabulary of {self.vocab_size}"
       )
+    capacity = self.automaton_capacity
+    if capacity is not None and (reason := capacity.shortfall([automaton])) is not None:
+      raise ValueError(f"structured_outputs: the constraint's automaton needs {reason}")
     return automaton

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from paged_jax import compilation_cache, compile_guard, sharding
+from paged_jax import compilation_cache, compile_guard, sharding, structured
 from paged_jax.config import CacheConfig
 from paged_jax.engine import speculative, weights
 from paged_jax.engine.cache_manager import CacheManager
@@ -113,6 +113,14 @@ class LLMEngine:
       `max_tokens_per_seq - k` tokens (the lookahead slots), and prompt
       chunks run in a launch of their own before the round's decode loop
       (no ragged step). None: off.
+    automaton_capacity: the size of the table of the automata of the
+      structured outputs running at once (`pj.TableCapacity`: states and
+      transitions). Every program carries a table of this size, constrained
+      rows or not, so structured outputs compile nothing after warm-up. A
+      request whose automaton alone does not fit is refused; one that does
+      not fit beside the running requests' automata waits. None:
+      `TableCapacity.for_vocabulary(vocab_size)` with a tokenizer; without
+      one there are no structured outputs and the programs carry no table.
     warmup: compile every program the engine can launch now (`warmup()`),
       so that serving compiles nothing.
     seed: seed of the requests that give none.
@@ -141,6 +149,7 @@ class LLMEngine:
     decode_row_buckets=None,
     async_scheduling: bool = False,
     speculative_config=None,
+    automaton_capacity: structured.TableCapacity | None = None,
     warmup: bool = False,
     seed: int = 0,
     key: jax.Array | None = None,
@@ -185,6 +194,14 @@ class LLMEngine:
       raise ValueError(
         f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}"
       )
+    if automaton_capacity is not None and not isinstance(
+      automaton_capacity, structured.TableCapacity
+    ):
+      raise TypeError(
+        f"automaton_capacity must be a pj.TableCapacity or None, got {automaton_capacity!r}"
+      )
+    if automaton_capacity is None and tokenizer is not None:
+      automaton_capacity = structured.TableCapacity.for_vocabulary(model.config.vocab_size)
     if mesh is not None:
       mesh = sharding.serving_mesh(mesh)
     self.speculative, draft = speculative.parse_config(speculative_config, model.config.vocab_size)
@@ -239,6 +256,7 @@ class LLMEngine:
       decode_row_buckets=decode_row_buckets,
       speculative=self.speculative,
       draft_model=draft,
+      automaton_capacity=automaton_capacity,
     )
     _check_program_count(self.runner, max_num_batched_tokens, max_num_seqs)
     self.inputs = InputProcessor(
@@ -248,11 +266,18 @@ class LLMEngine:
       self._max_len(),
       max_logprobs,
       max_beam_width,
+      automaton_capacity,
     )
     self.processor = OutputProcessor(tokenizer)
     self.schedulers = [
       Scheduler(
-        self.cache, max_num_seqs, max_num_batched_tokens, preemption_mode, self._max_len(), shard
+        self.cache,
+        max_num_seqs,
+        max_num_batched_tokens,
+        preemption_mode,
+        self._max_len(),
+        shard,
+        self._automaton_room,
       )
       for shard in range(self.cache.num_shards)
     ]
@@ -364,6 +389,17 @@ class LLMEngine:
       max_chunk=self.cache.max_chunk,
       lookahead=self.cache.lookahead,
     )
+
+  def _automaton_room(self, automaton) -> bool:
+    """Whether `automaton` fits the launches' table beside the automata of
+    every shard's running and swapped-out groups."""
+    held = [
+      group.automaton
+      for scheduler in self.schedulers
+      for group in (*scheduler.running, *scheduler.swapped)
+      if group.automaton is not None
+    ]
+    return self.runner.automaton_capacity.shortfall([*held, automaton]) is None
 
   def _max_len(self) -> int:
     lookahead = 0 if self.speculative is None else self.speculative.num_speculative_tokens

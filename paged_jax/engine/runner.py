@@ -78,6 +78,10 @@ class ModelRunner:
       beam groups then); None: none does.
     draft_model: the draft model of a "draft_model" config (its K/V layers
       follow the model's in `cache`), or None.
+    automaton_capacity: the `structured.TableCapacity` every launch's
+      automaton table is packed to, constrained rows or not, so that each
+      program compiles once; None: launches without constrained rows take
+      no table (and ones with them a power-of-two bucket).
   """
 
   def __init__(
@@ -96,8 +100,10 @@ class ModelRunner:
     decode_row_buckets=None,
     speculative=None,
     draft_model=None,
+    automaton_capacity: structured.TableCapacity | None = None,
   ):
     self.cache = cache
+    self.automaton_capacity = automaton_capacity
     self.speculative = speculative
     self.draft = {}  # the draft model's graphdef and params, as the programs take them
     if draft_model is not None:
@@ -138,6 +144,7 @@ class ModelRunner:
     self.limit = np.zeros(num_rows, np.int32)
     self.in_beam_group = np.zeros(num_rows, bool)
     self.ahead: AheadLaunch | None = None  # dispatched, not yet read back
+    self._placed_table = (None, None)  # (PackedAutomata, its table on the cache's devices)
     self._next_steps = 1  # the next decode launch's steps (see `decode`)
     self.counters = dict(
       cow_copies=0,
@@ -228,8 +235,9 @@ class ModelRunner:
     return prompt_buckets(self.prefill_width, self.max_prefill_tokens, self.max_prefill_rows)
 
   def _automata(self, num_rows: int, constraints):
-    """The device table of the constrained rows' automata and every row's
-    table state (`UNCONSTRAINED` for the others); no table without any.
+    """The device table of the constrained rows' automata, packed to
+    `automaton_capacity`, and every row's table state (`UNCONSTRAINED` for
+    the others); no table without a capacity and constrained rows.
 
     Args:
       num_rows: rows of the launch.
@@ -237,14 +245,16 @@ class ModelRunner:
         automaton's own numbering.
     """
     states = np.full(num_rows, structured.UNCONSTRAINED, np.int32)
-    if not constraints:
+    if not constraints and self.automaton_capacity is None:
       return None, states
     packed = structured.pack_automata(
-      [automaton for _, automaton, _ in constraints], self.vocab_size
+      [automaton for _, automaton, _ in constraints], self.vocab_size, self.automaton_capacity
     )
     for row, automaton, state in constraints:
       states[row] = packed.initial_state(automaton) + state
-    return packed.table, states
+    if self._placed_table[0] is not packed:  # placed once per table, not per launch
+      self._placed_table = (packed, jax.device_put(packed.table, self.cache.replicated))
+    return self._placed_table[1], states
 
   def prefill(self, chunks, samples, constraints=()) -> tuple[Draw, list]:
     """Runs prompt chunks, then draws token 0 of the sequences in `samples`.
@@ -389,7 +399,7 @@ class ModelRunner:
     self._refuse_while_decoding()
     no_draws = np.zeros(self.cache.num_slots, np.int32)
     packed = PackedPrefill.empty(self.cache.num_shards, shape, self.prefill_width)
-    self._launch_prefill(packed, no_draws, no_draws)
+    self._launch_prefill(packed, no_draws, no_draws, *self._unconstrained(no_draws.size))
 
   def warm_up_decode(self, num_steps: int, rows_per_shard: int, run_ahead: bool = False) -> None:
     """Compiles the decode loop of `num_steps` steps on `rows_per_shard`
@@ -404,15 +414,23 @@ class ModelRunner:
     """
     self._refuse_while_decoding()
     rows = self._idle_rows(rows_per_shard)
+    table, _ = self._unconstrained(0)
     for speculating in self.decode_kinds():
       loop = self.decode_carry(num_steps, rows, speculating=speculating)
-      loop = self._launch_decode(loop, rows, False, speculating=speculating)
+      loop = self._launch_decode(loop, rows, False, table, speculating)
     if run_ahead:  # a launch on a continued carry: its arrays are the loop's outputs
-      loop = self._launch_decode(self._continued(loop, 1), rows, False)
+      loop = self._launch_decode(self._continued(loop, 1), rows, False, table)
     if loop.beams is not None:
       no_group = self._group_slots([])  # starting and forgetting a group (results dropped)
       programs.start_beams(self.beams, no_group, 1, 1.0)
       programs.clear_beams(self.beams, no_group)
+
+  def _unconstrained(self, num_rows: int):
+    """`(table, states)` of a launch of `num_rows` draws without
+    constrained rows, as `_automata` gives them (None, None without a
+    capacity): warm-up compiles the programs that serving runs."""
+    table, states = self._automata(num_rows, ())
+    return table, None if table is None else states
 
   def _idle_rows(self, rows_per_shard: int) -> np.ndarray | None:
     """The rows of a warm-up launch: `rows_per_shard` rows per shard that
@@ -752,7 +770,9 @@ class ModelRunner:
     no_draws = np.zeros(self.cache.num_slots, np.int32)
     packed = PackedPrefill.empty(self.cache.num_shards, shape, self.prefill_width)
     loop = self.decode_carry(num_steps, rows)
-    self._launch_ragged_step(loop, rows, packed, no_draws, no_draws)
+    self._launch_ragged_step(
+      loop, rows, packed, no_draws, no_draws, *self._unconstrained(no_draws.size)
+    )
 
 
 @dataclasses.dataclass

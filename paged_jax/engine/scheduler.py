@@ -268,6 +268,9 @@ class Scheduler:
       has no room.
     max_len: positions a sequence may use.
     shard: the data shard whose slots and blocks this scheduler decides on.
+    automaton_room: `automaton -> bool`, whether a structured output's
+      automaton fits the launches' table beside the running ones (a group
+      waits until it does); None: always.
   """
 
   def __init__(
@@ -278,9 +281,11 @@ class Scheduler:
     preemption_mode: str,
     max_len: int,
     shard: int = 0,
+    automaton_room=None,
   ):
     self.cache = cache
     self.shard = shard
+    self.automaton_room = automaton_room
     self.max_num_seqs = max_num_seqs
     self.max_num_batched_tokens = max_num_batched_tokens
     self.preemption_mode = preemption_mode
@@ -419,6 +424,9 @@ class Scheduler:
     if self.num_running_seqs() + len(live) > self.max_num_seqs or group.num_slots() > len(
       self.free_slots
     ):
+      return AllocStatus.LATER, None
+    room = self.automaton_room
+    if group.automaton is not None and room is not None and not room(group.automaton):
       return AllocStatus.LATER, None
     if group.fresh:
       return self.cache.can_allocate(prompt, self.shard), None

@@ -68,6 +68,18 @@ def _speculative_config(text: str) -> dict:
   return config
 
 
+def _automaton_capacity(text: str):
+  from paged_jax.structured import TableCapacity
+
+  try:
+    states, edges = (int(part) for part in text.split(","))
+    return TableCapacity(states=states, edges=edges)
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+      f"STATES,EDGES (two positive ints) are needed, got {text!r}"
+    ) from None
+
+
 def add_parser(sub) -> argparse.ArgumentParser:
   """Adds the `serve` subcommand to an `add_subparsers` result."""
   serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
@@ -151,6 +163,15 @@ def add_parser(sub) -> argparse.ArgumentParser:
     type=_non_negative,
     default=DEFAULT_REQUEST_TIMEOUT_S,
     help="seconds a request may run before it is aborted and its blocks freed (0: no limit)",
+  )
+  serve.add_argument(
+    "--automaton-capacity",
+    type=_automaton_capacity,
+    default=None,
+    metavar="STATES,EDGES",
+    help="the size of the structured-outputs automaton table every program carries "
+    "(default: 1024 states and 32 transitions per vocabulary token); a constraint larger "
+    "alone gets 400, and one that does not fit beside the running ones waits",
   )
   serve.add_argument("--seed", type=int, default=0)
   serve.add_argument(
@@ -295,6 +316,7 @@ def engine_builder(args):
       max_beam_width=MAX_BEAM_WIDTH,
       speculative_config=speculative_config,
       async_scheduling=args.async_scheduling,
+      automaton_capacity=args.automaton_capacity,
       warmup=True,
       seed=args.seed,
     )

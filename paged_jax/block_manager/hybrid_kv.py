@@ -1,0 +1,127 @@
+"""The pages of a hybrid cache: one `KVCache` per attention type, each read through its own table.
+
+Type `g` of a `HybridCacheConfig` owns the pages of its layers only
+(``gpu_blocks[g]`` blocks each), so a layer's K/V is written with its
+type's slot mapping, read with its type's block table, copied by its type's
+copy-on-write plan and swapped by its type's swap plan. The block manager's
+`HybridResult` carries one plan per type; these functions route them.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from paged_jax import kv_cache
+from paged_jax.attention import paged_attention
+from paged_jax.block_manager.hybrid import HybridCacheConfig, HybridResult
+from paged_jax.kv_cache import KVCache
+
+
+@flax.struct.dataclass
+class HybridKVCache:
+  """One `KVCache` per attention type, holding the pages of that type's layers in layer order."""
+
+  cfg: HybridCacheConfig = flax.struct.field(pytree_node=False)
+  types: tuple
+
+  @classmethod
+  def create(
+    cls,
+    cfg: HybridCacheConfig,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype=jnp.bfloat16,
+    *,
+    device: jax.Device | None = None,
+  ) -> HybridKVCache:
+    """Zeroed pages for every layer, each type's sized by its own pools (one device)."""
+    counts = [0] * cfg.num_groups
+    for layer in range(len(cfg.layer_windows)):
+      counts[cfg.layer_group(layer)] += 1
+    types = tuple(
+      KVCache.create(cfg.group_config(g), counts[g], num_kv_heads, head_dim, dtype, device=device)
+      for g in range(cfg.num_groups)
+    )
+    return cls(cfg=cfg, types=types)
+
+  def locate(self, layer: int) -> tuple[int, int]:
+    """(the type of `layer`, its index among that type's layers); ValueError for a bad layer."""
+    group = self.cfg.layer_group(layer)
+    return group, self.cfg.layer_windows[:layer].count(self.cfg.windows[group])
+
+  def pages(self, layer: int) -> tuple[jax.Array, jax.Array]:
+    """Layer `layer`'s K and V pages (those of its type's pool)."""
+    group, index = self.locate(layer)
+    return self.types[group].pages(index)
+
+  @property
+  def nbytes(self) -> int:
+    """Device bytes of every type's pages."""
+    return sum(cache.nbytes for cache in self.types)
+
+
+def write_kv(cache: HybridKVCache, layer: int, k, v, slot_mappings: tuple) -> HybridKVCache:
+  """Writes one layer's new K/V rows at the slots of its type's mapping.
+
+  Args:
+    cache: the pages.
+    layer: the decoder layer.
+    k, v: the new rows, as `kv_cache.write_kv` takes them.
+    slot_mappings: one mapping per type (`HybridBlockSpaceManager.get_slot_mapping`).
+  """
+  group, index = cache.locate(layer)
+  written = kv_cache.write_kv(cache.types[group], index, k, v, slot_mappings[group])
+  return cache.replace(types=_replaced(cache.types, group, written))
+
+
+def attend(
+  cache: HybridKVCache, layer: int, q, block_tables: tuple, lengths, **options
+) -> jax.Array:
+  """Decode attention of one layer through its type's block table, masked to its window.
+
+  Args:
+    cache: the pages.
+    layer: the decoder layer.
+    q: ``[batch, num_q_heads, head_dim]``.
+    block_tables: one table per type (`HybridBlockSpaceManager.get_block_tables`).
+    lengths: ``int32[batch]`` context lengths, the new token included.
+    **options: `paged_attention`'s other options (``sm_scale``, ``soft_cap``, ``impl``).
+  """
+  group, _ = cache.locate(layer)
+  k_pages, v_pages = cache.pages(layer)
+  return paged_attention(
+    q,
+    k_pages,
+    v_pages,
+    block_tables[group],
+    lengths,
+    sliding_window=cache.cfg.windows[group],
+    **options,
+  )
+
+
+def copy_blocks(cache: HybridKVCache, result: HybridResult) -> HybridKVCache:
+  """Runs each type's copy-on-write plan on that type's pages."""
+  return cache.replace(
+    types=tuple(kv_cache.copy_blocks(c, plan) for c, plan in zip(cache.types, result.results))
+  )
+
+
+def swap_out(cache: HybridKVCache, result: HybridResult) -> HybridKVCache:
+  """Moves each type's swapped-out blocks to its host pages."""
+  return cache.replace(
+    types=tuple(kv_cache.swap_out(c, plan) for c, plan in zip(cache.types, result.results))
+  )
+
+
+def swap_in(cache: HybridKVCache, result: HybridResult) -> HybridKVCache:
+  """Moves each type's swapped-in blocks back to its device pages."""
+  return cache.replace(
+    types=tuple(kv_cache.swap_in(c, plan) for c, plan in zip(cache.types, result.results))
+  )
+
+
+def _replaced(items: tuple, index: int, value) -> tuple:
+  return items[:index] + (value,) + items[index + 1 :]
