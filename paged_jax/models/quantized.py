@@ -24,7 +24,8 @@ Formats, by source:
   groups of 32; Q4_0 and Q4_1 -> int4 groups of 32 (Q4_0's `-8 * d` and
   Q4_1's `m` as minimums); Q4_K -> int4 groups of 32 with minimums; Q5_K ->
   int8 groups of 32 with minimums (5-bit values in 8-bit storage); Q6_K ->
-  int8 groups of 16.
+  int8 groups of 16. 4-bit values move from GGUF's nibble order into the
+  halves layout above (a permutation).
 
 The token embedding and the output layer stay in float (`quantize_model`).
 """
