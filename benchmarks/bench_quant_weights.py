@@ -4,28 +4,42 @@ For one `[N, K]` kernel (float32, bfloat16, int8 per channel, int8 and int4
 per group of 32) and `rows` activation rows, times `x @ w.T` written as:
 
 * `dequant-dot`: the kernel dequantized in float32, rounded to the compute
-  dtype and multiplied (`quantized.matmul`'s general form);
+  dtype and multiplied (`quantized.matmul`'s form for several rows; at one
+  row `jnp.dot` with the kernel transposed);
 * `dot-scale`: the integers multiplied, the per-channel scales applied to
-  the result (`quantized.matmul`'s per-channel int8 form);
-* `group-dot`: one product per group of inputs, each scaled and summed
-  (scale and minimum applied after the dot, per group);
-* `library`: `quantized.matmul` as the models run it (one of the above, or
-  at a single row `jnp.dot` with the dequantized kernel transposed).
+  the result (per-channel int8 at several rows);
+* `interleaved` (int4): `dequant-dot` over the layout int4 had before, the
+  nibbles interleaved within each group of 32 (GGUF's Q4_0 order: byte `j`
+  of a group holds its inputs `j` and `j + 16`), unpacked by a broadcast shift;
+* `halves-concat` (int4): one float32 product over the two nibble halves of
+  each row concatenated (the halves layout `quantized` keeps, without
+  `matvec`'s two products);
+* `library`: `quantized.matmul` as the models run it (at one row
+  `quantized.matvec`: float32, no rounding of the weights, 4 bits as two
+  products over the halves).
 
-and reports from the optimized HLO whether the dequantization became its own
-fusion writing a float kernel (`materialized`), or fused into the product.
+and reports from the optimized HLO whether some fusion other than the
+product writes a float kernel (`materialized`: an output of at least
+`N * K / 2` floats), or the dequantization fused into the product.
 
 With `--tpu-topology v5e:1x1` (JAX >= 0.12 with libtpu) nothing runs: each
 form is compiled for that TPU's compile-only devices and only the
 `materialized` column is filled.
 
+With `--smollm2-shapes`: one bfloat16 row through SmolLM2's kernel shapes,
+the float kernel, per-channel int8 and int4 (groups of 32) before and now
+(`interleaved` against `library`), the forms' calls taking turns in one
+process (median over rounds), for a machine whose load changes.
+
   python benchmarks/bench_quant_weights.py [--rows 1 32] [--n 4096 --k 2048]
                                            [--tpu-topology v5e:1x1]
+  python benchmarks/bench_quant_weights.py --smollm2-shapes
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import time
 
@@ -36,28 +50,12 @@ import numpy as np
 from paged_jax.models import layers, quantized
 
 
-def group_dot(x, values, scales, minimums, bits, group_size, dtype):
-  """`x @ w.T` as per-group products scaled after the dot (float32)."""
-  ints = quantized.unpack_int4(values, group_size) if bits == 4 else values
-  n, k = ints.shape
-  groups = k // group_size
-  xg = x.astype(dtype).reshape(*x.shape[:-1], groups, group_size)
-  partial = jnp.einsum(
-    "...gk,ngk->...ng",
-    xg,
-    ints.reshape(n, groups, group_size).astype(dtype),
-    preferred_element_type=jnp.float32,
-  )
-  y = jnp.sum(partial * scales.astype(jnp.float32), axis=-1)
-  if minimums is not None:
-    sums = jnp.sum(xg.astype(jnp.float32), axis=-1)
-    y = y + jnp.einsum("...g,ng->...n", sums, minimums.astype(jnp.float32))
-  return y
-
-
 def dequant_dot(x, values, scales, minimums, bits, group_size, dtype):
   weight = quantized.dequantize(values, scales, minimums, bits, group_size).astype(dtype)
-  return layers.dot_transposed(x.astype(dtype), weight)
+  x = x.astype(dtype)
+  if math.prod(x.shape[:-1]) == 1:
+    return jnp.dot(x, weight.T, preferred_element_type=jnp.float32)
+  return layers.dot_transposed(x, weight)
 
 
 def dot_scale(x, values, scales, minimums, bits, group_size, dtype):
@@ -65,15 +63,46 @@ def dot_scale(x, values, scales, minimums, bits, group_size, dtype):
   return y * scales[:, 0].astype(jnp.float32)
 
 
+def interleave(packed: np.ndarray, group_size: int) -> np.ndarray:
+  """Halves-packed int4 values repacked with the nibbles interleaved within
+  each group (byte `j` of a group: inputs `j` and `j + group_size / 2`)."""
+  ints = np.asarray(quantized.unpack_int4(packed))
+  out, k = ints.shape
+  grouped = ints.reshape(out, k // group_size, 2, group_size // 2)
+  return (grouped[:, :, 0] | (grouped[:, :, 1] << 4)).reshape(out, k // 2)
+
+
+def interleaved(x, values, scales, minimums, bits, group_size, dtype):
+  """`dequant-dot` over interleaved values (see `interleave`)."""
+  out, half = values.shape
+  grouped = values.reshape(out, half * 2 // group_size, 1, group_size // 2)
+  ints = ((grouped >> jnp.array([0, 4], jnp.uint8)[:, None]) & 0x0F).reshape(out, half * 2)
+  weight = (
+    ints.reshape(out, -1, group_size).astype(jnp.float32) * scales.astype(jnp.float32)[..., None]
+    + minimums.astype(jnp.float32)[..., None]
+  )
+  weight = weight.reshape(out, half * 2).astype(dtype)
+  return jnp.dot(x.astype(dtype), weight.T, preferred_element_type=jnp.float32)
+
+
+def halves_concat(x, values, scales, minimums, bits, group_size, dtype):
+  """One float32 product over the concatenated nibble halves."""
+  weight = quantized.dequantize(values, scales, minimums, bits, group_size)
+  x = x.astype(dtype).astype(jnp.float32)
+  return jnp.dot(x, weight.T, preferred_element_type=jnp.float32)
+
+
 def float_dot(x, weight, dtype):
   return layers.dot_transposed(x.astype(dtype), weight)
 
 
 def materialized(compiled, n: int, k: int) -> bool:
-  """Whether some fusion other than the product outputs a float `[n, k]`."""
-  text = compiled.as_text()
-  pattern = rf"(f32|bf16)\[{n},{k}\]\{{[^}}]*\}} fusion\("
-  return re.search(pattern, text) is not None
+  """Whether some fusion other than the product outputs a float kernel (at
+  least `n * k / 2` floats: a whole kernel, or one half of a 4-bit one)."""
+  for dims in re.findall(r"(?:f32|bf16)\[([\d,]+)\]\{[^}]*\} fusion\(", compiled.as_text()):
+    if math.prod(int(d) for d in dims.split(",")) >= n * k // 2:
+      return True
+  return False
 
 
 def on_tpu(topology: str):
@@ -103,6 +132,43 @@ def time_call(fn, *args, iters: int) -> float:
   return best
 
 
+SMOLLM2_SHAPES = ((576, 576), (192, 576), (1536, 576), (576, 1536))
+
+
+def smollm2_shapes(rounds: int = 7, calls: int = 200) -> None:
+  """Prints us per one-row bfloat16 call of each form, SmolLM2's kernels."""
+  rng = np.random.default_rng(0)
+  print("| kernel [out, in] | bfloat16 | int8 per channel | int4 interleaved | int4 library |")
+  print("| --- | ---: | ---: | ---: | ---: |")
+  for n, k in SMOLLM2_SHAPES:
+    w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
+    x = jnp.asarray(rng.standard_normal((1, k)), jnp.bfloat16)
+    q8, q4 = quantized.quantize_int8(w), quantized.quantize_int4(w, 32)
+    int4 = (q4.values[...], q4.scales[...], q4.minimums[...])
+    mixed = (jnp.asarray(interleave(int4[0], 32)), *int4[1:])
+    bf16 = jnp.bfloat16
+    forms = [
+      (jax.jit(lambda x, w: float_dot(x, w, bf16)), (x, jnp.asarray(w, bf16))),
+      (
+        jax.jit(lambda x, v, s: quantized.matmul(x, v, s, None, 8, k, bf16)),
+        (x, q8.values[...], q8.scales[...]),
+      ),
+      (jax.jit(lambda x, v, s, m: interleaved(x, v, s, m, 4, 32, bf16)), (x, *mixed)),
+      (jax.jit(lambda x, v, s, m: quantized.matmul(x, v, s, m, 4, 32, bf16)), (x, *int4)),
+    ]
+    times = [[] for _ in forms]
+    for fn, args in forms:
+      jax.block_until_ready(fn(*args))
+    for _ in range(rounds):
+      for (fn, args), spent in zip(forms, times, strict=True):
+        start = time.perf_counter()
+        for _ in range(calls):
+          out = fn(*args)
+        jax.block_until_ready(out)
+        spent.append((time.perf_counter() - start) / calls * 1e6)
+    print(f"| [{n}, {k}] | " + " | ".join(f"{np.median(t):.0f}" for t in times) + " |")
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rows", type=int, nargs="+", default=[1, 32])
@@ -110,7 +176,11 @@ def main():
   parser.add_argument("--k", type=int, default=2048)
   parser.add_argument("--iters", type=int, default=20)
   parser.add_argument("--tpu-topology", help="compile for this TPU (no run): fusions only")
+  parser.add_argument("--smollm2-shapes", action="store_true", help="see the module docstring")
   args = parser.parse_args()
+  if args.smollm2_shapes:
+    smollm2_shapes()
+    return
   tpu = on_tpu(args.tpu_topology) if args.tpu_topology else None
 
   def report(fn, *arrays, float_kernel: bool = False) -> tuple[str, str]:
@@ -146,18 +216,22 @@ def main():
       for label, q in formats.items():
         arrays = (q.values[...], q.scales[...], None if q.minimums is None else q.minimums[...])
         mb = sum(a.nbytes for a in arrays if a is not None) / 1e6
-        forms = {"dequant-dot": dequant_dot, "group-dot": group_dot}
+        forms = {"dequant-dot": (dequant_dot, arrays)}
         if label == "int8/channel":
-          forms = {"dequant-dot": dequant_dot, "dot-scale": dot_scale}
-        forms["library"] = quantized.matmul
-        for form, impl in forms.items():
+          forms["dot-scale"] = (dot_scale, arrays)
+        if q.bits == 4 and rows == 1:
+          mixed = (jnp.asarray(interleave(arrays[0], q.group_size)), *arrays[1:])
+          forms["interleaved"] = (interleaved, mixed)
+          forms["halves-concat"] = (halves_concat, arrays)
+        forms["library"] = (quantized.matmul, arrays)
+        for form, (impl, inputs) in forms.items():
           fn = jax.jit(
             lambda x, v, s, m, impl=impl, q=q, dtype=dtype: impl(
               x, v, s, m, q.bits, q.group_size, dtype
             )
           )
-          us, fused = report(fn, x, *arrays)
-          print(f"| {rows} | {name} | {label} | {form} | {mb:.1f} | {us} | {fused} |")
+          us, fused = report(fn, x, *inputs)
+          print(f"| {rows} | {name} | {label} | {form} | {mb:.1f} | {us} | {fused} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -148,14 +148,20 @@ def _parser() -> argparse.ArgumentParser:
     choices=list(aot_tool.VARIANTS),
     help="engine variants to compile (repeatable; default: all)",
   )
+  aot.add_argument(
+    "--program",
+    action="append",
+    help="compile only the launches of this name (repeatable; e.g. decode_loop, ragged_step; "
+    "default: all)",
+  )
   aot.add_argument("--json", action="store_true", help="last line: the report as one JSON object")
   return parser
 
 
 def run_aot(args, parser) -> int:
   """Compiles the engine's programs for `args.topology`; prints the report."""
-  if args.model in aot_tool.SHAPE_ONLY and args.quantization is not None:
-    parser.error(f"--quantization needs a model with weights; {args.model} is shapes only")
+  if args.model in aot_tool.SHAPE_ONLY and args.quantization == "gguf":
+    parser.error(f"--quantization gguf needs a GGUF file; {args.model} is shapes only")
   # The host engine the programs are captured from needs one CPU device per
   # model shard; set before JAX starts its backends.
   flag = f"--xla_force_host_platform_device_count={args.tensor_parallel_size}"
@@ -163,12 +169,12 @@ def run_aot(args, parser) -> int:
   try:
     aot_tool.require_libtpu()
     if args.model in aot_tool.SHAPE_ONLY:
-      model = aot_tool.ShapeOnlyModel.named(args.model, args.dtype)
+      model = aot_tool.ShapeOnlyModel.named(args.model, args.dtype, quantization=args.quantization)
     else:
       model, _ = load_demo_model(args.model, args.dtype, 256, args.quantization)
     variants = {v: aot_tool.VARIANTS[v] for v in args.variant or aot_tool.VARIANTS}
     report = aot_tool.compile_engine_programs(
-      model, args.topology, args.tensor_parallel_size, variants
+      model, args.topology, args.tensor_parallel_size, variants, args.program
     )
   except (RuntimeError, ValueError, FileNotFoundError) as err:
     parser.exit(2, f"aot: {err}\n")

@@ -172,18 +172,34 @@ class ShapeOnlyModel:
   KV cache of its layers (`with_layers`) before it is compiled.
   """
 
-  def __init__(self, config):
+  def __init__(self, config, quantization: str | None = None):
     self.config = config
+    self.quantization = quantization
 
   @classmethod
-  def named(cls, name: str, dtype: str = "bfloat16", max_seq_len: int = SEQUENCE_TOKENS):
+  def named(
+    cls,
+    name: str,
+    dtype: str = "bfloat16",
+    max_seq_len: int = SEQUENCE_TOKENS,
+    quantization: str | None = None,
+  ):
     """The shape-only model `name` (a key of `SHAPE_ONLY`) in `dtype`, its
-    block tables sized for `max_seq_len` tokens."""
+    block tables sized for `max_seq_len` tokens, its decoder blocks' linear
+    layers kept quantized as `quantization` says (None, "int8", "int4"; as
+    `quantized.quantize_model` would)."""
+    from paged_jax.models import quantized
     from paged_jax.models.checkpoints import config_from_hf
 
     if name not in SHAPE_ONLY:
       raise ValueError(f"no shape-only model {name!r} (known: {', '.join(SHAPE_ONLY)})")
-    return cls(config_from_hf(SHAPE_ONLY[name], dtype=dtype, max_seq_len=max_seq_len))
+    if quantization is not None and quantization not in quantized.METHODS:
+      raise ValueError(
+        f"a shape-only model's quantization must be one of {quantized.METHODS}, "
+        f"got {quantization!r}"
+      )
+    config = config_from_hf(SHAPE_ONLY[name], dtype=dtype, max_seq_len=max_seq_len)
+    return cls(config, quantization)
 
   def stand_in(self):
     """A real model the host runs warm-up with: this model's vocabulary,
@@ -193,6 +209,7 @@ class ShapeOnlyModel:
     from flax import nnx
 
     from paged_jax.models.llama import Llama
+    from paged_jax.models.quantized import quantize_loaded
 
     config = self.config
     kinds = None if config.layer_types is None else tuple(dict.fromkeys(config.layer_types))
@@ -203,16 +220,22 @@ class ShapeOnlyModel:
       hidden=STAND_IN_WIDTH,
       mlp_hidden=2 * STAND_IN_WIDTH,
     )
-    return Llama(small, rngs=nnx.Rngs(0))
+    return quantize_loaded(Llama(small, rngs=nnx.Rngs(0)), self.quantization, "the stand-in")
 
   def abstract_params(self, mesh):
-    """`(graph, params)`: the model's `HashedGraph` and its parameters as
+    """`(graph, params)`: the model's `HashedGraph` and its parameters
+    (quantized ones as `quantized.quantize_shapes` makes them) as
     `jax.ShapeDtypeStruct`s on `mesh` (see `abstract_params`)."""
     from flax import nnx
 
     from paged_jax.models.llama import Llama
+    from paged_jax.models.quantized import quantize_shapes
 
-    return abstract_params(nnx.eval_shape(lambda: Llama(self.config, rngs=nnx.Rngs(0))), mesh)
+    def build():
+      model = Llama(self.config, rngs=nnx.Rngs(0))
+      return model if self.quantization is None else quantize_shapes(model, self.quantization)
+
+    return abstract_params(nnx.eval_shape(build), mesh)
 
   def with_layers(self, kv):
     """The cache `kv` of the stand-in with every per-layer page and scale
@@ -423,10 +446,13 @@ def _on_tpu(launch: Launch, mesh, swap: dict, model):
   return abstract(tree, mesh)
 
 
-def compile_engine_programs(model, topology: str, tp: int = 1, variants=VARIANTS) -> dict:
+def compile_engine_programs(
+  model, topology: str, tp: int = 1, variants=VARIANTS, programs=None
+) -> dict:
   """Compiles warm-up's whole program set of `model`'s engine (each of
   `variants`; a launch already compiled for an earlier variant is skipped) for
-  `topology`. `model` is a real model or a `ShapeOnlyModel`. Returns the
+  `topology`, or only its launches named in `programs` (e.g.
+  `{"decode_loop"}`). `model` is a real model or a `ShapeOnlyModel`. Returns the
   report: each program's name, compile seconds and HBM bytes per chip, the
   weights and one KV block per chip, the largest temporaries, and
   `kv_blocks_per_chip` and the 8k-token sequences they hold.
@@ -434,6 +460,7 @@ def compile_engine_programs(model, topology: str, tp: int = 1, variants=VARIANTS
   Raises:
     RuntimeError: without libtpu (saying how to install it), or naming the
       program that failed to compile.
+    ValueError: also for `programs` that name no launch of warm-up.
     ValueError: for an unknown topology, a tensor-parallel size that does not
       match the chips or split the heads, or weights (and temporaries) that
       leave no HBM for a KV block.
@@ -458,7 +485,7 @@ def compile_engine_programs(model, topology: str, tp: int = 1, variants=VARIANTS
   weights = per_chip_bytes(params)
   check_weights_fit(weights, hbm, topology, tp)
   host_model = model.stand_in() if shape_only else model
-  programs, seen, block_bytes = [], set(), 0
+  wanted, programs, seen, block_bytes, names = programs, [], set(), 0, set()
   for variant, kwargs in variants.items():
     engine = build_engine(host_model, tp, **kwargs)
     swap = {}
@@ -472,6 +499,9 @@ def compile_engine_programs(model, topology: str, tp: int = 1, variants=VARIANTS
       engine.warmup()
     counts = {}
     for launch in launches:
+      names.add(launch.name)
+      if wanted is not None and launch.name not in wanted:
+        continue
       args, kwargs = _on_tpu(launch, mesh, swap, model)
       key = _launch_key(launch, (args, kwargs))
       if key in seen:
@@ -496,6 +526,8 @@ def compile_engine_programs(model, topology: str, tp: int = 1, variants=VARIANTS
           temp_bytes=memory.temp_size_in_bytes,
         )
       )
+  if not programs:
+    raise ValueError(f"no launch named {sorted(wanted)}; warm-up launches {sorted(names)}")
   temps = max(p["temp_bytes"] for p in programs)
   blocks = kv_blocks_per_chip(hbm, weights, temps, block_bytes)
   return dict(

@@ -109,15 +109,37 @@ def test_the_cli_without_libtpu_says_how_to_install(monkeypatch, capsys):
   assert 'pip install "jax[tpu]"' in capsys.readouterr().err
 
 
-def test_the_cli_refuses_to_quantize_a_shape_only_model(capsys):
+def test_the_cli_refuses_gguf_quantization_of_a_shape_only_model(capsys):
   from paged_jax.__main__ import main
 
   with pytest.raises(SystemExit) as exit_:
-    main(["aot", "--model", "llama-3-8b", "--topology", "v5e:1x1", "--quantization", "int8"])
+    main(["aot", "--model", "llama-3-8b", "--topology", "v5e:1x1", "--quantization", "gguf"])
   assert exit_.value.code == 2
-  assert "--quantization needs a model with weights; llama-3-8b is shapes only" in (
+  assert "--quantization gguf needs a GGUF file; llama-3-8b is shapes only" in (
     capsys.readouterr().err
   )
+  with pytest.raises(ValueError, match="quantization must be one of .* got 'gguf'"):
+    aot.ShapeOnlyModel.named("llama-3-8b", quantization="gguf")
+
+
+@pytest.mark.parametrize("method", [pytest.param("int8", marks=pytest.mark.slow), "int4"])
+def test_shape_only_quantized_parameters_are_a_quantized_models(method):
+  """A shape-only model's quantized parameters have the shapes and dtypes
+  `quantize_model` gives real weights; its stand-in is quantized alike."""
+  import jax
+  from flax import nnx
+
+  from paged_jax.models import pretrained, quantized
+
+  config = pretrained.load_tiny().config
+  host = aot.jax_mesh(jax.devices()[:1], (1, 1))
+  _, params = aot.ShapeOnlyModel(config, method).abstract_params(host)
+  real = nnx.state(quantized.quantize_model(pretrained.load_tiny(), method))
+  described = lambda tree: [(x.shape, x.dtype) for x in jax.tree.leaves(tree)]
+  assert described(params) == described(real)
+  stand_in = aot.ShapeOnlyModel(config, method).stand_in()
+  kernels = [linear.kernel for _, linear in quantized.quantizable_linears(stand_in)]
+  assert kernels and all(kernel.bits == int(method[-1]) for kernel in kernels)
 
 
 @needs_libtpu
@@ -212,6 +234,19 @@ def test_shape_only_models_compile_for_tpu(model, topology, tp):
   # Every program that holds the weights holds at least this chip's share.
   largest = max(p["argument_bytes"] for p in report["programs"])
   assert largest >= report["weight_bytes_per_chip"] + 32 * block
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_programs_that_name_no_launch_are_refused_naming_the_launches():
+  from paged_jax.models import pretrained
+
+  with pytest.raises(
+    ValueError, match=r"no launch named \['decode'\]; warm-up launches \[.*'decode_loop'"
+  ):
+    aot.compile_engine_programs(
+      pretrained.load_tiny(), "v5e:1x1", variants={"plain": {}}, programs={"decode"}
+    )
 
 
 @needs_libtpu

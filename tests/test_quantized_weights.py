@@ -88,19 +88,34 @@ def test_int8_rounds_to_the_nearest_step(group_size):
 
 def test_pack_and_unpack_int4_are_inverse():
   ints = np.random.default_rng(2).integers(0, 16, (3, 64)).astype(np.uint8)
-  packed = quantized.pack_int4(ints, 32)
+  packed = quantized.pack_int4(ints)
   assert packed.shape == (3, 32)
-  # Byte j of a group: element j low, element j + 16 high (GGUF's Q4_0 order).
-  assert packed[0, 0] == ints[0, 0] | (ints[0, 16] << 4)
-  np.testing.assert_array_equal(np.asarray(quantized.unpack_int4(packed, 32)), ints)
+  # Byte c of a row: input c low, input c + 32 high (each nibble a half row).
+  assert packed[0, 0] == ints[0, 0] | (ints[0, 32] << 4)
+  assert packed[2, 31] == ints[2, 31] | (ints[2, 63] << 4)
+  np.testing.assert_array_equal(np.asarray(quantized.unpack_int4(packed)), ints)
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
-@pytest.mark.parametrize("rows", [(2, 3), (1, 1)])  # the single row is another product
-def test_matmul_equals_the_dequantized_product(method, rows):
+# 96 inputs in groups of 32: the halves of a 4-bit row split the middle group.
+FORMS = {
+  "int8": lambda w: quantized.quantize_int8(w),
+  "int8/g32": lambda w: quantized.quantize_int8(w, 32),
+  "int4/g32": lambda w: quantized.quantize_int4(w, 32),
+  "int4/no-minimums": lambda w: QuantizedWeight(
+    quantized.pack_int4(np.arange(48 * 96).reshape(48, 96) % 16),
+    np.full((48, 3), 0.01),
+    bits=4,
+    group_size=32,
+  ),
+}
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("rows", [(2, 3), (1, 1)])  # the single row is `matvec`
+def test_matmul_equals_the_dequantized_product(form, rows):
   rng = np.random.default_rng(3)
-  q = quantized.quantize(rng.normal(0.0, 0.1, (48, 64)).astype(np.float32), method)
-  x = jnp.asarray(rng.normal(size=(*rows, 64)), jnp.float32)
+  q = FORMS[form](rng.normal(0.0, 0.1, (48, 96)).astype(np.float32))
+  x = jnp.asarray(rng.normal(size=(*rows, 96)), jnp.float32)
   got = q.matmul(x, jnp.float32)
   np.testing.assert_allclose(got, x @ q.dequantize().T, rtol=1e-5, atol=1e-5)
   assert got.dtype == jnp.float32 and got.shape == (*rows, 48)
@@ -232,7 +247,44 @@ def test_quantized_kernels_shard_with_their_channels():
   assert spec("blocks/0/mlp/up_projection/values", (96, 32)) == sharding.P()
 
 
+def test_new_weights_for_a_quantized_model_are_quantized_alike():
+  """`LLM.update_weights`'s check (`engine.weights.replace`): a quantized
+  state of the model's structure is taken as it is; float kernels for
+  quantized ones, quantized for float, or values of another dtype are
+  refused naming the kernel."""
+  from paged_jax.engine import weights
+
+  floating = models.load_tiny()
+  model = quantized.quantize_model(models.load_tiny(), "int4")
+  for _, linear in quantized.quantizable_linears(floating):
+    linear.kernel = nnx.Param(linear.kernel[...] * 1.5)
+  new = nnx.state(quantized.quantize_model(floating, "int4"))
+  got = weights.flat_weights(weights.replace(nnx.state(model), new))
+  for path, leaf in weights.flat_weights(new).items():
+    np.testing.assert_array_equal(np.asarray(got[path]), np.asarray(leaf), err_msg=path)
+  first = r"'blocks/0/attention/k_proj/kernel'"
+  with pytest.raises(weights.WeightsMismatchError, match=f"{first} is float and the engine keeps"):
+    weights.replace(nnx.state(model), nnx.state(models.load_tiny()))
+  with pytest.raises(weights.WeightsMismatchError, match=f"{first} is quantized and the engine"):
+    weights.replace(nnx.state(models.load_tiny()), new)
+  kernel = "blocks/0/attention/q_proj/kernel"
+  signed = weights.flat_weights(new)
+  signed[f"{kernel}/values"] = signed[f"{kernel}/values"].astype(jnp.int8)
+  with pytest.raises(weights.WeightsMismatchError, match=f"'{kernel}/values' is int8, the model"):
+    weights.replace(nnx.state(model), signed)
+
+
 # The engine and several devices (slow: each compiles its own programs).
+
+
+def float_twin(model):
+  """The tiny model with `model`'s quantized kernels dequantized to float32."""
+  floating = models.load_tiny()
+  for (_, linear), (_, twin) in zip(
+    quantized.quantizable_linears(model), quantized.quantizable_linears(floating), strict=True
+  ):
+    twin.kernel = nnx.Param(linear.kernel.dequantize())
+  return floating
 
 
 @pytest.mark.slow
@@ -245,11 +297,7 @@ def test_the_engine_serves_quantized_weights_as_their_float_values(method):
   from paged_jax.generate import Request, SamplingParams, generate
 
   model = quantized.quantize_model(models.load_tiny(), method)
-  floating = models.load_tiny()
-  for (_, linear), (_, twin) in zip(
-    quantized.quantizable_linears(model), quantized.quantizable_linears(floating), strict=True
-  ):
-    twin.kernel = nnx.Param(linear.kernel.dequantize())
+  floating = float_twin(model)
   prompts = [np.frombuffer(text.encode(), np.uint8).astype(np.int32) for text in
              ("LOVE, n. ", "HOPE, n. A", "LOVE, n. A tempor")]  # fmt: skip
   cfg = CacheConfig(
@@ -261,6 +309,37 @@ def test_the_engine_serves_quantized_weights_as_their_float_values(method):
   want, _ = generate(floating, [Request(p) for p in prompts], cfg, greedy, jax.random.key(0))
   for a, b in zip(got, want, strict=True):
     np.testing.assert_array_equal(a[0], b[0])
+
+
+@pytest.mark.slow
+def test_beams_structured_outputs_and_a_draft_of_other_quantization():
+  """On an int4 model, greedy rows, beam search and a structured output give
+  the tokens of its float twin; with an int8 draft proposing (speculation),
+  the greedy rows keep those tokens."""
+  import paged_jax as pj
+
+  model = quantized.quantize_model(models.load_tiny(), "int4")
+  cfg = pj.CacheConfig(
+    block_size=4, num_gpu_blocks=64, num_cpu_blocks=0, max_seqs=4, max_blocks_per_seq=16,
+    enable_prefix_caching=True,
+  )  # fmt: skip
+  prompts = ["LOVE, n. ", "HOPE, n. A"]
+  greedy = pj.SamplingParams(max_tokens=12, ignore_eos=True)
+  beams = pj.SamplingParams(max_tokens=8, n=2, use_beam_search=True, ignore_eos=True)
+  choice = pj.StructuredOutputsParams(choice=["A passion", "A hope", "Nothing"])
+  structured = pj.SamplingParams(max_tokens=16, structured_outputs=choice)
+
+  def tokens(llm, params=(greedy, beams, structured)):
+    outs = [out for p in params for out in llm.generate(prompts, p)]
+    return [[list(o.token_ids) for o in out.outputs] for out in outs]
+
+  want = tokens(pj.LLM(float_twin(model), models.ByteTokenizer(), cfg))
+  assert tokens(pj.LLM(model, models.ByteTokenizer(), cfg)) == want
+  draft = quantized.quantize_model(models.load_tiny(), "int8")
+  spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 2, "adaptive": False}
+  speculating = pj.LLM(model, models.ByteTokenizer(), cfg, speculative_config=spec)
+  assert tokens(speculating, [greedy]) == want[:2]
+  assert speculating.engine.stats.spec_decode_num_draft_tokens > 0
 
 
 @pytest.mark.slow

@@ -46,9 +46,35 @@ def flat_weights(tree) -> dict[str, jax.Array]:
   return flat
 
 
+def _quantized_kernels(flat: dict) -> list[str]:
+  """The kernels of `flat` kept quantized (`.../kernel/values`, `/scales`, ...;
+  see `paged_jax.models.quantized`), by their kernel's path."""
+  return [path.removesuffix("/values") for path in flat if path.endswith("/values")]
+
+
+def check_quantization(engine: dict, given: dict) -> None:
+  """Raises `WeightsMismatchError` naming the first kernel that is float on
+  one side and kept quantized on the other."""
+  for kernel in _quantized_kernels(engine):
+    if kernel in given:
+      raise WeightsMismatchError(
+        f"weight {kernel!r} is float and the engine keeps it quantized: quantize the new "
+        f"weights as the engine's were (quantized.quantize_model) first"
+      )
+  for kernel in _quantized_kernels(given):
+    if kernel in engine:
+      raise WeightsMismatchError(
+        f"weight {kernel!r} is quantized and the engine's is float: give float weights, or "
+        f"serve an engine loaded with that quantization"
+      )
+
+
 def check_structure(engine: dict, given: dict) -> None:
   """Raises `WeightsMismatchError` naming the first path that is missing from
-  `given`, extra in it, or of another shape than in `engine`."""
+  `given`, extra in it, or of another shape than in `engine`, a kernel
+  quantized on one side only (`check_quantization`), or quantized values
+  (integers, which are never cast) of another dtype."""
+  check_quantization(engine, given)
   missing = [path for path in engine if path not in given]
   if missing:
     raise WeightsMismatchError(f"weight {missing[0]!r} is missing ({len(missing)} missing)")
@@ -59,6 +85,9 @@ def check_structure(engine: dict, given: dict) -> None:
     shape = tuple(jnp.shape(given[path]))
     if shape != like.shape:
       raise WeightsMismatchError(f"weight {path!r} has shape {shape}, the model {like.shape}")
+    dtype = jnp.result_type(given[path])
+    if jnp.issubdtype(like.dtype, jnp.integer) and dtype != like.dtype:
+      raise WeightsMismatchError(f"weight {path!r} is {dtype}, the model's {like.dtype}")
 
 
 @functools.partial(jax.jit, static_argnums=1)

@@ -4,16 +4,15 @@ A `QuantizedWeight` replaces the float `[out, in]` kernel of a `Linear`. It
 holds, for `groups = in / group_size` groups of consecutive inputs per row:
 
 * `values`: int8 `[out, in]` (8 bits), or uint8 `[out, in / 2]` (4 bits,
-  two unsigned values 0..15 per byte: byte `j` of a group holds its element
-  `j` in the low nibble and element `j + group_size / 2` in the high one, as
-  GGUF's Q4_0 and Q4_1 blocks do, so a byte never spans two groups and the
-  input axis shards like the float one);
+  two unsigned values 0..15 per byte: byte `c` of a row holds input `c` in
+  its low nibble and input `c + in / 2` in its high one, so that each
+  nibble holds a contiguous half of the row; see `matvec` for why);
 * `scales`: `[out, groups]`, float16 where that is exact, else float32;
 * `minimums`: `[out, groups]` like `scales`, or None.
 
-Weight `(r, c)` is `values[r, c] * scales[r, g] + minimums[r, g]` with
-`g = c // group_size`, computed in float32. A per-channel scale is one group
-spanning the whole row (`group_size == in`).
+Weight `(r, c)` is `ints[r, c] * scales[r, g] + minimums[r, g]` (`ints` the
+unpacked values) with `g = c // group_size`, computed in float32. A
+per-channel scale is one group spanning the whole row (`group_size == in`).
 
 Formats, by source:
 
@@ -25,7 +24,8 @@ Formats, by source:
   groups of 32; Q4_0 and Q4_1 -> int4 groups of 32 (Q4_0's `-8 * d` and
   Q4_1's `m` as minimums); Q4_K -> int4 groups of 32 with minimums; Q5_K ->
   int8 groups of 32 with minimums (5-bit values in 8-bit storage); Q6_K ->
-  int8 groups of 16.
+  int8 groups of 16. 4-bit values move from GGUF's nibble order into the
+  halves layout above (a permutation).
 
 The token embedding and the output layer stay in float (`quantize_model`).
 """
@@ -97,8 +97,7 @@ class QuantizedWeight(nnx.Module):
 
 
 def check_group_size(group_size: int, in_features: int, name: str = "the weight") -> None:
-  """Raises ValueError, naming both, unless `group_size` divides `in_features`
-  (and, for packed 4-bit values, is even)."""
+  """Raises ValueError, naming both, unless `group_size` divides `in_features`."""
   if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
     raise ValueError(f"group_size must be a positive int, got {group_size!r}")
   if in_features % group_size:
@@ -107,27 +106,36 @@ def check_group_size(group_size: int, in_features: int, name: str = "the weight"
     )
 
 
-def unpack_int4(packed: jax.Array, group_size: int) -> jax.Array:
-  """uint8 `[out, in / 2]` -> uint8 `[out, in]` of values 0..15 (see the
-  module docstring for the nibble order)."""
-  # A shift by a broadcast [0, 4], not a concatenation of the two halves:
-  # XLA:CPU runs the fused product 7x faster so (bench_quant_weights.py).
-  out, half = packed.shape
-  grouped = packed.reshape(out, half * 2 // group_size, 1, group_size // 2)
-  shifts = jnp.array([0, 4], jnp.uint8)[:, None]
-  return ((grouped >> shifts) & 0x0F).reshape(out, half * 2)
+def nibbles(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The two halves of each row of packed 4-bit values: uint8 `[out, in / 2]`
+  each, of inputs `[0, in / 2)` (the low nibbles) and `[in / 2, in)` (high)."""
+  return packed & 0x0F, packed >> 4
 
 
-def pack_int4(values: np.ndarray, group_size: int) -> np.ndarray:
-  """numpy uint8 `[out, in]` of values 0..15 -> packed uint8 `[out, in / 2]`."""
-  out, in_features = values.shape
-  grouped = np.asarray(values, np.uint8).reshape(out, in_features // group_size, 2, -1)
-  return (grouped[:, :, 0] | (grouped[:, :, 1] << 4)).reshape(out, in_features // 2)
+def unpack_int4(packed: jax.Array) -> jax.Array:
+  """uint8 `[out, in / 2]` -> uint8 `[out, in]` of values 0..15."""
+  return jnp.concatenate(nibbles(packed), axis=-1)
+
+
+def pack_int4(values: np.ndarray) -> np.ndarray:
+  """numpy uint8 `[out, in]` of values 0..15 -> packed uint8 `[out, in / 2]`
+  (input `c` in the low nibble of byte `c`, input `c + in / 2` in the high)."""
+  values = np.asarray(values, np.uint8)
+  half = values.shape[1] // 2
+  return values[:, :half] | (values[:, half:] << 4)
+
+
+def per_input(per_group: jax.Array, group_size: int) -> jax.Array:
+  """float32 `[out, in]`: each input's entry of a `[out, groups]` array (a
+  broadcast, which XLA fuses into its consumer)."""
+  out, groups = per_group.shape
+  spread = jnp.broadcast_to(per_group.astype(jnp.float32)[..., None], (out, groups, group_size))
+  return spread.reshape(out, groups * group_size)
 
 
 def dequantize(values, scales, minimums, bits: int, group_size: int) -> jax.Array:
   """Float32 `[out, in]` from the arrays of a `QuantizedWeight`."""
-  ints = unpack_int4(values, group_size) if bits == 4 else values
+  ints = unpack_int4(values) if bits == 4 else values
   out, in_features = ints.shape
   grouped = ints.reshape(out, in_features // group_size, group_size).astype(jnp.float32)
   weight = grouped * scales.astype(jnp.float32)[..., None]
@@ -139,29 +147,51 @@ def dequantize(values, scales, minimums, bits: int, group_size: int) -> jax.Arra
 def matmul(x, values, scales, minimums, bits: int, group_size: int, dtype) -> jax.Array:
   """Float32 `x @ dequantize(...).T`, accumulated in float32.
 
-  One scale per row without minimums (per-channel int8): the integers, cast
-  to `dtype` (exact), go through the product and the scales multiply its
-  result. Otherwise the kernel is dequantized in float32 and rounded to
-  `dtype` (the weight a float load of the same numbers has), in one
-  expression with the product, so that XLA fuses the dequantization into it
-  where the backend can (see benchmarks/bench_quant_weights.py).
-
-  Several rows multiply as a float kernel does (`layers.dot_transposed`). A
-  single row is `jnp.dot` with the kernel transposed, which XLA:CPU runs as
-  one loop over the quantized bytes; its other forms first write the whole
-  float kernel (5x to 100x slower at one row).
+  Several rows: the kernel, dequantized in float32 and rounded to `dtype`
+  (the weight a float load of the same numbers has; per-channel int8: the
+  integers, exact in `dtype`, and the scales applied to the result), goes
+  through `dtype`'s matmul (`layers.dot_transposed`); XLA:CPU writes that
+  float kernel first. A single row (one stream decoding) is `matvec`,
+  which writes no kernel and does not round the weights to `dtype`.
   """
   x = x.astype(dtype)
-  per_channel = bits == 8 and minimums is None and scales.shape[1] == 1
-  if per_channel:
-    weight = values.astype(dtype)
-  else:
-    weight = dequantize(values, scales, minimums, bits, group_size).astype(dtype)
   if math.prod(x.shape[:-1]) == 1:
-    y = jnp.dot(x, weight.T, preferred_element_type=jnp.float32)
-  else:
-    y = layers.dot_transposed(x, weight)
-  return y * scales[:, 0].astype(jnp.float32) if per_channel else y
+    return matvec(x.astype(jnp.float32), values, scales, minimums, bits, group_size)
+  if bits == 8 and minimums is None and scales.shape[1] == 1:
+    y = layers.dot_transposed(x, values.astype(dtype))
+    return y * scales[:, 0].astype(jnp.float32)
+  weight = dequantize(values, scales, minimums, bits, group_size).astype(dtype)
+  return layers.dot_transposed(x, weight)
+
+
+def matvec(x, values, scales, minimums, bits: int, group_size: int) -> jax.Array:
+  """Float32 `x @ dequantize(...).T` for one float32 row `x` `[..., in]`.
+
+  Written so that XLA:CPU makes each product one loop over the quantized
+  bytes, which computes each weight as it multiplies it: `jnp.dot` with the
+  kernel transposed, in float32 (rounding every weight to bfloat16 would
+  cost 4x the product). That loop is fast only where its inputs run
+  contiguously, so 4-bit values make two products, one per nibble, each
+  over its contiguous half of the inputs; nibbles interleaved within a
+  group, or the halves concatenated, make the loop 3x to 15x slower
+  (benchmarks/bench_quant_weights.py).
+  """
+  dot = lambda x, weight: jnp.dot(x, weight.T, preferred_element_type=jnp.float32)
+  if bits == 8 and minimums is None and scales.shape[1] == 1:
+    return dot(x, values.astype(jnp.float32)) * scales[:, 0].astype(jnp.float32)
+  if bits == 8:
+    return dot(x, dequantize(values, scales, minimums, bits, group_size))
+  half = values.shape[1]
+  scale = per_input(scales, group_size)
+  minimum = None if minimums is None else per_input(minimums, group_size)
+  y = []
+  for ints, cols in zip(nibbles(values), (slice(None, half), slice(half, None)), strict=True):
+    weight = ints.astype(jnp.float32) * scale[:, cols]
+    weight = weight if minimum is None else weight + minimum[:, cols]
+    y.append(dot(x[..., cols], weight))
+  # A rounding that changes no float32 value: without it XLA:CPU fuses the
+  # sum into the second product as a matmul, which writes its float kernel.
+  return y[0] + jax.lax.reduce_precision(y[1], exponent_bits=8, mantissa_bits=23)
 
 
 # Quantizing float weights.
@@ -203,7 +233,7 @@ def quantize_int4(weight: np.ndarray, group_size: int = 32) -> QuantizedWeight:
   minimums = low.astype(np.float16)
   safe = np.where(scales > 0, scales, 1.0).astype(np.float32)[..., None]
   ints = np.clip(np.rint((grouped - minimums.astype(np.float32)[..., None]) / safe), 0, 15)
-  packed = pack_int4(ints.astype(np.uint8).reshape(out, in_features), group_size)
+  packed = pack_int4(ints.astype(np.uint8).reshape(out, in_features))
   return QuantizedWeight(packed, scales, minimums, bits=4, group_size=group_size)
 
 
@@ -299,7 +329,7 @@ def from_gguf(data: np.ndarray, kind, shape: tuple[int, int], name: str) -> Quan
     raise ValueError(f"tensor {name}: {np.size(data)} bytes do not hold {T(kind).name} {shape}")
   blocks = np.asarray(data, np.uint8).reshape(out, in_features // block_size, block_bytes)
   ints, scales, minimums, bits, group_size = _gguf_arrays(kind, blocks)
-  values = pack_int4(ints, group_size) if bits == 4 else ints
+  values = pack_int4(ints) if bits == 4 else ints
   return QuantizedWeight(
     values,
     _compact(scales),
@@ -327,6 +357,34 @@ def quantize_model(model, method: str, group_size: int | None = None):
     if group_size is not None:
       check_group_size(group_size, in_features, path)
     linear.kernel = quantize(np.asarray(linear.kernel[...], np.float32), method, group_size)
+  return model
+
+
+def placeholder(shape: tuple[int, int], method: str, group_size: int | None = None):
+  """A `QuantizedWeight` of zeros with the shapes and dtypes that `quantize`
+  gives a float `[out, in]` kernel (under `nnx.eval_shape`: shapes only)."""
+  out, in_features = shape
+  if method not in METHODS:
+    raise ValueError(f"quantization method must be one of {METHODS}, got {method!r}")
+  bits = 8 if method == "int8" else 4
+  if group_size is None:
+    group_size = in_features if bits == 8 else 32
+  check_group_size(group_size, in_features)
+  groups = (out, in_features // group_size)
+  if bits == 8:
+    values = jnp.zeros(shape, jnp.int8)
+    return QuantizedWeight(values, jnp.zeros(groups, jnp.float32), bits=8, group_size=group_size)
+  values = jnp.zeros((out, in_features // 2), jnp.uint8)
+  scales, minimums = jnp.zeros(groups, jnp.float16), jnp.zeros(groups, jnp.float16)
+  return QuantizedWeight(values, scales, minimums, bits=4, group_size=group_size)
+
+
+def quantize_shapes(model, method: str, group_size: int | None = None):
+  """`quantize_model` for a model whose parameters are shapes only
+  (`nnx.eval_shape`): each kernel a `placeholder`. Call it inside
+  `nnx.eval_shape` so that no array is allocated."""
+  for _, linear in quantizable_linears(model):
+    linear.kernel = placeholder(tuple(linear.kernel.shape), method, group_size)
   return model
 
 
