@@ -14,7 +14,7 @@ import functools
 import numpy as np
 import pytest
 
-from paged_jax.block_manager import hybrid_kv
+from paged_jax import hybrid_kv
 from paged_jax.block_manager.arguments import jit_op
 from paged_jax.block_manager.hybrid import HybridBlockSpaceManager, HybridCacheConfig
 from paged_jax.config import CacheConfig, Status

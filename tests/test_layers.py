@@ -36,6 +36,7 @@ LAYERS = {
       "paged_jax.attention",
       "paged_jax.kv_cache",
       "paged_jax.kv_swap",
+      "paged_jax.hybrid_kv",
       "paged_jax.paged_cache",
     ],
   ),

@@ -23,8 +23,10 @@ state it was given. The modules, by phase:
 - `commit`, `tables`, `pool`, `prefix_cache`: applying a call's effects to a
   pool, masked table writes, the free lists and evictor, content identities.
 - `manager`: `BlockSpaceManager`, and every op under its name.
-- `hybrid`, `hybrid_kv`: a hybrid cache, one manager state (and one set of
-  pages) per attention type.
+- `plans`: `unwritten_hit_copies`, the copies that fill prefix-cache hits whose
+  K/V is not written yet (from two states).
+- `hybrid`: a hybrid cache, one manager state per attention type (its pages,
+  one `KVCache` per type, are `paged_jax.hybrid_kv`'s).
 - `checked`, `invariants`: the raising host layer and the state's invariants.
 """
 

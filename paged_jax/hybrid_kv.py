@@ -13,7 +13,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from paged_jax import kv_cache
+from paged_jax import kv_cache, kv_swap
 from paged_jax.attention import paged_attention
 from paged_jax.block_manager.hybrid import HybridCacheConfig, HybridResult
 from paged_jax.kv_cache import KVCache
@@ -112,14 +112,14 @@ def copy_blocks(cache: HybridKVCache, result: HybridResult) -> HybridKVCache:
 def swap_out(cache: HybridKVCache, result: HybridResult) -> HybridKVCache:
   """Moves each type's swapped-out blocks to its host pages."""
   return cache.replace(
-    types=tuple(kv_cache.swap_out(c, plan) for c, plan in zip(cache.types, result.results))
+    types=tuple(kv_swap.swap_out(c, plan) for c, plan in zip(cache.types, result.results))
   )
 
 
 def swap_in(cache: HybridKVCache, result: HybridResult) -> HybridKVCache:
   """Moves each type's swapped-in blocks back to its device pages."""
   return cache.replace(
-    types=tuple(kv_cache.swap_in(c, plan) for c, plan in zip(cache.types, result.results))
+    types=tuple(kv_swap.swap_in(c, plan) for c, plan in zip(cache.types, result.results))
   )
 
 
