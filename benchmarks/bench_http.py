@@ -2,15 +2,17 @@
 
 Starts `python -m paged_jax serve` for each code tree of `--code` (label=DIR,
 so that two commits run side by side in one run) and each `--dtypes`, then
-drives it with `vllm bench serve`: random prompts of 200 tokens, 64 output
-tokens with `--ignore-eos`, 48 requests, arriving at 4 requests/s and then
-all at once under 16 concurrent. It reports output tokens/s and TTFT, TPOT
-and inter-chunk latency (ITL) at p50/p99, one row per server and workload.
+drives it with `vllm bench serve`: 200-token slices of the project's own
+docs (`soak_serve.text_slices`: vLLM's random prompts can hold a NUL, which
+the server refuses), 64 output tokens with `--ignore-eos`, 48 requests,
+arriving at 4 requests/s and then all at once under 16 concurrent. It
+reports output tokens/s and TTFT, TPOT and inter-chunk latency (ITL) at
+p50/p99, one row per server and workload.
 
 `vllm bench serve` comes from a side venv with vLLM installed (`--vllm`, the
 venv's `vllm` command); it only sends requests, so any vLLM build serves.
-`--tokenizer` is a Hugging Face tokenizer folder of the model (the random
-prompts are drawn in its vocabulary). Servers run one at a time.
+`--tokenizer` is a Hugging Face tokenizer folder of the model (the prompts
+are sliced in its tokens). Servers run one at a time.
 
 Usage:
   python benchmarks/bench_http.py --vllm /venv/bin/vllm --tokenizer DIR \\
@@ -29,7 +31,7 @@ import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from soak_serve import BENCH_FIELDS, Server  # noqa: E402
+from soak_serve import BENCH_FIELDS, Server, custom_dataset, text_slices  # noqa: E402
 
 WORKLOADS = {
   "4 req/s": ["--request-rate", "4"],
@@ -43,8 +45,8 @@ def bench_serve(args, url: str, workload: list[str]) -> dict:
     command = [
       args.vllm, "bench", "serve", "--backend", "openai", "--base-url", url,
       "--model", args.served_name, "--tokenizer", args.tokenizer,
-      "--dataset-name", "random", "--random-input-len", "200", "--random-output-len", "64",
-      "--ignore-eos", "--num-prompts", str(args.num_prompts), "--seed", str(args.seed),
+      *custom_dataset(args.dataset), "--num-prompts", str(args.num_prompts),
+      "--seed", str(args.seed),
       *workload, "--save-result", "--result-dir", folder, "--result-filename", "result.json",
       "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
     ]  # fmt: skip
@@ -105,9 +107,12 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
   args = parse_args(argv)
   rows = []
-  for dtype in args.dtypes:
-    for label, tree in (code.split("=", 1) for code in args.code):
-      rows += run_server(args, label, tree, dtype)
+  with tempfile.TemporaryDirectory() as folder:
+    args.dataset = f"{folder}/prompts.jsonl"
+    text_slices(args.vllm, args.tokenizer, args.dataset, args.num_prompts, args.seed)
+    for dtype in args.dtypes:
+      for label, tree in (code.split("=", 1) for code in args.code):
+        rows += run_server(args, label, tree, dtype)
   print(markdown(rows))
   if args.json:
     print(json.dumps(rows))

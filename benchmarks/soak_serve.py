@@ -19,9 +19,15 @@ Afterwards it checks, and reports:
     equals the requests sent, and completed plus refused matches what the
     client saw;
   - every KV block is free and no request runs or waits;
+  - no program compiled after the warm-up mix (the server's
+    `paged_jax:compiles_while_serving_total`; the report names them from
+    the server's log): a compile while serving keeps its compiler's memory
+    in malloc's arenas, tens of MiB each;
   - the server's RSS is within 10% of its RSS after warm-up (the engine's,
     then a first mix of `--warm-up-requests` and one of each structured output, as
-    the engine's warm-up leaves out the programs of constrained rows);
+    the engine's warm-up leaves out the programs of constrained rows); the
+    report adds RSS sampled each second through the soak and resident
+    memory by mapping kind before and after;
   - the server still answers;
   - SIGTERM during a burst of streams: the process exits 0 within 10 s and
     every open stream ends with an error event or `[DONE]`.
@@ -29,10 +35,12 @@ Afterwards it checks, and reports:
 With `--vllm-bench PATH` (vLLM's `vllm` command, from a side venv) and
 `--bench-tokenizer DIR` (the model's Hugging Face tokenizer folder), a fresh
 server with the default limits then takes vLLM's own load generator,
-`vllm bench serve` (random 200-token prompts, 64 output tokens with
-`ignore_eos`, 48 requests) at each `--bench-rates`, and the report gives its
-failed requests, output tokens/s, TTFT, TPOT and ITL; a failed request fails
-the run.
+`vllm bench serve` (48 prompts of 200 tokens sliced from docs/semantics.md
+by vLLM's `create_txt_slices_dataset`, 64 output tokens with `ignore_eos`)
+at each `--bench-rates`, and the report gives its failed requests, output
+tokens/s, TTFT, TPOT and ITL; a failed request fails the run. (vLLM's
+`random` dataset decodes random token ids, which can give a NUL: the
+server refuses it with 400.)
 
   python benchmarks/soak_serve.py [--model tiny] [--requests 2000] [--json]
       [--vllm-bench /venv/bin/vllm --bench-tokenizer DIR [--bench-rates 1 4 16]]
@@ -48,6 +56,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import pathlib
 import random
 import re
 import signal
@@ -55,6 +64,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import httpx
@@ -188,7 +198,7 @@ class Server:
       sock.bind(("127.0.0.1", 0))
       self.port = sock.getsockname()[1]
     self.url = f"http://127.0.0.1:{self.port}"
-    self.log = tempfile.TemporaryFile("w+")
+    self.log = tempfile.NamedTemporaryFile("w+", suffix=".log")
     command = [sys.executable, "-m", "paged_jax", "serve", "--port", str(self.port), *args]
     self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
@@ -196,8 +206,7 @@ class Server:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
       if self.process.poll() is not None:
-        self.log.seek(0)
-        raise RuntimeError(f"the server exited {self.process.returncode}:\n{self.log.read()}")
+        raise RuntimeError(f"the server exited {self.process.returncode}:\n{self.output()}")
       with contextlib.suppress(httpx.HTTPError):
         if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
           return
@@ -208,6 +217,40 @@ class Server:
     with open(f"/proc/{self.process.pid}/status") as status:
       kib = next(line for line in status if line.startswith("VmRSS:")).split()[1]
     return int(kib) * 1024
+
+  def memory_by_kind(self) -> dict[str, float]:
+    """MiB resident by mapping kind (`/proc/PID/smaps`): `heap` (the brk
+    heap and glibc's malloc arenas, which are anonymous too, are in `anon`),
+    `anon`, `anon_exec` (XLA:CPU's compiled code), `file`."""
+    kib = dict.fromkeys(("heap", "anon", "anon_exec", "file"), 0)
+    kind = "anon"
+    with open(f"/proc/{self.process.pid}/smaps") as smaps:
+      for line in smaps:
+        fields = line.split()
+        if re.fullmatch(r"[0-9a-f]+-[0-9a-f]+", fields[0]):
+          name = fields[5] if len(fields) > 5 else ""
+          if name == "[heap]":
+            kind = "heap"
+          elif name.startswith("/"):
+            kind = "file"
+          else:
+            kind = "anon_exec" if "x" in fields[1] else "anon"
+        elif fields[0] == "Rss:":
+          kib[kind] += int(fields[1])
+    return {kind: round(value / 1024, 1) for kind, value in kib.items()}
+
+  def compiles(self) -> int:
+    """Programs the server compiled after its warm-up (its metric)."""
+    return int(self.metrics()["paged_jax:compiles_while_serving_total"])
+
+  def output(self) -> str:
+    """What the server has printed so far."""
+    with open(self.log.name) as log:
+      return log.read()
+
+  def compiled_programs(self) -> list[str]:
+    """The server's log lines naming a program compiled after its warm-up."""
+    return [line for line in self.output().splitlines() if "compiled while serving" in line]
 
   def metrics(self) -> dict[str, float]:
     """Every sample of `/metrics`, keyed by name and labels as printed."""
@@ -293,6 +336,35 @@ async def sigterm_during_burst(server: Server, spec: Spec, count: int) -> dict:
   )
 
 
+@contextlib.contextmanager
+def sampled_rss(server: Server, every_s: float = 1.0):
+  """Yields a list that fills with `(seconds, RSS MiB)` of the server,
+  sampled every `every_s` while the block runs (and once at its end)."""
+  samples, done, start = [], threading.Event(), time.monotonic()
+
+  def sample():
+    while True:
+      samples.append((round(time.monotonic() - start, 1), round(server.rss_bytes() / 2**20, 1)))
+      if done.wait(every_s):
+        return
+
+  thread = threading.Thread(target=sample, daemon=True)
+  thread.start()
+  try:
+    yield samples
+  finally:
+    done.set()
+    thread.join()
+    samples.append((round(time.monotonic() - start, 1), round(server.rss_bytes() / 2**20, 1)))
+
+
+def thinned(samples: list, count: int) -> list:
+  """At most `count` of `samples`, evenly spaced, the first and last kept."""
+  if len(samples) <= count:
+    return list(samples)
+  return [samples[round(i * (len(samples) - 1) / (count - 1))] for i in range(count)]
+
+
 def settle(server: Server, num_requests: int, timeout: float = 60) -> dict[str, float]:
   """`/metrics` once nothing runs or waits and the server has counted
   `num_requests` outcomes (a stream whose client left is counted when the
@@ -339,22 +411,28 @@ def soak(args) -> dict:
       warm += [Spec("/v1/completions", dict(prompt="a", max_tokens=4, **c)) for c in CONSTRAINTS]
     asyncio.run(run_mix(server.url, warm, args.concurrency, 0, 0))
     rss_start, before = server.rss_bytes(), outcome_counts(server.metrics())
+    memory_start, compiled_in_warm_up_mix = server.memory_by_kind(), server.compiles()
     start = time.monotonic()
-    mixed, bursts, retries = asyncio.run(
-      run_mix(server.url, specs, args.concurrency, args.burst_every, 2 * args.max_waiting_requests)
-    )
-    seconds = time.monotonic() - start
-    before_total = sum(before.values())
-    metrics = settle(server, before_total + len(mixed) + len(bursts) + retries)
-    after = outcome_counts(metrics)
-    counted = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-    outcomes = mixed + bursts
-    completed = [(s, o) for s, o in zip(specs, mixed) if o.texts is not None]
-    refused = [o for o in outcomes if o.texts is None and not o.disconnected]
-    to_check = [(s, o) for s, o in completed if s.deterministic]
-    solo = asyncio.run(solo_texts(server.url, [s for s, _ in to_check]))
-    mismatches = [s.body for (s, o), alone in zip(to_check, solo) if o.texts != alone]
-    rss_end = server.rss_bytes()
+    with sampled_rss(server) as rss_samples:
+      mixed, bursts, retries = asyncio.run(
+        run_mix(
+          server.url, specs, args.concurrency, args.burst_every, 2 * args.max_waiting_requests
+        )
+      )
+      seconds = time.monotonic() - start
+      before_total = sum(before.values())
+      metrics = settle(server, before_total + len(mixed) + len(bursts) + retries)
+      after = outcome_counts(metrics)
+      counted = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+      outcomes = mixed + bursts
+      completed = [(s, o) for s, o in zip(specs, mixed) if o.texts is not None]
+      refused = [o for o in outcomes if o.texts is None and not o.disconnected]
+      to_check = [(s, o) for s, o in completed if s.deterministic]
+      solo = asyncio.run(solo_texts(server.url, [s for s, _ in to_check]))
+      mismatches = [s.body for (s, o), alone in zip(to_check, solo) if o.texts != alone]
+    rss_end, memory_end = server.rss_bytes(), server.memory_by_kind()
+    compiled_after = server.compiles() - compiled_in_warm_up_mix
+    compiled_programs = server.compiled_programs()
     still_answers = (
       httpx.post(f"{server.url}/v1/completions", json=dict(prompt="WIT, n. ", max_tokens=2))
     ).status_code == 200
@@ -383,6 +461,11 @@ def soak(args) -> dict:
     blocks_free=f"{int(free)}/{int(total)}",
     rss_after_warmup_mib=round(rss_start / 2**20, 1),
     rss_after_soak_mib=round(rss_end / 2**20, 1),
+    rss_peak_mib=max(mib for _, mib in rss_samples),
+    rss_timeline_mib=thinned(rss_samples, 12),
+    memory_by_kind_mib=dict(after_warmup=memory_start, after_soak=memory_end),
+    compiled_while_serving=dict(warm_up_mix=compiled_in_warm_up_mix, soak=compiled_after),
+    compiled_programs=[line[-300:] for line in compiled_programs],
     still_answers=still_answers,
     shutdown=shutdown,
   )
@@ -397,6 +480,7 @@ def soak(args) -> dict:
     "no request failed": counted.get("failed", 0) == 0,
     "every block free, nothing running": free == total
     and metrics["vllm:num_requests_running"] == metrics["vllm:num_requests_waiting"] == 0,
+    "nothing compiled after the warm-up mix": compiled_after == 0,
     "RSS within 10% of after warm-up": rss_end <= 1.1 * rss_start,
     "the server still answers": still_answers,
     "SIGTERM: exit 0 within 10 s": shutdown["exit_code"] == 0 and shutdown["seconds_to_exit"] <= 10,
@@ -426,9 +510,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   return parser.parse_args(argv)
 
 
+BENCH_PROMPTS = 48
 BENCH_FIELDS = (
   "completed",
   "failed",
+  "total_input_tokens",
   "output_throughput",
   "median_ttft_ms",
   "p99_ttft_ms",
@@ -439,30 +525,61 @@ BENCH_FIELDS = (
 )
 
 
+BENCH_TEXT = pathlib.Path(__file__).resolve().parents[1] / "docs" / "semantics.md"
+
+
+def text_slices(vllm: str, tokenizer: str, path: str, num_prompts: int, seed: int) -> None:
+  """Writes a `--dataset-name custom` file of `num_prompts` 200-token slices
+  of `BENCH_TEXT`, with vLLM's own tool (`create_txt_slices_dataset`, run
+  by the Python of `vllm`'s venv): prompts of valid text. vLLM's `random`
+  dataset decodes random token ids, and one prompt in 48 held a NUL, which
+  the server refuses with 400 as it must."""
+  python = str(pathlib.Path(vllm).with_name("python"))
+  command = [
+    python, "-m", "vllm.benchmarks.datasets.create_txt_slices_dataset",
+    "--input", str(BENCH_TEXT), "--output", path, "--tokenizer", tokenizer,
+    "--num-prompts", str(num_prompts), "--input-len", "200", "--output-len", "64",
+    "--seed", str(seed),
+  ]  # fmt: skip
+  subprocess.run(command, check=True, capture_output=True, timeout=600)
+
+
+def custom_dataset(path: str) -> list[str]:
+  """`vllm bench serve`'s flags for the prompts of `text_slices` at `path`,
+  sent as they are (no chat template), 64 output tokens each (`ignore_eos`)."""
+  return [
+    "--dataset-name", "custom", "--dataset-path", path, "--skip-chat-template",
+    "--custom-output-len", "64", "--ignore-eos",
+  ]  # fmt: skip
+
+
 def vllm_bench(args) -> list[dict]:
   """`vllm bench serve` at each of `args.bench_rates` against a fresh server
-  with the default limits; the fields of `BENCH_FIELDS` per rate."""
+  with the default limits; the fields of `BENCH_FIELDS` per rate. The
+  prompts are slices of `BENCH_TEXT` (see `text_slices`)."""
   server = Server(
     ["--model", args.model, "--served-model-name", args.served_name, *args.server_args]
   )
   rows = []
   try:
     server.wait_healthy()
-    for rate in args.bench_rates:
-      with tempfile.TemporaryDirectory() as folder:
+    with tempfile.TemporaryDirectory() as folder:
+      dataset = f"{folder}/prompts.jsonl"
+      text_slices(args.vllm_bench, args.bench_tokenizer, dataset, BENCH_PROMPTS, args.seed)
+      for rate in args.bench_rates:
         command = [
           args.vllm_bench, "bench", "serve", "--backend", "openai",
           "--base-url", server.url, "--model", args.served_name,
-          "--tokenizer", args.bench_tokenizer, "--dataset-name", "random",
-          "--random-input-len", "200", "--random-output-len", "64", "--ignore-eos",
-          "--num-prompts", "48", "--request-rate", str(rate), "--seed", str(args.seed),
-          "--save-result", "--result-dir", folder, "--result-filename", "result.json",
+          "--tokenizer", args.bench_tokenizer, *custom_dataset(dataset),
+          "--num-prompts", str(BENCH_PROMPTS), "--request-rate", str(rate),
+          "--seed", str(args.seed), "--save-result", "--result-dir", folder,
+          "--result-filename", "result.json",
           "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
         ]  # fmt: skip
         subprocess.run(command, check=True, capture_output=True, timeout=1800)
         with open(f"{folder}/result.json") as result:
           measured = json.load(result)
-      rows.append(dict(request_rate=rate, **{k: measured.get(k) for k in BENCH_FIELDS}))
+        rows.append(dict(request_rate=rate, **{k: measured.get(k) for k in BENCH_FIELDS}))
   finally:
     server.kill()
   return rows

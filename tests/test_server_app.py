@@ -8,9 +8,12 @@ import asyncio
 import json
 import math
 import re
+import threading
 import time
+import types
 
 import httpx
+import jax
 import pytest
 
 import paged_jax as pj
@@ -387,3 +390,76 @@ def test_the_server_refuses_exactly_what_the_engine_would_refuse():
       assert error in response.json()["error"]["message"]
   assert 0 < refused < len(grid)  # the grid crosses the boundary
   assert len(stub.added) == len(grid) - refused
+
+
+# The engine thread counts what compiles after its warm-up.
+
+
+@jax.jit
+def _token_sum(token_ids):
+  return token_ids.sum()
+
+
+class _CompilingEngine:
+  """Finishes each request in one step, which runs a jitted function on the
+  prompt: a prompt of a length the warm-up's (2) did not have compiles."""
+
+  running_ahead = False
+
+  def __init__(self):
+    self.stats = types.SimpleNamespace(
+      preemptions=0,
+      prefill_tokens=0,
+      spec_decode_num_drafts=0,
+      spec_decode_num_draft_tokens=0,
+      spec_decode_num_accepted_tokens=0,
+    )
+    self.pending = {}
+
+  def add_request(self, request_id, token_ids, params):
+    self.pending[request_id] = token_ids
+
+  def abort_request(self, request_id):
+    self.pending.pop(request_id, None)
+
+  def has_unfinished_requests(self):
+    return bool(self.pending)
+
+  def step(self):
+    outputs = []
+    for request_id, token_ids in self.pending.items():
+      token = int(_token_sum(token_ids))
+      completion = pj.CompletionOutput(0, "x", [token], 0.0, None, "length")
+      outputs.append(pj.RequestOutput(request_id, None, token_ids, [completion], finished=True))
+    self.pending.clear()
+    return outputs
+
+  def num_free_gpu_blocks(self):
+    return 8
+
+
+def test_the_engine_thread_counts_and_logs_each_program_compiled_while_serving(caplog):
+  from paged_jax.server.engine_thread import BuiltEngine, EngineThread
+  from paged_jax.server.metrics import ServerMetrics
+
+  metrics = ServerMetrics("stub")
+  cache_config = pj.CacheConfig(block_size=4, num_gpu_blocks=8, max_seqs=2, max_blocks_per_seq=4)
+  thread = EngineThread(lambda: BuiltEngine(_CompilingEngine(), None, cache_config), metrics)
+  compiled = lambda: metrics.registry.get_sample_value(
+    "paged_jax:compiles_while_serving_total", {"model_name": "stub"}
+  )
+  thread.start()
+  try:
+    for prompt, compiles in (([3, 4], 0), ([5, 6], 0), ([1, 2, 3], 1)):  # a new length
+      done = threading.Event()
+      thread.add(str(prompt), prompt, pj.SamplingParams(max_tokens=1), lambda _: done.set())
+      assert done.wait(30)
+      deadline = time.monotonic() + 10  # counted right after the step's outputs
+      while compiled() != compiles and time.monotonic() < deadline:
+        time.sleep(0.01)
+      assert compiled() == compiles, prompt
+  finally:
+    thread.stop()
+  assert compiled() == 1
+  [warning] = [r.getMessage() for r in caplog.records if "compiled while serving" in r.getMessage()]
+  assert "int32[3]" in warning, warning

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from paged_jax import compile_guard
 from paged_jax.config import CacheConfig
 from paged_jax.engine.outputs import RequestOutput
 from paged_jax.params import SamplingParams
@@ -182,6 +183,8 @@ class EngineThread:
       self._base = self.engine.stats  # the warm-up's counts do not count
       self._prefilled_prompt_tokens = 0
       self._counted: dict[int, int] = {}
+      self._compiles: list[compile_guard.Compile] = []  # while serving
+      self._num_compiles_counted = 0
       self._update_gauges()
     except BaseException as err:  # reported to `start`
       self._startup_error = err
@@ -190,7 +193,8 @@ class EngineThread:
       return
     self._ready.set()
     try:
-      self._loop()
+      with compile_guard.count_compiles() as self._compiles:
+        self._loop()
     finally:
       self._stopped.set()
       self._fail_all(EngineStopped("the server is shutting down"))
@@ -319,6 +323,16 @@ class EngineThread:
       if total > counted:  # counters never go down
         counter.inc(total - counted)
         self._counted[id(counter)] = total
+    self._count_compiles()
+
+  def _count_compiles(self) -> None:
+    """Counts and logs the programs compiled since the last call: the
+    warm-up left each out, and its first launch stalled every request."""
+    new = self._compiles[self._num_compiles_counted :]
+    for compiled in new:
+      logger.warning("compiled while serving (%.2f s): %s", compiled.seconds, compiled)
+    self._metrics.compiles_while_serving.inc(len(new))
+    self._num_compiles_counted += len(new)
 
   def _fail_all(self, err: Exception) -> None:
     for request_id, tracked in list(self._tracked.items()):

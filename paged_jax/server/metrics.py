@@ -110,6 +110,11 @@ class ServerMetrics:
     self.spec_decode_num_accepted_tokens = counter(
       "vllm:spec_decode_num_accepted_tokens", "Speculative decoding: proposed tokens accepted."
     )
+    self.compiles_while_serving = counter(
+      "paged_jax:compiles_while_serving",
+      "XLA programs compiled (or read from the persistent compilation cache) after the "
+      "warm-up; each stalled the engine. The server logs each one's name and shapes.",
+    )
     self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of prefilled requests.")
     self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
     self.time_to_first_token = histogram(
