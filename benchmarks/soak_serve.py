@@ -19,15 +19,16 @@ Afterwards it checks, and reports:
     equals the requests sent, and completed plus refused matches what the
     client saw;
   - every KV block is free and no request runs or waits;
-  - no program compiled after the warm-up mix (the server's
+  - no program compiled after the engine's warm-up (the server's
     `paged_jax:compiles_while_serving_total`; the report names them from
-    the server's log): a compile while serving keeps its compiler's memory
-    in malloc's arenas, tens of MiB each;
+    the server's log): a compile while serving stalls every request and
+    keeps its compiler's memory in malloc's arenas, tens of MiB each;
   - the server's RSS is within 10% of its RSS after warm-up (the engine's,
-    then a first mix of `--warm-up-requests` and one of each structured output, as
-    the engine's warm-up leaves out the programs of constrained rows); the
-    report adds RSS sampled each second through the soak and resident
-    memory by mapping kind before and after;
+    then a first mix of `--warm-up-requests` and one of each structured
+    output, so that what each kind of request allocates once, such as the
+    automata of its constraints, is in); the report adds RSS sampled each
+    second through the soak and resident memory by mapping kind before and
+    after;
   - the server still answers;
   - SIGTERM during a burst of streams: the process exits 0 within 10 s and
     every open stream ends with an error event or `[DONE]`.
@@ -401,8 +402,8 @@ def soak(args) -> dict:
     specs = [
       make_spec(rng, args.served_name, chat, args.structured_share) for _ in range(args.requests)
     ]
-    # The engine's warm-up leaves out the programs of constrained rows: a
-    # first mix compiles them before the RSS to hold is read.
+    # A first mix, so that what each kind of request allocates once is in
+    # the RSS to hold.
     warm = [
       make_spec(rng, args.served_name, chat, args.structured_share)
       for _ in range(args.warm_up_requests)
@@ -431,7 +432,7 @@ def soak(args) -> dict:
       solo = asyncio.run(solo_texts(server.url, [s for s, _ in to_check]))
       mismatches = [s.body for (s, o), alone in zip(to_check, solo) if o.texts != alone]
     rss_end, memory_end = server.rss_bytes(), server.memory_by_kind()
-    compiled_after = server.compiles() - compiled_in_warm_up_mix
+    compiled_in_soak = server.compiles() - compiled_in_warm_up_mix
     compiled_programs = server.compiled_programs()
     still_answers = (
       httpx.post(f"{server.url}/v1/completions", json=dict(prompt="WIT, n. ", max_tokens=2))
@@ -464,7 +465,7 @@ def soak(args) -> dict:
     rss_peak_mib=max(mib for _, mib in rss_samples),
     rss_timeline_mib=thinned(rss_samples, 12),
     memory_by_kind_mib=dict(after_warmup=memory_start, after_soak=memory_end),
-    compiled_while_serving=dict(warm_up_mix=compiled_in_warm_up_mix, soak=compiled_after),
+    compiled_while_serving=dict(warm_up_mix=compiled_in_warm_up_mix, soak=compiled_in_soak),
     compiled_programs=[line[-300:] for line in compiled_programs],
     still_answers=still_answers,
     shutdown=shutdown,
@@ -480,7 +481,7 @@ def soak(args) -> dict:
     "no request failed": counted.get("failed", 0) == 0,
     "every block free, nothing running": free == total
     and metrics["vllm:num_requests_running"] == metrics["vllm:num_requests_waiting"] == 0,
-    "nothing compiled after the warm-up mix": compiled_after == 0,
+    "nothing compiled after the engine's warm-up": compiled_in_warm_up_mix == compiled_in_soak == 0,
     "RSS within 10% of after warm-up": rss_end <= 1.1 * rss_start,
     "the server still answers": still_answers,
     "SIGTERM: exit 0 within 10 s": shutdown["exit_code"] == 0 and shutdown["seconds_to_exit"] <= 10,

@@ -13,18 +13,15 @@ import soak_serve  # noqa: E402
 
 def test_a_short_soak_leaks_nothing_and_answers_as_alone():
   args = ["--requests", "100", "--burst-every", "50", "--concurrency", "8"]
-  # Without structured outputs: the engine's warm-up leaves out the programs
-  # of constrained rows, which compile at their first use.
-  args += ["--warm-up-requests", "8", "--structured-share", "0"]
+  args += ["--warm-up-requests", "8"]
   args += ["--max-waiting-requests", "12"]
   engine_config = ["--num-gpu-blocks-override", "96", "--async-scheduling"]
   report = soak_serve.soak(soak_serve.parse_args([*args, "--", *engine_config]))
   print(json.dumps(report))  # pytest shows it when the test fails
+  # Among them: nothing compiled after the engine's warm-up (a program
+  # compiled while serving kept 35 to 60 MiB of the tiny server's RSS in
+  # malloc's arenas, failing the RSS check; benchmarks/RESULTS.md).
   assert report["failed_checks"] == [], report["failed_checks"]
-  # Nothing compiled after the engine's warm-up: a program compiled while
-  # serving keeps its compiler's memory in malloc's arenas (80 to 130 MiB
-  # of the tiny server's RSS, benchmarks/RESULTS.md), and stalls requests.
-  assert report["compiled_while_serving"] == dict(warm_up_mix=0, soak=0)
   assert report["completed"] >= 80 and report["checked_alone"] > 0
   assert report["refused"] > 0 and report["statuses"] == [503]  # the bursts past the queue
   assert report["shutdown"]["streams_with_error_event"] > 0
