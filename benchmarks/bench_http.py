@@ -25,13 +25,18 @@ import argparse
 import json
 import os
 import pathlib
-import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from soak_serve import BENCH_FIELDS, Server, custom_dataset, text_slices  # noqa: E402
+from soak_serve import (  # noqa: E402
+  BENCH_FIELDS,
+  Server,
+  run_quietly,
+  text_slices,
+  text_slices_flags,
+)
 
 WORKLOADS = {
   "4 req/s": ["--request-rate", "4"],
@@ -45,12 +50,12 @@ def bench_serve(args, url: str, workload: list[str]) -> dict:
     command = [
       args.vllm, "bench", "serve", "--backend", "openai", "--base-url", url,
       "--model", args.served_name, "--tokenizer", args.tokenizer,
-      *custom_dataset(args.dataset), "--num-prompts", str(args.num_prompts),
+      *text_slices_flags(args.dataset), "--num-prompts", str(args.num_prompts),
       "--seed", str(args.seed),
       *workload, "--save-result", "--result-dir", folder, "--result-filename", "result.json",
       "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
     ]  # fmt: skip
-    subprocess.run(command, check=True, capture_output=True, timeout=1800)
+    run_quietly(command, timeout=1800)
     measured = json.loads(pathlib.Path(folder, "result.json").read_text())
   return {field: measured.get(field) for field in BENCH_FIELDS}
 
@@ -108,7 +113,7 @@ def main(argv=None) -> None:
   args = parse_args(argv)
   rows = []
   with tempfile.TemporaryDirectory() as folder:
-    args.dataset = f"{folder}/prompts.jsonl"
+    args.dataset = f"{folder}/prompts.json"
     text_slices(args.vllm, args.tokenizer, args.dataset, args.num_prompts, args.seed)
     for dtype in args.dtypes:
       for label, tree in (code.split("=", 1) for code in args.code):

@@ -529,28 +529,43 @@ BENCH_FIELDS = (
 BENCH_TEXT = pathlib.Path(__file__).resolve().parents[1] / "docs" / "semantics.md"
 
 
+def run_quietly(command: list[str], timeout: float) -> None:
+  """Runs `command`; if it fails, raises with the end of what it printed."""
+  done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+  if done.returncode != 0:
+    raise RuntimeError(f"{command[:3]} exited {done.returncode}:\n{done.stderr[-3000:]}")
+
+
 def text_slices(vllm: str, tokenizer: str, path: str, num_prompts: int, seed: int) -> None:
-  """Writes a `--dataset-name custom` file of `num_prompts` 200-token slices
-  of `BENCH_TEXT`, with vLLM's own tool (`create_txt_slices_dataset`, run
-  by the Python of `vllm`'s venv): prompts of valid text. vLLM's `random`
-  dataset decodes random token ids, and one prompt in 48 held a NUL, which
-  the server refuses with 400 as it must."""
+  """Writes to `path` `num_prompts` 200-token slices of `BENCH_TEXT`, cut by
+  vLLM's own tool (`create_txt_slices_dataset`, run by the Python of
+  `vllm`'s venv): prompts of valid text. vLLM's `random` dataset decodes
+  random token ids, and one prompt in 48 held a NUL, which the server
+  refuses with 400 as it must. The file is in ShareGPT's form (one
+  conversation per prompt), which `vllm bench serve` reads without pandas
+  (its `custom` dataset needs `vllm[bench]`)."""
   python = str(pathlib.Path(vllm).with_name("python"))
+  slices = f"{path}.jsonl"
   command = [
     python, "-m", "vllm.benchmarks.datasets.create_txt_slices_dataset",
-    "--input", str(BENCH_TEXT), "--output", path, "--tokenizer", tokenizer,
+    "--input", str(BENCH_TEXT), "--output", slices, "--tokenizer", tokenizer,
     "--num-prompts", str(num_prompts), "--input-len", "200", "--output-len", "64",
     "--seed", str(seed),
   ]  # fmt: skip
-  subprocess.run(command, check=True, capture_output=True, timeout=600)
+  run_quietly(command, timeout=600)
+  with open(slices) as lines:
+    prompts = [json.loads(line)["prompt"] for line in lines]
+  conversations = [dict(conversations=[dict(value=p), dict(value="")]) for p in prompts]
+  pathlib.Path(path).write_text(json.dumps(conversations))
 
 
-def custom_dataset(path: str) -> list[str]:
-  """`vllm bench serve`'s flags for the prompts of `text_slices` at `path`,
-  sent as they are (no chat template), 64 output tokens each (`ignore_eos`)."""
+def text_slices_flags(path: str) -> list[str]:
+  """`vllm bench serve`'s flags for the prompts `text_slices` wrote to
+  `path`, sent as they are (no chat template), 64 output tokens each
+  (`ignore_eos`)."""
   return [
-    "--dataset-name", "custom", "--dataset-path", path, "--skip-chat-template",
-    "--custom-output-len", "64", "--ignore-eos",
+    "--dataset-name", "sharegpt", "--dataset-path", path, "--sharegpt-output-len", "64",
+    "--ignore-eos",
   ]  # fmt: skip
 
 
@@ -565,19 +580,19 @@ def vllm_bench(args) -> list[dict]:
   try:
     server.wait_healthy()
     with tempfile.TemporaryDirectory() as folder:
-      dataset = f"{folder}/prompts.jsonl"
+      dataset = f"{folder}/prompts.json"
       text_slices(args.vllm_bench, args.bench_tokenizer, dataset, BENCH_PROMPTS, args.seed)
       for rate in args.bench_rates:
         command = [
           args.vllm_bench, "bench", "serve", "--backend", "openai",
           "--base-url", server.url, "--model", args.served_name,
-          "--tokenizer", args.bench_tokenizer, *custom_dataset(dataset),
+          "--tokenizer", args.bench_tokenizer, *text_slices_flags(dataset),
           "--num-prompts", str(BENCH_PROMPTS), "--request-rate", str(rate),
           "--seed", str(args.seed), "--save-result", "--result-dir", folder,
           "--result-filename", "result.json",
           "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
         ]  # fmt: skip
-        subprocess.run(command, check=True, capture_output=True, timeout=1800)
+        run_quietly(command, timeout=1800)
         with open(f"{folder}/result.json") as result:
           measured = json.load(result)
         rows.append(dict(request_rate=rate, **{k: measured.get(k) for k in BENCH_FIELDS}))
