@@ -221,8 +221,8 @@ class Server:
 
   def memory_by_kind(self) -> dict[str, float]:
     """MiB resident by mapping kind (`/proc/PID/smaps`): `heap` (the brk
-    heap and glibc's malloc arenas, which are anonymous too, are in `anon`),
-    `anon`, `anon_exec` (XLA:CPU's compiled code), `file`."""
+    heap), `anon` (other anonymous memory: glibc's malloc arenas, arrays),
+    `anon_exec` (XLA:CPU's compiled code), `file` (libraries, mapped files)."""
     kib = dict.fromkeys(("heap", "anon", "anon_exec", "file"), 0)
     kind = "anon"
     with open(f"/proc/{self.process.pid}/smaps") as smaps:
