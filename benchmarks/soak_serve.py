@@ -291,12 +291,13 @@ async def run_mix(url: str, specs: list[Spec], concurrency: int, burst_every: in
     async def gated(spec):
       nonlocal retries
       async with gate:
-        for _ in range(MAX_RETRIES):
-          outcome = await send(client, spec)
+        outcome = await send(client, spec)
+        for _ in range(MAX_RETRIES):  # a refusal after the last retry is the outcome
           if outcome.retry_after is None:
             break
           retries += 1
           await asyncio.sleep(outcome.retry_after)
+          outcome = await send(client, spec)
         return outcome
 
     tasks, bursts = [], []
