@@ -249,15 +249,23 @@ def test_programs_that_name_no_launch_are_refused_naming_the_launches():
     )
 
 
-@needs_libtpu
-def test_captured_launches_match_compiled_programs():
-  """The capture records one launch per program shape `compiled_programs` lists."""
+@pytest.fixture(scope="module")
+def captured():
+  """The tiny AOT engine and the launches its warm-up records (one warm-up
+  for the tests below)."""
   from paged_jax.models import pretrained
 
   engine = aot.build_engine(pretrained.load_tiny(), 1)
   launches = []
   with aot.capture(launches):
     engine.warmup()
+  return engine, launches
+
+
+@needs_libtpu
+def test_captured_launches_match_compiled_programs(captured):
+  """The capture records one launch per program shape `compiled_programs` lists."""
+  engine, launches = captured
   listed = engine.compiled_programs()
   names = [launch.name for launch in launches]
   assert names.count("decode_loop") == sum("decode loop" in n for n in listed)
@@ -265,14 +273,10 @@ def test_captured_launches_match_compiled_programs():
 
 
 @needs_libtpu
-def test_decode_loop_uses_the_mosaic_kernels():
+def test_decode_loop_uses_the_mosaic_kernels(captured):
   from paged_jax.kernel_choice import target_platform
-  from paged_jax.models import pretrained
 
-  engine = aot.build_engine(pretrained.load_tiny(), 1)
-  launches = []
-  with aot.capture(launches):
-    engine.warmup()
+  _, launches = captured
   launch = next(la for la in launches if la.name == "decode_loop")
   mesh = aot.jax_mesh(aot.topology_devices("v5e:1x1"), (1, 1))
   args, kwargs = aot.abstract((launch.args, launch.kwargs), mesh)

@@ -122,6 +122,10 @@ def test_logprobs_are_those_of_the_masked_distribution(llm):
   assert completion.logprobs[-1][automaton.eos_token_id] == 0.0  # EOS alone is allowed
 
 
+# Slow (a warm-up of its own, 26 s): the CI soak (tests/test_soak.py) sends
+# structured outputs to a warmed server and fails on any compile after its
+# warm-up.
+@pytest.mark.slow
 def test_a_warm_engine_serves_constrained_rows_without_compiling(tiny):
   """Every program carries the engine's automaton table, so warm-up covers
   structured outputs: constrained rows, some waiting for table room, in
