@@ -135,8 +135,14 @@ def test_random_programs_keep_invariants_and_fail_atomically(config, seed):
 @hypothesis.settings(max_examples=30, deadline=None)
 @hypothesis.given(seed=st.integers(0, 2**31 - 1))
 def test_allocate_equals_empty_allocate_then_append(caching, seed):
-  rng = random.Random(seed)
-  one_step = make_manager(max_seqs=4, enable_prefix_caching=caching)
+  check_allocate_equals_empty_allocate_then_append(
+    make_manager(max_seqs=4, enable_prefix_caching=caching), random.Random(seed)
+  )
+
+
+def check_allocate_equals_empty_allocate_then_append(one_step, rng: random.Random) -> None:
+  """After random operations, allocating a prompt on a free slot equals
+  allocating nothing, then appending the prompt: same status and state."""
   for _ in range(rng.randint(0, 8)):
     apply(one_step, random_operation(rng, one_step))
   seq_id = next((s for s in range(4) if one_step.device_of(s) is None), None)

@@ -20,7 +20,12 @@ from tests.reference.allocators import CachedBlockAllocator
 from tests.reference.block_manager import ReferenceBlockSpaceManager
 from tests.reference.hybrid import ReferenceHybridManager
 from tests.reference_cases import table
-from tests.test_reference_random import apply, check_invariants, random_operation
+from tests.test_reference_random import (
+  apply,
+  check_allocate_equals_empty_allocate_then_append,
+  check_invariants,
+  random_operation,
+)
 
 PROMPT = list(range(10, 20))  # five blocks of two tokens
 
@@ -243,21 +248,12 @@ def test_without_a_window_the_new_rules_change_nothing(seed):
 @hypothesis.settings(max_examples=30, deadline=None)
 @hypothesis.given(seed=st.integers(0, 2**31 - 1))
 def test_allocate_equals_empty_allocate_then_append_under_a_window(seed):
-  rng = random.Random(seed)
-  one_step = ReferenceBlockSpaceManager(
-    cached_config(num_gpu_blocks=6, max_blocks_per_seq=5), sliding_window=3
+  check_allocate_equals_empty_allocate_then_append(
+    ReferenceBlockSpaceManager(
+      cached_config(num_gpu_blocks=6, max_blocks_per_seq=5), sliding_window=3
+    ),
+    random.Random(seed),
   )
-  for _ in range(rng.randint(0, 8)):
-    apply(one_step, random_operation(rng, one_step))
-  seq_id = next((s for s in range(4) if one_step.device_of(s) is None), None)
-  hypothesis.assume(seq_id is not None)
-  tokens = [rng.randint(0, 1) for _ in range(rng.randint(0, 8))]
-  two_steps = copy.deepcopy(one_step)
-  status = one_step.allocate([seq_id], tokens, len(tokens))
-  assert two_steps.allocate([seq_id], [], 0) == Status.OK
-  assert two_steps.append_slots([seq_id], [tokens], [len(tokens)])[0] == status
-  if status == Status.OK:
-    assert two_steps._state == one_step._state
 
 
 def apply_hybrid(hybrid, operation):
