@@ -182,7 +182,10 @@ def run_aot(args, parser) -> int:
     print(json.dumps(report))
     return 0
   for program in report["programs"]:
-    print(f"{program['name']}: {program['compile_s']:.2f} s, {program['hbm_bytes']} bytes HBM")
+    print(
+      f"{program['name']}: {program['compile_s']:.2f} s, {program['hbm_bytes']} bytes HBM, "
+      f"{program['mosaic_kernels']} Mosaic kernel calls"
+    )
   print(
     f"{args.topology}: {len(report['programs'])} programs; per chip "
     f"{report['weight_bytes_per_chip']} bytes of weights, "

@@ -358,16 +358,19 @@ def _launch_key(launch: Launch, abstract_args) -> tuple:
   return launch.fn, str(treedef), specs
 
 
-def compile_launch(fn, args, kwargs) -> tuple[float, object]:
+def compile_launch(fn, args, kwargs) -> tuple[float, object, int]:
   """Compiles `fn` for the TPU devices its abstract `args` and `kwargs` are
-  sharded on, with the TPU kernels; returns the seconds it took and
-  `memory_analysis()`."""
+  sharded on, with the TPU kernels; returns the seconds it took,
+  `memory_analysis()`, and how many Mosaic kernels (TPU custom calls) the
+  program's text calls."""
   from paged_jax.kernel_choice import target_platform
 
   start = time.perf_counter()
   with target_platform("tpu"):
-    compiled = fn.lower(*args, **kwargs).compile()
-  return time.perf_counter() - start, compiled.memory_analysis()
+    lowered = fn.lower(*args, **kwargs)
+    compiled = lowered.compile()
+  kernels = lowered.as_text().count("tpu_custom_call")
+  return time.perf_counter() - start, compiled.memory_analysis(), kernels
 
 
 def _hbm(memory) -> int:
@@ -453,9 +456,10 @@ def compile_engine_programs(
   `variants`; a launch already compiled for an earlier variant is skipped) for
   `topology`, or only its launches named in `programs` (e.g.
   `{"decode_loop"}`). `model` is a real model or a `ShapeOnlyModel`. Returns the
-  report: each program's name, compile seconds and HBM bytes per chip, the
-  weights and one KV block per chip, the largest temporaries, and
-  `kv_blocks_per_chip` and the 8k-token sequences they hold.
+  report: each program's name, compile seconds, HBM bytes per chip and Mosaic
+  kernel calls (`tpu_custom_call`s in its text), the weights and one KV block
+  per chip, the largest temporaries, and `kv_blocks_per_chip` and the
+  8k-token sequences they hold.
 
   Raises:
     RuntimeError: without libtpu (saying how to install it), or naming the
@@ -509,7 +513,7 @@ def compile_engine_programs(
       seen.add(key)
       counts[launch.name] = counts.get(launch.name, 0) + 1
       try:
-        seconds, memory = compile_launch(launch.fn, args, kwargs)
+        seconds, memory, kernels = compile_launch(launch.fn, args, kwargs)
       except Exception as err:  # XLA and Mosaic raise their own error types
         message = next((line for line in str(err).splitlines() if line.strip()), repr(err))
         if "RESOURCE_EXHAUSTED" in message or "out of memory" in message.lower():
@@ -524,6 +528,7 @@ def compile_engine_programs(
           hbm_bytes=_hbm(memory),
           argument_bytes=memory.argument_size_in_bytes,
           temp_bytes=memory.temp_size_in_bytes,
+          mosaic_kernels=kernels,
         )
       )
   if not programs:
