@@ -40,7 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from paged_jax import kernel_choice
 from paged_jax.models import layers
+from pallas_kernels import quantized_matmul
 
 METHODS = ("int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128)
@@ -147,6 +149,11 @@ def dequantize(values, scales, minimums, bits: int, group_size: int) -> jax.Arra
 def matmul(x, values, scales, minimums, bits: int, group_size: int, dtype) -> jax.Array:
   """Float32 `x @ dequantize(...).T`, accumulated in float32.
 
+  On TPU the Mosaic kernel (`pallas_kernels.quantized_matmul`, chosen by
+  `kernel_choice.select_quantized_matmul`) dequantizes in VMEM what the
+  forms below would write to HBM: the several-row product's numbers, at
+  every row count. Elsewhere:
+
   Several rows: the kernel, dequantized in float32 and rounded to `dtype`
   (the weight a float load of the same numbers has; per-channel int8: the
   integers, exact in `dtype`, and the scales applied to the result), goes
@@ -155,6 +162,14 @@ def matmul(x, values, scales, minimums, bits: int, group_size: int, dtype) -> ja
   which writes no kernel and does not round the weights to `dtype`.
   """
   x = x.astype(dtype)
+  out_features, in_features = values.shape[0], x.shape[-1]
+  kernel = kernel_choice.select_quantized_matmul(
+    out_features=out_features, in_features=in_features, bits=bits, group_size=group_size, dtype=dtype
+  )
+  if kernel is not None:
+    return quantized_matmul.quantized_matmul(
+      x, values, scales, minimums, bits=bits, group_size=group_size, interpret=kernel[1]
+    )
   if math.prod(x.shape[:-1]) == 1:
     return matvec(x.astype(jnp.float32), values, scales, minimums, bits, group_size)
   if bits == 8 and minimums is None and scales.shape[1] == 1:
