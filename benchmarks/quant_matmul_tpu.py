@@ -60,7 +60,9 @@ def compile_product(form: str, rows: int, n: int, k: int, fmt, device):
   bits, group_size, with_minimums = fmt
   values, scales, minimums, group_size = weight_arrays(n, k, bits, group_size, with_minimums)
   sharding = jax.sharding.SingleDeviceSharding(device)
-  abstract = lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+  abstract = lambda a: (
+    None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+  )
 
   def product(x, values, scales, minimums):
     if form == "xla":
@@ -83,7 +85,9 @@ def main():
   args = parser.parse_args()
   device = aot.topology_devices(args.topology)[0]
   n, k = args.n, args.k
-  print(f"TPU {args.topology} (compiled only), kernel [{n}, {k}], x bfloat16, jax {jax.__version__}")
+  print(
+    f"TPU {args.topology} (compiled only), kernel [{n}, {k}], x bfloat16, jax {jax.__version__}"
+  )
   print("| rows | weights | form | weight MB | temporaries MB | float fusions >= half the kernel |")
   print("| ---: | --- | --- | ---: | ---: | --- |")
   for rows in args.rows:

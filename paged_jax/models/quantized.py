@@ -164,7 +164,11 @@ def matmul(x, values, scales, minimums, bits: int, group_size: int, dtype) -> ja
   x = x.astype(dtype)
   out_features, in_features = values.shape[0], x.shape[-1]
   kernel = kernel_choice.select_quantized_matmul(
-    out_features=out_features, in_features=in_features, bits=bits, group_size=group_size, dtype=dtype
+    out_features=out_features,
+    in_features=in_features,
+    bits=bits,
+    group_size=group_size,
+    dtype=dtype,
   )
   if kernel is not None:
     return quantized_matmul.quantized_matmul(

@@ -57,9 +57,7 @@ def check_args(x, values, scales, minimums, *, bits: int, group_size: int) -> No
   if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
     raise ValueError(f"group_size must be a positive int, got {group_size!r}")
   if in_features % group_size:
-    raise ValueError(
-      f"group_size {group_size} does not divide the input dimension {in_features}"
-    )
+    raise ValueError(f"group_size {group_size} does not divide the input dimension {in_features}")
   groups = (out, in_features // group_size)
   for name, array in (("scales", scales), ("minimums", minimums)):
     if array is not None and tuple(array.shape) != groups:
@@ -104,9 +102,13 @@ def tiles(
   served = ", ".join(map(str, BLOCK_SIZES))
   for name, size, block in (("n", n, block_n), (where[:-3], half, block_k)):
     if block is None:
-      raise ValueError(f"{name} = {size} is not tiled by the kernel: no tile of {served} divides it")
+      raise ValueError(
+        f"{name} = {size} is not tiled by the kernel: no tile of {served} divides it"
+      )
     if block % 128 or size % block:
-      raise ValueError(f"tile {block} for {name} = {size} must be a multiple of 128 that divides it")
+      raise ValueError(
+        f"tile {block} for {name} = {size} must be a multiple of 128 that divides it"
+      )
   if group_size % 8 or block_k % group_size:
     raise ValueError(
       f"group_size {group_size} must be a multiple of 8 that divides the K tile {block_k}"

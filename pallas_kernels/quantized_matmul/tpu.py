@@ -105,10 +105,8 @@ def quantized_matmul(
     out_specs=pl.BlockSpec((t.block_m, t.block_n), lambda i, j, s: (i, j)),
     out_shape=jax.ShapeDtypeStruct((t.padded_m, n), jnp.float32),
     scratch_shapes=[pltpu.VMEM((t.block_m, t.block_n), jnp.float32)],
-    compiler_params=pltpu.CompilerParams(
-      dimension_semantics=("parallel", "parallel", "arbitrary")
-    ),
-    interpret=interpret,
+    compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+    interpret=pltpu.InterpretParams() if interpret else False,
     name=_NAME,
   )(*[rows] * halves, values, *[a for a in extras for _ in range(halves)])
   return out[:m].reshape(*lead, n)
