@@ -3,12 +3,14 @@
 Compiles (never runs) each product at Llama-3-8B's MLP size (a `[14336,
 4096]` kernel: gate and up projections) for one compile-only device of a TPU
 topology (libtpu, JAX >= 0.12) and reports from `memory_analysis()` the
-temporaries, and from the optimized HLO each fusion that outputs a float
-array at least half the kernel's size (its kind and shape: the dequantized
-kernel written to HBM before the product). Forms:
+temporaries, and from the optimized HLO each instruction that outputs a
+float array at least half the kernel's size (its op, a fusion's kind, and
+shape: the dequantized kernel, or per-input scales, written to HBM). Forms:
 
-* `xla`: `quantized.matmul`, the XLA product the models run on CPU;
-* `kernel`: `pallas_kernels.quantized_matmul` (Mosaic), the TPU product.
+* `xla`: `quantized.matmul` choosing as on CPU: XLA's product;
+* `tpu`: `quantized.matmul` choosing as on TPU (what the models run there,
+  `kernel_choice.select_quantized_matmul`): the Mosaic kernel
+  `pallas_kernels.quantized_matmul` for grouped weights, XLA for per-channel int8.
 
   python benchmarks/quant_matmul_tpu.py [--topology v5e:1x1] [--rows 1 8 256]
 """
@@ -23,26 +25,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax import aot
+from paged_jax import aot, kernel_choice
 from paged_jax.models import quantized
-from pallas_kernels import quantized_matmul
 
 FORMATS = {  # label: (bits, group_size or None for per channel, minimums)
   "int8/channel": (8, None, False),
+  "int8/g32": (8, 32, False),
   "int4/g32": (4, 32, True),
   "int4/g128": (4, 128, True),
   "int4/g128 no minimums": (4, 128, False),
 }
 
 
-def float_fusions(hlo: str, n: int, k: int) -> list[str]:
-  """`"kind dtype[shape]"` of each fusion whose float output holds at least
-  `n * k / 2` elements."""
+def large_floats(hlo: str, n: int, k: int) -> list[str]:
+  """`"op dtype[shape]"` (`fusion:kind` for fusions) of each instruction of
+  `hlo` whose float output holds at least `n * k / 2` elements."""
   found = []
-  pattern = r"((?:f32|bf16)\[([\d,]+)\])\{[^}]*\} fusion\([^\n]*kind=(k\w+)"
-  for shape, dims, kind in re.findall(pattern, hlo):
+  pattern = r"= ((?:f32|bf16)\[([\d,]+)\])\{[^}]*\} ([\w-]+)\(([^\n]*)"
+  for shape, dims, op, rest in re.findall(pattern, hlo):
     if math.prod(int(d) for d in dims.split(",")) >= n * k // 2:
-      found.append(f"{kind} {shape}")
+      kind = re.search(r"kind=(k\w+)", rest) if op == "fusion" else None
+      found.append(f"{op}:{kind.group(1)} {shape}" if kind else f"{op} {shape}")
   return found
 
 
@@ -56,7 +59,7 @@ def weight_arrays(n: int, k: int, bits: int, group_size, with_minimums: bool):
 
 
 def compile_product(form: str, rows: int, n: int, k: int, fmt, device):
-  """The compiled product of `form` for `rows` bfloat16 rows."""
+  """The compiled product of `form` (`xla`, `tpu`) for `rows` bfloat16 rows."""
   bits, group_size, with_minimums = fmt
   values, scales, minimums, group_size = weight_arrays(n, k, bits, group_size, with_minimums)
   sharding = jax.sharding.SingleDeviceSharding(device)
@@ -65,14 +68,12 @@ def compile_product(form: str, rows: int, n: int, k: int, fmt, device):
   )
 
   def product(x, values, scales, minimums):
-    if form == "xla":
-      return quantized.matmul(x, values, scales, minimums, bits, group_size, jnp.bfloat16)
-    return quantized_matmul.quantized_matmul(
-      x, values, scales, minimums, bits=bits, group_size=group_size
-    )
+    return quantized.matmul(x, values, scales, minimums, bits, group_size, jnp.bfloat16)
 
   x = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16, sharding=sharding)
-  return jax.jit(product).lower(x, *map(abstract, (values, scales, minimums))).compile()
+  with kernel_choice.target_platform("tpu" if form == "tpu" else "cpu"):
+    lowered = jax.jit(product).lower(x, *map(abstract, (values, scales, minimums)))
+  return lowered.compile()
 
 
 def main():
@@ -81,14 +82,14 @@ def main():
   parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 256])
   parser.add_argument("--n", type=int, default=14336)
   parser.add_argument("--k", type=int, default=4096)
-  parser.add_argument("--forms", nargs="+", default=["xla", "kernel"])
+  parser.add_argument("--forms", nargs="+", default=["xla", "tpu"], choices=["xla", "tpu"])
   args = parser.parse_args()
   device = aot.topology_devices(args.topology)[0]
   n, k = args.n, args.k
   print(
     f"TPU {args.topology} (compiled only), kernel [{n}, {k}], x bfloat16, jax {jax.__version__}"
   )
-  print("| rows | weights | form | weight MB | temporaries MB | float fusions >= half the kernel |")
+  print("| rows | weights | form | weight MB | temporaries MB | float arrays >= half the kernel |")
   print("| ---: | --- | --- | ---: | ---: | --- |")
   for rows in args.rows:
     for label, fmt in FORMATS.items():
@@ -97,7 +98,7 @@ def main():
       for form in args.forms:
         compiled = compile_product(form, rows, n, k, fmt, device)
         temp = compiled.memory_analysis().temp_size_in_bytes / 1e6
-        fusions = float_fusions(compiled.as_text(), n, k)
+        fusions = large_floats(compiled.as_text(), n, k)
         shown = ", ".join(fusions) or "none"
         print(f"| {rows} | {label} | {form} | {mb:.1f} | {temp:.1f} | {shown} |", flush=True)
 

@@ -25,6 +25,7 @@ from pallas_kernels.quantized_matmul import (
   quantized_matmul,
   quantized_matmul_reference,
   reference,
+  sharded,
 )
 from tests.kernel_modes import interpret
 
@@ -97,6 +98,35 @@ def test_reference_dequantizes_as_the_models_do():
     got = reference.dequantize_reference(values, scales, mins, bits=bits, group_size=group_size)
     want = quantized.dequantize(values, scales, mins, bits, group_size)
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("bits,group_size,minimums", [(4, 32, True), (4, 64, False), (8, 16, True)])
+def test_row_split_shards_sum_to_the_product(bits, group_size, minimums):
+  # A row-split layer on 4 devices: shard j of the stored columns, with the
+  # inputs and groups `shard_inputs` picks for it, gives a partial product;
+  # the partials sum to the whole product.
+  n, k, shards = 64, 1024, 4
+  values, scales, mins = random_weight(n, k, bits, group_size, minimums, seed=5)
+  x = jnp.asarray(np.random.default_rng(6).standard_normal((3, k)), jnp.float32)
+  columns = values.shape[1] // shards
+  total = 0
+  for shard in range(shards):
+    x_j, scales_j, mins_j = sharded.shard_inputs(
+      x, scales, mins, shard, columns, bits=bits, group_size=group_size
+    )
+    values_j = values[:, shard * columns : (shard + 1) * columns]
+    total = total + quantized_matmul_reference(
+      x_j, values_j, scales_j, mins_j, bits=bits, group_size=group_size
+    )
+  want = quantized_matmul_reference(x, values, scales, mins, bits=bits, group_size=group_size)
+  np.testing.assert_allclose(total, want, rtol=1e-5, atol=1e-4)
+
+
+def test_a_shard_that_splits_groups_is_named():
+  values, scales, mins = random_weight(64, 1024, 4, 128, True)
+  x = jnp.ones((1, 1024), jnp.float32)
+  with pytest.raises(ValueError, match="a shard of 64 stored columns splits the groups of 128"):
+    sharded.shard_inputs(x, scales, mins, 0, 64, bits=4, group_size=128)
 
 
 def test_tiles_pad_decode_rows():
@@ -220,3 +250,39 @@ def test_product_compiles_for_tpu_v5e_without_a_float_kernel():
   # XLA's own product holds a bfloat16 copy of the kernel (117 MB); the
   # kernel's temporaries are at most the regrouped float32 scales (2 x 7.3 MB).
   assert compiled.memory_analysis().temp_size_in_bytes <= 2 * n * (k // 32) * 4
+
+
+@needs_libtpu
+@pytest.mark.parametrize(
+  "split,n,k", [("column", 14336, 4096), pytest.param("row", 4096, 14336, marks=pytest.mark.slow)]
+)
+def test_split_product_compiles_for_tpu_v5e_on_each_device(split, n, k):
+  # Tensor parallel over 4 chips: each runs the kernel on its shard; the
+  # quantized values never move (no all-gather of them), a row split sums.
+  from paged_jax import aot
+
+  mesh = jax.sharding.Mesh(
+    np.array(aot.topology_devices("v5e:2x2")).reshape(1, 4), ("data", "model")
+  )
+  spec = jax.sharding.PartitionSpec(*(("model", None) if split == "column" else (None, "model")))
+  shape = lambda dims, dt, s: jax.ShapeDtypeStruct(
+    dims, dt, sharding=jax.sharding.NamedSharding(mesh, s)
+  )
+  groups = shape((n, k // 32), jnp.float16, spec)
+
+  def product(x, values, scales, minimums):
+    return quantized.matmul(
+      x, values, scales, minimums, 4, 32, jnp.bfloat16, placement=(mesh, spec)
+    )
+
+  with kernel_choice.target_platform("tpu"):
+    lowered = jax.jit(product).lower(
+      shape((8, k), jnp.bfloat16, jax.sharding.PartitionSpec()),
+      shape((n, k // 2), jnp.uint8, spec),
+      groups,
+      groups,
+    )
+  text = lowered.compile().as_text()
+  assert "quantized_matmul_tpu" in text
+  assert not re.search(r"= u8\[[\d,]+\]\S* all-gather", text)
+  assert ("all-reduce" in text) == (split == "row")
