@@ -3,8 +3,8 @@
 Compiles (never runs) each product at Llama-3-8B's MLP size (a `[14336,
 4096]` kernel: gate and up projections) for one compile-only device of a TPU
 topology (libtpu, JAX >= 0.12) and reports from `memory_analysis()` the
-temporaries, and from the optimized HLO each instruction that outputs a
-float array at least half the kernel's size (its op, a fusion's kind, and
+temporaries, and from the optimized HLO each instruction of the entry
+computation that outputs a float array at least half the kernel's size (its op, a fusion's kind, and
 shape: the dequantized kernel, or per-input scales, written to HBM). Forms:
 
 * `xla`: `quantized.matmul` choosing as on CPU: XLA's product;
@@ -39,10 +39,13 @@ FORMATS = {  # label: (bits, group_size or None for per channel, minimums)
 
 def large_floats(hlo: str, n: int, k: int) -> list[str]:
   """`"op dtype[shape]"` (`fusion:kind` for fusions) of each instruction of
-  `hlo` whose float output holds at least `n * k / 2` elements."""
+  `hlo`'s entry computation (arrays in HBM, not a fusion's insides) whose
+  float output holds at least `n * k / 2` elements."""
+  entry = hlo[hlo.index("\nENTRY ") :]
+  entry = entry[: entry.index("\n}")]
   found = []
   pattern = r"= ((?:f32|bf16)\[([\d,]+)\])\{[^}]*\} ([\w-]+)\(([^\n]*)"
-  for shape, dims, op, rest in re.findall(pattern, hlo):
+  for shape, dims, op, rest in re.findall(pattern, entry):
     if math.prod(int(d) for d in dims.split(",")) >= n * k // 2:
       kind = re.search(r"kind=(k\w+)", rest) if op == "fusion" else None
       found.append(f"{op}:{kind.group(1)} {shape}" if kind else f"{op} {shape}")

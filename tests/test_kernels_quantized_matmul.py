@@ -11,7 +11,11 @@ clear shows.
 
 import importlib.util
 import logging
+import os
+import pathlib
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -286,3 +290,46 @@ def test_split_product_compiles_for_tpu_v5e_on_each_device(split, n, k):
   assert "quantized_matmul_tpu" in text
   assert not re.search(r"= u8\[[\d,]+\]\S* all-gather", text)
   assert ("all-reduce" in text) == (split == "row")
+
+
+SHARDED_SCRIPT = """
+import jax, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from pallas_kernels.quantized_matmul import quantized_matmul_reference, sharded
+from tests.test_kernels_quantized_matmul import random_weight
+mesh = jax.sharding.Mesh(np.array(jax.devices()), ("model",))  # Auto axes, as the engine's
+for bits, group_size, k in ((4, 32, 1024), (8, 64, 512)):
+  x = jax.numpy.asarray(np.random.default_rng(7).standard_normal((5, k)), jax.numpy.float32)
+  values, scales, mins = random_weight(256, k, bits, group_size, True, seed=8)
+  want = quantized_matmul_reference(x, values, scales, mins, bits=bits, group_size=group_size)
+  for spec in (P("model", None), P(None, "model")):
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, spec))
+    got = sharded.quantized_matmul_sharded(
+      x, put(values), put(scales), put(mins), bits=bits, group_size=group_size,
+      mesh=mesh, values_spec=spec, interpret=True,
+    )
+    assert np.all(np.isfinite(got)), (bits, spec)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-3, err_msg=str((bits, spec)))
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_split_product_on_two_devices_equals_one():
+  # 2 CPU devices, the kernel in interpret mode on each device's shard
+  # (column split: its outputs; row split: its inputs, summed). One K step
+  # per device: TPU interpret mode under shard_map on several CPU devices
+  # hangs on grids of several K steps (seen on JAX 0.10.2), a limit of the
+  # interpreter (one device runs such grids, test_kernel_matches_reference).
+  root = pathlib.Path(__file__).resolve().parents[1]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(root))
+  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
+  result = subprocess.run(
+    [sys.executable, "-c", SHARDED_SCRIPT],
+    cwd=root,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

@@ -70,9 +70,12 @@ def quantized_matmul_sharded(
     shards=shards,
     interpret=interpret,
   )
-  out = jax.shard_map(
+  # Under jit, which moves arrays split otherwise (the scales of a row
+  # split) to the specs; outside a jit shard_map would refuse them.
+  split = jax.shard_map(
     local, mesh=mesh, in_specs=specs, out_specs=P(None, rows_axis), check_vma=False
-  )(*arrays)
+  )
+  out = jax.jit(split)(*arrays)
   return out.reshape(*lead, values.shape[0])
 
 
