@@ -12,8 +12,10 @@ block_n, steps)`, the steps innermost, a float32 accumulator in VMEM:
   matching `[block_m, block_k]` tiles of `x`;
 * the integers are transposed to `[block_k, block_n]` (inputs on sublanes),
   so each scale, one per `group_size` inputs, spreads over consecutive
-  sublanes; the scales and minimums arrive regrouped `[halves, steps,
-  block_k / group_size, n]` in float32 (Mosaic loads no float16 on v5e);
+  sublanes; a program reads its `[block_n, groups]` scales and minimums
+  once, as stored (float16 as its bits: Mosaic loads no float16 on v5e),
+  decodes them to float32 in VMEM, and each step takes its groups'
+  columns, transposed, by an exact 0/1 selection product on the MXU;
 * the tile `ints * scale + minimum` is rounded to `x`'s dtype (the weight a
   float load of the same numbers has) and multiplied on the MXU.
 
@@ -80,19 +82,19 @@ def quantized_matmul(
   rows = jnp.pad(rows, ((0, t.padded_m - m), (0, 0)))
   halves = 2 if bits == 4 else 1
   steps = stored // t.block_k
-  per_step = t.block_k // group_size
-  regroup = lambda a: _regroup(a, halves, steps, per_step)
-  extras = [regroup(a) for a in (scales, minimums) if a is not None]
+  groups = [_loadable(a) for a in (scales, minimums) if a is not None]
   x_specs = [
     pl.BlockSpec((t.block_m, t.block_k), lambda i, j, s, h=h: (i, h * steps + s))
     for h in range(halves)
   ]
-  group_specs = [
-    pl.BlockSpec((None, None, per_step, t.block_n), lambda i, j, s, h=h: (h, s, 0, j))
-    for h in range(halves)
-  ]
+  # A program's rows of every group: read once per output tile, kept in VMEM.
+  group_spec = pl.BlockSpec((t.block_n, scales.shape[1]), lambda i, j, s: (j, 0))
   kernel = functools.partial(
-    _product_kernel, bits=bits, group_size=group_size, steps=steps, minimums=minimums is not None
+    _product_kernel,
+    bits=bits,
+    group_size=group_size,
+    steps=steps,
+    minimums=minimums is not None,
   )
   out = pl.pallas_call(
     kernel,
@@ -100,47 +102,85 @@ def quantized_matmul(
     in_specs=[
       *x_specs,
       pl.BlockSpec((t.block_n, t.block_k), lambda i, j, s: (j, s)),
-      *group_specs * len(extras),
+      *[group_spec] * len(groups),
     ],
     out_specs=pl.BlockSpec((t.block_m, t.block_n), lambda i, j, s: (i, j)),
     out_shape=jax.ShapeDtypeStruct((t.padded_m, n), jnp.float32),
-    scratch_shapes=[pltpu.VMEM((t.block_m, t.block_n), jnp.float32)],
+    scratch_shapes=[pltpu.VMEM((t.block_m, t.block_n), jnp.float32)]
+    + [pltpu.VMEM((t.block_n, scales.shape[1]), jnp.float32)] * len(groups),
     compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
     interpret=pltpu.InterpretParams() if interpret else False,
     name=_NAME,
-  )(*[rows] * halves, values, *[a for a in extras for _ in range(halves)])
+  )(*[rows] * halves, values, *groups)
   return out[:m].reshape(*lead, n)
 
 
-def _regroup(per_group, halves: int, steps: int, per_step: int) -> jax.Array:
-  """float32 `[halves, steps, per_step, n]` of a `[n, groups]` array: the
-  groups of half `h` and step `s` on one `[per_step, n]` tile."""
-  n = per_group.shape[0]
-  grouped = per_group.astype(jnp.float32).reshape(n, halves, steps, per_step)
-  return jnp.transpose(grouped, (1, 2, 3, 0))
+def _loadable(per_group) -> jax.Array:
+  """`per_group` as the kernel loads it: float16 as its bits (int16, a free
+  bitcast: Mosaic loads no float16 on v5e), float32 as it is, else float32."""
+  if per_group.dtype == jnp.float16:
+    return jax.lax.bitcast_convert_type(per_group, jnp.int16)
+  return per_group.astype(jnp.float32)
+
+
+def _float32(block) -> jax.Array:
+  """float32 of a loaded block: float16 bits (int16) decoded, else converted."""
+  if block.dtype != jnp.int16:
+    return block.astype(jnp.float32)
+  bits = block.astype(jnp.int32) & 0xFFFF
+  sign, exponent, mantissa = bits >> 15, (bits >> 10) & 0x1F, bits & 0x3FF
+  wide = jnp.where(exponent == 0x1F, 0xFF, exponent + 112)  # 127 - 15; inf and NaN stay
+  normal = jax.lax.bitcast_convert_type((sign << 31) | (wide << 23) | (mantissa << 13), jnp.float32)
+  subnormal = mantissa.astype(jnp.float32) * 2.0**-24
+  return jnp.where(exponent == 0, jnp.where(sign == 1, -subnormal, subnormal), normal)
+
+
+def _step_groups(groups_ref, first, count: int) -> jax.Array:
+  """float32 `[count, block_n]`: groups `first .. first + count` of the
+  program's `[block_n, groups]` rows, transposed, by an exact selection
+  product on the MXU (Mosaic slices no lanes at a dynamic offset)."""
+  total = groups_ref.shape[1]
+  rows = jax.lax.broadcasted_iota(jnp.int32, (count, total), 0)
+  columns = jax.lax.broadcasted_iota(jnp.int32, (count, total), 1)
+  select = (columns == rows + first).astype(jnp.float32)
+  return jax.lax.dot_general(
+    select,
+    groups_ref[...],
+    (((1,), (1,)), ((), ())),
+    precision=jax.lax.Precision.HIGHEST,
+    preferred_element_type=jnp.float32,
+  )
 
 
 def _product_kernel(*refs, bits: int, group_size: int, steps: int, minimums: bool):
   """Adds one step's `x` tiles times its dequantized weight tiles to the accumulator."""
   halves = 2 if bits == 4 else 1
-  x_refs, (values_ref,), rest = refs[:halves], refs[halves : halves + 1], refs[halves + 1 :]
-  scale_refs, rest = rest[:halves], rest[halves:]
-  minimum_refs, rest = (rest[:halves], rest[halves:]) if minimums else ((None,) * halves, rest)
-  out_ref, acc_ref = rest
+  x_refs, values_ref, rest = refs[:halves], refs[halves], refs[halves + 1 :]
+  count = 2 if minimums else 1
+  group_refs, (out_ref, acc_ref), group_scratch = (
+    rest[:count],
+    rest[count : count + 2],
+    rest[count + 2 :],
+  )
   step = pl.program_id(2)
 
   @pl.when(step == 0)
   def _():
     acc_ref[...] = jnp.zeros_like(acc_ref)
+    for ref, scratch in zip(group_refs, group_scratch, strict=True):
+      scratch[...] = _float32(ref[...])
 
+  block_k = values_ref.shape[1]
+  per_step = block_k // group_size
+  per_half = group_scratch[0].shape[1] // halves
   ints = values_ref[...].astype(jnp.int32).T  # [block_k, block_n]: inputs on sublanes
   parts = (ints & 0x0F, ints >> 4) if bits == 4 else (ints,)
-  for x_ref, part, scale_ref, minimum_ref in zip(
-    x_refs, parts, scale_refs, minimum_refs, strict=True
-  ):
-    weight = part.astype(jnp.float32) * _per_input(scale_ref[...], group_size)
-    if minimum_ref is not None:
-      weight = weight + _per_input(minimum_ref[...], group_size)
+  for half, (x_ref, part) in enumerate(zip(x_refs, parts, strict=True)):
+    first = half * per_half + step * per_step
+    spread = [_per_input(_step_groups(s, first, per_step), group_size) for s in group_scratch]
+    weight = part.astype(jnp.float32) * spread[0]
+    if minimums:
+      weight = weight + spread[1]
     acc_ref[...] += jnp.dot(
       x_ref[...], weight.astype(x_ref.dtype), preferred_element_type=jnp.float32
     )
