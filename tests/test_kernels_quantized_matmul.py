@@ -30,6 +30,7 @@ from pallas_kernels.quantized_matmul import (
   quantized_matmul_reference,
   reference,
   sharded,
+  tpu,
 )
 from tests.kernel_modes import interpret
 
@@ -94,6 +95,20 @@ def test_kernel_keeps_leading_axes_and_default_tiles():
   want = quantized_matmul_reference(x, values, scales, mins, bits=4, group_size=32)
   assert got.shape == (2, 3, 128)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-3)
+
+
+def test_float16_scales_decode_from_their_bits_exactly():
+  # The kernel loads float16 scales as int16 bits and decodes them itself:
+  # every one of the 65,536 patterns (zeros, subnormals, infinities, NaN).
+  halves = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+  bits = tpu._loadable(jnp.asarray(halves))
+  assert bits.dtype == jnp.int16
+  got = np.asarray(tpu._float32(bits))
+  want = halves.astype(np.float32)
+  np.testing.assert_array_equal(
+    got.view(np.uint32)[~np.isnan(want)], want.view(np.uint32)[~np.isnan(want)]
+  )
+  assert np.isnan(got[np.isnan(want)]).all()
 
 
 def test_reference_dequantizes_as_the_models_do():
