@@ -116,8 +116,9 @@ def quantized_matmul(
 
 
 def _loadable(per_group) -> jax.Array:
-  """`per_group` as the kernel loads it: float16 as its bits (int16, a free
-  bitcast: Mosaic loads no float16 on v5e), float32 as it is, else float32."""
+  """`per_group` as the kernel takes it: float16 as its bits (int16: Mosaic
+  takes no float16 argument on v5e; XLA:TPU writes this bitcast as a copy),
+  float32 as it is, else float32."""
   if per_group.dtype == jnp.float16:
     return jax.lax.bitcast_convert_type(per_group, jnp.int16)
   return per_group.astype(jnp.float32)
