@@ -257,7 +257,7 @@ def abstract_params(model, mesh):
   from paged_jax import sharding
   from paged_jax.engine.programs import HashedGraph
 
-  graphdef, state = nnx.split(model)
+  graphdef, state = nnx.split(sharding.place_quantized(model, mesh))
   specs = sharding.state_partition_specs(state, mesh.shape["model"], model.config.num_kv_heads)
   place = lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
   return HashedGraph(graphdef), jax.tree.map(place, state, specs)

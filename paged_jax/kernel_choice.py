@@ -21,7 +21,9 @@
 `select_attention_kernel`, `select_prefill_kernel` and `select_kernel`
 resolve ``impl`` for the decode attention, prefill attention and the KV
 cache's ops on the kernel platform (`kernel_platform`, or `target_platform`'s
-inside it); `check_block_size` refuses a block size no kernel serves;
+inside it); `select_quantized_matmul` picks the product of weights kept quantized
+(Mosaic on TPU, XLA elsewhere); `check_block_size` refuses a block size no
+kernel serves;
 `describe_kernels` names what ``"auto"`` runs.
 """
 
@@ -35,6 +37,7 @@ import logging
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import quantized_matmul
 from pallas_kernels.paged_attention import gpu, mosaic_gpu, tpu_prefill
 
 logger = logging.getLogger("paged_jax")
@@ -202,6 +205,48 @@ def gpu_kernel_choice(
   if auto and not all(_is_power_of_two(n) for n in (block_size, head_dim)):
     return None, f"{reason} and Triton tiles powers of two only"
   return "triton", reason
+
+
+def select_quantized_matmul(
+  *, out_features: int, in_features: int, bits: int, group_size: int, dtype
+) -> tuple[str, bool] | None:
+  """The product `x @ dequant(w).T` of a quantized kernel on the kernel platform.
+
+  On TPU the Mosaic kernel (`pallas_kernels.quantized_matmul`), which
+  dequantizes tile by tile in VMEM, where XLA:TPU writes a grouped kernel's
+  float copy to HBM first; but per-channel int8, whose integers XLA feeds
+  its matmul directly (scales applied after), and shapes or dtypes the
+  kernel does not tile stay on XLA. On a GPU and on CPU, XLA (no GPU kernel
+  yet; XLA:CPU fuses the one-row product). On TPU and GPU the choice and
+  its reason are logged once per kernel shape (logger ``paged_jax``).
+
+  Args:
+    out_features: the kernel's rows.
+    in_features: the kernel's inputs.
+    bits: 8 or 4.
+    group_size: inputs per scale (`in_features` for per-channel int8).
+    dtype: the compute dtype of `x`.
+
+  Returns:
+    None for XLA, else ``("tpu", False)``.
+  """
+  platform = kernel_platform()
+  if platform != "tpu" and platform not in _GPU_PLATFORMS:
+    return None
+  if platform != "tpu":
+    reason = "no GPU kernel is built"
+  elif bits == 8 and group_size == in_features:
+    reason = "XLA fuses per-channel int8 into its matmul"
+  else:
+    reason = quantized_matmul.refusal(
+      1, out_features, in_features, bits=bits, group_size=group_size, dtype=dtype
+    )
+  choice = "Mosaic kernel" if reason is None else f"XLA, because {reason}"
+  _log_once(
+    f"quantized matmul on {platform} ({bits}-bit, groups of {group_size}, "
+    f"[{out_features}, {in_features}], {jnp.dtype(dtype).name}): {choice}"
+  )
+  return None if reason else ("tpu", False)
 
 
 def mosaic_gpu_refusal(

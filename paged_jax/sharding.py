@@ -202,7 +202,21 @@ def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh) -> nnx.Module:
   graphdef, state = nnx.split(model)
   specs = state_partition_specs(state, mesh.shape["model"], config.num_kv_heads)
   place = lambda value, spec: jax.device_put(value, jax.sharding.NamedSharding(mesh, spec))
-  return nnx.merge(graphdef, jax.tree.map(place, state, specs))
+  return place_quantized(nnx.merge(graphdef, jax.tree.map(place, state, specs)), mesh)
+
+
+def place_quantized(model: nnx.Module, mesh: jax.sharding.Mesh) -> nnx.Module:
+  """``model`` with each quantized kernel told how ``partition_spec`` splits
+  it over ``mesh`` (``QuantizedWeight.place``: the TPU kernel then runs on
+  each device's shard); returns ``model``."""
+  from paged_jax.models import quantized  # pylint: disable=import-outside-toplevel
+
+  tp, num_kv_heads = mesh.shape["model"], model.config.num_kv_heads
+  for path, linear in quantized.quantizable_linears(model):
+    if isinstance(linear.kernel, quantized.QuantizedWeight):
+      name, shape = f"{path}/kernel/values", linear.kernel.values.shape
+      linear.kernel.place(mesh, partition_spec(name, shape, tp, num_kv_heads=num_kv_heads))
+  return model
 
 
 def state_partition_specs(state, tp: int, num_kv_heads: int):

@@ -40,7 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from paged_jax import kernel_choice
 from paged_jax.models import layers
+from pallas_kernels import quantized_matmul
 
 METHODS = ("int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128)
@@ -74,6 +76,12 @@ class QuantizedWeight(nnx.Module):
     self.minimums = nnx.data(None) if minimums is None else nnx.Param(jnp.asarray(minimums))
     self.bits = bits
     self.group_size = group_size
+    self.placement = None  # (mesh, values' PartitionSpec) once split over devices
+
+  def place(self, mesh, values_spec) -> None:
+    """Records that the arrays are split over `mesh` as `values_spec` says
+    (`sharding.shard_model` does), so the TPU kernel runs on each device."""
+    self.placement = None if mesh.size == 1 else (mesh, values_spec)
 
   @property
   def shape(self) -> tuple[int, int]:
@@ -92,7 +100,14 @@ class QuantizedWeight(nnx.Module):
     """Float32 `x @ kernel.T` for `x` `[..., in]` in `dtype`; see `matmul`."""
     minimums = None if self.minimums is None else self.minimums[...]
     return matmul(
-      x, self.values[...], self.scales[...], minimums, self.bits, self.group_size, dtype
+      x,
+      self.values[...],
+      self.scales[...],
+      minimums,
+      self.bits,
+      self.group_size,
+      dtype,
+      placement=self.placement,
     )
 
 
@@ -144,8 +159,16 @@ def dequantize(values, scales, minimums, bits: int, group_size: int) -> jax.Arra
   return weight.reshape(out, in_features)
 
 
-def matmul(x, values, scales, minimums, bits: int, group_size: int, dtype) -> jax.Array:
+def matmul(
+  x, values, scales, minimums, bits: int, group_size: int, dtype, placement=None
+) -> jax.Array:
   """Float32 `x @ dequantize(...).T`, accumulated in float32.
+
+  On TPU the Mosaic kernel (`pallas_kernels.quantized_matmul`, chosen by
+  `kernel_choice.select_quantized_matmul`) dequantizes in VMEM what the
+  forms below would write to HBM: the several-row product's numbers, at
+  every row count; with `placement` `(mesh, values_spec)` (weights split
+  over devices) on each device under `shard_map`. Elsewhere:
 
   Several rows: the kernel, dequantized in float32 and rounded to `dtype`
   (the weight a float load of the same numbers has; per-channel int8: the
@@ -155,6 +178,30 @@ def matmul(x, values, scales, minimums, bits: int, group_size: int, dtype) -> ja
   which writes no kernel and does not round the weights to `dtype`.
   """
   x = x.astype(dtype)
+  out_features, in_features = values.shape[0], x.shape[-1]
+  kernel = kernel_choice.select_quantized_matmul(
+    out_features=out_features,
+    in_features=in_features,
+    bits=bits,
+    group_size=group_size,
+    dtype=dtype,
+  )
+  if kernel is not None and placement is not None:
+    mesh, values_spec = placement
+    return quantized_matmul.quantized_matmul_sharded(
+      x,
+      values,
+      scales,
+      minimums,
+      bits=bits,
+      group_size=group_size,
+      mesh=mesh,
+      values_spec=values_spec,
+    )
+  if kernel is not None:
+    return quantized_matmul.quantized_matmul(
+      x, values, scales, minimums, bits=bits, group_size=group_size
+    )
   if math.prod(x.shape[:-1]) == 1:
     return matvec(x.astype(jnp.float32), values, scales, minimums, bits, group_size)
   if bits == 8 and minimums is None and scales.shape[1] == 1:
