@@ -161,6 +161,15 @@ def test_a_cache_that_frees_blocks_outside_its_window_serves_long_sequences(pree
   assert (stats.swaps > 0) == (preemption_mode == "swap")
 
 
+def test_an_engine_refuses_prefix_caching_on_a_cache_that_frees_blocks():
+  """The block manager caches prefixes under a window; the engine does not serve it yet."""
+  cfg = pj.CacheConfig(
+    block_size=4, num_gpu_blocks=8, max_seqs=1, sliding_window=12, enable_prefix_caching=True
+  )
+  with pytest.raises(ValueError, match="prefix caching on a cache that frees the blocks outside"):
+    pj.LLMEngine(_tiny(WINDOWED["mistral_window_8"], seed=0), None, cfg)
+
+
 @pytest.mark.parametrize(
   "fields, window, message",
   [
