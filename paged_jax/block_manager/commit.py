@@ -30,7 +30,7 @@ def lost_by_takes(state: BlockManagerState, pool: Pool, takes: Takes) -> jax.Arr
 
 def keeps_content(pool: Pool, blocks: jax.Array, lost: jax.Array) -> jax.Array:
   """bool[...]: `blocks` (-1: none) had content at the start of a call and keep it (not `lost`)."""
-  return (blocks >= 0) & take(pool.content.has_content & ~lost, blocks, False)
+  return (blocks >= 0) & take(pool.content.has_content, blocks, False) & ~take(lost, blocks, True)
 
 
 def revived_hits(pool: Pool, pins: jax.Array, distinct: bool = False) -> jax.Array:
