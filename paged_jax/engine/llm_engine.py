@@ -913,20 +913,11 @@ def _max_chunk(cfg: CacheConfig, model_config) -> int | None:
   that keeps every block.
 
   Raises:
-    ValueError: if a layer attends beyond the cache's window, the model's
-      config has no `layer_window(layer)` to say what its layers see, or
-      the cache also caches prefixes (not served by the engine yet).
+    ValueError: if a layer attends beyond the cache's window, or the model's
+      config has no `layer_window(layer)` to say what its layers see.
   """
   if cfg.sliding_window is None:
     return None
-  if cfg.enable_prefix_caching:
-    raise ValueError(
-      f"prefix caching on a cache that frees the blocks outside a window of "
-      f"{cfg.sliding_window} tokens is not served by the engine yet (the block manager "
-      f"implements it; the engine's outputs on such a cache do not equal dense decoding): "
-      f"use enable_prefix_caching=False, or a CacheConfig without sliding_window (each layer "
-      f"masks its own window)"
-    )
   layer_window = getattr(model_config, "layer_window", None)
   if layer_window is None:
     raise ValueError(
