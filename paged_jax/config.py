@@ -45,7 +45,9 @@ class CacheConfig:
     sliding_window: a sequence keeps a block only while it holds one of
       its last `sliding_window` positions (the others are freed); None
       keeps every block (docs/semantics.md, "Sliding window").
-    enable_prefix_caching: share full blocks of identical prefixes.
+    enable_prefix_caching: share full blocks of identical prefixes (with a
+      sliding window too, by the rules of docs/semantics.md, "Prefix caching
+      under a window").
     hash_bits: width of the hash that indexes cached blocks (0..64). Lookups
       are exact whatever the width; it only changes how often keys collide.
   """
@@ -68,11 +70,6 @@ class CacheConfig:
       raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
     if self.sliding_window is not None:
       _require_int("sliding_window", self.sliding_window, minimum=1)
-      if self.enable_prefix_caching:
-        raise ValueError(
-          "sliding_window cannot be combined with enable_prefix_caching "
-          "(vLLM raises NotImplementedError for this combination)"
-        )
     _require_int("hash_bits", self.hash_bits, minimum=0)
     if self.hash_bits > 64:
       raise ValueError(f"hash_bits must be in 0..64, got {self.hash_bits}")

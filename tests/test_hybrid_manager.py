@@ -321,14 +321,23 @@ def test_a_window_that_is_not_a_positive_int_names_the_layer(window):
 def test_config_refusals_name_what_is_wrong():
   with pytest.raises(ValueError, match="cache.sliding_window must be None"):
     HybridCacheConfig(dataclasses.replace(_BASE, sliding_window=4), (None, 4))
-  with pytest.raises(ValueError, match=r"layer 0: a sliding window \(4\) cannot be combined"):
-    HybridCacheConfig(dataclasses.replace(_BASE, enable_prefix_caching=True), (4, None))
   with pytest.raises(
     ValueError, match=r"gpu_blocks must be 2 ints >= 1 \(one per type global, sliding window 4\)"
   ):
     HybridCacheConfig(_BASE, (4, None), gpu_blocks=(8,))
   with pytest.raises(ValueError, match="at least one layer"):
     HybridCacheConfig(_BASE, ())
+
+
+def test_a_window_with_prefix_caching_follows_the_window_rules_in_every_type():
+  """Once refused: windows with prefix caching (tests/test_window_prefix_jax.py runs them)."""
+  cached = dataclasses.replace(_BASE, enable_prefix_caching=True)
+  state = HybridBlockSpaceManager(HybridCacheConfig(cached, (4, None))).init()
+  assert [s.window_rules for s in state.groups] == [True, True]  # the global type too
+  assert BlockSpaceManager(dataclasses.replace(cached, sliding_window=4)).init().window_rules
+  assert not BlockSpaceManager(cached).init().window_rules  # no window: today's rules
+  state = HybridBlockSpaceManager(HybridCacheConfig(cached, (None, None))).init()
+  assert [s.window_rules for s in state.groups] == [False]
 
 
 def test_layers_and_types_the_model_does_not_declare():

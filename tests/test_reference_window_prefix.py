@@ -1,11 +1,10 @@
 """Prefix caching under a sliding window in the plain-Python reference
-(docs/semantics.md, "What prefix caching under a window needs"): hits across
-dead entries, registration only under a parent in the table, the cascade on
+(docs/semantics.md, "Prefix caching under a window"): hits across dead
+entries, registration only under a parent in the table, the cascade on
 eviction, swaps' left-to-right lookups and the hybrid's common hit.
 
-The jitted manager does not implement these rules yet (`CacheConfig` still
-refuses a window with prefix caching); the reference states them with its
-`sliding_window` override.
+The reference states them with its `sliding_window` override;
+tests/test_window_prefix_jax.py checks the jitted managers against it.
 """
 
 import copy
@@ -166,6 +165,20 @@ def test_swap_in_looks_up_left_to_right_and_stops_at_the_first_miss():
   # One lookup per distinct block, left to right from block 0: all hit.
   assert (manager._state.lookups - lookups, manager._state.hits - hits) == (4, 4)
   assert table(manager, 0) == table(manager, 1) == [0, 1, 2, 3]
+
+
+def test_swap_in_counts_a_lookup_for_every_block_with_content():
+  """Blocks past the first miss are not looked up, but each counts one lookup
+  (docs/semantics.md, "Hit counting"), as the jitted manager counts them."""
+  manager = ReferenceBlockSpaceManager(cached_config(num_gpu_blocks=6, max_blocks_per_seq=4))
+  assert manager.allocate([0], [1, 2, 3, 4, 5, 6], 6) == Status.OK  # blocks 0, 1, 2
+  assert manager.swap_out([0])[0] == Status.OK
+  assert manager.allocate([1], [9] * 6, 6) == Status.OK  # never-used 3, 4, 5
+  assert manager.allocate([2], [8] * 4, 4) == Status.OK  # evicts 2, then 1
+  assert manager.free([1]) == Status.OK
+  lookups, hits = manager._state.lookups, manager._state.hits
+  assert manager.swap_in([0]) == (Status.OK, [(1, 5), (2, 4)])  # block 0 hits, 1 misses
+  assert (manager._state.lookups - lookups, manager._state.hits - hits) == (3, 1)
 
 
 def test_a_swap_registers_only_under_a_parent_with_content():

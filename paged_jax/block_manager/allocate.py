@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 from paged_jax.block_manager import prefix_cache
 from paged_jax.block_manager.arguments import check_ids, int_array, int_scalar, seq_id_array
-from paged_jax.block_manager.commit import commit, pool_of, revived_hits, with_pool
+from paged_jax.block_manager.commit import (
+  commit,
+  keeps_content,
+  lost_by_takes,
+  pool_of,
+  revived_hits,
+  with_pool,
+)
 from paged_jax.block_manager.pool import masked, plan_takes, scatter_count
 from paged_jax.block_manager.state import (
   EMPTY,
@@ -30,7 +39,10 @@ def allocate(state: BlockManagerState, seq_ids, token_ids, num_tokens, salt=0):
 
   With prefix caching, each full block of the prompt is looked up once for the
   group: a hit shares the cached block, a miss takes a block and registers its
-  content. Each block gains one reference per sequence of the group.
+  content. Each block gains one reference per sequence of the group. Under a
+  sliding window (docs/semantics.md, "Prefix caching under a window") a hit
+  whose entry is dead is counted but not held, and a miss is registered only
+  under a parent with content.
 
   Args:
     state: the manager state.
@@ -49,8 +61,78 @@ def allocate(state: BlockManagerState, seq_ids, token_ids, num_tokens, salt=0):
   Raises:
     ValueError: an argument of a non-integer dtype or the wrong rank (static).
   """
+  return allocate_capped(state, seq_ids, token_ids, num_tokens, salt)
+
+
+class _PromptChain(NamedTuple):
+  """A prompt's full-block identities and the cached chain of them from block 0."""
+
+  prompt: jax.Array  # int32[M * block_size]: the prompt, zero past its end
+  rolling: jax.Array  # uint32[4]: its rolling hash state
+  hashes: jax.Array  # uint32[M, 2]
+  block_tokens: jax.Array  # int32[M, block_size]
+  full: jax.Array  # bool[M]: full blocks of the prompt
+  ends: jax.Array  # int32[M]: prefix length through each block
+  hit: jax.Array  # bool[M]: the cached chain (a prefix of `full`)
+  hit_block: jax.Array  # int32[M]: its blocks (-1 past it)
+
+
+def _prompt_chain(state: BlockManagerState, token_ids, prompt_len, salt) -> _PromptChain:
+  """Hashes a prompt's full blocks and looks the chain up in the GPU pool (nothing counted)."""
   cfg = state.cfg
   block_size, max_blocks = cfg.block_size, cfg.max_blocks_per_seq
+  j = jnp.arange(max_blocks, dtype=i32)
+  prompt = jnp.zeros(max_blocks * block_size, i32)
+  prompt = prompt.at[: token_ids.shape[0]].set(token_ids[: max_blocks * block_size])
+  prompt = jnp.where(jnp.arange(max_blocks * block_size) < prompt_len, prompt, 0)
+  block_ends, rolling = prefix_cache.prompt_hashes(prompt, prompt_len, block_size)
+  ends = (j + 1) * block_size
+  full = ends <= prompt_len
+  hashes = prefix_cache.identity_hash(block_ends, salt, ends, cfg.hash_bits)
+  block_tokens = prompt.reshape(max_blocks, block_size)
+  hit, hit_block = prefix_cache.lookup_chains(
+    state.gpu.content,
+    hashes[None],
+    block_tokens[None],
+    salt[None],
+    jnp.array([NO_BLOCK], i32),
+    full[None],
+  )
+  return _PromptChain(prompt, rolling, hashes, block_tokens, full, ends, hit[0], hit_block[0])
+
+
+def served_blocks(state: BlockManagerState, token_ids, num_tokens, salt=0) -> jax.Array:
+  """int32 scalar: the leading full blocks of a prompt that the GPU pool has cached.
+
+  No lookup is counted; 0 without prefix caching. A hybrid cache's `allocate`
+  takes the smallest answer of its types as the common hit.
+  """
+  if not state.cfg.enable_prefix_caching:
+    return i32(0)
+  token_ids = int_array("token_ids", token_ids, (None,))
+  prompt_len, salt = int_scalar("num_tokens", num_tokens), int_scalar("salt", salt)
+  return jnp.sum(_prompt_chain(state, token_ids, prompt_len, salt).hit).astype(i32)
+
+
+def allocate_capped(
+  state: BlockManagerState, seq_ids, token_ids, num_tokens, salt=0, max_hit_blocks=None
+):
+  """`allocate`, taking at most `max_hit_blocks` leading blocks from the cache.
+
+  The hybrid's common hit (docs/semantics.md): blocks the pool has cached past
+  the cap are taken fresh and not registered (the cached ones keep the
+  identity), and nothing after them is registered. Every full block still
+  counts one lookup. A cap needs the window rules (`state.window_rules`).
+
+  Args:
+    state, seq_ids, token_ids, num_tokens, salt: as `allocate`.
+    max_hit_blocks: int32 scalar, or None for no cap.
+  """
+  cfg = state.cfg
+  block_size, max_blocks = cfg.block_size, cfg.max_blocks_per_seq
+  rules = state.window_rules
+  if max_hit_blocks is not None and not rules:
+    raise ValueError("allocate: max_hit_blocks needs a state with the window rules")
   seq_ids = seq_id_array(seq_ids)
   token_ids = int_array("token_ids", token_ids, (None,))
   prompt_len, salt = int_scalar("num_tokens", num_tokens), int_scalar("salt", salt)
@@ -60,35 +142,23 @@ def allocate(state: BlockManagerState, seq_ids, token_ids, num_tokens, salt=0):
   already = jnp.any(real & (state.device[safe] != EMPTY))
   table_full = ceil_div(prompt_len, block_size) > max_blocks
   j = jnp.arange(max_blocks, dtype=i32)
-  live = (
-    (j >= first_live_block(cfg, prompt_len))
-    & (j < ceil_div(prompt_len, block_size))
-    & (group_size > 0)
-  )
+  first_live = first_live_block(cfg, prompt_len)
+  live = (j >= first_live) & (j < ceil_div(prompt_len, block_size)) & (group_size > 0)
   gpu = state.gpu
   hit = jnp.zeros(max_blocks, bool)
   hit_block = jnp.full(max_blocks, NO_BLOCK, i32)
   if cfg.enable_prefix_caching:
-    prompt = jnp.zeros(max_blocks * block_size, i32)
-    prompt = prompt.at[: token_ids.shape[0]].set(token_ids[: max_blocks * block_size])
-    prompt = jnp.where(jnp.arange(max_blocks * block_size) < prompt_len, prompt, 0)
-    block_ends, rolling = prefix_cache.prompt_hashes(prompt, prompt_len, block_size)
-    ends = (j + 1) * block_size
-    full = (ends <= prompt_len) & (group_size > 0)
-    hashes = prefix_cache.identity_hash(block_ends, salt, ends, cfg.hash_bits)
-    block_tokens = prompt.reshape(max_blocks, block_size)
-    hit, hit_block = prefix_cache.lookup_chains(
-      gpu.content,
-      hashes[None],
-      block_tokens[None],
-      salt[None],
-      jnp.array([NO_BLOCK], i32),
-      full[None],
-    )
-    hit, hit_block = hit[0], hit_block[0]
-  need_take = live & ~hit
+    chain = _prompt_chain(state, token_ids, prompt_len, salt)
+    full = chain.full & (group_size > 0)
+    hit, hit_block = chain.hit & full, jnp.where(full, chain.hit_block, NO_BLOCK)
+  chain_len = jnp.sum(hit).astype(i32)
+  if max_hit_blocks is not None:
+    hit = hit & (j < int_scalar("max_hit_blocks", max_hit_blocks))
+  held = hit & live if rules else hit  # a dead entry's hit is passed through, not held
+  need_take = live & ~held
   # One chain: its hit blocks are distinct.
-  takes = plan_takes(gpu, need_take, hit_block, revived_hits(gpu, hit_block, distinct=True))
+  pins = jnp.where(held, hit_block, NO_BLOCK)
+  takes = plan_takes(gpu, need_take, pins, revived_hits(gpu, pins, distinct=True))
   status = first_failure(
     (Status.INVALID_ARGUMENT, invalid),
     (Status.ALREADY_ALLOCATED, already),
@@ -97,16 +167,22 @@ def allocate(state: BlockManagerState, seq_ids, token_ids, num_tokens, salt=0):
   )
   ok = (status == Status.OK) & (group_size > 0)
   num_hit_blocks = jnp.where(ok, jnp.sum(hit), 0).astype(i32)
-  row = jnp.where(hit, hit_block, takes.block_of(need_take))
+  row = jnp.where(held, hit_block, takes.block_of(need_take))
+  lost = lost_by_takes(state, gpu, takes)
   registrations = None
   if cfg.enable_prefix_caching:
+    registered = need_take & full
+    if rules:
+      registered &= (j >= chain_len) & _chain_continues(
+        gpu, chain_len, hit, hit_block, lost, first_live
+      )
     registrations = prefix_cache.Registrations(
-      blocks=jnp.where(need_take & full, row, NO_BLOCK),
-      hash=hashes,
+      blocks=jnp.where(registered, row, NO_BLOCK),
+      hash=chain.hashes,
       parent=jnp.concatenate([jnp.array([NO_BLOCK], i32), row[:-1]]),
       salt=jnp.broadcast_to(salt, (max_blocks,)),
-      tokens=block_tokens,
-      num_hashed_tokens=ends,
+      tokens=chain.block_tokens,
+      num_hashed_tokens=chain.ends,
     )
   state = commit(
     state,
@@ -117,6 +193,7 @@ def allocate(state: BlockManagerState, seq_ids, token_ids, num_tokens, salt=0):
     releases=jnp.zeros(0, i32),
     takes=takes,
     registrations=registrations,
+    lost=lost,
   )
   keep = real & ok
   state = state.replace(
@@ -129,19 +206,36 @@ def allocate(state: BlockManagerState, seq_ids, token_ids, num_tokens, salt=0):
     tail_start = (prompt_len // block_size) * block_size
     tail = jnp.where(
       jnp.arange(block_size) < prompt_len - tail_start,
-      jax.lax.dynamic_slice(jnp.pad(prompt, (0, block_size)), (tail_start,), (block_size,)),
+      jax.lax.dynamic_slice(jnp.pad(chain.prompt, (0, block_size)), (tail_start,), (block_size,)),
       0,
     )
     seq_hash = state.seq_hash
     state = state.replace(
       seq_hash=seq_hash.replace(
-        rolling=set_rows(seq_hash.rolling, safe, keep, rolling),
+        rolling=set_rows(seq_hash.rolling, safe, keep, chain.rolling),
         tail_tokens=set_rows(seq_hash.tail_tokens, safe, keep, tail[None]),
       ),
       num_lookups=state.num_lookups + jnp.where(ok, jnp.sum(full), 0),
       num_hits=state.num_hits + num_hit_blocks,
     )
   return state, AllocateResult(status=status, num_hit_blocks=num_hit_blocks)
+
+
+def _chain_continues(pool, chain_len, hit, hit_block, lost, first_live) -> jax.Array:
+  """Whether the misses after a prompt's cached chain are registered (window rules).
+
+  The first miss, block `chain_len`, is registered when it is block 0, or
+  when the entry before it holds the chain's last block (live, taken from
+  the cache, not past the cap) and that block keeps its content through the
+  call's evictions; each later miss then has its parent registered before it.
+  """
+  last = jnp.maximum(chain_len - 1, 0)
+  parent_kept = (
+    (chain_len - 1 >= first_live)
+    & (jnp.sum(hit) == chain_len)
+    & keeps_content(pool, hit_block[last], lost)
+  )
+  return jnp.where(chain_len == 0, first_live == 0, parent_kept)
 
 
 def fork(state: BlockManagerState, parent_id, child_id):

@@ -21,7 +21,7 @@ from paged_jax.block_manager.arguments import (
   static_args,
   static_lookahead,
 )
-from paged_jax.block_manager.commit import commit, revived_hits
+from paged_jax.block_manager.commit import commit, keeps_content, lost_by_takes, revived_hits
 from paged_jax.block_manager.pool import masked, plan_takes, running_count, scatter_count, take
 from paged_jax.block_manager.state import (
   NO_BLOCK,
@@ -89,6 +89,7 @@ def append_slots(
   need_take = rows.within & rows.live_end & (((rows.old < 0) & ~found.hit) | copy)
   pins = jnp.where(found.hit & (found.pool_block >= 0), found.pool_block, NO_BLOCK)
   takes = plan_takes(gpu, need_take, pins, revived_hits(gpu, pins))
+  lost = lost_by_takes(state, gpu, takes)
   status = first_failure(
     (Status.INVALID_ARGUMENT, rows.invalid),
     (Status.NOT_ALLOCATED, rows.not_allocated),
@@ -104,7 +105,7 @@ def append_slots(
 
   # Phase 4: releases; phase 5: registration.
   released = _releases(state, rows, copy, found.hit, num_cols)
-  registrations = _registrations(state, rows, found, new)
+  registrations = _registrations(state, rows, found, new, lost)
   # Without caching or a window, only copy-on-write releases, and only if a block is shared.
   plain = not cfg.enable_prefix_caching and cfg.sliding_window is None
   state = commit(
@@ -116,6 +117,7 @@ def append_slots(
     takes=takes,
     registrations=registrations,
     may_release=rows.shared if plain else None,
+    lost=lost,
   )
   state = _write_rows(state, rows, found, ok, new, released)
   capacity = batch * (ceil_div(num_cols, cfg.block_size) + 1)
@@ -181,7 +183,11 @@ def _releases(
 
 
 def _registrations(
-  state: BlockManagerState, rows: AppendRows, found: AppendLookups, new: jax.Array
+  state: BlockManagerState,
+  rows: AppendRows,
+  found: AppendLookups,
+  new: jax.Array,
+  lost: jax.Array | None,
 ) -> prefix_cache.Registrations | None:
   """Phase 5: the identities of the blocks rows fill without a hit (None without caching)."""
   ident = found.ident
@@ -189,14 +195,63 @@ def _registrations(
     return None
   batch, width = new.shape
   prev = jnp.concatenate([ident.parent0[:, None], new[:, :-1]], axis=1)
+  registered = ident.full & ~found.hit
+  if lost is not None:
+    registered = _under_parents_with_content(state, rows, found, lost)
   return prefix_cache.Registrations(
-    blocks=jnp.where(ident.full & ~found.hit, new, NO_BLOCK).ravel(),
+    blocks=jnp.where(registered, new, NO_BLOCK).ravel(),
     hash=ident.hash.reshape(-1, 2),
     parent=prev.ravel(),
     salt=jnp.broadcast_to(state.salt[rows.safe][:, None], (batch, width)).ravel(),
     tokens=ident.tokens.reshape(batch * width, -1),
     num_hashed_tokens=((rows.cols + 1) * state.cfg.block_size).ravel(),
   )
+
+
+def _under_parents_with_content(
+  state: BlockManagerState, rows: AppendRows, found: AppendLookups, lost: jax.Array
+) -> jax.Array:
+  """bool[B, W]: the filled blocks that register under the window rules.
+
+  A row's own full, live block registers when the entry before it holds a
+  block with content once the call's takes, releases and window drops are
+  done: the entry before the window (live, keeping its content), a pool
+  hit that keeps its content, a block an earlier row of the call shares
+  and registers, or the row's own block before it, registered. Along a row
+  that is the content of the last entry that is not an own candidate (or
+  of the entry before the window), found with a running maximum; shares
+  read their representative's answer, repeated until nothing changes (one
+  round unless rows share blocks).
+  """
+  cfg = state.cfg
+  ident = found.ident
+  shape = found.hit.shape
+  candidate = ident.full & rows.live_end & ~found.hit
+  parent_live = rows.base - 1 >= first_live_block(cfg, rows.tokens_after)
+  start = (rows.base == 0) | (parent_live & keeps_content(state.gpu, ident.parent0, lost))
+  pool_kept = found.pool_hit & keeps_content(state.gpu, found.pool_block, lost)
+  level = jnp.broadcast_to(jnp.arange(shape[1], dtype=i32)[None, :], shape)
+  last_other = jax.lax.cummax(jnp.where(candidate, -1, level), axis=1)
+
+  def registered(shared_kept):
+    value = pool_kept | shared_kept  # dead entries and own non-candidates hold no content
+    content = jnp.where(
+      last_other >= 0,
+      jnp.take_along_axis(value, jnp.maximum(last_other, 0), axis=1),
+      start[:, None],
+    )
+    return candidate & content
+
+  def step(carry):
+    shared_kept, _ = carry
+    rep_registered = registered(shared_kept).ravel()[found.call_rep.ravel()].reshape(shape)
+    updated = found.call_hit & rep_registered
+    return updated, jnp.any(updated != shared_kept)
+
+  shared_kept, _ = jax.lax.while_loop(
+    lambda carry: carry[1], step, (jnp.zeros(shape, bool), jnp.any(found.call_hit))
+  )
+  return registered(shared_kept)
 
 
 def _write_rows(
@@ -228,7 +283,7 @@ def _write_rows(
       tail_tokens=set_rows(seq_hash.tail_tokens, rows.safe, keep, ident.tail),
     ),
     num_lookups=state.num_lookups + jnp.where(ok, jnp.sum(ident.full), 0),
-    num_hits=state.num_hits + jnp.where(ok, jnp.sum(found.hit), 0),
+    num_hits=state.num_hits + jnp.where(ok, jnp.sum(found.counted), 0),
   )
 
 

@@ -30,10 +30,16 @@ class Identities(NamedTuple):
   rolling: jax.Array  # uint32[B, 4]: each row's rolling hash state after the call
   tail: jax.Array  # int32[B, block_size]: tokens of the partial last block after it
   window_tokens: jax.Array  # int32[B, W * block_size]: the window's tokens
+  live_end: jax.Array | None  # bool[B, W]: live after the call (window rules; None: all)
 
 
 class AppendLookups(NamedTuple):
-  """The window entries resolved by a prefix-cache hit."""
+  """The window entries resolved by a prefix-cache hit.
+
+  Under the window rules an entry that the call leaves dead is looked up
+  (`counted` says whether it was found) but takes no hit: `hit`,
+  `pool_hit` and `call_hit` hold only live entries.
+  """
 
   hit: jax.Array  # bool[B, W]: a pool hit or an identity an earlier row takes
   pool_hit: jax.Array  # bool[B, W]
@@ -41,6 +47,7 @@ class AppendLookups(NamedTuple):
   call_hit: jax.Array  # bool[B, W]: shares the block of entry `call_rep` of this call
   call_rep: jax.Array | None  # int32[B, W]: flat index of that entry (None without caching)
   ident: Identities | None
+  counted: jax.Array  # bool[B, W]: lookups that count as hits (dead entries included)
 
   def shared_blocks(self, new: jax.Array) -> jax.Array:
     """The blocks each entry ends up with, given each entry's own block `new`."""
@@ -62,12 +69,18 @@ def look_up(state: BlockManagerState, rows: AppendRows, new_token_ids: jax.Array
       call_hit=none,
       call_rep=None,
       ident=None,
+      counted=none,
     )
   ident = identities(state, rows, new_token_ids)
   pool_hit, pool_block, call_rep = _resolve_identities(
     state.gpu.content, ident, state.salt[rows.safe], rows.base, shape[1]
   )
   call_hit = ident.full & ~pool_hit & (call_rep != jnp.arange(call_rep.size).reshape(shape))
+  counted = pool_hit | call_hit
+  if ident.live_end is not None:
+    call_hit &= ident.live_end
+    pool_hit &= ident.live_end
+    pool_block = jnp.where(pool_hit, pool_block, NO_BLOCK)
   return AppendLookups(
     hit=pool_hit | call_hit,
     pool_hit=pool_hit,
@@ -75,6 +88,7 @@ def look_up(state: BlockManagerState, rows: AppendRows, new_token_ids: jax.Array
     call_hit=call_hit,
     call_rep=call_rep,
     ident=ident,
+    counted=counted,
   )
 
 
@@ -106,6 +120,13 @@ def identities(state: BlockManagerState, rows: AppendRows, new_token_ids: jax.Ar
     & (ends <= (tokens_before + num_new)[:, None])
     & (ends > tokens_before[:, None])
   )
+  parent0 = jnp.where(base > 0, state.tables[safe, jnp.clip(base - 1, 0, max_blocks - 1)], NO_BLOCK)
+  live_end = None
+  if state.window_rules:
+    # A row looks up only under a parent with content (or from block 0).
+    parent_has = (parent0 >= 0) & take(state.gpu.content.has_content, parent0, False)
+    full &= ((base == 0) | parent_has)[:, None]
+    live_end = rows.live_end
   last_new = jnp.clip(ends - tokens_before[:, None] - 1, 0, max(num_cols - 1, 0))
   prefix_at_end = (
     jnp.take_along_axis(prefix, last_new[:, :, None], axis=1)
@@ -114,7 +135,6 @@ def identities(state: BlockManagerState, rows: AppendRows, new_token_ids: jax.Ar
   )
   salt = state.salt[safe]
   hashes = prefix_cache.identity_hash(prefix_at_end, salt[:, None], ends, cfg.hash_bits)
-  parent0 = jnp.where(base > 0, state.tables[safe, jnp.clip(base - 1, 0, max_blocks - 1)], NO_BLOCK)
   tokens_after = tokens_before + num_new
   tail_start = floor_div(tokens_after, block_size) * block_size - base * block_size
   new_tail = jnp.take_along_axis(
@@ -132,6 +152,7 @@ def identities(state: BlockManagerState, rows: AppendRows, new_token_ids: jax.Ar
     rolling=rolling,
     tail=new_tail,
     window_tokens=window_tokens,
+    live_end=live_end,
   )
 
 
@@ -191,7 +212,10 @@ def _dedup_rows(ident, pool_hit, pool_block, salt, base, width):
   num_hits = jnp.sum(pool_hit, axis=1)
   last_hit = jnp.take_along_axis(pool_block, jnp.maximum(num_hits - 1, 0)[:, None], axis=1)[:, 0]
   anchor = jnp.where(num_hits > 0, last_hit, ident.parent0)
-  valid = (ident.full & ~pool_hit).ravel()
+  valid = ident.full & ~pool_hit
+  if ident.live_end is not None:  # a dead entry neither takes nor gives a share
+    valid &= ident.live_end
+  valid = valid.ravel()
   row = jnp.repeat(jnp.arange(batch, dtype=i32), width)
   entry_level = level.ravel()
   block_index = (base[:, None] + level).ravel()

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from paged_jax.block_manager import prefix_cache
-from paged_jax.block_manager.pool import Takes, commit_pool, no_takes, take
+from paged_jax.block_manager.pool import Takes, commit_pool, no_takes, push_orphans, take
 from paged_jax.block_manager.state import BlockManagerState, Pool
 
 
@@ -18,6 +18,19 @@ def pool_of(state: BlockManagerState, on_gpu: bool) -> Pool:
 def with_pool(state: BlockManagerState, on_gpu: bool, pool: Pool) -> BlockManagerState:
   """`state` with its GPU pool (or its CPU pool) replaced by `pool`."""
   return state.replace(gpu=pool) if on_gpu else state.replace(cpu=pool)
+
+
+def lost_by_takes(state: BlockManagerState, pool: Pool, takes: Takes) -> jax.Array | None:
+  """Under the window rules, the blocks whose content a call's takes from `pool` evict
+  (`prefix_cache.lost_content`); None otherwise (static)."""
+  if not state.window_rules or pool.content is None:
+    return None
+  return prefix_cache.lost_content(pool, takes)
+
+
+def keeps_content(pool: Pool, blocks: jax.Array, lost: jax.Array) -> jax.Array:
+  """bool[...]: `blocks` (-1: none) had content at the start of a call and keep it (not `lost`)."""
+  return (blocks >= 0) & take(pool.content.has_content, blocks, False) & ~take(lost, blocks, True)
 
 
 def revived_hits(pool: Pool, pins: jax.Array, distinct: bool = False) -> jax.Array:
@@ -52,6 +65,7 @@ def commit(
   registrations: prefix_cache.Registrations | None = None,
   gain_weight=1,
   may_release: jax.Array | None = None,
+  lost: jax.Array | None = None,
 ) -> BlockManagerState:
   """Applies a call's effects on one pool, if `ok`: takes, new references, releases, content.
 
@@ -65,6 +79,8 @@ def commit(
     registrations: identities of blocks that became full (cached pools; default: none).
     gain_weight: references per entry of `gains`.
     may_release: False only if `releases` is known to be all -1 (see `commit_pool`).
+    lost: bool[N] blocks whose content the call's evictions take, under the
+      window rules (`prefix_cache.lost_content`); None: only evicted ones.
 
   Returns:
     The state with that pool updated (unchanged if not `ok`).
@@ -79,11 +95,22 @@ def commit(
     releases=releases,
     gain_weight=gain_weight,
     may_release=may_release,
+    lost=lost,
   )
+  num_orphans = 0
+  if lost is not None:
+    new_pool, num_orphans = push_orphans(pool, new_pool, lost, ok)
   if pool.content is not None:
     if registrations is None:
       registrations = prefix_cache.Registrations.none(state.cfg.block_size)
     new_pool = prefix_cache.commit_content(
-      new_pool, ok, takes=takes, releases=releases, pushed=pushed, registrations=registrations
+      new_pool,
+      ok,
+      takes=takes,
+      releases=releases,
+      pushed=pushed,
+      registrations=registrations,
+      lost=lost,
+      num_orphans=num_orphans,
     )
   return with_pool(state, on_gpu, new_pool)

@@ -54,8 +54,8 @@ class HybridCacheConfig:
 
   Raises:
     ValueError: naming the layer and the value, for a window that is not a
-      positive int; naming the layer, for a window with prefix caching; and
-      for pool sizes that do not give one positive count per type.
+      positive int; and for pool sizes that do not give one positive count
+      per type.
   """
 
   cache: CacheConfig
@@ -78,11 +78,6 @@ class HybridCacheConfig:
       ):
         raise ValueError(
           f"layer {layer}: sliding_window must be a positive int or None, got {window!r}"
-        )
-      if window is not None and self.cache.enable_prefix_caching:
-        raise ValueError(
-          f"layer {layer}: a sliding window ({window}) cannot be combined with "
-          "enable_prefix_caching yet (docs/semantics.md, hybrid caches)"
         )
     object.__setattr__(self, "layer_windows", windows)
     for name, default, minimum in (
@@ -261,8 +256,13 @@ class HybridResult(_ShowsStatus):
 
 
 def init_hybrid_state(cfg: HybridCacheConfig) -> HybridState:
-  """An empty hybrid cache: every slot empty, every block of every type free."""
-  groups = tuple(init_state(cfg.group_config(g)) for g in range(cfg.num_groups))
+  """An empty hybrid cache: every slot empty, every block of every type free.
+
+  With prefix caching and a window, every type follows the window rules
+  (the global type too: the common hit leaves blocks without content there).
+  """
+  rules = cfg.cache.enable_prefix_caching and any(w is not None for w in cfg.windows)
+  groups = tuple(init_state(cfg.group_config(g), rules) for g in range(cfg.num_groups))
   return HybridState(cfg=cfg, groups=groups)
 
 
@@ -337,10 +337,21 @@ def _worst(answers: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
 def allocate(state: HybridState, seq_ids, token_ids, num_tokens, salt=0):
   """`allocate` on every type: each type's table holds the blocks its window keeps.
 
+  With prefix caching on several types, every type takes only the common
+  hit: the leading blocks that every type's GPU pool has cached
+  (docs/semantics.md, "The common hit").
+
   Returns:
     (new state, HybridResult); `results[g]` is type g's AllocateResult.
   """
-  return _on_every_type(state, allocate_ops.allocate, seq_ids, token_ids, num_tokens, salt)
+  if len(state.groups) == 1 or not state.cfg.cache.enable_prefix_caching:
+    return _on_every_type(state, allocate_ops.allocate, seq_ids, token_ids, num_tokens, salt)
+  common = jnp.min(
+    jnp.stack([allocate_ops.served_blocks(s, token_ids, num_tokens, salt) for s in state.groups])
+  )
+  return _on_every_type(
+    state, allocate_ops.allocate_capped, seq_ids, token_ids, num_tokens, salt, common
+  )
 
 
 @static_args("num_lookahead_slots")

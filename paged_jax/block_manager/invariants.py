@@ -65,6 +65,25 @@ def _check_pool(name: str, pool: Pool, tables: np.ndarray) -> None:
     f"{name} every unreferenced block is free or in the evictor",
   )
   _check_hash_table(name, content, has)
+  _check_parents(name, content, has)
+
+
+def _check_parents(name, content, has) -> None:
+  """No cached block outlives its parent: the block of its prefix one block shorter."""
+  parent = np.asarray(content.parent)[has]
+  tokens = np.asarray(content.num_hashed_tokens)
+  block_size = np.asarray(content.tokens).shape[1]
+  first = parent < 0
+  _require(
+    np.all((tokens[has] == block_size) == first), f"{name} a first block has no parent, others one"
+  )
+  up = parent[~first]
+  _require(
+    np.all(has[up])
+    and np.all(tokens[up] == tokens[has][~first] - block_size)
+    and np.all(np.asarray(content.salt)[up] == np.asarray(content.salt)[has][~first]),
+    f"{name} a cached block's parent is cached, with its salt and a prefix one block shorter",
+  )
 
 
 def _check_hash_table(name, content, has) -> None:

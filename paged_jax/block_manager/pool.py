@@ -264,6 +264,7 @@ def commit_pool(
   releases: jax.Array,
   gain_weight=1,
   may_release: jax.Array | None = None,
+  lost: jax.Array | None = None,
 ) -> tuple[Pool, jax.Array]:
   """Applies one call's takes, new references and releases (if `ok`).
 
@@ -276,6 +277,8 @@ def commit_pool(
     gain_weight: references each entry of `gains` adds (scalar).
     may_release: False only if `releases` is known to be all -1 (bool scalar;
       default: checked here).
+    lost: bool[N] blocks whose content the call takes (`lost_content`): a
+      release of one goes to the free stack.
 
   Returns:
     (new pool, pushed bool[E]: release events that freed their block).
@@ -291,7 +294,7 @@ def commit_pool(
     ref = ref.at[masked(releases, (releases >= 0) & ok, num_blocks)].add(-1, mode="drop")
     pushed = release_pushes(pool, releases, ref) & ok
     has_content = (
-      take(pool.content.has_content, releases)
+      take(pool.content.has_content if lost is None else pool.content.has_content & ~lost, releases)
       if pool.content is not None
       else jnp.zeros(releases.shape, bool)
     )
@@ -318,6 +321,37 @@ def commit_pool(
     next_fresh=jnp.where(ok, pool.next_fresh + fresh_used, pool.next_fresh),
   )
   return new_pool, pushed
+
+
+def push_orphans(start: Pool, pool: Pool, lost: jax.Array, ok: jax.Array) -> tuple[Pool, jax.Array]:
+  """Moves a call's orphans from the evictor to the free stack, lowest first (window rules).
+
+  An orphan is a block of `lost` that was unreferenced when the call began
+  and still is: it kept its place in the eviction order during the call, so
+  none of the call's takes found it on the stack; it goes on after the
+  call's releases.
+
+  Args:
+    start: the pool at the start of the call.
+    pool: the pool after `commit_pool`.
+    lost: bool[N] blocks whose content the call takes.
+    ok: whether the call succeeds.
+
+  Returns:
+    (the pool, how many orphans were pushed).
+  """
+  num_blocks = pool.num_blocks
+  orphans = lost & (start.ref_count == 0) & (pool.ref_count == 0) & ok
+
+  def push():
+    rank = running_count(orphans) - 1
+    stack = pool.free_stack.at[masked(pool.num_stacked + rank, orphans, num_blocks)].set(
+      jnp.arange(num_blocks, dtype=jnp.int32), mode="drop"
+    )
+    return stack, pool.num_stacked + count_true(orphans)
+
+  stack, num_stacked = lax.cond(jnp.any(orphans), push, lambda: (pool.free_stack, pool.num_stacked))
+  return pool.replace(free_stack=stack, num_stacked=num_stacked), num_stacked - pool.num_stacked
 
 
 def release(pool: Pool, blocks: jax.Array) -> tuple[Pool, jax.Array]:

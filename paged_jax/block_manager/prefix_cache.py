@@ -385,6 +385,36 @@ class Registrations(NamedTuple):
     )
 
 
+def lost_content(pool: Pool, takes: Takes) -> jax.Array:
+  """bool[N]: the blocks whose content a call's evictions take (the window rules).
+
+  The evicted blocks, and every cached block whose identity extends one of
+  theirs (its chain of parents reaches an evicted block), so no cached block
+  outlives its parent. The parent chains are followed by pointer doubling:
+  a few passes over the pool, and only when the call evicts.
+  """
+  content = pool.content
+  num_blocks = pool.num_blocks
+  evicted = takes.valid() & takes.evicted & (takes.blocks >= 0)
+  victims = (
+    jnp.zeros(num_blocks, bool).at[masked(takes.blocks, evicted, num_blocks)].set(True, mode="drop")
+  )
+
+  def extend(carry):
+    marked, up = carry
+    marked = marked | ((up >= 0) & take(marked, up, False))
+    return marked, jnp.where(up >= 0, take(up, up, NO_BLOCK), NO_BLOCK)
+
+  def with_extensions():
+    up = jnp.where(content.has_content, content.parent, NO_BLOCK)
+    marked, _ = lax.while_loop(
+      lambda carry: jnp.any(~carry[0] & (carry[1] >= 0)), extend, (victims, up)
+    )
+    return marked
+
+  return lax.cond(jnp.any(evicted), with_extensions, lambda: victims)
+
+
 def commit_content(
   pool: Pool,
   ok: jax.Array,
@@ -393,6 +423,8 @@ def commit_content(
   releases: jax.Array,
   pushed: jax.Array,
   registrations: Registrations,
+  lost: jax.Array | None = None,
+  num_orphans: jax.Array | int = 0,
 ) -> Pool:
   """Applies one call's effects on a cached pool's content index (if `ok`).
 
@@ -402,6 +434,10 @@ def commit_content(
     takes: the call's takes from this pool (evictions, revived hits).
     releases, pushed: release events and which of them freed their block.
     registrations: identities of the blocks that became full.
+    lost: bool[N], the window rules' `lost_content` (None: only the evicted
+      blocks lose their content).
+    num_orphans: unreferenced blocks of `lost` that left the evictor for the
+      free stack (`commit_orphans`).
   """
   taken, evicted, revived = takes.blocks, takes.evicted, takes.revived
   taken_valid = takes.valid()
@@ -410,7 +446,10 @@ def commit_content(
   num_blocks = pool.num_blocks
   num_evicted = jnp.sum(taken_valid & evicted)
   taken_ok = taken_valid & ok
-  evicted_blocks = jnp.where(taken_valid & evicted & ok, taken, NO_BLOCK)
+  if lost is None:
+    evicted_blocks = jnp.where(taken_valid & evicted & ok, taken, NO_BLOCK)
+  else:
+    evicted_blocks = jnp.where(lost & ok, jnp.arange(num_blocks, dtype=jnp.int32), NO_BLOCK)
   content = lax.cond(
     jnp.any(evicted_blocks >= 0), unlink, lambda content, _: content, content, evicted_blocks
   )
@@ -441,7 +480,9 @@ def commit_content(
   content = content.replace(
     release_clock=content.release_clock + pushed_to_evictor,
     num_evictable=jnp.where(
-      ok, content.num_evictable - revived - num_evicted + pushed_to_evictor, content.num_evictable
+      ok,
+      content.num_evictable - revived - num_evicted + pushed_to_evictor - num_orphans,
+      content.num_evictable,
     ),
   )
   return pool.replace(content=content)

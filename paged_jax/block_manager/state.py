@@ -100,6 +100,10 @@ class BlockManagerState:
   cpu: Pool
   num_lookups: jax.Array  # int32 scalar: prefix-cache lookups in the GPU pool
   num_hits: jax.Array  # int32 scalar
+  # Prefix caching follows the window rules (docs/semantics.md, "Prefix caching
+  # under a window"): on a cache with a sliding window, and on every type of a
+  # hybrid cache that has one. Static.
+  window_rules: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 def _field_repr(name: str, value) -> str:
@@ -204,8 +208,21 @@ def init_pool(num_blocks: int, cfg: CacheConfig) -> Pool:
   )
 
 
-def init_state(cfg: CacheConfig) -> BlockManagerState:
-  """An empty manager: every slot empty, every block free."""
+def window_rules(cfg: CacheConfig) -> bool:
+  """Whether a plain manager on `cfg` caches prefixes by the window rules (caching and a window)."""
+  return cfg.enable_prefix_caching and cfg.sliding_window is not None
+
+
+def init_state(cfg: CacheConfig, rules: bool | None = None) -> BlockManagerState:
+  """An empty manager: every slot empty, every block free.
+
+  Args:
+    cfg: the cache configuration.
+    rules: whether prefix caching follows the window rules (default:
+      `window_rules(cfg)`; a hybrid cache with a window sets it on every type,
+      its global type included, since the common hit leaves blocks without
+      content there too).
+  """
   max_seqs, max_blocks = cfg.max_seqs, cfg.max_blocks_per_seq
   seq_hash = None
   if cfg.enable_prefix_caching:
@@ -224,6 +241,7 @@ def init_state(cfg: CacheConfig) -> BlockManagerState:
     cpu=init_pool(cfg.num_cpu_blocks, cfg),
     num_lookups=jnp.zeros((), jnp.int32),
     num_hits=jnp.zeros((), jnp.int32),
+    window_rules=(window_rules(cfg) if rules is None else rules) and cfg.enable_prefix_caching,
   )
 
 

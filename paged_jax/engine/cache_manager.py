@@ -269,7 +269,9 @@ class CacheManager:
 
     Returns:
       False, changing nothing, if the shard has too few free GPU blocks for
-      the blocks the chunk starts; True once appended.
+      the blocks the chunk starts (with prefix caching, a chunk's hits on
+      evictable blocks count against them too: the manager's answer
+      decides); True once appended.
     """
     shard, local = self._local([slot])
     before = int(np.asarray(self.state.num_tokens)[shard, local[0]])
@@ -279,6 +281,8 @@ class CacheManager:
     padded = np.zeros((1, self.max_chunk), np.int32)
     padded[0, : tokens.size] = tokens
     _, plan = self._update(manager.append_slots, [slot], padded, np.array([tokens.size], np.int32))
+    if self.cfg.enable_prefix_caching and Status(int(plan.status)) == Status.OUT_OF_BLOCKS:
+      return False  # a failed call changes nothing
     self._check(plan, f"append of a {tokens.size}-token chunk of request {request_id!r}", shard)
     return True
 

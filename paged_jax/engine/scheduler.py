@@ -298,7 +298,11 @@ class Scheduler:
     last prompt token still runs (its logits draw the first token); a
     group that scores its prompt runs all of it.
     """
-    if not self.cache.cfg.enable_prefix_caching or group.params.prompt_logprobs is not None:
+    if (
+      not self.cache.cfg.enable_prefix_caching
+      or group.params.prompt_logprobs is not None
+      or self.cache.max_chunk is not None  # a windowed cache appends every prompt from 0
+    ):
       return
     block_size = self.cache.cfg.block_size
     for seq in group.live():

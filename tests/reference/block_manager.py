@@ -76,9 +76,8 @@ class ReferenceBlockSpaceManager:
 
   Args:
     cfg: the cache configuration.
-    sliding_window: the window, if not ``cfg.sliding_window``; this lets the
-      reference state prefix caching under a window, which ``CacheConfig``
-      still refuses for the jitted manager.
+    sliding_window: the window, if not ``cfg.sliding_window``; the hybrid
+      reference gives each type its own.
   """
 
   def __init__(self, cfg: CacheConfig, sliding_window: int | None | object = FROM_CONFIG):
@@ -721,6 +720,8 @@ class ReferenceBlockSpaceManager:
     then registration of the moved content. Each table is looked up from
     block 0, left to right, up to the first entry that is dead, holds a block
     without content or misses; a block several tables hold is looked up once.
+    Every distinct block with content counts one GPU lookup (docs/semantics.md,
+    "Hit counting"), reached or not.
     A moved block is registered only where the entry before it holds a block
     with content.
     """
@@ -732,16 +733,17 @@ class ReferenceBlockSpaceManager:
       for block_number in _live(seq.table):
         uses[block_number] = uses.get(block_number, 0) + 1
     identities = {b: source_pool.blocks[b].identity for b in uses}
+    if destination == "gpu":  # one lookup counted per distinct block with content
+      self._state.lookups += sum(identity is not None for identity in identities.values())
     found = {}
     for seq in seqs:
       for block_number in seq.table:
         if block_number == PADDING or identities[block_number] is None:
           break
         if block_number not in found:
-          identity = identities[block_number]
-          found[block_number] = (
-            self._look_up(identity) if destination == "gpu" else destination_pool.lookup(identity)
-          )
+          found[block_number] = destination_pool.lookup(identities[block_number])
+          if destination == "gpu" and found[block_number] is not None:
+            self._state.hits += 1
         if found[block_number] is None:
           break
     moved = {b: hit for b, hit in found.items() if hit is not None}
