@@ -236,7 +236,7 @@ def test_windowed_cache_matches_reference(seed, num_ops):
   run_plain(seed, num_ops)
 
 
-# Slow (about 25 s of compiles on a quiet machine): CI's hybrid coverage is
+# Slow (128 s for 6 examples at load 14, mostly compiles): CI's hybrid coverage is
 # the hand-built side-by-side cases below and test_hybrid_manager's.
 @pytest.mark.slow
 @hypothesis.settings(**_SETTINGS)
