@@ -164,6 +164,7 @@ ENGINE_RANKS = [
   ["packing", "row_table"],
   ["run_ahead"],
   ["scheduler", "runner", "input_processor", "output_processor"],
+  ["engine_checks", "rounds", "lifecycle"],
   ["llm_engine", "rollout"],
   ["llm"],
   [""],  # the engine package's __init__
