@@ -23,6 +23,7 @@ LAYERS = {
       "paged_jax.compilation_cache",
       "paged_jax.params",
       "paged_jax.sampling",
+      "paged_jax.token_ids",
     ],
   ),
   "block manager": (2, ["paged_jax.block_manager"]),

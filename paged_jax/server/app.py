@@ -116,10 +116,7 @@ class Server(RequestChecks, EngineRequests, Completions, ChatCompletions):
   async def detokenize(self, request: Request) -> Response:
     body = await parse_body(request, protocol.DetokenizeRequest, self.settings.max_request_bytes)
     self.check_model(body.model)
-    vocab = self.settings.vocab_size
-    bad = next((i for i in body.tokens if not 0 <= i < vocab), None)
-    if bad is not None:
-      raise APIError(f"tokens: token id {bad} is outside the vocabulary (0..{vocab - 1})", "tokens")
+    self.check_ids(body.tokens, "tokens", allow_empty=True)
     return JSONResponse(
       protocol.DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens)).model_dump()
     )

@@ -8,6 +8,7 @@ from paged_jax.models.tokenizer import ByteTokenizer
 from paged_jax.params import SamplingParams
 from paged_jax.server.bodies import APIError, structured_outputs
 from paged_jax.server.limits import MAX_STOP_CHARS
+from paged_jax.token_ids import check_token_ids
 
 
 def encode(tokenizer, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -29,13 +30,12 @@ class RequestChecks:
         f"model: the model {name!r} does not exist; this server serves {served!r}", "model"
       )
 
-  def check_ids(self, ids: list[int], param: str) -> None:
-    if not ids:
-      raise APIError(f"{param}: must not be empty", param)
-    vocab = self.settings.vocab_size
-    bad = next((i for i in ids if not 0 <= i < vocab), None)
-    if bad is not None:
-      raise APIError(f"{param}: token id {bad} is outside the vocabulary (0..{vocab - 1})", param)
+  def check_ids(self, ids: list[int], param: str, allow_empty: bool = False) -> None:
+    """Raises APIError (400, naming `param`) for ids `check_token_ids` refuses."""
+    try:
+      check_token_ids(ids, self.settings.vocab_size, param, allow_empty=allow_empty)
+    except ValueError as err:
+      raise APIError(str(err), param) from None
 
   def prompt_ids(self, prompt) -> list[tuple[str | None, list[int]]]:
     """`(text or None, token ids)` of each prompt of a completions request."""
@@ -114,13 +114,7 @@ class RequestChecks:
         f"stop: a stop string may have at most {MAX_STOP_CHARS} characters, got {longest}", "stop"
       )
     stop_ids = body.stop_token_ids or []
-    vocab = self.settings.vocab_size
-    bad = next((i for i in stop_ids if not 0 <= i < vocab), None)
-    if bad is not None:
-      raise APIError(
-        f"stop_token_ids: token id {bad} is outside the vocabulary (0..{vocab - 1})",
-        "stop_token_ids",
-      )
+    self.check_ids(stop_ids, "stop_token_ids", allow_empty=True)
     try:
       return SamplingParams(
         n=body.n,
