@@ -8,9 +8,14 @@ these runs use `--model tiny`, which loads in well under a second.
 
 import json
 
+import jax
+import numpy as np
 import pytest
+from flax import nnx
 
-from paged_jax.__main__ import main
+from paged_jax.__main__ import _parser, load_demo_model, main
+from paged_jax.models.tokenizer import ByteTokenizer
+from paged_jax.server import cli
 
 
 @pytest.mark.parametrize(
@@ -67,3 +72,15 @@ def test_demo_json_report(capsys):
   assert len(report["samples"]) == 2
   assert len(report["samples"][1]["outputs"]) == 4
   assert report["samples"][0]["prompt"].endswith(", n. ")
+
+
+def test_demo_and_serve_load_the_same_tiny_model_and_tokenizer():
+  demo_model, demo_tokenizer = load_demo_model(_parser().parse_args(["demo", "--model", "tiny"]))
+  serve_model, serve_tokenizer = cli._load(_parser().parse_args(["serve", "--model", "tiny"]))
+  assert type(demo_tokenizer) is type(serve_tokenizer) is ByteTokenizer
+  assert demo_model.config == serve_model.config
+  demo_leaves = jax.tree.leaves(nnx.state(demo_model))
+  serve_leaves = jax.tree.leaves(nnx.state(serve_model))
+  assert len(demo_leaves) == len(serve_leaves) > 0
+  for demo_leaf, serve_leaf in zip(demo_leaves, serve_leaves):
+    np.testing.assert_array_equal(demo_leaf, serve_leaf)

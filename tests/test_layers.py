@@ -50,6 +50,7 @@ LAYERS = {
       "paged_jax.simulate",
       "paged_jax.aot",
       "paged_jax.server",
+      "paged_jax.command_line",
       "paged_jax.__main__",
       "paged_jax",
     ],
