@@ -22,7 +22,12 @@ import sys
 import time
 
 from paged_jax import aot as aot_tool
-from paged_jax.command_line import add_quantization_argument, load_model, positive
+from paged_jax.command_line import (
+  add_quantization_argument,
+  load_model,
+  positive,
+  weight_quantization,
+)
 from paged_jax.config import CacheConfig
 from paged_jax.server import cli as serve_cli
 
@@ -162,7 +167,8 @@ def run_aot(args, parser) -> int:
   try:
     aot_tool.require_libtpu()
     if args.model in aot_tool.SHAPE_ONLY:
-      model = aot_tool.ShapeOnlyModel.named(args.model, args.dtype, quantization=args.quantization)
+      quantization = weight_quantization(args.model, args.quantization)
+      model = aot_tool.ShapeOnlyModel.named(args.model, args.dtype, quantization=quantization)
     else:
       model, _ = load_model(
         args.model, dtype=args.dtype, max_seq_len=256, quantization=args.quantization

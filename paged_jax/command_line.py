@@ -27,14 +27,26 @@ def add_quantization_argument(parser: argparse.ArgumentParser) -> None:
     choices=QUANTIZATION_CHOICES,
     default=None,
     help="weights kept quantized in memory: gguf (a GGUF file's own types), int8 (per output "
-    "channel) or int4 (groups of 32), quantized at load, or none; default: float weights",
+    "channel) or int4 (groups of 32), quantized at load, or none (float weights); default: "
+    "gguf for a GGUF file (the default model's Q4_1 stays 4-bit), else none",
   )
 
 
 def weight_quantization(source: str, quantization: str | None) -> str | None:
   """The `load_pretrained` quantization of `--quantization` for `--model
-  source`: "none" and the default (None) are float."""
-  return None if quantization == "none" else quantization
+  source`: its default (None) is "gguf" for a GGUF file (a named model that
+  is one too) and float otherwise; "none" is float."""
+  if quantization == "none":
+    return None
+  if quantization is not None or source == "tiny":
+    return quantization
+  from paged_jax.models import checkpoints
+
+  try:
+    path = checkpoints.resolve_source(source)
+  except FileNotFoundError:
+    return None  # the load names what is missing
+  return "gguf" if path.is_file() and path.suffix == ".gguf" else None
 
 
 def load_model(
