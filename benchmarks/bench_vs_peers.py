@@ -66,7 +66,7 @@ from bench_engine import serve_trace  # noqa: E402
 import paged_jax as pj  # noqa: E402
 from paged_jax import __main__ as demo  # noqa: E402
 from paged_jax import simulate  # noqa: E402
-from paged_jax.models import checkpoints, load_pretrained  # noqa: E402
+from paged_jax.models import hf_checkpoint, load_pretrained  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 WORKER = pathlib.Path(__file__).resolve().parent / "peer_worker.py"
@@ -297,7 +297,7 @@ def save_hf_folder(model, tokenizer, directory: pathlib.Path) -> None:
   float32 model.safetensors, tokenizer.json, tokenizer_config.json).
 
   The tensor names and layouts are those paged_jax's own Hugging Face loader
-  reads (`checkpoints._hf_sources`); our kernels are stored [out, in], as
+  reads (`hf_checkpoint.hf_sources`); our kernels are stored [out, in], as
   torch's. The config is checked to read back as the model's.
   """
   config = model.config
@@ -337,7 +337,7 @@ def save_hf_folder(model, tokenizer, directory: pathlib.Path) -> None:
     eos_token_id=tokenizer.eos_token_id,
     torch_dtype="float32",
   )
-  read_back = checkpoints.config_from_hf(hf, dtype=config.dtype, max_seq_len=config.max_seq_len)
+  read_back = hf_checkpoint.config_from_hf(hf, dtype=config.dtype, max_seq_len=config.max_seq_len)
   if read_back != config:
     raise ValueError(f"the exported config reads back as {read_back}, not {config}")
   directory.mkdir(parents=True, exist_ok=True)
@@ -367,7 +367,7 @@ def hf_weights(model) -> dict[str, np.ndarray]:
   leaves, _ = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
   ours = {"/".join(str(k.key) for k in path): leaf for path, leaf in leaves}
   weights = {}
-  for path, (name, shape, _) in checkpoints._hf_sources(model.config).items():
+  for path, (name, shape, _) in hf_checkpoint.hf_sources(model.config).items():
     value = np.asarray(ours.pop(path), np.float32)
     if value.shape != shape:
       raise ValueError(f"{path} exports as {value.shape}, {name} needs {shape}")

@@ -18,11 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pathlib
 import sys
 import time
 
 from paged_jax import aot as aot_tool
+from paged_jax.command_line import (
+  add_quantization_argument,
+  load_model,
+  positive,
+  weight_quantization,
+)
 from paged_jax.config import CacheConfig
 from paged_jax.server import cli as serve_cli
 
@@ -66,13 +71,6 @@ QUESTIONS = (
 )
 
 
-def _positive(text: str) -> int:
-  value = int(text)
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-  return value
-
-
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m paged_jax")
   sub = parser.add_subparsers(dest="command", required=True)
@@ -82,22 +80,22 @@ def _parser() -> argparse.ArgumentParser:
   )
   demo.add_argument(
     "--num-requests",
-    type=_positive,
+    type=positive,
     default=None,
     help="default: 8 for a pretrained model, 32 for tiny",
   )
-  demo.add_argument("--block-size", type=_positive, default=16)
-  demo.add_argument("--num-gpu-blocks", type=_positive, default=96)
+  demo.add_argument("--block-size", type=positive, default=16)
+  demo.add_argument("--num-gpu-blocks", type=positive, default=96)
   demo.add_argument("--num-cpu-blocks", type=int, default=64)
-  demo.add_argument("--max-seqs", type=_positive, default=32)
+  demo.add_argument("--max-seqs", type=positive, default=32)
   demo.add_argument(
     "--max-num-batched-tokens",
-    type=_positive,
+    type=positive,
     default=512,
     help="prompt tokens a round computes at most (bounds the prefill buckets)",
   )
   demo.add_argument(
-    "--max-tokens", type=_positive, default=40, help="tokens generated per sequence at most"
+    "--max-tokens", type=positive, default=40, help="tokens generated per sequence at most"
   )
   demo.add_argument("--seed", type=int, default=0)
   demo.add_argument(
@@ -112,15 +110,15 @@ def _parser() -> argparse.ArgumentParser:
     help="parameter and compute dtype of a pretrained model",
   )
   demo.add_argument(
-    "--max-seq-len", type=_positive, default=256, help="context of a pretrained model in the demo"
+    "--max-seq-len", type=positive, default=256, help="context of a pretrained model in the demo"
   )
-  serve_cli.add_quantization_argument(demo)
+  add_quantization_argument(demo)
   demo.add_argument("--json", action="store_true", help="print machine-readable JSON")
   trace = sub.add_parser("trace", help="replay a ShareGPT-like trace through the block manager")
-  trace.add_argument("--num-requests", type=_positive, default=200)
-  trace.add_argument("--block-size", type=_positive, default=16)
-  trace.add_argument("--num-gpu-blocks", type=_positive, default=2048)
-  trace.add_argument("--max-seqs", type=_positive, default=32)
+  trace.add_argument("--num-requests", type=positive, default=200)
+  trace.add_argument("--block-size", type=positive, default=16)
+  trace.add_argument("--num-gpu-blocks", type=positive, default=2048)
+  trace.add_argument("--max-seqs", type=positive, default=32)
   trace.add_argument("--seed", type=int, default=0)
   trace.add_argument("--json", action="store_true", help="print machine-readable JSON")
   serve_cli.add_parser(sub)
@@ -140,8 +138,8 @@ def _parser() -> argparse.ArgumentParser:
     help="weights and compute of a downloaded or shape-only model",
   )
   aot.add_argument("--topology", required=True, help="a libtpu topology name, e.g. v5e:2x2")
-  aot.add_argument("--tensor-parallel-size", type=_positive, default=1)
-  serve_cli.add_quantization_argument(aot)
+  aot.add_argument("--tensor-parallel-size", type=positive, default=1)
+  add_quantization_argument(aot)
   aot.add_argument(
     "--variant",
     action="append",
@@ -169,9 +167,12 @@ def run_aot(args, parser) -> int:
   try:
     aot_tool.require_libtpu()
     if args.model in aot_tool.SHAPE_ONLY:
-      model = aot_tool.ShapeOnlyModel.named(args.model, args.dtype, quantization=args.quantization)
+      quantization = weight_quantization(args.model, args.quantization)
+      model = aot_tool.ShapeOnlyModel.named(args.model, args.dtype, quantization=quantization)
     else:
-      model, _ = load_demo_model(args.model, args.dtype, 256, args.quantization)
+      model, _ = load_model(
+        args.model, dtype=args.dtype, max_seq_len=256, quantization=args.quantization
+      )
     variants = {v: aot_tool.VARIANTS[v] for v in args.variant or aot_tool.VARIANTS}
     report = aot_tool.compile_engine_programs(
       model, args.topology, args.tensor_parallel_size, variants, args.program
@@ -196,25 +197,23 @@ def run_aot(args, parser) -> int:
   return 0
 
 
-def demo_requests(num_requests: int, seed: int, tokenizer=None):
+def demo_requests(num_requests: int, seed: int, tokenizer):
   """The demo's prompts as token ids, the samples each asks for, and the text
   that shows each prompt.
 
-  With `tokenizer` None (the tiny model), headwords of which every other one
+  With a `ByteTokenizer` (the tiny model), headwords of which every other one
   follows the shared system prefix; else chat conversations, all with the
   same system prompt. Every fourth request asks for 4 samples.
   """
   import numpy as np
 
-  from paged_jax.models.tokenizer import ByteTokenizer
-
   rng = np.random.default_rng(seed)
   prompts, counts, shown = [], [], []
   for index in range(num_requests):
-    if tokenizer is None:
+    if _byte_level(tokenizer):
       word = HEADWORDS[rng.integers(len(HEADWORDS))]
       text = shown_text = (SYSTEM_PREFIX if index % 2 == 0 else "") + f"{word}, n. "
-      ids = ByteTokenizer().encode(text)
+      ids = tokenizer.encode(text)
     else:
       shown_text = QUESTIONS[(index + seed) % len(QUESTIONS)]
       text = tokenizer.apply_chat_template(
@@ -228,17 +227,20 @@ def demo_requests(num_requests: int, seed: int, tokenizer=None):
   return prompts, counts, shown
 
 
-def load_demo_model(name: str, dtype: str, max_seq_len: int, quantization: str | None = None):
-  """`(model, tokenizer)`; tokenizer None for the tiny model or a folder saved
-  by `save_model`. `quantization`: see `load_pretrained`."""
-  from paged_jax.models import load_pretrained, pretrained
-  from paged_jax.models.quantized import quantize_loaded
+def _byte_level(tokenizer) -> bool:
+  """Whether `tokenizer` is the tiny and saved models' `ByteTokenizer` (no
+  chat template: the demo sends them headwords)."""
+  from paged_jax.models.tokenizer import ByteTokenizer
 
-  if name == "tiny":
-    return quantize_loaded(pretrained.load_tiny(), quantization, name), None
-  if (pathlib.Path(name) / pretrained.WEIGHTS_FILE).is_file():
-    return quantize_loaded(pretrained.load_model(name), quantization, name), None
-  return load_pretrained(name, dtype=dtype, max_seq_len=max_seq_len, quantization=quantization)
+  return isinstance(tokenizer, ByteTokenizer)
+
+
+def load_demo_model(args):
+  """`(model, tokenizer)` of the demo's `--model` (see
+  `command_line.load_model`, which `serve` loads with too)."""
+  return load_model(
+    args.model, dtype=args.dtype, max_seq_len=args.max_seq_len, quantization=args.quantization
+  )
 
 
 def run_demo(args, parser) -> dict:
@@ -246,10 +248,9 @@ def run_demo(args, parser) -> dict:
   import dataclasses
 
   from paged_jax.engine import LLM, SamplingParams
-  from paged_jax.models.tokenizer import ByteTokenizer
 
   try:
-    model, tokenizer = load_demo_model(args.model, args.dtype, args.max_seq_len, args.quantization)
+    model, tokenizer = load_demo_model(args)
   except (FileNotFoundError, ValueError) as err:
     parser.error(f"--model: {err}")
   max_len = model.config.max_seq_len
@@ -269,21 +270,22 @@ def run_demo(args, parser) -> dict:
       f"--num-gpu-blocks {args.num_gpu_blocks} x --block-size "
       f"{args.block_size} cannot hold one {max_len}-token sequence"
     )
-  num_requests = args.num_requests or (32 if tokenizer is None else 8)
+  byte_level = _byte_level(tokenizer)
+  num_requests = args.num_requests or (32 if byte_level else 8)
   prompts, counts, shown = demo_requests(num_requests, args.seed, tokenizer)
   if max(counts) > args.max_seqs:
     parser.error(f"--max-seqs {args.max_seqs} is below the 4 samples some requests ask for")
   sampling = SamplingParams(
     max_tokens=args.max_tokens,
-    temperature=0.8 if tokenizer is None else 0.6,
+    temperature=0.8 if byte_level else 0.6,
     top_k=40,
-    top_p=1.0 if tokenizer is None else 0.9,
+    top_p=1.0 if byte_level else 0.9,
   )
   params = [dataclasses.replace(sampling, n=n) for n in counts]
   # Preemption by swap; the tokenizer's EOS stops.
   llm = LLM(
     model,
-    tokenizer or ByteTokenizer(),
+    tokenizer,
     cfg,
     preemption_mode="swap",
     seed=args.seed,

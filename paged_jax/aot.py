@@ -41,7 +41,7 @@ SEQUENCE_TOKENS = 8192
 BLOCK_SIZE = 16
 # Shape-only models (`--model NAME`): the text configs of the published
 # checkpoints, in Hugging Face's `config.json` form (read by
-# `checkpoints.config_from_hf`), without weights.
+# `hf_checkpoint.config_from_hf`), without weights.
 SHAPE_ONLY = {
   "llama-3-8b": {
     "architectures": ["LlamaForCausalLM"],
@@ -189,7 +189,7 @@ class ShapeOnlyModel:
     layers kept quantized as `quantization` says (None, "int8", "int4"; as
     `quantized.quantize_model` would)."""
     from paged_jax.models import quantized
-    from paged_jax.models.checkpoints import config_from_hf
+    from paged_jax.models.hf_checkpoint import config_from_hf
 
     if name not in SHAPE_ONLY:
       raise ValueError(f"no shape-only model {name!r} (known: {', '.join(SHAPE_ONLY)})")

@@ -27,8 +27,8 @@ import numpy as np
 from paged_jax.config import CacheConfig
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.outputs import GenerationStats
-from paged_jax.models.dense import prompt_array
 from paged_jax.params import SamplingParams
+from paged_jax.token_ids import check_token_ids
 
 __all__ = ["GenerationStats", "Request", "SamplingParams", "generate"]
 
@@ -46,7 +46,7 @@ class Request:
   n: int = 1
 
   def __post_init__(self):
-    object.__setattr__(self, "prompt", prompt_array(self.prompt))
+    object.__setattr__(self, "prompt", check_token_ids(self.prompt, None, "prompt"))
     if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
       raise ValueError(f"n must be an int >= 1, got {self.n!r}")
 

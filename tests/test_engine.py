@@ -568,7 +568,7 @@ def test_bad_engine_arguments_and_requests_raise(model):
   engine = pj.LLMEngine(model, None, CFG, num_decode_steps=4)
   with pytest.raises(ValueError, match="needs a tokenizer"):
     engine.add_request("a", "text")
-  with pytest.raises(ValueError, match="outside 0..257"):
+  with pytest.raises(ValueError, match="token id 300 is outside the vocabulary"):
     engine.add_request("a", [1, 300])
   with pytest.raises(ValueError, match="logprobs=9 exceeds max_logprobs=5"):
     engine.add_request("a", [1], pj.SamplingParams(logprobs=9))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from paged_jax import models
-from paged_jax.models import checkpoints
+from paged_jax.models import hf_checkpoint
 from paged_jax.models.layers import LinearRopeScaling, Llama3RopeScaling
 from tests.checkpoint_files import _forward, write_hf
 from tests.family_checkpoints import (
@@ -146,7 +146,7 @@ PARSED = [
 @pytest.mark.parametrize("family, changes, expected", PARSED)
 def test_config_fields_are_read_in_both_formats(family, changes, expected, config_format):
   hf = FORMATS[config_format](dict(FAMILIES[family], **changes))
-  config = checkpoints.config_from_hf(hf, dtype="float32")
+  config = hf_checkpoint.config_from_hf(hf, dtype="float32")
   assert {name: getattr(config, name) for name in expected} == expected
   if "rope_scaling" in changes and changes["rope_scaling"] is not None:
     assert config.rope_scaling == LinearRopeScaling(4.0)
@@ -156,13 +156,13 @@ def test_gemma_defaults_and_model_type_without_architectures():
   hf = dict(FAMILIES["gemma3"], model_type="gemma3_text")
   del hf["architectures"], hf["sliding_window_pattern"], hf["query_pre_attn_scalar"]
   hf["num_hidden_layers"] = 7
-  config = checkpoints.config_from_hf(hf)
+  config = hf_checkpoint.config_from_hf(hf)
   assert config.layer_types == ("sliding_attention",) * 5 + ("full_attention", "sliding_attention")
   assert config.query_pre_attn_scalar == 256.0
   gemma2 = dict(FAMILIES["gemma2"])
   for name in ("attn_logit_softcapping", "final_logit_softcapping", "sliding_window"):
     del gemma2[name]
-  config = checkpoints.config_from_hf(gemma2)
+  config = hf_checkpoint.config_from_hf(gemma2)
   assert (config.attn_logit_softcap, config.final_logit_softcap) == (50.0, 30.0)
   assert config.sliding_window == 4096
 
@@ -245,4 +245,4 @@ def _gemma3_local_scaling(hf):
 @pytest.mark.parametrize("family, change, message", REFUSED)
 def test_config_fields_the_model_does_not_implement_are_refused(family, change, message):
   with pytest.raises(ValueError, match=message):
-    checkpoints.config_from_hf(change(FAMILIES[family]))
+    hf_checkpoint.config_from_hf(change(FAMILIES[family]))

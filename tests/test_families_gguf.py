@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from paged_jax import models
-from paged_jax.models import checkpoints
+from paged_jax.models import gguf_checkpoint
 from paged_jax.models.layers import LinearRopeScaling, Llama3RopeScaling
 from tests.checkpoint_files import SPECIAL_TOKENS, _forward, _merges
 from tests.family_checkpoints import (
@@ -254,7 +254,7 @@ def _gguf_fields(arch, **changes):
   ],
 )
 def test_gguf_metadata_is_read_as_llama_cpp_reads_it(fields, expected):
-  config = checkpoints.config_from_gguf(fields, dtype="float32")
+  config = gguf_checkpoint.config_from_gguf(fields, dtype="float32")
   assert {name: getattr(config, name) for name in expected} == expected
 
 
@@ -282,4 +282,4 @@ def test_gguf_metadata_is_read_as_llama_cpp_reads_it(fields, expected):
 )
 def test_gguf_metadata_the_model_does_not_implement_is_refused(fields, message):
   with pytest.raises(ValueError, match=message):
-    checkpoints.config_from_gguf(fields)
+    gguf_checkpoint.config_from_gguf(fields)

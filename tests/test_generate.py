@@ -305,7 +305,7 @@ def test_bad_sampling_params_raise(kwargs, message):
 @pytest.mark.parametrize(
   "prompt, n, message",
   [
-    (np.zeros(0, np.int32), 1, "non-empty"),
+    (np.zeros(0, np.int32), 1, "must not be empty"),
     (np.zeros((2, 2), np.int32), 1, "1-D"),
     (np.ones(3, np.int32), 0, "n must be"),
   ],
@@ -320,7 +320,7 @@ def test_bad_requests_raise(prompt, n, message):
   [
     (Request(np.ones(3, np.int32), n=9), "n=9 sequences exceed max_num_seqs"),
     (Request(np.ones(40, np.int32)), "no room"),
-    (Request(np.full(3, 99, np.int32)), "token ids outside"),
+    (Request(np.full(3, 99, np.int32)), "token id 99 is outside the vocabulary"),
   ],
 )
 def test_generate_rejects_requests_that_do_not_fit(model, request_, message):

@@ -23,6 +23,7 @@ LAYERS = {
       "paged_jax.compilation_cache",
       "paged_jax.params",
       "paged_jax.sampling",
+      "paged_jax.token_ids",
     ],
   ),
   "block manager": (2, ["paged_jax.block_manager"]),
@@ -49,6 +50,7 @@ LAYERS = {
       "paged_jax.simulate",
       "paged_jax.aot",
       "paged_jax.server",
+      "paged_jax.command_line",
       "paged_jax.__main__",
       "paged_jax",
     ],
@@ -164,6 +166,7 @@ ENGINE_RANKS = [
   ["packing", "row_table"],
   ["run_ahead"],
   ["scheduler", "runner", "input_processor", "output_processor"],
+  ["engine_checks", "rounds", "lifecycle"],
   ["llm_engine", "rollout"],
   ["llm"],
   [""],  # the engine package's __init__

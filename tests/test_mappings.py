@@ -60,6 +60,8 @@ def test_the_smollm2_servers_warm_up_maps_under_half_the_limit(tmp_path):
     "smollm2-135m-instruct",
     "--dtype",
     "bfloat16",
+    "--quantization",
+    "none",
     "--async-scheduling",
     cache_dir=str(tmp_path),
   )

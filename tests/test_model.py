@@ -352,12 +352,6 @@ def test_tokenizer_specials_and_errors():
   assert tokenizer.encode("").shape == (0,)
   assert tokenizer.decode([]) == ""
   assert tokenizer.decode([0xC3]) == "\ufffd"
-  with pytest.raises(ValueError, match="token id 258 is outside 0..257"):
-    tokenizer.decode([104, 258])
-  with pytest.raises(ValueError, match="token id -1 is outside"):
-    tokenizer.decode(np.array([-1]))
-  with pytest.raises(ValueError, match="ids must be integers"):
-    tokenizer.decode(np.array([1.0]))
   with pytest.raises(ValueError, match="text must be a str"):
     tokenizer.encode(b"bytes")
 

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from paged_jax import models
-from paged_jax.models import checkpoints, layers
+from paged_jax.models import hf_checkpoint, layers
 from tests.checkpoint_files import (
   FAMILIES,
   TOKEN_IDS,
@@ -180,13 +180,13 @@ def test_named_model_without_its_wheel_says_how_to_install(monkeypatch):
   ],
 )
 def test_config_rejects_bad_new_fields(change, message):
-  base = checkpoints.config_from_hf(_config(), dtype="float32")
+  base = hf_checkpoint.config_from_hf(_config(), dtype="float32")
   with pytest.raises(ValueError, match=message):
     dataclasses.replace(base, **change)
 
 
 def test_config_with_rope_scaling_survives_a_dict_round_trip():
-  config = checkpoints.config_from_hf(FAMILIES["llama3_untied_sharded"])
+  config = hf_checkpoint.config_from_hf(FAMILIES["llama3_untied_sharded"])
   assert isinstance(config.rope_scaling, layers.Llama3RopeScaling)
   assert models.LlamaConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
 

@@ -71,6 +71,10 @@ SMOLLM2_ARGS = [
   "5",
   "--dtype",
   "float32",
+  # Float weights, as these checks were written for (a GGUF file's own
+  # default is its quantized types).
+  "--quantization",
+  "none",
 ]
 STARTUP_TIMEOUT_S = 900
 HEADWORDS = ("LOVE", "WAR", "PEACE", "LAWYER", "MONEY", "FRIEND", "HOPE", "FAME")

@@ -19,7 +19,7 @@ import pytest
 import paged_jax as pj
 from paged_jax.models import ByteTokenizer, load_tiny
 from paged_jax.server import app as server_app
-from paged_jax.server import cli
+from paged_jax.server import cli, generation
 
 
 def test_the_api_key_comes_from_the_environment_unless_given(monkeypatch):
@@ -261,6 +261,7 @@ def _deep_schema(depth: int) -> dict:
 )
 def test_structured_outputs_reach_the_engine_compiled(fields, constraint):
   from paged_jax import structured
+  from paged_jax.structured import automaton
 
   engine = _StallingEngine()
   body = dict(prompt="a", max_tokens=4, **fields)
@@ -271,9 +272,9 @@ def test_structured_outputs_reach_the_engine_compiled(fields, constraint):
     assert given is None
     return
   assert given == pj.StructuredOutputsParams(**constraint)
-  hits = structured._compiled.cache_info().hits
+  hits = automaton._compiled.cache_info().hits
   structured.compile_constraint(given, ByteTokenizer())  # the engine's compile: a cache hit
-  assert structured._compiled.cache_info().hits == hits + 1
+  assert automaton._compiled.cache_info().hits == hits + 1
 
 
 @pytest.mark.parametrize(
@@ -302,8 +303,8 @@ def test_bad_structured_outputs_get_400_before_the_engine(fields, param, message
 
 
 def test_a_constraint_that_compiles_too_long_gets_400_and_the_server_keeps_serving(monkeypatch):
-  monkeypatch.setattr(server_app, "SCHEMA_COMPILE_TIMEOUT_S", 0.2)
-  monkeypatch.setattr(server_app, "compile_constraint", lambda *args: time.sleep(2))
+  monkeypatch.setattr(generation, "SCHEMA_COMPILE_TIMEOUT_S", 0.2)
+  monkeypatch.setattr(generation, "compile_constraint", lambda *args: time.sleep(2))
   engine = _StallingEngine()
   slow = dict(prompt="a", max_tokens=4, structured_outputs={"regex": "[ab]+"})
 

@@ -1,7 +1,8 @@
 """The serving engine: scheduler, runner, request and output types."""
 
+from paged_jax.engine.lifecycle import EngineStateError
 from paged_jax.engine.llm import LLM
-from paged_jax.engine.llm_engine import EngineStateError, LLMEngine
+from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.outputs import CompletionOutput, GenerationStats, RequestOutput
 from paged_jax.engine.protocol import ModelProtocol, check_model
 from paged_jax.engine.rollout import Rollout, rollout

@@ -8,6 +8,7 @@ import numpy as np
 from paged_jax.engine.sequence import Sequence, SequenceGroup, token_limit
 from paged_jax.params import SamplingParams
 from paged_jax.structured import Automaton, compile_constraint
+from paged_jax.token_ids import check_token_ids
 
 MAX_STOP_TOKENS = 8
 
@@ -49,14 +50,7 @@ class InputProcessor:
       if self.tokenizer is None:
         raise ValueError("a text prompt needs a tokenizer; pass token ids")
       return prompt, np.asarray(self.tokenizer.encode(prompt), np.int32)
-    ids = np.asarray(prompt)
-    if ids.ndim != 1 or ids.size < 1 or not np.issubdtype(ids.dtype, np.integer):
-      raise ValueError(
-        f"prompt must be a str or a non-empty 1-D int array, got {ids.dtype}{list(ids.shape)}"
-      )
-    if ids.min() < 0 or ids.max() >= self.vocab_size:
-      raise ValueError(f"prompt has token ids outside 0..{self.vocab_size - 1}")
-    return None, ids.astype(np.int32)
+    return None, check_token_ids(prompt, self.vocab_size, "prompt")
 
   def group(
     self, request_id: str, prompt, params: SamplingParams, key: jax.Array, arrival: int

@@ -11,32 +11,22 @@ from tqdm.auto import tqdm
 
 from paged_jax import compilation_cache, compile_guard, sharding, structured
 from paged_jax.config import CacheConfig
-from paged_jax.engine import speculative, weights
+from paged_jax.engine import engine_checks, speculative
 from paged_jax.engine.admission import admission_error
 from paged_jax.engine.cache_manager import CacheManager
 from paged_jax.engine.input_processor import MAX_STOP_TOKENS, InputProcessor
+from paged_jax.engine.lifecycle import EngineLifecycle
 from paged_jax.engine.output_processor import OutputProcessor
 from paged_jax.engine.outputs import GenerationStats, RequestOutput
 from paged_jax.engine.protocol import check_model
+from paged_jax.engine.rounds import EngineRounds
 from paged_jax.engine.runner import ModelRunner
-from paged_jax.engine.scheduler import PREEMPTION_MODES, Scheduler
-from paged_jax.engine.scheduler_output import SchedulerOutput
+from paged_jax.engine.scheduler import Scheduler
 from paged_jax.engine.sequence import SequenceGroup
-from paged_jax.paged_cache import window_chunk
 from paged_jax.params import SamplingParams
 
-# The most model programs (prompt shapes and decode loops) one engine
-# compiles: each costs a compile in warm-up and, on XLA:CPU, memory
-# mappings of its code (Linux's vm.max_map_count bounds a process's).
-MAX_MODEL_PROGRAMS = 12
 
-
-class EngineStateError(RuntimeError):
-  """An operation the engine's state does not allow now (requests running,
-  asleep)."""
-
-
-class LLMEngine:
+class LLMEngine(EngineRounds, EngineLifecycle):
   """Serves requests as they come, on the paged KV cache (vLLM's online form).
 
   Every `step` is one scheduling round: swapped-out groups come back,
@@ -155,42 +145,17 @@ class LLMEngine:
     if not isinstance(cache_config, CacheConfig):
       raise TypeError(f"cache_config must be a pj.CacheConfig, got {type(cache_config).__name__}")
     max_num_seqs = cache_config.max_seqs if max_num_seqs is None else (max_num_seqs)
-    for name, value, low, high in (
-      ("max_num_seqs", max_num_seqs, 1, cache_config.max_seqs),
-      ("max_num_batched_tokens", max_num_batched_tokens, 1, None),
-      ("num_decode_steps", num_decode_steps, 1, None),
-      ("max_logprobs", max_logprobs, 0, None),
-      ("max_beam_width", max_beam_width, 1, None),
-      ("prefill_width", prefill_width, 1, None),
-    ):
-      if (
-        isinstance(value, bool)
-        or not isinstance(value, int)
-        or value < low
-        or (high is not None and value > high)
-      ):
-        bound = f"in {low}..{high}" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be an int {bound}, got {value!r}")
-    if decode_row_buckets is not None and not (
-      isinstance(decode_row_buckets, (list, tuple))
-      and all(
-        isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= cache_config.max_seqs
-        for b in decode_row_buckets
-      )
-    ):
-      raise ValueError(
-        f"decode_row_buckets must be a list or tuple of ints in 1..{cache_config.max_seqs} "
-        f"(rows per data shard), got {decode_row_buckets!r}"
-      )
-    if max_num_batched_tokens < cache_config.block_size:
-      raise ValueError(
-        f"max_num_batched_tokens ({max_num_batched_tokens}) must hold at least one block "
-        f"(block_size {cache_config.block_size})"
-      )
-    if preemption_mode not in PREEMPTION_MODES:
-      raise ValueError(
-        f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}"
-      )
+    engine_checks.check_limits(
+      cache_config,
+      max_num_seqs=max_num_seqs,
+      max_num_batched_tokens=max_num_batched_tokens,
+      num_decode_steps=num_decode_steps,
+      max_logprobs=max_logprobs,
+      max_beam_width=max_beam_width,
+      prefill_width=prefill_width,
+      decode_row_buckets=decode_row_buckets,
+      preemption_mode=preemption_mode,
+    )
     if automaton_capacity is not None and not isinstance(
       automaton_capacity, structured.TableCapacity
     ):
@@ -209,9 +174,9 @@ class LLMEngine:
         "async_scheduling does not work with speculative_config: a speculating launch starts "
         "from the tokens the host read back"
       )
-    max_chunk = _max_chunk(cache_config, model.config)
+    max_chunk = engine_checks.max_chunk(cache_config, model.config)
     if self.speculative is not None:
-      _check_speculation(self.speculative, cache_config, max_chunk, draft)
+      engine_checks.check_speculation(self.speculative, cache_config, max_chunk, draft)
     self.draft = draft
     self._chooser = None
     if self.speculative is not None and self.speculative.adaptive:
@@ -255,7 +220,7 @@ class LLMEngine:
       draft_model=draft,
       automaton_capacity=automaton_capacity,
     )
-    _check_program_count(self.runner, max_num_batched_tokens, max_num_seqs)
+    engine_checks.check_program_count(self.runner, max_num_batched_tokens, max_num_seqs)
     self.inputs = InputProcessor(
       tokenizer,
       eos_token_id,
@@ -464,109 +429,6 @@ class LLMEngine:
     self.schedulers[group.shard].remove(group)
     self._finish(group, "abort")
 
-  # Weights, sleep and wake.
-  def update_weights(self, new_weights, *, abort_running: bool = False, check_finite=True) -> None:
-    """Serves from now on with `new_weights`, without compiling.
-
-    The weights are matched to the model's by path, cast to the engine's
-    dtypes (float32 master weights for a bfloat16 engine) and put on its
-    shardings (see `paged_jax.engine.weights.replace`), so every program
-    runs as compiled; only a cast or a move between shardings compiles, once
-    per leaf shape, on the first update that needs it. The prefix cache is
-    dropped (`reset_prefix_cache`): its K/V came from the old weights. A
-    speculative draft model keeps its weights.
-
-    Args:
-      new_weights: an `nnx.State` or `nnx.Module` of the model's class, or a
-        pytree in its nesting (`nnx.to_pure_dict(state)`), in any dtype and
-        on any sharding.
-      abort_running: abort the unfinished requests first (the next `step`
-        reports them with finish reason "abort") instead of refusing.
-      check_finite: refuse weights with a NaN or infinity (one pass over
-        them on the device before anything changes).
-
-    Raises:
-      EngineStateError: while requests are unfinished (without
-        `abort_running`), or asleep at level 2 (`wake_up` first).
-      WeightsMismatchError: naming the first missing, extra or misshapen
-        weight; NonFiniteWeightsError: naming the first non-finite one.
-        Nothing changes then.
-    """
-    if self.sleep_level == 2:
-      raise EngineStateError("update_weights: the engine sleeps at level 2; call wake_up() first")
-    self._idle_or_abort("update_weights", abort_running)
-    self.runner.params = weights.replace(self.runner.params, new_weights, check_finite)
-    self.reset_prefix_cache()
-
-  def reset_prefix_cache(self) -> None:
-    """Forgets every cached block (their K/V stays until overwritten; no
-    prompt hits them again). The hit counters of `stats` go on.
-
-    Raises:
-      EngineStateError: while requests are unfinished.
-    """
-    self._idle_or_abort("reset_prefix_cache", False)
-    self.cache.reset()
-
-  def _idle_or_abort(self, what: str, abort_running: bool) -> None:
-    """Aborts every unfinished request if `abort_running`; else raises
-    `EngineStateError` if there is one."""
-    unfinished = [g.request_id for g in self._groups.values() if not g.finished]
-    if unfinished and not abort_running:
-      raise EngineStateError(
-        f"{what}: {len(unfinished)} request(s) unfinished (first {unfinished[0]!r}); let "
-        f"them finish or pass abort_running=True"
-      )
-    for request_id in unfinished:
-      self.abort_request(request_id)
-
-  def sleep(self, level: int = 1) -> int:
-    """Frees device memory while the engine is not needed (a training step).
-
-    Level 1 deletes the KV pages (device and host swap pages); level 2 also
-    copies the weights to host memory (NumPy) and drops their device arrays,
-    which frees them unless something else holds them: the model given to
-    the constructor shares its arrays with the engine until the first
-    `update_weights` (a speculative draft model's weights stay). `wake_up`
-    restores both. Unread outputs of finished or aborted requests are kept.
-
-    Args:
-      level: 1 or 2.
-
-    Returns:
-      The bytes of the arrays deleted or dropped.
-
-    Raises:
-      ValueError: for another level.
-      EngineStateError: while requests are unfinished, or if already asleep.
-    """
-    if level not in (1, 2):
-      raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
-    if self.sleep_level:
-      raise EngineStateError(f"sleep: already asleep at level {self.sleep_level}")
-    self._idle_or_abort("sleep", False)
-    freed = self.cache.release_pages()
-    if level == 2:
-      freed += sum(leaf.nbytes for leaf in jax.tree.leaves(self.runner.params))
-      self.runner.offload_weights()
-    self.sleep_level = level
-    return freed
-
-  def wake_up(self) -> None:
-    """Undoes `sleep`: zeroed KV pages, the block manager empty (no prefix
-    cache), and after level 2 the weights back on the device; the same
-    shapes and shardings, so nothing compiles. A no-op while awake."""
-    if not self.sleep_level:
-      return
-    if self.sleep_level == 2:
-      self.runner.reload_weights()
-    self.cache.restore_pages()
-    self.sleep_level = 0
-
-  def _refuse_asleep(self, what: str) -> None:
-    if self.sleep_level:
-      raise EngineStateError(f"{what}: the engine sleeps (level {self.sleep_level}); wake_up first")
-
   def has_unfinished_requests(self) -> bool:
     return (
       bool(self._pending) or self.running_ahead or any(s.has_unfinished() for s in self.schedulers)
@@ -579,216 +441,9 @@ class LLMEngine:
     self._retire(group)
     self._pending.append(self.processor.output(group))
 
-  def _record_launch(self, decoding, result, speculated: bool, seconds: float) -> None:
-    """Tells the launch chooser a decode launch's time and speculation's
-    tokens per row and step: counted, or for a plain launch those of prompt
-    lookup's steps over the positions whose next `k` tokens are known (a
-    launch takes the positions after the previous one's)."""
-    chooser, k = self._chooser, self.speculative.num_speculative_tokens
-    chooser.record_time(result.num_rows, speculated, seconds, result.steps)
-    if speculated:
-      chooser.record_tokens(result.num_rows, int(result.counts.sum()), result.row_steps)
-      return
-    steps = drawn = 0
-    for slot, (group, seq) in decoding:
-      if seq.finished:
-        continue
-      tokens = np.concatenate([group.prompt_token_ids, seq.token_ids]).astype(np.int32)
-      drawn_before = len(tokens) - int(result.counts[slot])
-      first = max(len(group.prompt_token_ids) + 1, drawn_before - k)
-      at = range(first, max(first, len(tokens) - k))  # none while fewer than k follow
-      row_steps, row_drawn = speculative.lookup_walk(tokens, at, self.speculative)
-      steps, drawn = steps + row_steps, drawn + row_drawn
-    chooser.record_tokens(result.num_rows, drawn, steps)
-
   def _retire(self, group: SequenceGroup) -> None:
     del self._groups[group.request_id]
     self._loads[group.shard] -= group.load
-
-  # Steps.
-  def step(self) -> list[RequestOutput]:
-    """Runs one scheduling round: every shard's scheduler decides, the
-    runner swaps pages, prefills and decodes, the output processor appends
-    the tokens, and the schedulers take in the results. With
-    `async_scheduling`, a round may instead read back the decode launch the
-    last one dispatched ahead (dispatching the next one first when the
-    round after would only decode the same rows again).
-
-    Returns:
-      A `RequestOutput` for every request that drew tokens or finished in
-      this round (with `output_kind="final"`, only finished ones); while
-      the engine sleeps, only those of requests aborted before.
-    """
-    if self.sleep_level:  # nothing runs; aborted requests are reported
-      outputs, self._pending = self._pending, []
-      return outputs
-    start = time.perf_counter()
-    touched = self._take_ahead(True) if self.running_ahead else self._round()
-    outputs, self._pending = self._pending, []
-    outputs += self._outputs(touched)
-    self.timing["rounds"] += 1
-    self.timing["wall_s"] += time.perf_counter() - start
-    return outputs
-
-  def _round(self) -> dict[str, SequenceGroup]:
-    """A scheduling round (see `step`); returns the groups it touched."""
-    rounds = [scheduler.schedule() for scheduler in self.schedulers]
-    for out in rounds:
-      for group in out.failed:
-        self._finish(group, "error")
-      for plan in out.swap_out:
-        self.cache.move_out(plan)
-      for plan in out.swap_in:
-        self.cache.move_in(plan)
-      self.runner.table.apply(out.rows)
-    touched: dict[str, SequenceGroup] = {}
-    chunks = [chunk for out in rounds for chunk in out.chunks]
-    result = None
-    if chunks and self.speculative is None:
-      result = self._ragged_step(rounds, chunks, touched)
-    elif chunks or self.runner.table.has_running_rows():
-      if chunks:
-        self._prefill(rounds, chunks, touched)
-      result = self._decode(rounds, touched)
-    self._update_or_defer(rounds, result)
-    return touched
-
-  def _prompt_draws(self, chunks):
-    """`(samples, their constraints)` of a round's `chunks`: the sequences
-    that draw their first token (see `ModelRunner.prefill`)."""
-    drawing = [(chunk.group, s) for chunk in chunks for s in chunk.samples]
-    samples = [(row, s.slot) for row, chunk in enumerate(chunks) for s in chunk.samples]
-    return samples, _constraints(enumerate(drawing))
-
-  def _ragged_step(self, rounds, chunks, touched):
-    """Runs a round's chunks with one decode step of its running rows
-    (`ModelRunner.ragged_step`) and takes in what they drew."""
-    samples, sample_constraints = self._prompt_draws(chunks)
-    draws, scores, result = self._timed(
-      self.runner.ragged_step,
-      chunks,
-      samples,
-      sample_constraints,
-      _constraints(_decoding(rounds)),
-    )
-    for out in rounds:
-      touched.update(self.processor.take_decode(out.decoding, result))
-    touched.update(self.processor.take_prefill(chunks, draws, scores))
-    for scheduler, out in zip(self.schedulers, rounds):
-      self.runner.table.apply(scheduler.after_prefill(out))
-    return result
-
-  def _prefill(self, rounds, chunks, touched) -> None:
-    """Runs a speculating round's chunks in their own launch."""
-    samples, sample_constraints = self._prompt_draws(chunks)
-    draws, scores = self._timed(self.runner.prefill, chunks, samples, sample_constraints)
-    touched.update(self.processor.take_prefill(chunks, draws, scores))
-    for scheduler, out in zip(self.schedulers, rounds):
-      self.runner.table.apply(scheduler.after_prefill(out))
-
-  def _decode(self, rounds, touched):
-    """Runs the decode loop on the running rows (as many steps as
-    `ModelRunner.decode` ramps up to) and takes in what they drew."""
-    if not self.runner.table.has_running_rows():
-      return None
-    stop_on_finish = any(out.stop_on_finish for out in rounds)
-    decoding = _decoding(rounds)
-    speculate = self._chooser is None or self._chooser.speculate(self.runner.next_decode_rows())
-    histories = []
-    if self.speculative is not None and speculate:
-      histories = [
-        (slot, np.concatenate([group.prompt_token_ids, seq.token_ids]).astype(np.int32))
-        for slot, (group, seq) in decoding
-      ]
-    launched = time.perf_counter()
-    result = self._timed(
-      self.runner.decode,
-      self.num_decode_steps,
-      stop_on_finish,
-      _constraints(decoding),
-      histories,
-      speculate,
-      self._may_run_ahead(),
-    )
-    seconds = time.perf_counter() - launched
-    for out in rounds:
-      touched.update(self.processor.take_decode(out.decoding, result))
-    if self._chooser is not None:
-      self._record_launch(decoding, result, speculate, seconds)
-    return result
-
-  def _may_run_ahead(self) -> bool:
-    """Whether to dispatch the next decode launch before reading this one
-    back: with `async_scheduling`, while rows decode and every shard's next
-    round would only decode them again (`Scheduler.decodes_only`)."""
-    return (
-      self.async_scheduling
-      and self.runner.table.has_running_rows()
-      and all(scheduler.decodes_only() for scheduler in self.schedulers)
-    )
-
-  def _update_or_defer(self, rounds, result) -> None:
-    """Hands the schedulers a round's decode `result`, or, while a launch
-    runs ahead, keeps it until that one is read back: no block manager
-    call goes between a launch and the one dispatched after it."""
-    if self.running_ahead:
-      self._deferred = (rounds, result)
-      return
-    for scheduler, out in zip(self.schedulers, rounds):
-      scheduler.update(
-        out,
-        None if result is None else result.finished,
-        result is not None and result.out_of_blocks[scheduler.shard],
-      )
-
-  def _take_ahead(self, may_run_ahead: bool) -> dict[str, SequenceGroup]:
-    """Reads back the decode launch that runs ahead (dispatching the next
-    one first, if `may_run_ahead` and the schedulers would take the last
-    round's results without a block manager call); returns the groups it
-    touched.
-
-    Sequences that finished on the host (stop strings) before it ran drew
-    tokens in it too: those are dropped, and their blocks freed (by the
-    device, if it finished them there too).
-    """
-    rounds, before = self._deferred
-    self._deferred = None
-    run_ahead = (
-      may_run_ahead
-      and self._may_run_ahead()
-      and self.runner.ahead_rows_fit()
-      and not any(
-        scheduler.update_frees(out, before.finished, before.out_of_blocks[scheduler.shard])
-        for scheduler, out in zip(self.schedulers, rounds)
-      )
-    )
-    result = self._timed(self.runner.take_ahead, run_ahead)
-    for scheduler, out in zip(self.schedulers, rounds):
-      scheduler.update(
-        out, before.finished | result.finished, before.out_of_blocks[scheduler.shard]
-      )
-    rounds = [SchedulerOutput(s.shard, decoding=list(s.running)) for s in self.schedulers]
-    touched: dict[str, SequenceGroup] = {}
-    for out in rounds:
-      touched.update(self.processor.take_decode(out.decoding, result))
-    self._update_or_defer(rounds, result)
-    return touched
-
-  def _outputs(self, touched: dict[str, SequenceGroup]) -> list[RequestOutput]:
-    """The outputs of the groups a round touched; retires finished ones."""
-    outputs = []
-    for group in touched.values():
-      if group.finished:
-        self._retire(group)
-      if group.finished or (group.params.output_kind != "final" and not group.beam):
-        outputs.append(self.processor.output(group))
-    return outputs
-
-  def _timed(self, function, *args):
-    start = time.perf_counter()
-    result = function(*args)
-    self.timing["device_s"] += time.perf_counter() - start
-    return result
 
   # Introspection.
   @property
@@ -838,92 +493,3 @@ class LLMEngine:
       swaps=self.cache.num_swapped_blocks,
       **{name: counters[name] for name in counters if name.startswith("spec_decode_")},
     )
-
-
-def _decoding(rounds) -> list:
-  """`(slot, (group, seq))` of the rounds' sequences that hold a slot,
-  beam groups' aside."""
-  return [
-    (s.slot, (group, s))
-    for out in rounds
-    for group in out.decoding
-    if not group.beam
-    for s in group.live()
-    if s.slot >= 0
-  ]
-
-
-def _constraints(rows) -> list:
-  """`(row, automaton, state)` of the constrained sequences among `(row,
-  (group, seq))` pairs, for the runner's launches."""
-  return [
-    (row, group.automaton, seq.automaton_state)
-    for row, (group, seq) in rows
-    if group.automaton is not None
-  ]
-
-
-def _check_program_count(runner: ModelRunner, max_num_batched_tokens: int, max_num_seqs: int):
-  """Raises ValueError if the engine's model programs (prompt shapes and
-  decode loops, see `LLMEngine.compiled_programs`) pass `MAX_MODEL_PROGRAMS`."""
-  prompts = len(runner.prefill_buckets())
-  loops = len(runner.decode_kinds()) * len(runner.decode_buckets())
-  if prompts + loops > MAX_MODEL_PROGRAMS:
-    raise ValueError(
-      f"this configuration compiles {prompts + loops} model programs, more than "
-      f"{MAX_MODEL_PROGRAMS}: {prompts} prompt shapes (max_num_batched_tokens "
-      f"{max_num_batched_tokens} in tiles of prefill_width {runner.prefill_width}) and {loops} "
-      f"decode loops (row buckets {runner.decode_buckets()} for max_num_seqs {max_num_seqs}); "
-      f"raise prefill_width, lower max_num_batched_tokens or pass fewer decode_row_buckets"
-    )
-
-
-def _check_speculation(config, cfg: CacheConfig, max_chunk: int | None, draft) -> None:
-  """Refuses speculation that the cache cannot hold.
-
-  Raises:
-    ValueError: if `k` lookahead slots leave no room in a block table, a
-      cache that frees blocks outside its window takes fewer than `k + 1`
-      tokens per call or would hold a draft model's pages, or the draft
-      does not follow the model protocol.
-  """
-  k = config.num_speculative_tokens
-  if draft is not None:
-    check_model(draft)
-    if cfg.sliding_window is not None:
-      raise ValueError(
-        "a draft model runs on a cache that keeps every block: use a CacheConfig without "
-        "sliding_window (each layer masks its own window) or the ngram method"
-      )
-  if k >= cfg.max_tokens_per_seq:
-    raise ValueError(
-      f"num_speculative_tokens {k} leaves no room in a block table of "
-      f"{cfg.max_tokens_per_seq} tokens"
-    )
-  if max_chunk is not None and k + 1 > max_chunk:
-    raise ValueError(
-      f"num_speculative_tokens {k}: a step appends {k + 1} tokens, but this cache's window "
-      f"takes at most {max_chunk} per call; lower k or widen CacheConfig.sliding_window"
-    )
-
-
-def _max_chunk(cfg: CacheConfig, model_config) -> int | None:
-  """The most prompt tokens a sequence appends per round on a cache that
-  frees the blocks outside its window (`window_chunk`); None on a cache
-  that keeps every block.
-
-  Raises:
-    ValueError: if a layer attends beyond the cache's window, or the model's
-      config has no `layer_window(layer)` to say what its layers see.
-  """
-  if cfg.sliding_window is None:
-    return None
-  layer_window = getattr(model_config, "layer_window", None)
-  if layer_window is None:
-    raise ValueError(
-      f"this cache frees the blocks outside a window of {cfg.sliding_window} tokens, but "
-      f"the model's config has no layer_window(layer) that says which keys its layers see; "
-      f"use a CacheConfig without sliding_window"
-    )
-  windows = {layer: layer_window(layer) for layer in range(model_config.num_layers)}
-  return window_chunk(cfg.sliding_window, windows)

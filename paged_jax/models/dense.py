@@ -21,20 +21,7 @@ from flax import nnx
 from paged_jax.models.llama import init_dense_cache
 from paged_jax.params import SamplingParams
 from paged_jax.sampling import RowParams, is_stop, sample_rows
-
-
-def prompt_array(prompt) -> np.ndarray:
-  """`prompt` as int32 token ids.
-
-  Raises:
-    ValueError: unless it is a non-empty 1-D integer array.
-  """
-  prompt = np.asarray(prompt)
-  if prompt.ndim != 1 or prompt.size < 1 or not np.issubdtype(prompt.dtype, np.integer):
-    raise ValueError(
-      f"prompt must be a non-empty 1-D int array, got {prompt.dtype}{list(prompt.shape)}"
-    )
-  return prompt.astype(np.int32)
+from paged_jax.token_ids import check_token_ids
 
 
 def _row_params(sampling: SamplingParams, keys: jax.Array) -> RowParams:
@@ -121,7 +108,7 @@ def generate_dense(
   Raises:
     ValueError: if a prompt is empty or not 1-D.
   """
-  prompts = [prompt_array(p) for p in prompts]
+  prompts = [check_token_ids(p, None, "prompt") for p in prompts]
   lengths = np.array([p.size for p in prompts], np.int32)
   width = 8 * -(-int(lengths.max()) // 8)
   tokens = np.zeros((len(prompts), width), np.int32)

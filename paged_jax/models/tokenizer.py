@@ -22,6 +22,8 @@ import jinja2.sandbox
 import numpy as np
 import tokenizers
 
+from paged_jax.token_ids import check_token_ids
+
 
 class ByteTokenizer:
   """Encodes text as its UTF-8 bytes; needs no vocabulary file.
@@ -81,7 +83,7 @@ class ByteTokenizer:
     Raises:
       ValueError: if an id is outside `0 .. vocab_size - 1`.
     """
-    ids = checked_ids(ids, self.vocab_size)
+    ids = check_token_ids(ids, self.vocab_size, "ids", allow_empty=True, flatten=True)
     data = ids[ids < 256].astype(np.uint8).tobytes()
     return data.decode("utf-8", errors="replace")
 
@@ -168,7 +170,7 @@ class PretrainedTokenizer:
     Raises:
       ValueError: if an id is outside `0 .. vocab_size - 1`.
     """
-    ids = checked_ids(ids, self.vocab_size)
+    ids = check_token_ids(ids, self.vocab_size, "ids", allow_empty=True, flatten=True)
     return self.tokenizer.decode(ids.tolist(), skip_special_tokens=skip_special_tokens)
 
   def apply_chat_template(
@@ -437,15 +439,3 @@ def _compiled_template(source: str) -> jinja2.Template:
   environment.globals["raise_exception"] = _raise_exception
   environment.globals["strftime_now"] = _strftime_now
   return environment.from_string(source)
-
-
-def checked_ids(ids, vocab_size: int) -> np.ndarray:
-  """Token ids as a flat int64 array; ValueError for non-integers or ids outside the vocabulary."""
-  ids = np.asarray(ids)
-  if ids.size and not np.issubdtype(ids.dtype, np.integer):
-    raise ValueError(f"ids must be integers, got dtype {ids.dtype}")
-  ids = ids.astype(np.int64).ravel()
-  bad = ids[(ids < 0) | (ids >= vocab_size)]
-  if bad.size:
-    raise ValueError(f"token id {int(bad[0])} is outside 0..{vocab_size - 1}")
-  return ids

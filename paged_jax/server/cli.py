@@ -14,10 +14,10 @@ import json
 import logging
 import math
 import os
-import pathlib
 import signal
 import threading
 
+from paged_jax.command_line import add_quantization_argument, load_model, positive
 from paged_jax.server.limits import (
   DEFAULT_MAX_REQUEST_BYTES,
   DEFAULT_MAX_WAITING_REQUESTS,
@@ -35,13 +35,6 @@ KV_CACHE_DTYPES = {
 }
 
 logger = logging.getLogger("paged_jax.server")
-
-
-def _positive(text: str) -> int:
-  value = int(text)
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-  return value
 
 
 def _fraction(text: str) -> float:
@@ -100,12 +93,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     help="weights and compute of a pretrained model; auto: float32 on CPU, else bfloat16",
   )
   add_quantization_argument(serve)
-  serve.add_argument("--max-model-len", type=_positive, default=None, help="default: the model's")
-  serve.add_argument("--max-num-seqs", type=_positive, default=32)
-  serve.add_argument("--max-num-batched-tokens", type=_positive, default=512)
+  serve.add_argument("--max-model-len", type=positive, default=None, help="default: the model's")
+  serve.add_argument("--max-num-seqs", type=positive, default=32)
+  serve.add_argument("--max-num-batched-tokens", type=positive, default=512)
   serve.add_argument(
     "--num-scheduler-steps",
-    type=_positive,
+    type=positive,
     default=8,
     help="the most decode steps per launch of a decode-only stretch (the engine's "
     "num_decode_steps)",
@@ -116,8 +109,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     help="dispatch the next decode launch before reading the last one back, when the next "
     "round only decodes (the engine's async_scheduling)",
   )
-  serve.add_argument("--block-size", type=_positive, default=16)
-  serve.add_argument("--num-gpu-blocks-override", type=_positive, default=None)
+  serve.add_argument("--block-size", type=positive, default=16)
+  serve.add_argument("--num-gpu-blocks-override", type=positive, default=None)
   serve.add_argument(
     "--gpu-memory-utilization",
     type=_fraction,
@@ -137,8 +130,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
   serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
   serve.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
   serve.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), default="auto")
-  serve.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1)
-  serve.add_argument("--data-parallel-size", "-dp", type=_positive, default=1)
+  serve.add_argument("--tensor-parallel-size", "-tp", type=positive, default=1)
+  serve.add_argument("--data-parallel-size", "-dp", type=positive, default=1)
   serve.add_argument(
     "--api-key",
     default=os.environ.get(API_KEY_ENV) or None,
@@ -148,13 +141,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
   serve.add_argument("--max-logprobs", type=int, default=20)
   serve.add_argument(
     "--max-request-bytes",
-    type=_positive,
+    type=positive,
     default=DEFAULT_MAX_REQUEST_BYTES,
     help="the largest request body; a larger one gets 413",
   )
   serve.add_argument(
     "--max-waiting-requests",
-    type=_positive,
+    type=positive,
     default=DEFAULT_MAX_WAITING_REQUESTS,
     help="prompts waiting for their first token, at most; past it, 503 with Retry-After",
   )
@@ -188,32 +181,25 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def _load(args):
-  """`(model, tokenizer)` that `--model` names."""
-  from paged_jax.models import load_pretrained, pretrained
-  from paged_jax.models.quantized import quantize_loaded
-  from paged_jax.models.tokenizer import ByteTokenizer
+  """`(model, tokenizer)` that `--model` names (see `command_line.load_model`,
+  which `demo` loads with too).
 
-  quantization = getattr(args, "quantization", None)
-  if args.model == "tiny":
-    model = quantize_loaded(pretrained.load_tiny(), quantization, args.model)
-    if args.max_model_len is not None and args.max_model_len > model.config.max_seq_len:
-      raise ValueError(
-        f"--max-model-len {args.max_model_len} exceeds the tiny model's "
-        f"{model.config.max_seq_len} positions"
-      )
-    return model, ByteTokenizer()
-  if (pathlib.Path(args.model) / pretrained.WEIGHTS_FILE).is_file():
-    return quantize_loaded(
-      pretrained.load_model(args.model), quantization, args.model
-    ), ByteTokenizer()
-  dtype = args.dtype
-  if dtype == "auto":
-    import jax
-
-    dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-  return load_pretrained(
-    args.model, dtype=dtype, max_seq_len=args.max_model_len, quantization=quantization
+  Raises:
+    ValueError: also for a `--max-model-len` past the tiny or a saved
+      model's positions.
+  """
+  model, tokenizer = load_model(
+    args.model,
+    dtype=args.dtype,
+    max_seq_len=args.max_model_len,
+    quantization=getattr(args, "quantization", None),
   )
+  if args.max_model_len is not None and args.max_model_len > model.config.max_seq_len:
+    raise ValueError(
+      f"--max-model-len {args.max_model_len} exceeds the {args.model} model's "
+      f"{model.config.max_seq_len} positions"
+    )
+  return model, tokenizer
 
 
 def _with_draft(args) -> dict | None:
@@ -224,7 +210,11 @@ def _with_draft(args) -> dict | None:
   if config is None or config.get("method") != "draft_model" or "model" not in config:
     return config
   config = dict(config)
-  quantization = config.pop("quantization", getattr(args, "quantization", None))
+  if "quantization" in config:
+    own = config.pop("quantization")
+    quantization = "none" if own is None else own  # JSON null: float weights
+  else:
+    quantization = getattr(args, "quantization", None)
   draft = argparse.Namespace(
     **{**vars(args), "model": config["model"], "quantization": quantization}
   )
@@ -250,17 +240,6 @@ def _num_gpu_blocks(args, model, block_bytes: int, max_model_len: int) -> int:
   weights //= args.tensor_parallel_size
   return pj.num_gpu_blocks_for_memory(
     memory, block_bytes, utilization=args.gpu_memory_utilization, reserved_bytes=weights
-  )
-
-
-def add_quantization_argument(parser: argparse.ArgumentParser) -> None:
-  """`--quantization`, as `serve`, `demo` and `aot` take it."""
-  parser.add_argument(
-    "--quantization",
-    choices=("gguf", "int8", "int4"),
-    default=None,
-    help="weights kept quantized in memory: gguf (a GGUF file's own types), int8 (per output "
-    "channel) or int4 (groups of 32), quantized at load; default: float weights",
   )
 
 

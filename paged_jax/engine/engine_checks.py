@@ -1,0 +1,132 @@
+"""`LLMEngine`'s checks of its configuration: speculation the cache can
+hold, the most prompt tokens per round under a window, and how many model
+programs one engine compiles."""
+
+from __future__ import annotations
+
+from paged_jax.config import CacheConfig
+from paged_jax.engine.protocol import check_model
+from paged_jax.engine.runner import ModelRunner
+from paged_jax.engine.scheduler import PREEMPTION_MODES
+from paged_jax.paged_cache import window_chunk
+
+# The most model programs (prompt shapes and decode loops) one engine
+# compiles: each costs a compile in warm-up and, on XLA:CPU, memory
+# mappings of its code (Linux's vm.max_map_count bounds a process's).
+MAX_MODEL_PROGRAMS = 12
+
+
+def check_program_count(runner: ModelRunner, max_num_batched_tokens: int, max_num_seqs: int):
+  """Raises ValueError if the engine's model programs (prompt shapes and
+  decode loops, see `LLMEngine.compiled_programs`) pass `MAX_MODEL_PROGRAMS`."""
+  prompts = len(runner.prefill_buckets())
+  loops = len(runner.decode_kinds()) * len(runner.decode_buckets())
+  if prompts + loops > MAX_MODEL_PROGRAMS:
+    raise ValueError(
+      f"this configuration compiles {prompts + loops} model programs, more than "
+      f"{MAX_MODEL_PROGRAMS}: {prompts} prompt shapes (max_num_batched_tokens "
+      f"{max_num_batched_tokens} in tiles of prefill_width {runner.prefill_width}) and {loops} "
+      f"decode loops (row buckets {runner.decode_buckets()} for max_num_seqs {max_num_seqs}); "
+      f"raise prefill_width, lower max_num_batched_tokens or pass fewer decode_row_buckets"
+    )
+
+
+def check_speculation(config, cfg: CacheConfig, max_chunk: int | None, draft) -> None:
+  """Refuses speculation that the cache cannot hold.
+
+  Raises:
+    ValueError: if `k` lookahead slots leave no room in a block table, a
+      cache that frees blocks outside its window takes fewer than `k + 1`
+      tokens per call or would hold a draft model's pages, or the draft
+      does not follow the model protocol.
+  """
+  k = config.num_speculative_tokens
+  if draft is not None:
+    check_model(draft)
+    if cfg.sliding_window is not None:
+      raise ValueError(
+        "a draft model runs on a cache that keeps every block: use a CacheConfig without "
+        "sliding_window (each layer masks its own window) or the ngram method"
+      )
+  if k >= cfg.max_tokens_per_seq:
+    raise ValueError(
+      f"num_speculative_tokens {k} leaves no room in a block table of "
+      f"{cfg.max_tokens_per_seq} tokens"
+    )
+  if max_chunk is not None and k + 1 > max_chunk:
+    raise ValueError(
+      f"num_speculative_tokens {k}: a step appends {k + 1} tokens, but this cache's window "
+      f"takes at most {max_chunk} per call; lower k or widen CacheConfig.sliding_window"
+    )
+
+
+def max_chunk(cfg: CacheConfig, model_config) -> int | None:
+  """The most prompt tokens a sequence appends per round on a cache that
+  frees the blocks outside its window (`window_chunk`); None on a cache
+  that keeps every block.
+
+  Raises:
+    ValueError: if a layer attends beyond the cache's window, or the model's
+      config has no `layer_window(layer)` to say what its layers see.
+  """
+  if cfg.sliding_window is None:
+    return None
+  layer_window = getattr(model_config, "layer_window", None)
+  if layer_window is None:
+    raise ValueError(
+      f"this cache frees the blocks outside a window of {cfg.sliding_window} tokens, but "
+      f"the model's config has no layer_window(layer) that says which keys its layers see; "
+      f"use a CacheConfig without sliding_window"
+    )
+  windows = {layer: layer_window(layer) for layer in range(model_config.num_layers)}
+  return window_chunk(cfg.sliding_window, windows)
+
+
+def check_limits(
+  cache_config: CacheConfig,
+  *,
+  max_num_seqs: int,
+  max_num_batched_tokens: int,
+  num_decode_steps: int,
+  max_logprobs: int,
+  max_beam_width: int,
+  prefill_width: int,
+  decode_row_buckets,
+  preemption_mode: str,
+) -> None:
+  """Raises ValueError for an `LLMEngine` argument out of its range (see
+  the engine's Args)."""
+  for name, value, low, high in (
+    ("max_num_seqs", max_num_seqs, 1, cache_config.max_seqs),
+    ("max_num_batched_tokens", max_num_batched_tokens, 1, None),
+    ("num_decode_steps", num_decode_steps, 1, None),
+    ("max_logprobs", max_logprobs, 0, None),
+    ("max_beam_width", max_beam_width, 1, None),
+    ("prefill_width", prefill_width, 1, None),
+  ):
+    if (
+      isinstance(value, bool)
+      or not isinstance(value, int)
+      or value < low
+      or (high is not None and value > high)
+    ):
+      bound = f"in {low}..{high}" if high is not None else f">= {low}"
+      raise ValueError(f"{name} must be an int {bound}, got {value!r}")
+  if decode_row_buckets is not None and not (
+    isinstance(decode_row_buckets, (list, tuple))
+    and all(
+      isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= cache_config.max_seqs
+      for b in decode_row_buckets
+    )
+  ):
+    raise ValueError(
+      f"decode_row_buckets must be a list or tuple of ints in 1..{cache_config.max_seqs} "
+      f"(rows per data shard), got {decode_row_buckets!r}"
+    )
+  if max_num_batched_tokens < cache_config.block_size:
+    raise ValueError(
+      f"max_num_batched_tokens ({max_num_batched_tokens}) must hold at least one block "
+      f"(block_size {cache_config.block_size})"
+    )
+  if preemption_mode not in PREEMPTION_MODES:
+    raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
