@@ -206,16 +206,16 @@ def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh) -> nnx.Module:
 
 
 def place_quantized(model: nnx.Module, mesh: jax.sharding.Mesh) -> nnx.Module:
-  """``model`` with each quantized kernel told how ``partition_spec`` splits
-  it over ``mesh`` (``QuantizedWeight.place``: the TPU kernel then runs on
-  each device's shard); returns ``model``."""
-  from paged_jax.models import quantized  # pylint: disable=import-outside-toplevel
-
+  """``model`` with each quantized kernel (a layer's ``kernel`` with a
+  ``place`` method: ``models.quantized.QuantizedWeight``) told how
+  ``partition_spec`` splits it over ``mesh``, so the TPU kernel runs on each
+  device's shard; returns ``model``."""
   tp, num_kv_heads = mesh.shape["model"], model.config.num_kv_heads
-  for path, linear in quantized.quantizable_linears(model):
-    if isinstance(linear.kernel, quantized.QuantizedWeight):
-      name, shape = f"{path}/kernel/values", linear.kernel.values.shape
-      linear.kernel.place(mesh, partition_spec(name, shape, tp, num_kv_heads=num_kv_heads))
+  for path, module in nnx.iter_graph(model):
+    kernel = getattr(module, "kernel", None)
+    if hasattr(kernel, "place"):
+      name = "/".join(str(key) for key in (*path, "kernel", "values"))
+      kernel.place(mesh, partition_spec(name, kernel.values.shape, tp, num_kv_heads=num_kv_heads))
   return model
 
 

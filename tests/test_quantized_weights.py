@@ -358,6 +358,9 @@ assert up.values[...].sharding.spec == sharding.P("model", None), up.values[...]
 assert up.scales[...].sharding.spec == sharding.P("model", None)
 assert down.values[...].sharding.spec == sharding.P(None, "model")
 assert down.scales[...].sharding.spec == sharding.P(None, "model")
+# Each kernel knows its split (the TPU kernel runs on each device's shard).
+assert up.placement[1] == sharding.P("model", None), up.placement
+assert down.placement[1] == sharding.P(None, "model"), down.placement
 got = np.asarray(sharded(tokens)[0])
 np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 print("ok")
