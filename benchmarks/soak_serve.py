@@ -144,6 +144,19 @@ def _choice_text(choice: dict) -> str:
   return part.get("content") or ""
 
 
+async def event_lines(response: httpx.Response):
+  """The lines of a server-sent event stream, split at CR and LF only, as the
+  format says. (httpx's `aiter_lines` also splits at U+2028, U+2029 and
+  U+0085, which a token's text may hold and JSON sends unescaped.)"""
+  pending = ""
+  async for text in response.aiter_text():
+    *lines, pending = re.split(r"\r\n|\r|\n", pending + text)
+    for line in lines:
+      yield line
+  if pending:
+    yield pending
+
+
 async def send(client: httpx.AsyncClient, spec: Spec, on_first_event=None) -> Outcome:
   """Sends `spec`; a streamed answer is joined into texts per choice, and
   `on_first_event()` is called when its first event arrives."""
@@ -157,7 +170,7 @@ async def send(client: httpx.AsyncClient, spec: Spec, on_first_event=None) -> Ou
   async with client.stream("POST", spec.path, json=spec.body) as response:
     if response.status_code != 200:
       return _refusal(response, json.loads(await response.aread()))
-    async for line in response.aiter_lines():
+    async for line in event_lines(response):
       if not line.startswith("data: "):
         continue
       if on_first_event is not None:
@@ -398,7 +411,7 @@ def soak(args) -> dict:
   ]  # fmt: skip
   server = Server(server_args)
   try:
-    server.wait_healthy()
+    server.wait_healthy(args.health_timeout)
     chat = serves_chat(server.url)
     specs = [
       make_spec(rng, args.served_name, chat, args.structured_share) for _ in range(args.requests)
@@ -504,6 +517,12 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--warm-up-requests", type=int, default=40)
   parser.add_argument("--structured-share", type=float, default=0.15)
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument(
+    "--health-timeout",
+    type=float,
+    default=900,
+    help="seconds to wait for a started server's /health (its warm-up compiles)",
+  )
   parser.add_argument("--json", action="store_true")
   parser.add_argument("--vllm-bench", help="vLLM's `vllm` command, for `vllm bench serve`")
   parser.add_argument("--bench-tokenizer", help="the model's Hugging Face tokenizer folder")
@@ -579,7 +598,7 @@ def vllm_bench(args) -> list[dict]:
   )
   rows = []
   try:
-    server.wait_healthy()
+    server.wait_healthy(args.health_timeout)
     with tempfile.TemporaryDirectory() as folder:
       dataset = f"{folder}/prompts.json"
       text_slices(args.vllm_bench, args.bench_tokenizer, dataset, BENCH_PROMPTS, args.seed)

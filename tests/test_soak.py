@@ -2,9 +2,12 @@
 tiny server's engine config of tests/test_server.py, whose programs the
 run's compilation cache then holds)."""
 
+import asyncio
 import json
 import pathlib
 import sys
+
+import httpx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -25,3 +28,20 @@ def test_a_short_soak_leaks_nothing_and_answers_as_alone():
   assert report["completed"] >= 80 and report["checked_alone"] > 0
   assert report["refused"] > 0 and report["statuses"] == [503]  # the bursts past the queue
   assert report["shutdown"]["streams_with_error_event"] > 0
+
+
+def test_event_lines_split_at_cr_and_lf_only():
+  # A token's text with U+2028 or U+0085 is sent raw in its event's JSON
+  # (valid JSON and valid server-sent events): a client that splits there,
+  # as httpx's aiter_lines does, reads half an event.
+  event = 'data: {"text": "a\u2028b\x85c\u2029d"}'
+
+  async def chunks():
+    for piece in (event[:12], event[12:] + "\n\ndata: [DO", "NE]\r\n\r\n"):
+      yield piece.encode()
+
+  async def lines():
+    response = httpx.Response(200, content=chunks())
+    return [line async for line in soak_serve.event_lines(response)]
+
+  assert asyncio.run(lines()) == [event, "", "data: [DONE]", ""]
