@@ -30,6 +30,7 @@ import time
 
 import httpx
 import numpy as np
+from soak_serve import event_lines  # this folder: run as `python benchmarks/bench_serve.py`
 
 SYSTEM_PROMPT = (
   "You are a careful assistant for a museum of natural history. Answer every "
@@ -85,7 +86,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Result
     async with client.stream("POST", url, json=body) as response:
       if response.status_code != 200:
         return Result(ok=False, error=f"HTTP {response.status_code}: {await response.aread()!r}")
-      async for line in response.aiter_lines():
+      async for line in event_lines(response):
         if not line.startswith("data: ") or line == "data: [DONE]":
           continue
         chunk = json.loads(line.removeprefix("data: "))
