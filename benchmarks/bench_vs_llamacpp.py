@@ -27,13 +27,18 @@ Offline batch (`--workloads offline`): the 32 chat prompts x N tokens on a
 prompts' mean length, every sequence its own prompt): generated tokens /
 wall time (prefill included) for both.
 
-llama.cpp runs with `-t --threads` (both cores by default, as its docs
-advise for a machine of its own).
+llama.cpp runs once per `--threads` value (`-t`; its docs advise all
+cores on a machine of its own), with `OMP_WAIT_POLICY=--omp-wait-policy`:
+its OpenMP threads otherwise spin at every barrier, and on a machine whose
+other processes take the cores, two spinning threads wait for each other
+(64 tokens at 1.4 tok/s at load 10, against 36 with `PASSIVE`; `default`
+leaves OpenMP's own policy).
 
 Usage: PYTHONPATH=. python benchmarks/bench_vs_llamacpp.py
        [--llama-bench PATH] [--llama-batched-bench PATH]
        [--formats gguf:bfloat16 none:bfloat16 int8:bfloat16 int4:bfloat16]
-       [--workloads single offline] [--tokens 64] [--rounds 5] [--threads 2]
+       [--workloads single offline] [--tokens 64] [--rounds 5] [--threads 1 2]
+       [--omp-wait-policy PASSIVE]
 """
 
 from __future__ import annotations
@@ -67,21 +72,26 @@ def require_binary(path: pathlib.Path, flag: str) -> pathlib.Path:
   return path
 
 
-def run_json(command: list[str]) -> str:
-  """stdout of `command`; exits naming the command if it fails."""
-  result = subprocess.run(command, capture_output=True, text=True)
+def run_json(command: list[str], policy: str) -> str:
+  """stdout of `command` run with `OMP_WAIT_POLICY=policy` (unless
+  "default"); exits naming the command if it fails."""
+  env = dict(os.environ)
+  env.pop("OMP_WAIT_POLICY", None)
+  if policy != "default":
+    env["OMP_WAIT_POLICY"] = policy
+  result = subprocess.run(command, capture_output=True, text=True, env=env)
   if result.returncode:
     sys.exit(f"{' '.join(command)} failed ({result.returncode}):\n{result.stderr[-3000:]}")
   return result.stdout
 
 
-def llama_single(binary, gguf, threads: int, prompt_len: int, tokens: int) -> dict:
+def llama_single(binary, gguf, threads: int, policy: str, prompt_len: int, tokens: int) -> dict:
   """One llama-bench run of pp P, tg N and pg P,N (one repetition each
   after its warm-up): seconds of each."""
   command = [str(binary), "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json"]
   command += ["-p", str(prompt_len), "-n", str(tokens), "-pg", f"{prompt_len},{tokens}"]
   seconds = {}
-  for test in json.loads(run_json(command)):
+  for test in json.loads(run_json(command, policy)):
     kind = {(1, 0): "prefill", (0, 1): "decode", (1, 1): "stream"}[
       (test["n_prompt"] > 0, test["n_gen"] > 0)
     ]
@@ -93,13 +103,13 @@ def llama_single(binary, gguf, threads: int, prompt_len: int, tokens: int) -> di
   )
 
 
-def llama_offline(binary, gguf, threads: int, prompt_len: int, tokens: int) -> dict:
+def llama_offline(binary, gguf, threads: int, policy: str, prompt_len: int, tokens: int) -> dict:
   """One llama-batched-bench run of 32 sequences: generated tokens / seconds."""
   context = OFFLINE_PROMPTS * (prompt_len + tokens) + 64
   command = [str(binary), "-m", str(gguf), "-t", str(threads), "-c", str(context)]
   command += ["-npp", str(prompt_len), "-ntg", str(tokens), "-npl", str(OFFLINE_PROMPTS)]
   command += ["--output-format", "jsonl"]
-  lines = [line for line in run_json(command).splitlines() if line.startswith("{")]
+  lines = [line for line in run_json(command, policy).splitlines() if line.startswith("{")]
   row = json.loads(lines[-1])
   return dict(offline_tok_s=OFFLINE_PROMPTS * tokens / row["t"])
 
@@ -209,7 +219,8 @@ def main():
   parser.add_argument("--workloads", nargs="+", default=["single"], choices=("single", "offline"))
   parser.add_argument("--tokens", type=int, default=64)
   parser.add_argument("--rounds", type=int, default=5, help="counted rounds, after one warm-up")
-  parser.add_argument("--threads", type=int, default=2, help="llama.cpp's -t")
+  parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="llama.cpp's -t")
+  parser.add_argument("--omp-wait-policy", default="PASSIVE", help="llama.cpp's OMP_WAIT_POLICY")
   parser.add_argument("--group-size", type=int, default=32)
   parser.add_argument("--json", type=pathlib.Path, help="also write every round's numbers here")
   args = parser.parse_args()
@@ -228,16 +239,18 @@ def main():
     engines = load_engines(args.formats, args.workloads, args.group_size, workdir)
   prompt_len = len(ids[0])
   offline_len = round(statistics.mean(len(p) for p in ids[:OFFLINE_PROMPTS]))
-  names = ["llama.cpp Q4_1"] + [f"paged_jax {f}" for f in args.formats]
+  llama = {f"llama.cpp Q4_1 -t {t}": t for t in args.threads}
+  names = list(llama) + [f"paged_jax {f}" for f in args.formats]
   rounds = {name: [] for name in names}
   for round_ in range(args.rounds + 1):  # round 0 compiles and warms up
     for name in names:
       row = {}
-      if name.startswith("llama.cpp"):
+      if name in llama:
+        run = (gguf, llama[name], args.omp_wait_policy)
         if single_bin:
-          row.update(llama_single(single_bin, gguf, args.threads, prompt_len, args.tokens))
+          row.update(llama_single(single_bin, *run, prompt_len, args.tokens))
         if batched_bin:
-          row.update(llama_offline(batched_bin, gguf, args.threads, offline_len, args.tokens))
+          row.update(llama_offline(batched_bin, *run, offline_len, args.tokens))
       else:
         single, offline = engines[name.removeprefix("paged_jax ")]
         if single:
