@@ -3,9 +3,9 @@
 Every format (`quantization:dtype`, as in bench_quant_weights_smollm2.py)
 is loaded into one process; then, in rounds, each format's parts are timed
 in turn (medians over the rounds, so that load the machine takes on weighs
-on every format alike). Each part is its own jitted program repeated
-`--reps` times inside a `lax.fori_loop` (ms per repetition), on one row of
-the compute dtype:
+on every format alike). Each part is its own jitted program, called
+`--reps` times in a row, each call on the last one's output (ms per call,
+dispatch included), on one row of the compute dtype:
 
   step            a decode step as a user sees it: a 1-slot `pj.LLM`,
                   (time of N tokens - time of 1 token) / (N - 1), prefix
@@ -48,61 +48,55 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 
 
-def seconds(fn, *args) -> float:
-  """Wall seconds of one call of a compiled `fn` (compiled on first use)."""
+def chained_ms(fn, state, x, reps: int) -> float:
+  """ms per call of a jitted `fn(state, x) -> x`, called `reps` times, each
+  call on the last one's output (not in a `lax.fori_loop`: XLA hoists a
+  float32 copy of each kernel, transposed or dequantized, out of such a
+  loop, and the loop's products read that copy, 2x to 5x slower)."""
+  jax.block_until_ready(fn(state, x))  # compiles
   start = time.perf_counter()
-  jax.block_until_ready(fn(*args))
-  return time.perf_counter() - start
+  for _ in range(reps):
+    x = fn(state, x)
+  jax.block_until_ready(x)
+  return 1e3 * (time.perf_counter() - start) / reps
 
 
-def projections(graphdef, reps: int, names: tuple[str, ...]):
-  """A jitted loop of `reps` passes, each through the named projections of
-  every layer, each fed a row of its input width; returns a checksum."""
+def projections(graphdef, names: tuple[str, ...]):
+  """One pass through the named projections of every layer, each fed a row
+  of its input width; returns the row, touched by every output."""
 
   def run(state, x):
     model = nnx.merge(graphdef, state)
-
-    def body(_, x):
-      for block in model.blocks:
-        for name in names:
-          linear = getattr(block.mlp if name in MLP else block.attention, name)
-          width = linear.kernel.shape[1]
-          row = jnp.resize(x, (*x.shape[:-1], width)) if width != x.shape[-1] else x
-          y = linear(row)
-          x = x.at[..., 0].add(y[..., 0] * jnp.asarray(1e-3, x.dtype))
-      return x
-
-    return jax.lax.fori_loop(0, reps, body, x)
+    for block in model.blocks:
+      for name in names:
+        linear = getattr(block.mlp if name in MLP else block.attention, name)
+        width = linear.kernel.shape[1]
+        row = jnp.resize(x, (*x.shape[:-1], width)) if width != x.shape[-1] else x
+        y = linear(row)
+        x = x.at[..., 0].add(y[..., 0] * jnp.asarray(1e-3, x.dtype))
+    return x
 
   return jax.jit(run)
 
 
-def layers_no_attention(graphdef, reps: int):
-  def run(state, tokens, positions):
+def layers_no_attention(graphdef, position):
+  """Every layer of one token (attention returning q); returns a token."""
+
+  def run(state, token):
     model = nnx.merge(graphdef, state)
-
-    def body(_, carry):
-      tokens, acc = carry
-      hidden, _ = model.hidden_states(tokens, positions, NoAttention())
-      tokens = (tokens + (hidden[:, :, 0] > 0).astype(jnp.int32)) % model.config.vocab_size
-      return tokens, acc + hidden[:, 0, 0].astype(jnp.float32)
-
-    return jax.lax.fori_loop(0, reps, body, (tokens, jnp.zeros(1, jnp.float32)))[1]
+    hidden, _ = model.hidden_states(token, position, NoAttention())
+    return (token + (hidden[:, :, 0] > 0).astype(jnp.int32)) % model.config.vocab_size
 
   return jax.jit(run)
 
 
-def output_layer(graphdef, reps: int):
+def output_layer(graphdef):
+  """The logits of one row; returns the row, touched by them."""
+
   def run(state, hidden):
     model = nnx.merge(graphdef, state)
-
-    def body(_, carry):
-      hidden, acc = carry
-      logits = model.logits(hidden)
-      hidden = hidden.at[:, :, 0].add((logits[:, :, 0] * 1e-6).astype(hidden.dtype))
-      return hidden, acc + logits[:, 0, 1]
-
-    return jax.lax.fori_loop(0, reps, body, (hidden, jnp.zeros(1, jnp.float32)))[1]
+    logits = model.logits(hidden)
+    return hidden.at[:, :, 0].add((logits[:, :, 0] * 1e-6).astype(hidden.dtype))
 
   return jax.jit(run)
 
@@ -121,15 +115,15 @@ def parts(model, tokenizer, ids, reps: int, tokens: int) -> dict:
     return 1e3 * (whole - first) / (count - 1)
 
   timers = {"step": step}
-  looped = {
-    "layers, no attention": (layers_no_attention(graphdef, reps), token, position),
-    "projections (7 x 30)": (projections(graphdef, reps, ATTENTION + MLP), row),
-    "  q, k, v, o (4 x 30)": (projections(graphdef, reps, ATTENTION), row),
-    "  gate, up, down (3 x 30)": (projections(graphdef, reps, MLP), row),
-    "output layer": (output_layer(graphdef, reps), row),
+  chained = {
+    "layers, no attention": (layers_no_attention(graphdef, position), token),
+    "projections (7 x 30)": (projections(graphdef, ATTENTION + MLP), row),
+    "  q, k, v, o (4 x 30)": (projections(graphdef, ATTENTION), row),
+    "  gate, up, down (3 x 30)": (projections(graphdef, MLP), row),
+    "output layer": (output_layer(graphdef), row),
   }
-  for name, (fn, *args) in looped.items():
-    timers[name] = lambda fn=fn, args=args: 1e3 * seconds(fn, state, *args) / reps
+  for name, (fn, x) in chained.items():
+    timers[name] = lambda fn=fn, x=x: chained_ms(fn, state, x, reps)
   return timers
 
 
@@ -141,7 +135,7 @@ def main():
     default=["none:bfloat16", "gguf:bfloat16", "int8:bfloat16", "int4:bfloat16"],
   )
   parser.add_argument("--rounds", type=int, default=5, help="counted rounds, after one warm-up")
-  parser.add_argument("--reps", type=int, default=16, help="iterations inside each loop")
+  parser.add_argument("--reps", type=int, default=16, help="calls per timing")
   parser.add_argument("--tokens", type=int, default=32, help="tokens of the step's stream")
   parser.add_argument("--group-size", type=int, default=32)
   args = parser.parse_args()
