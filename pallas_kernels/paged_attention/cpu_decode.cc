@@ -1,0 +1,312 @@
+// Paged decode attention for XLA:CPU, called through JAX's FFI
+// (pallas_kernels/paged_attention/cpu.py builds and registers it).
+//
+// One query token per sequence, grouped-query heads. A work item is one
+// sequence and one KV head: its keys are read page by page through the block
+// table, straight from the cache (nothing is gathered into a copy), the
+// logits of the group's query heads go to a scratch row, then a softmax and
+// the weighted sum of the values. Items are shared between the calling
+// thread and the tasks it schedules on XLA's intra-op thread pool.
+//
+// Semantics are those of the XLA reference: a key is visible when its
+// position is below the length (and inside the sliding window), and its
+// table entry holds a block; a row with no visible key gives zeros. Pages
+// are float32 or bfloat16 (bits read as uint16); sums run in float32.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+inline float Widen(float x) { return x; }
+
+inline float Widen(uint16_t bits) {
+  uint32_t word = static_cast<uint32_t>(bits) << 16;
+  float x;
+  std::memcpy(&x, &word, sizeof(x));
+  return x;
+}
+
+inline void Narrow(float x, float* out) { *out = x; }
+
+inline void Narrow(float x, uint16_t* out) {  // round to nearest even, NaN kept
+  uint32_t word;
+  std::memcpy(&word, &x, sizeof(word));
+  if (std::isnan(x)) {
+    *out = static_cast<uint16_t>((word >> 16) | 0x40);
+    return;
+  }
+  *out = static_cast<uint16_t>((word + 0x7fff + ((word >> 16) & 1)) >> 16);
+}
+
+// exp(x) for x <= 0 (Cephes' polynomial, about 1 ulp); 0 below -87, NaN kept.
+// Plain arithmetic, so that the loops calling it vectorize.
+inline float ExpNonPositive(float x) {
+  float clamped = x < -87.0f ? -87.0f : x;
+  float n = std::floor(clamped * 1.44269504088896341f + 0.5f);
+  float r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t exponent = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &exponent, sizeof(two_n));
+  return x < -87.0f ? 0.0f : p * two_n;
+}
+
+struct Shapes {
+  int64_t batch, num_q_heads, head_dim, num_kv_heads, num_blocks, block_size, max_blocks;
+  int64_t group() const { return num_q_heads / num_kv_heads; }
+};
+
+struct Options {
+  float scale;
+  float soft_cap;  // 0: none
+  int64_t sliding_window;  // 0: none
+};
+
+// Attention of sequence `row`'s query heads of KV head `head`. `D` is the
+// head size when known at compile time (its loops then unroll into
+// registers), else 0 and the shapes' head_dim serves.
+template <typename T, int64_t D>
+void AttendItem(const Shapes& s, const Options& o, const T* q, const T* k, const T* v,
+                const int32_t* tables, const int32_t* lengths, T* out, int64_t row,
+                int64_t head, std::vector<float>& scratch) {
+  const int64_t d = D > 0 ? D : s.head_dim, group = s.group(), bs = s.block_size;
+  T* out_rows = out + (row * s.num_q_heads + head * group) * d;
+  int64_t length = lengths[row];
+  int64_t first = o.sliding_window > 0 ? std::max<int64_t>(0, length - o.sliding_window) : 0;
+  length = std::min<int64_t>(length, s.max_blocks * bs);  // no key past the table
+  int64_t count = length - first;
+  if (count <= 0) {
+    for (int64_t i = 0; i < group * d; ++i) Narrow(0.0f, out_rows + i);
+    return;
+  }
+  // scratch: queries [group, d], a page as float32 [bs, d], sums [group, d],
+  // totals [group], logits [group, count]
+  scratch.resize(group * d + bs * d + group * d + group + group * count);
+  float* queries = scratch.data();
+  float* page_f32 = queries + group * d;
+  float* sums = page_f32 + bs * d;
+  float* totals = sums + group * d;
+  float* logits = totals + group;
+  const T* q_rows = q + (row * s.num_q_heads + head * group) * d;
+  for (int64_t i = 0; i < group * d; ++i) queries[i] = Widen(q_rows[i]) * o.scale;
+  const int32_t* table = tables + row * s.max_blocks;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  auto page = [&](const T* pages, int64_t block) -> const T* {
+    int32_t entry = table[block];
+    if (entry < 0) return nullptr;
+    int64_t clamped = std::min<int64_t>(entry, s.num_blocks - 1);
+    return pages + (head * s.num_blocks + clamped) * bs * d;
+  };
+  // Rows lo..hi of a page as float32 (bfloat16 widened into page_f32).
+  auto as_f32 = [&](const T* rows, int64_t lo, int64_t hi) -> const float* {
+    if constexpr (std::is_same_v<T, float>) {
+      return rows;
+    } else {
+      for (int64_t i = lo * d; i < hi * d; ++i) page_f32[i] = Widen(rows[i]);
+      return page_f32;
+    }
+  };
+  auto prefetch_page = [&](const T* pages, int64_t block) {
+    if (block * bs >= length) return;
+    const T* next = page(pages, block);
+    if (next == nullptr) return;
+    for (int64_t byte = 0; byte < bs * d * int64_t(sizeof(T)); byte += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(next) + byte);
+    }
+  };
+
+  // Logits, page by page; -inf where the table holds no block.
+  for (int64_t block = first / bs; block * bs < length; ++block) {
+    int64_t lo = std::max(first, block * bs) - block * bs;
+    int64_t hi = std::min(length, (block + 1) * bs) - block * bs;
+    float* block_logits = logits + block * bs - first;
+    const T* keys = page(k, block);
+    prefetch_page(k, block + 1);
+    if (keys == nullptr) {
+      for (int64_t g = 0; g < group; ++g) std::fill(block_logits + g * count + lo, block_logits + g * count + hi, neg_inf);
+      continue;
+    }
+    const float* rows = as_f32(keys, lo, hi);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* query = queries + g * d;
+      for (int64_t t = lo; t < hi; ++t) {
+        const float* key = rows + t * d;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t i = 0; i < d; ++i) dot += query[i] * key[i];
+        block_logits[g * count + t] = dot;
+      }
+      if (o.soft_cap > 0) {  // on the keys read only: masked ones stay -inf
+        for (int64_t t = lo; t < hi; ++t) {
+          float& logit = block_logits[g * count + t];
+          logit = o.soft_cap * std::tanh(logit / o.soft_cap);
+        }
+      }
+    }
+  }
+
+  // Softmax weights, unnormalized; the totals divide at the end.
+  bool any_visible = false;
+  for (int64_t g = 0; g < group; ++g) {
+    float* row_logits = logits + g * count;
+    float most = neg_inf;
+#pragma omp simd reduction(max : most)
+    for (int64_t i = 0; i < count; ++i) most = std::max(most, row_logits[i]);
+    totals[g] = 0.0f;
+    if (most == neg_inf) continue;
+    any_visible = true;
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t i = 0; i < count; ++i) {
+      float w = ExpNonPositive(row_logits[i] - most);
+      row_logits[i] = w;
+      total += w;
+    }
+    totals[g] = total;
+  }
+  std::fill(sums, sums + group * d, 0.0f);
+  for (int64_t block = first / bs; any_visible && block * bs < length; ++block) {
+    const T* values = page(v, block);
+    prefetch_page(v, block + 1);
+    if (values == nullptr) continue;
+    int64_t lo = std::max(first, block * bs) - block * bs;
+    int64_t hi = std::min(length, (block + 1) * bs) - block * bs;
+    const float* block_weights = logits + block * bs - first;
+    const float* rows = as_f32(values, lo, hi);
+    for (int64_t g = 0; g < group; ++g) {
+      if constexpr (D > 0) {  // the sum in registers across the page's rows
+        float sum[D];
+        std::copy(sums + g * D, sums + (g + 1) * D, sum);
+        for (int64_t t = lo; t < hi; ++t) {
+          float w = block_weights[g * count + t];
+          const float* value = rows + t * D;
+#pragma omp simd
+          for (int64_t i = 0; i < D; ++i) sum[i] += w * value[i];
+        }
+        std::copy(sum, sum + D, sums + g * D);
+      } else {
+        float* sum = sums + g * d;
+        for (int64_t t = lo; t < hi; ++t) {
+          float w = block_weights[g * count + t];
+          const float* value = rows + t * d;
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) sum[i] += w * value[i];
+        }
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float inverse = totals[g] == 0.0f ? 0.0f : 1.0f / totals[g];
+    for (int64_t i = 0; i < d; ++i) Narrow(sums[g * d + i] * inverse, out_rows + g * d + i);
+  }
+}
+
+// Items (row, KV head) shared by the calling thread and pool tasks: each takes
+// the next index until none is left; the caller returns once every task that
+// took one has finished (a task that starts later finds none and touches
+// nothing but this shared counter).
+struct WorkQueue {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> active{0};
+};
+
+template <typename T>
+void AttendAll(const Shapes& s, const Options& o, const T* q, const T* k, const T* v,
+               const int32_t* tables, const int32_t* lengths, T* out, ffi::ThreadPool pool) {
+  const int64_t items = s.batch * s.num_kv_heads;
+  auto queue = std::make_shared<WorkQueue>();
+  auto work = [=, &s, &o](WorkQueue& shared) {
+    std::vector<float> scratch;
+    auto attend = s.head_dim == 64 ? AttendItem<T, 64>
+                  : s.head_dim == 128 ? AttendItem<T, 128>
+                  : s.head_dim == 256 ? AttendItem<T, 256>
+                                       : AttendItem<T, 0>;
+    for (int64_t item = shared.next++; item < items; item = shared.next++) {
+      attend(s, o, q, k, v, tables, lengths, out, item / s.num_kv_heads, item % s.num_kv_heads,
+             scratch);
+    }
+  };
+  int64_t helpers = std::min<int64_t>(pool.num_threads(), items) - 1;
+  for (int64_t i = 0; i < helpers; ++i) {
+    pool.Schedule([queue, work]() {
+      queue->active++;
+      work(*queue);
+      queue->active--;
+    });
+  }
+  work(*queue);
+  while (queue->active.load() > 0) std::this_thread::yield();
+}
+
+ffi::Error PagedDecodeAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
+                                ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> block_tables,
+                                ffi::Buffer<ffi::S32> lengths, ffi::Result<ffi::AnyBuffer> out,
+                                float scale, float soft_cap, int64_t sliding_window) {
+  auto q_dims = q.dimensions();
+  auto k_dims = k_pages.dimensions();
+  auto t_dims = block_tables.dimensions();
+  if (q_dims.size() != 3 || k_dims.size() != 4 || t_dims.size() != 2) {
+    return ffi::Error::InvalidArgument("paged decode attention: bad ranks");
+  }
+  Shapes s{q_dims[0], q_dims[1], q_dims[2], k_dims[0], k_dims[1], k_dims[2], t_dims[1]};
+  if (k_dims[3] != s.head_dim || s.num_q_heads % s.num_kv_heads != 0 || t_dims[0] != s.batch) {
+    return ffi::Error::InvalidArgument("paged decode attention: inconsistent shapes");
+  }
+  auto dtype = q.element_type();
+  if (k_pages.element_type() != dtype || v_pages.element_type() != dtype ||
+      out->element_type() != dtype) {
+    return ffi::Error::InvalidArgument("paged decode attention: mixed dtypes");
+  }
+  Options o{scale, soft_cap, sliding_window};
+  const int32_t* tables = block_tables.typed_data();
+  const int32_t* lens = lengths.typed_data();
+  if (dtype == ffi::DataType::F32) {
+    AttendAll(s, o, static_cast<const float*>(q.untyped_data()),
+              static_cast<const float*>(k_pages.untyped_data()),
+              static_cast<const float*>(v_pages.untyped_data()), tables, lens,
+              static_cast<float*>(out->untyped_data()), pool);
+  } else if (dtype == ffi::DataType::BF16) {
+    AttendAll(s, o, static_cast<const uint16_t*>(q.untyped_data()),
+              static_cast<const uint16_t*>(k_pages.untyped_data()),
+              static_cast<const uint16_t*>(v_pages.untyped_data()), tables, lens,
+              static_cast<uint16_t*>(out->untyped_data()), pool);
+  } else {
+    return ffi::Error::InvalidArgument("paged decode attention: float32 or bfloat16 only");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedDecodeAttentionCpu, PagedDecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("sliding_window"));
