@@ -21,7 +21,6 @@
 #include <limits>
 #include <memory>
 #include <thread>
-#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -51,23 +50,118 @@ inline void Narrow(float x, uint16_t* out) {  // round to nearest even, NaN kept
   *out = static_cast<uint16_t>((word + 0x7fff + ((word >> 16) & 1)) >> 16);
 }
 
-// exp(x) for x <= 0 (Cephes' polynomial, about 1 ulp); 0 below -87, NaN kept.
-// Plain arithmetic, so that the loops calling it vectorize.
-inline float ExpNonPositive(float x) {
-  float clamped = x < -87.0f ? -87.0f : x;
-  float n = std::floor(clamped * 1.44269504088896341f + 0.5f);
-  float r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
+// 16 float32 lanes (GCC/Clang vector extensions: one AVX-512 register, two
+// AVX2 ones, four NEON ones).
+constexpr int64_t kLanes = 16;
+typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
+typedef float HalfLanes __attribute__((vector_size(kLanes / 2 * sizeof(float))));
+typedef float QuarterLanes __attribute__((vector_size(kLanes / 4 * sizeof(float))));
+
+typedef int32_t IntLanes __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+// exp(x) for x <= 0, 16 at a time (Cephes' polynomial, about 1 ulp); 0 below
+// -87 (and for -inf), NaN kept.
+inline Lanes ExpNonPositive(Lanes x) {
+  IntLanes tiny = x < -87.0f;  // -1 where true; vector casts keep the bits
+  Lanes clamped = (Lanes)(((IntLanes)x & ~tiny) | ((IntLanes)(Lanes{} - 87.0f) & tiny));
+  const float round = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  Lanes n = (clamped * 1.44269504088896341f + round) - round;
+  Lanes r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
+  Lanes p = r * 1.9875691500e-4f + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  int32_t exponent = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &exponent, sizeof(two_n));
-  return x < -87.0f ? 0.0f : p * two_n;
+  IntLanes two_n = (__builtin_convertvector(n, IntLanes) + 127) << 23;
+  return (Lanes)((IntLanes)(p * (Lanes)two_n) & ~tiny);
+}
+
+template <typename V>
+inline V Load(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void Store(float* p, Lanes v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline float Sum(Lanes v) {
+  const float* lanes = reinterpret_cast<const float*>(&v);
+  HalfLanes half = Load<HalfLanes>(lanes) + Load<HalfLanes>(lanes + kLanes / 2);
+  const float* halves = reinterpret_cast<const float*>(&half);
+  QuarterLanes quarter = Load<QuarterLanes>(halves) + Load<QuarterLanes>(halves + kLanes / 4);
+  return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
+}
+
+typedef uint16_t Bf16Lanes __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint32_t WordLanes __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
+// 16 elements from p as float32.
+inline Lanes LoadWide(const float* p) { return Load<Lanes>(p); }
+
+inline Lanes LoadWide(const uint16_t* p) {
+  Bf16Lanes bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return (Lanes)(__builtin_convertvector(bits, WordLanes) << 16);
+}
+
+// Head sizes a multiple of the lanes, known at compile time, run the
+// vector-extension loops; other sizes plain loops.
+template <int64_t D>
+constexpr bool kInLanes = D > 0 && D % kLanes == 0;
+
+// logits[g * stride + t] = queries[g] . rows[t] for t in [lo, hi).
+template <typename T, int64_t D>
+void DotRows(const float* queries, const T* rows, int64_t d, int64_t group, int64_t lo,
+             int64_t hi, float* logits, int64_t stride) {
+  if constexpr (kInLanes<D>) {  // a row in registers, reused by the group
+    constexpr int64_t kChunks = D / kLanes;
+    for (int64_t t = lo; t < hi; ++t) {
+      Lanes row[kChunks];
+      for (int64_t c = 0; c < kChunks; ++c) row[c] = LoadWide(rows + t * D + c * kLanes);
+      for (int64_t g = 0; g < group; ++g) {
+        Lanes dot = row[0] * Load<Lanes>(queries + g * D);
+        for (int64_t c = 1; c < kChunks; ++c) {
+          dot += row[c] * Load<Lanes>(queries + g * D + c * kLanes);
+        }
+        logits[g * stride + t] = Sum(dot);
+      }
+    }
+  } else {
+    for (int64_t g = 0; g < group; ++g) {
+      for (int64_t t = lo; t < hi; ++t) {
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t i = 0; i < d; ++i) dot += queries[g * d + i] * Widen(rows[t * d + i]);
+        logits[g * stride + t] = dot;
+      }
+    }
+  }
+}
+
+// sums[g] += weights[g * stride + t] * rows[t] for t in [lo, hi).
+template <typename T, int64_t D>
+void AccumulateRows(const float* weights, const T* rows, int64_t d, int64_t group, int64_t lo,
+                    int64_t hi, int64_t stride, float* sums) {
+  for (int64_t g = 0; g < group; ++g) {
+    if constexpr (kInLanes<D>) {  // the sum in registers across the rows
+      constexpr int64_t kChunks = D / kLanes;
+      Lanes sum[kChunks];
+      for (int64_t c = 0; c < kChunks; ++c) sum[c] = Load<Lanes>(sums + g * D + c * kLanes);
+      for (int64_t t = lo; t < hi; ++t) {
+        float w = weights[g * stride + t];
+        for (int64_t c = 0; c < kChunks; ++c) sum[c] += w * LoadWide(rows + t * D + c * kLanes);
+      }
+      for (int64_t c = 0; c < kChunks; ++c) Store(sums + g * D + c * kLanes, sum[c]);
+    } else {
+      for (int64_t t = lo; t < hi; ++t) {
+        float w = weights[g * stride + t];
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) sums[g * d + i] += w * Widen(rows[t * d + i]);
+      }
+    }
+  }
 }
 
 struct Shapes {
@@ -94,16 +188,16 @@ void AttendItem(const Shapes& s, const Options& o, const T* q, const T* k, const
   int64_t first = o.sliding_window > 0 ? std::max<int64_t>(0, length - o.sliding_window) : 0;
   length = std::min<int64_t>(length, s.max_blocks * bs);  // no key past the table
   int64_t count = length - first;
+  int64_t stride = (count + kLanes - 1) / kLanes * kLanes;  // a group's logits, padded
   if (count <= 0) {
     for (int64_t i = 0; i < group * d; ++i) Narrow(0.0f, out_rows + i);
     return;
   }
-  // scratch: queries [group, d], a page as float32 [bs, d], sums [group, d],
-  // totals [group], logits [group, count]
-  scratch.resize(group * d + bs * d + group * d + group + group * count);
+  // scratch: queries [group, d], sums [group, d], totals [group],
+  // logits [group, stride] (-inf past count)
+  scratch.resize(group * d + group * d + group + group * stride);
   float* queries = scratch.data();
-  float* page_f32 = queries + group * d;
-  float* sums = page_f32 + bs * d;
+  float* sums = queries + group * d;
   float* totals = sums + group * d;
   float* logits = totals + group;
   const T* q_rows = q + (row * s.num_q_heads + head * group) * d;
@@ -116,15 +210,6 @@ void AttendItem(const Shapes& s, const Options& o, const T* q, const T* k, const
     if (entry < 0) return nullptr;
     int64_t clamped = std::min<int64_t>(entry, s.num_blocks - 1);
     return pages + (head * s.num_blocks + clamped) * bs * d;
-  };
-  // Rows lo..hi of a page as float32 (bfloat16 widened into page_f32).
-  auto as_f32 = [&](const T* rows, int64_t lo, int64_t hi) -> const float* {
-    if constexpr (std::is_same_v<T, float>) {
-      return rows;
-    } else {
-      for (int64_t i = lo * d; i < hi * d; ++i) page_f32[i] = Widen(rows[i]);
-      return page_f32;
-    }
   };
   auto prefetch_page = [&](const T* pages, int64_t block) {
     if (block * bs >= length) return;
@@ -143,22 +228,14 @@ void AttendItem(const Shapes& s, const Options& o, const T* q, const T* k, const
     const T* keys = page(k, block);
     prefetch_page(k, block + 1);
     if (keys == nullptr) {
-      for (int64_t g = 0; g < group; ++g) std::fill(block_logits + g * count + lo, block_logits + g * count + hi, neg_inf);
+      for (int64_t g = 0; g < group; ++g) std::fill(block_logits + g * stride + lo, block_logits + g * stride + hi, neg_inf);
       continue;
     }
-    const float* rows = as_f32(keys, lo, hi);
+    DotRows<T, D>(queries, keys, d, group, lo, hi, block_logits, stride);
     for (int64_t g = 0; g < group; ++g) {
-      const float* query = queries + g * d;
-      for (int64_t t = lo; t < hi; ++t) {
-        const float* key = rows + t * d;
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t i = 0; i < d; ++i) dot += query[i] * key[i];
-        block_logits[g * count + t] = dot;
-      }
       if (o.soft_cap > 0) {  // on the keys read only: masked ones stay -inf
         for (int64_t t = lo; t < hi; ++t) {
-          float& logit = block_logits[g * count + t];
+          float& logit = block_logits[g * stride + t];
           logit = o.soft_cap * std::tanh(logit / o.soft_cap);
         }
       }
@@ -168,21 +245,21 @@ void AttendItem(const Shapes& s, const Options& o, const T* q, const T* k, const
   // Softmax weights, unnormalized; the totals divide at the end.
   bool any_visible = false;
   for (int64_t g = 0; g < group; ++g) {
-    float* row_logits = logits + g * count;
+    float* row_logits = logits + g * stride;
+    std::fill(row_logits + count, row_logits + stride, neg_inf);
     float most = neg_inf;
 #pragma omp simd reduction(max : most)
     for (int64_t i = 0; i < count; ++i) most = std::max(most, row_logits[i]);
     totals[g] = 0.0f;
     if (most == neg_inf) continue;
     any_visible = true;
-    float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t i = 0; i < count; ++i) {
-      float w = ExpNonPositive(row_logits[i] - most);
-      row_logits[i] = w;
+    Lanes total = {};
+    for (int64_t i = 0; i < stride; i += kLanes) {
+      Lanes w = ExpNonPositive(Load<Lanes>(row_logits + i) - most);
+      Store(row_logits + i, w);
       total += w;
     }
-    totals[g] = total;
+    totals[g] = Sum(total);
   }
   std::fill(sums, sums + group * d, 0.0f);
   for (int64_t block = first / bs; any_visible && block * bs < length; ++block) {
@@ -192,28 +269,7 @@ void AttendItem(const Shapes& s, const Options& o, const T* q, const T* k, const
     int64_t lo = std::max(first, block * bs) - block * bs;
     int64_t hi = std::min(length, (block + 1) * bs) - block * bs;
     const float* block_weights = logits + block * bs - first;
-    const float* rows = as_f32(values, lo, hi);
-    for (int64_t g = 0; g < group; ++g) {
-      if constexpr (D > 0) {  // the sum in registers across the page's rows
-        float sum[D];
-        std::copy(sums + g * D, sums + (g + 1) * D, sum);
-        for (int64_t t = lo; t < hi; ++t) {
-          float w = block_weights[g * count + t];
-          const float* value = rows + t * D;
-#pragma omp simd
-          for (int64_t i = 0; i < D; ++i) sum[i] += w * value[i];
-        }
-        std::copy(sum, sum + D, sums + g * D);
-      } else {
-        float* sum = sums + g * d;
-        for (int64_t t = lo; t < hi; ++t) {
-          float w = block_weights[g * count + t];
-          const float* value = rows + t * d;
-#pragma omp simd
-          for (int64_t i = 0; i < d; ++i) sum[i] += w * value[i];
-        }
-      }
-    }
+    AccumulateRows<T, D>(block_weights, values, d, group, lo, hi, stride, sums);
   }
   for (int64_t g = 0; g < group; ++g) {
     float inverse = totals[g] == 0.0f ? 0.0f : 1.0f / totals[g];
