@@ -31,6 +31,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import jax
@@ -129,10 +130,18 @@ def load_library() -> tuple[ctypes.CDLL | None, str | None]:
     return None, f"building it failed: {error}"
 
 
-@functools.cache
+_REGISTER_LOCK = threading.Lock()
+
+
 def unavailable_reason() -> str | None:
   """Why the kernel cannot run here; None once it is built and registered
   (the first call builds it, once per process)."""
+  with _REGISTER_LOCK:
+    return _register()
+
+
+@functools.cache
+def _register() -> str | None:
   library, reason = load_library()
   if library is not None:
     jax.ffi.register_ffi_target(
@@ -151,6 +160,16 @@ def refusal(dtype, kv_dtype, quantized: bool) -> str | None:
       f"{jnp.dtype(dtype).name} on {jnp.dtype(kv_dtype).name}"
     )
   return None
+
+
+def _as_stored(pages):
+  """bfloat16 pages as their bits, as the CPU cache stores them (`KVCache.
+  bits_of`): XLA then drops the bits-to-bfloat16 conversion of
+  `KVCache.pages`, which it would otherwise run as a copy of the layer's
+  pages per call."""
+  if pages.dtype != jnp.bfloat16:
+    return pages
+  return jax.lax.bitcast_convert_type(pages, jnp.uint16)
 
 
 def paged_attention(
@@ -187,8 +206,7 @@ def paged_attention(
   call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
   return call(
     q,
-    k_pages,
-    v_pages,
+    *map(_as_stored, (k_pages, v_pages)),
     jnp.asarray(block_tables, jnp.int32),
     jnp.asarray(lengths, jnp.int32),
     scale=np.float32(common.default_sm_scale(q.shape[-1], sm_scale)),

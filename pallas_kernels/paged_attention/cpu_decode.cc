@@ -329,7 +329,11 @@ ffi::Error PagedDecodeAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
     return ffi::Error::InvalidArgument("paged decode attention: inconsistent shapes");
   }
   auto dtype = q.element_type();
-  if (k_pages.element_type() != dtype || v_pages.element_type() != dtype ||
+  // bfloat16 pages may come as their bits (uint16), as the CPU cache stores them.
+  auto page_dtype_ok = [&](ffi::DataType page) {
+    return page == dtype || (dtype == ffi::DataType::BF16 && page == ffi::DataType::U16);
+  };
+  if (!page_dtype_ok(k_pages.element_type()) || !page_dtype_ok(v_pages.element_type()) ||
       out->element_type() != dtype) {
     return ffi::Error::InvalidArgument("paged decode attention: mixed dtypes");
   }
