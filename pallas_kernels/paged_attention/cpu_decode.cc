@@ -228,7 +228,9 @@ void AttendItem(const Shapes& s, const Options& o, const T* q, const T* k, const
     const T* keys = page(k, block);
     prefetch_page(k, block + 1);
     if (keys == nullptr) {
-      for (int64_t g = 0; g < group; ++g) std::fill(block_logits + g * stride + lo, block_logits + g * stride + hi, neg_inf);
+      for (int64_t g = 0; g < group; ++g) {
+        std::fill(block_logits + g * stride + lo, block_logits + g * stride + hi, neg_inf);
+      }
       continue;
     }
     DotRows<T, D>(queries, keys, d, group, lo, hi, block_logits, stride);
