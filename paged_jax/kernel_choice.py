@@ -10,7 +10,8 @@
   kernel while this JAX ships it and its tiles fit (power-of-two block size
   and head_dim), as on older and ROCm GPUs. On CPU, decode attention runs
   the C++ kernel (`pallas_kernels.paged_attention.cpu`, called through
-  `jax.ffi`, built at first use) for float32 and bfloat16 pages, unless no
+  `jax.ffi`, built at first use) for bfloat16 pages (float32 ones only with
+  ``impl="cpu"``: a float32 decode step measured slower with it), unless no
   compiler builds it, the pages are quantized, or `use_cpu_kernel(False)`
   (or ``PAGED_JAX_CPU_KERNEL=0``) turns it off; everything else there runs
   the chunked XLA implementation, which reads only the table chunks the
@@ -50,6 +51,10 @@ ATTENTION_IMPLS = IMPLS + ("mosaic_gpu", "triton", "cpu")
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 _TARGET_PLATFORM = contextvars.ContextVar("target_platform", default=None)
 _CPU_KERNEL = contextvars.ContextVar("cpu_kernel", default=None)
+# Dtypes the C++ kernel serves but "auto" does not give it, and why.
+_CPU_AUTO_REFUSALS = {
+  "float32": "a float32 SmolLM2 decode step measured slower with it (benchmarks/RESULTS.md)"
+}
 
 
 @contextlib.contextmanager
@@ -203,7 +208,11 @@ def select_attention_kernel(
       return "triton", True
     if platform != "cpu" or not cpu_kernel_enabled():
       return None
-    reason = cpu.refusal(dtype, kv_dtype or dtype, quantized) or cpu.unavailable_reason()
+    reason = (
+      cpu.refusal(dtype, kv_dtype or dtype, quantized)
+      or _CPU_AUTO_REFUSALS.get(jnp.dtype(dtype).name)
+      or cpu.unavailable_reason()
+    )
     choice = "C++ kernel" if reason is None else f"chunked XLA (C++ kernel: {reason})"
     _log_once(f"paged attention on cpu ({jnp.dtype(dtype).name}): {choice}")
     return None if reason else ("cpu", False)

@@ -618,10 +618,11 @@ class _OwnModel(nnx.Module):
 
 @pytest.mark.slow  # compiles the module's programs twice more
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the C++ kernel runs on CPU")
-def test_the_cpu_attention_kernel_keeps_the_greedy_tokens(model, reference, monkeypatch):
-  """Decode attention by the C++ kernel (CPU's default) or by chunked XLA:
-  the same greedy tokens. Jit caches are cleared around each run, so that
-  each traces its programs under its own choice."""
+def test_the_cpu_attention_kernel_keeps_the_greedy_tokens(monkeypatch):
+  """Decode attention by the C++ kernel (CPU's default for bfloat16) or by
+  chunked XLA: the same greedy tokens. Jit caches are cleared around each
+  run, so that each traces its programs under its own choice."""
+  model = models.Llama(dataclasses.replace(MODEL_CONFIG, dtype="bfloat16"), rngs=nnx.Rngs(0))
   if cpu.unavailable_reason() is not None:
     pytest.skip(f"the C++ kernel cannot run here: {cpu.unavailable_reason()}")
   calls = []
@@ -643,10 +644,7 @@ def test_the_cpu_attention_kernel_keeps_the_greedy_tokens(model, reference, monk
       assert bool(calls) == enabled
   finally:
     jax.clear_caches()
-  assert greedy[True] == greedy[False]
-  assert len(greedy[True]) == 4 and all(
-    greedy[True][i] == _tokens(reference)[i] for i in greedy[True]
-  )
+  assert greedy[True] == greedy[False] and len(greedy[True]) == 4
 
 
 # Over 10 s: another model, so the engine compiles all its programs.

@@ -121,6 +121,19 @@ def test_kernel_refuses_what_it_cannot_serve(dtype, kv_dtype, quantized, message
   assert choice is None  # the chunked XLA implementation serves them
 
 
+def test_auto_leaves_float32_to_xla_and_cpu_impl_runs_it(caplog):
+  kernel_choice._log_once.cache_clear()
+  with caplog.at_level(logging.INFO, logger="paged_jax"):
+    choice = kernel_choice.select_attention_kernel(
+      "auto", dtype=jnp.float32, block_size=8, head_dim=64, group=2
+    )
+  assert choice is None and "float32 SmolLM2 decode step measured slower" in caplog.text
+  asked = kernel_choice.select_attention_kernel(
+    "cpu", dtype=jnp.float32, block_size=8, head_dim=64, group=2
+  )
+  assert asked == ("cpu", False)
+
+
 def test_cpu_impl_runs_on_the_cpu_backend_only():
   with kernel_choice.target_platform("tpu"), pytest.raises(ValueError, match="cpu backend only"):
     attention.paged_attention(**good_args(), impl="cpu")
@@ -132,7 +145,7 @@ def test_without_a_kernel_auto_falls_back_and_logs_why(monkeypatch, caplog):
   kernel_choice._log_once.cache_clear()
   with caplog.at_level(logging.INFO, logger="paged_jax"):
     choice = kernel_choice.select_attention_kernel(
-      "auto", dtype=jnp.float32, block_size=8, head_dim=64, group=2
+      "auto", dtype=jnp.bfloat16, block_size=8, head_dim=64, group=2
     )
   assert choice is None
   assert f"chunked XLA (C++ kernel: {reason})" in caplog.text
