@@ -1,9 +1,10 @@
 """Paged attention entry points: `paged_attention` (one query per sequence)
 and `paged_prefill_attention` (several), each running the kernel that
 `paged_jax.kernel_choice` picks for ``impl`` on the kernel platform: a
-Pallas kernel of the backend, or XLA (the chunked implementation, which
-reads only the table chunks the longest context reaches, or the
-reference, which gathers every sequence's whole table). Prefill attention
+Pallas kernel of the backend, on CPU a C++ decode kernel, or XLA (the
+chunked implementation, which reads only the table chunks the longest
+context reaches, or the reference, which gathers every sequence's whole
+table). Prefill attention
 takes ``"auto"``, ``"pallas"`` (the Mosaic kernel; on CPU in TPU interpret
 mode) or ``"reference"``.
 
@@ -17,6 +18,7 @@ from paged_jax.kernel_choice import is_concrete, select_attention_kernel, select
 from pallas_kernels.paged_attention import (
   chunked,
   common,
+  cpu,
   gpu,
   mosaic_gpu,
   reference,
@@ -59,8 +61,8 @@ def paged_attention(
       ``[num_kv_heads, num_blocks, block_size]`` (``KVCache.k_scale[layer]``);
       None for float pages.
     v_scales: same as ``k_scales``, for ``v_pages``.
-    impl: ``"auto"``, ``"pallas"``, ``"mosaic_gpu"``, ``"triton"`` or
-      ``"reference"`` (see the module docstring).
+    impl: ``"auto"``, ``"pallas"``, ``"mosaic_gpu"``, ``"triton"``,
+      ``"cpu"`` or ``"reference"`` (see `paged_jax.kernel_choice`).
 
   Returns:
     ``[batch, num_q_heads, head_dim]`` in ``q.dtype``.
@@ -89,12 +91,15 @@ def paged_attention(
     head_dim=k_pages.shape[3],
     group=q.shape[1] // k_pages.shape[0],
     quantized=k_scales is not None,
+    kv_dtype=k_pages.dtype,
   )
   args = (q, k_pages, v_pages, block_tables, lengths)
   if impl == "reference":
     return reference.paged_attention_reference(*args, **options)
   if kernel is None:
     return chunked.paged_attention_chunked(*args, **options)
+  if kernel[0] == "cpu":
+    return cpu.paged_attention(*args, **options)
   name, interpret = kernel
   return _KERNELS[name].paged_attention(*args, **options, interpret=interpret)
 

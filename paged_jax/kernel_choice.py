@@ -8,14 +8,20 @@
   9.0 and newer (Hopper, Blackwell) the Mosaic GPU kernel when this JAX has
   Mosaic GPU and it serves the page dtype and tiles, else the Pallas (Triton)
   kernel while this JAX ships it and its tiles fit (power-of-two block size
-  and head_dim), as on older and ROCm GPUs; the chunked XLA implementation
-  everywhere else (CPU), which reads only the table chunks the longest
-  context reaches. On a GPU the choice and its reason are logged once
-  (logger ``paged_jax``).
+  and head_dim), as on older and ROCm GPUs. On CPU, decode attention runs
+  the C++ kernel (`pallas_kernels.paged_attention.cpu`, called through
+  `jax.ffi`, built at first use) for bfloat16 pages (float32 ones only with
+  ``impl="cpu"``: a float32 decode step measured slower with it), unless no
+  compiler builds it, the pages are quantized, or `use_cpu_kernel(False)`
+  (or ``PAGED_JAX_CPU_KERNEL=0``) turns it off; everything else there runs
+  the chunked XLA implementation, which reads only the table chunks the
+  longest context reaches. On a GPU, and on CPU, the choice and its reason
+  are logged once (logger ``paged_jax``).
 * ``"pallas"``: the backend's kernel (the one ``"auto"`` prefers); on CPU the
   Triton kernel in interpret mode.
 * ``"mosaic_gpu"``, ``"triton"``: that GPU kernel (decode attention only);
   on CPU in its interpret mode.
+* ``"cpu"``: the C++ kernel (decode attention only; CPU backend only).
 * ``"reference"``: the XLA reference.
 
 `select_attention_kernel`, `select_prefill_kernel` and `select_kernel`
@@ -33,19 +39,25 @@ import contextlib
 import contextvars
 import functools
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import quantized_matmul
-from pallas_kernels.paged_attention import gpu, mosaic_gpu, tpu_prefill
+from pallas_kernels.paged_attention import cpu, gpu, mosaic_gpu, tpu_prefill
 
 logger = logging.getLogger("paged_jax")
 
 IMPLS = ("auto", "pallas", "reference")
-ATTENTION_IMPLS = IMPLS + ("mosaic_gpu", "triton")
+ATTENTION_IMPLS = IMPLS + ("mosaic_gpu", "triton", "cpu")
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 _TARGET_PLATFORM = contextvars.ContextVar("target_platform", default=None)
+_CPU_KERNEL = contextvars.ContextVar("cpu_kernel", default=None)
+# Dtypes the C++ kernel serves but "auto" does not give it, and why.
+_CPU_AUTO_REFUSALS = {
+  "float32": "a float32 SmolLM2 decode step measured slower with it (benchmarks/RESULTS.md)"
+}
 
 
 @contextlib.contextmanager
@@ -57,6 +69,26 @@ def target_platform(platform: str):
     yield
   finally:
     _TARGET_PLATFORM.reset(token)
+
+
+@contextlib.contextmanager
+def use_cpu_kernel(enabled: bool):
+  """Whether ``impl="auto"`` runs the C++ decode kernel on CPU for what is
+  traced inside (default: on unless ``PAGED_JAX_CPU_KERNEL=0``). Programs
+  already compiled keep the choice they were traced with."""
+  token = _CPU_KERNEL.set(enabled)
+  try:
+    yield
+  finally:
+    _CPU_KERNEL.reset(token)
+
+
+def cpu_kernel_enabled() -> bool:
+  """`use_cpu_kernel`'s setting, else ``PAGED_JAX_CPU_KERNEL`` (on unless ``0``)."""
+  enabled = _CPU_KERNEL.get()
+  if enabled is None:
+    return os.environ.get("PAGED_JAX_CPU_KERNEL", "1") != "0"
+  return enabled
 
 
 def kernel_platform() -> str:
@@ -131,26 +163,34 @@ def select_kernel(impl: str, *, tile_sizes: tuple[int, ...] = ()):
 
 
 def select_attention_kernel(
-  impl: str, *, dtype, block_size: int, head_dim: int, group: int, quantized: bool = False
+  impl: str,
+  *,
+  dtype,
+  block_size: int,
+  head_dim: int,
+  group: int,
+  quantized: bool = False,
+  kv_dtype=None,
 ):
   """Resolves ``impl`` of ``paged_attention`` for the kernel platform (`kernel_platform`).
 
   Args:
     impl: one of ``ATTENTION_IMPLS``.
-    dtype: dtype of the queries and pages.
+    dtype: dtype of the queries.
     block_size: tokens per page.
     head_dim: size of a head.
     group: query heads per KV head.
     quantized: whether the pages are int8 / fp8 with scales, which the Mosaic
       GPU kernel does not serve (``"auto"`` then takes the Triton kernel).
+    kv_dtype: dtype of the pages; None for ``dtype``.
 
   Returns:
     None for XLA (the reference, or the chunked implementation), else
-    ``(kernel, interpret)`` with kernel ``"tpu"``, ``"mosaic_gpu"`` or
-    ``"triton"``.
+    ``(kernel, interpret)`` with kernel ``"tpu"``, ``"mosaic_gpu"``,
+    ``"triton"`` or ``"cpu"``.
 
   Raises:
-    ValueError: for an unknown ``impl``.
+    ValueError: for an unknown ``impl``, or ``"cpu"`` off the CPU backend.
   """
   if impl not in ATTENTION_IMPLS:
     raise ValueError(f"impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
@@ -160,10 +200,25 @@ def select_attention_kernel(
     return impl, not on_gpu
   if impl == "reference":
     return None
+  if impl == "cpu":
+    if platform != "cpu":
+      raise ValueError(f"impl='cpu' (the C++ kernel) runs on the cpu backend only, not {platform}")
+    return "cpu", False
   if platform == "tpu":
     return "tpu", False
   if not on_gpu:
-    return None if impl == "auto" else ("triton", True)
+    if impl != "auto":
+      return "triton", True
+    if platform != "cpu" or not cpu_kernel_enabled():
+      return None
+    reason = (
+      cpu.refusal(dtype, kv_dtype or dtype, quantized)
+      or _CPU_AUTO_REFUSALS.get(jnp.dtype(dtype).name)
+      or cpu.unavailable_reason()
+    )
+    choice = "C++ kernel" if reason is None else f"chunked XLA (C++ kernel: {reason})"
+    _log_once(f"paged attention on cpu ({jnp.dtype(dtype).name}): {choice}")
+    return None if reason else ("cpu", False)
   capability = gpu_compute_capability()
   kernel, reason = gpu_kernel_choice(
     impl == "auto", capability, dtype, block_size, head_dim, group, quantized
@@ -334,6 +389,7 @@ def describe_kernels(
     "mosaic_gpu": "Mosaic GPU (Pallas)",
     "triton": "Triton (Pallas GPU)",
     "gpu": "Triton (Pallas GPU)",
+    "cpu": "C++ (XLA FFI)",
   }
   name = lambda kernel, xla: xla if kernel is None else names[kernel[0]]
   decode = select_attention_kernel(

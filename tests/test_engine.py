@@ -12,12 +12,13 @@ from flax import nnx
 from scipy import stats
 
 import paged_jax as pj
-from paged_jax import models
+from paged_jax import kernel_choice, models
 from paged_jax.block_manager import manager
 from paged_jax.engine.cache_manager import CacheManager
 from paged_jax.engine.packing import pack_decode_rows, pack_prefill, prompt_buckets
 from paged_jax.engine.scheduler_output import PrefillChunk
 from paged_jax.sampling import categorical_rows, greedy_tokens
+from pallas_kernels.paged_attention import cpu
 from tests.tiny_models import BYTE_LLAMA, ENGINE_CFG
 
 MODEL_CONFIG = BYTE_LLAMA
@@ -613,6 +614,37 @@ class _OwnModel(nnx.Module):
     else:
       out, cache = cache.attend(0, q, k, v, positions, sm_scale=8**-0.5)
     return self.embed.attend(x + out[:, :, 0]), cache
+
+
+@pytest.mark.slow  # compiles the module's programs twice more
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the C++ kernel runs on CPU")
+def test_the_cpu_attention_kernel_keeps_the_greedy_tokens(monkeypatch):
+  """Decode attention by the C++ kernel (CPU's default for bfloat16) or by
+  chunked XLA: the same greedy tokens. Jit caches are cleared around each
+  run, so that each traces its programs under its own choice."""
+  model = models.Llama(dataclasses.replace(MODEL_CONFIG, dtype="bfloat16"), rngs=nnx.Rngs(0))
+  if cpu.unavailable_reason() is not None:
+    pytest.skip(f"the C++ kernel cannot run here: {cpu.unavailable_reason()}")
+  calls = []
+  kernel = cpu.paged_attention
+  monkeypatch.setattr(cpu, "paged_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+  greedy = {}
+  try:
+    for enabled in (True, False):
+      jax.clear_caches()
+      calls.clear()
+      with kernel_choice.use_cpu_kernel(enabled):
+        engine = pj.LLMEngine(
+          model, TOKENIZER, CFG, max_num_seqs=2, max_num_batched_tokens=64, num_decode_steps=4
+        )
+        finals, _ = _serve(engine, _requests())
+      greedy[enabled] = {
+        i: tokens for i, tokens in _tokens(finals).items() if finals[i].outputs[0].logprobs is None
+      }
+      assert bool(calls) == enabled
+  finally:
+    jax.clear_caches()
+  assert greedy[True] == greedy[False] and len(greedy[True]) == 4
 
 
 # Over 10 s: another model, so the engine compiles all its programs.

@@ -5,17 +5,25 @@ import jax.numpy as jnp
 import pytest
 
 from paged_jax import kernel_choice
+from pallas_kernels.paged_attention import cpu
 
 SHAPE = dict(dtype=jnp.bfloat16, block_size=16, head_dim=128, group=4)
 
 
-def test_cpu_runs_xla_and_names_interpret_mode(monkeypatch):
+@pytest.mark.parametrize(
+  "reason,decode", [(None, "C++ (XLA FFI)"), ("no C++ compiler found", "chunked XLA")]
+)
+def test_cpu_runs_the_cpp_kernel_or_xla_and_names_interpret_mode(monkeypatch, reason, decode):
   monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+  monkeypatch.setattr(cpu, "unavailable_reason", lambda: reason)
   assert kernel_choice.describe_kernels(**SHAPE) == (
-    "backend cpu: decode attention = chunked XLA, prefill attention = chunked XLA, "
+    f"backend cpu: decode attention = {decode}, prefill attention = chunked XLA, "
     "write_kv = XLA, copy_blocks = XLA; the Pallas kernels run on cpu only in interpret mode "
     "(impl='pallas')"
   )
+  with kernel_choice.use_cpu_kernel(False):
+    assert "decode attention = chunked XLA" in kernel_choice.describe_kernels(**SHAPE)
+  assert "decode attention = chunked XLA" in kernel_choice.describe_kernels(**SHAPE, quantized=True)
 
 
 def test_tpu_runs_mosaic(monkeypatch):

@@ -28,6 +28,7 @@ from jax.experimental.pallas.ops.tpu.paged_attention import quantization_utils
 from pallas_kernels import quantization
 from pallas_kernels.paged_attention import (
   check_block_tables,
+  cpu,
   gpu,
   paged_attention_chunked,
   paged_attention_reference,
@@ -413,7 +414,9 @@ IMPLEMENTATIONS = [
   paged_attention_chunked,
   lambda *a, **kw: gpu.paged_attention(*a, **kw, interpret=True),
   lambda *a, **kw: tpu.paged_attention(*a, **kw, interpret=True),
+  cpu.paged_attention,
 ]
+IMPLEMENTATION_IDS = ["reference", "chunked", "gpu", "tpu", "cpu"]
 
 
 def good_args():
@@ -447,7 +450,7 @@ BAD_ARGS = {
 }
 
 
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS, ids=["reference", "chunked", "gpu", "tpu"])
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS, ids=IMPLEMENTATION_IDS)
 @pytest.mark.parametrize("bad", BAD_ARGS, ids=str)
 def test_bad_arguments_raise_value_error(impl, bad):
   overrides, message = BAD_ARGS[bad]
@@ -478,11 +481,12 @@ KERNEL_NAMES = [
   "paged_attention_chunked",
   "paged_attention_gpu",
   "paged_attention_tpu",
+  "paged_attention_cpu",
 ]
 
 
 @pytest.mark.parametrize(
-  "impl,name", list(zip(IMPLEMENTATIONS, KERNEL_NAMES)), ids=["reference", "chunked", "gpu", "tpu"]
+  "impl,name", list(zip(IMPLEMENTATIONS, KERNEL_NAMES)), ids=IMPLEMENTATION_IDS
 )
 @pytest.mark.parametrize(
   "pages,scales,message",

@@ -12,12 +12,16 @@ import sys
 
 import pytest
 
+from pallas_kernels.paged_attention import cpu
+
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
 COLAB = pathlib.Path(__file__).parent.parent / "colab"
 VERSIONS = f"Python {sys.version.split()[0]}, JAX {importlib.metadata.version('jax')}"
-CPU_KERNELS = "backend cpu: decode attention = chunked XLA, prefill attention = chunked XLA"
+# The C++ decode kernel wherever a compiler builds it (paged_jax.kernel_choice).
+CPU_DECODE = "C++ (XLA FFI)" if cpu.find_compiler() else "chunked XLA"
+CPU_KERNELS = f"backend cpu: decode attention = {CPU_DECODE}, prefill attention = chunked XLA"
 
 
 def _run(name: str, monkeypatch, parameters: str = ""):

@@ -1,0 +1,374 @@
+// Paged decode attention for XLA:CPU, called through JAX's FFI
+// (pallas_kernels/paged_attention/cpu.py builds and registers it).
+//
+// One query token per sequence, grouped-query heads. A work item is one
+// sequence and one KV head: its keys are read page by page through the block
+// table, straight from the cache (nothing is gathered into a copy), the
+// logits of the group's query heads go to a scratch row, then a softmax and
+// the weighted sum of the values. Items are shared between the calling
+// thread and the tasks it schedules on XLA's intra-op thread pool.
+//
+// Semantics are those of the XLA reference: a key is visible when its
+// position is below the length (and inside the sliding window), and its
+// table entry holds a block; a row with no visible key gives zeros. Pages
+// are float32 or bfloat16 (bits read as uint16); sums run in float32.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+inline float Widen(float x) { return x; }
+
+inline float Widen(uint16_t bits) {
+  uint32_t word = static_cast<uint32_t>(bits) << 16;
+  float x;
+  std::memcpy(&x, &word, sizeof(x));
+  return x;
+}
+
+inline void Narrow(float x, float* out) { *out = x; }
+
+inline void Narrow(float x, uint16_t* out) {  // round to nearest even, NaN kept
+  uint32_t word;
+  std::memcpy(&word, &x, sizeof(word));
+  if (std::isnan(x)) {
+    *out = static_cast<uint16_t>((word >> 16) | 0x40);
+    return;
+  }
+  *out = static_cast<uint16_t>((word + 0x7fff + ((word >> 16) & 1)) >> 16);
+}
+
+// 16 float32 lanes (GCC/Clang vector extensions: one AVX-512 register, two
+// AVX2 ones, four NEON ones).
+constexpr int64_t kLanes = 16;
+typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
+typedef float HalfLanes __attribute__((vector_size(kLanes / 2 * sizeof(float))));
+typedef float QuarterLanes __attribute__((vector_size(kLanes / 4 * sizeof(float))));
+
+typedef int32_t IntLanes __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+// exp(x) for x <= 0, 16 at a time (Cephes' polynomial, about 1 ulp); 0 below
+// -87 (and for -inf), NaN kept.
+inline Lanes ExpNonPositive(Lanes x) {
+  IntLanes tiny = x < -87.0f;  // -1 where true; vector casts keep the bits
+  Lanes clamped = (Lanes)(((IntLanes)x & ~tiny) | ((IntLanes)(Lanes{} - 87.0f) & tiny));
+  const float round = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  Lanes n = (clamped * 1.44269504088896341f + round) - round;
+  Lanes r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
+  Lanes p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  IntLanes two_n = (__builtin_convertvector(n, IntLanes) + 127) << 23;
+  return (Lanes)((IntLanes)(p * (Lanes)two_n) & ~tiny);
+}
+
+template <typename V>
+inline V Load(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void Store(float* p, Lanes v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline float Sum(Lanes v) {
+  const float* lanes = reinterpret_cast<const float*>(&v);
+  HalfLanes half = Load<HalfLanes>(lanes) + Load<HalfLanes>(lanes + kLanes / 2);
+  const float* halves = reinterpret_cast<const float*>(&half);
+  QuarterLanes quarter = Load<QuarterLanes>(halves) + Load<QuarterLanes>(halves + kLanes / 4);
+  return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
+}
+
+typedef uint16_t Bf16Lanes __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint32_t WordLanes __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
+// 16 elements from p as float32.
+inline Lanes LoadWide(const float* p) { return Load<Lanes>(p); }
+
+inline Lanes LoadWide(const uint16_t* p) {
+  Bf16Lanes bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return (Lanes)(__builtin_convertvector(bits, WordLanes) << 16);
+}
+
+// Head sizes a multiple of the lanes, known at compile time, run the
+// vector-extension loops; other sizes plain loops.
+template <int64_t D>
+constexpr bool kInLanes = D > 0 && D % kLanes == 0;
+
+// logits[g * stride + t] = queries[g] . rows[t] for t in [lo, hi).
+template <typename T, int64_t D>
+void DotRows(const float* queries, const T* rows, int64_t d, int64_t group, int64_t lo,
+             int64_t hi, float* logits, int64_t stride) {
+  if constexpr (kInLanes<D>) {  // a row in registers, reused by the group
+    constexpr int64_t kChunks = D / kLanes;
+    for (int64_t t = lo; t < hi; ++t) {
+      Lanes row[kChunks];
+      for (int64_t c = 0; c < kChunks; ++c) row[c] = LoadWide(rows + t * D + c * kLanes);
+      for (int64_t g = 0; g < group; ++g) {
+        Lanes dot = row[0] * Load<Lanes>(queries + g * D);
+        for (int64_t c = 1; c < kChunks; ++c) {
+          dot += row[c] * Load<Lanes>(queries + g * D + c * kLanes);
+        }
+        logits[g * stride + t] = Sum(dot);
+      }
+    }
+  } else {
+    for (int64_t g = 0; g < group; ++g) {
+      for (int64_t t = lo; t < hi; ++t) {
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t i = 0; i < d; ++i) dot += queries[g * d + i] * Widen(rows[t * d + i]);
+        logits[g * stride + t] = dot;
+      }
+    }
+  }
+}
+
+// sums[g] += weights[g * stride + t] * rows[t] for t in [lo, hi).
+template <typename T, int64_t D>
+void AccumulateRows(const float* weights, const T* rows, int64_t d, int64_t group, int64_t lo,
+                    int64_t hi, int64_t stride, float* sums) {
+  for (int64_t g = 0; g < group; ++g) {
+    if constexpr (kInLanes<D>) {  // the sum in registers across the rows
+      constexpr int64_t kChunks = D / kLanes;
+      Lanes sum[kChunks];
+      for (int64_t c = 0; c < kChunks; ++c) sum[c] = Load<Lanes>(sums + g * D + c * kLanes);
+      for (int64_t t = lo; t < hi; ++t) {
+        float w = weights[g * stride + t];
+        for (int64_t c = 0; c < kChunks; ++c) sum[c] += w * LoadWide(rows + t * D + c * kLanes);
+      }
+      for (int64_t c = 0; c < kChunks; ++c) Store(sums + g * D + c * kLanes, sum[c]);
+    } else {
+      for (int64_t t = lo; t < hi; ++t) {
+        float w = weights[g * stride + t];
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) sums[g * d + i] += w * Widen(rows[t * d + i]);
+      }
+    }
+  }
+}
+
+struct Shapes {
+  int64_t batch, num_q_heads, head_dim, num_kv_heads, num_blocks, block_size, max_blocks;
+  int64_t group() const { return num_q_heads / num_kv_heads; }
+};
+
+struct Options {
+  float scale;
+  float soft_cap;  // 0: none
+  int64_t sliding_window;  // 0: none
+};
+
+// Attention of sequence `row`'s query heads of KV head `head`. `D` is the
+// head size when known at compile time (its loops then unroll into
+// registers), else 0 and the shapes' head_dim serves.
+template <typename T, int64_t D>
+void AttendItem(const Shapes& s, const Options& o, const T* q, const T* k, const T* v,
+                const int32_t* tables, const int32_t* lengths, T* out, int64_t row,
+                int64_t head, std::vector<float>& scratch) {
+  const int64_t d = D > 0 ? D : s.head_dim, group = s.group(), bs = s.block_size;
+  T* out_rows = out + (row * s.num_q_heads + head * group) * d;
+  int64_t length = lengths[row];
+  int64_t first = o.sliding_window > 0 ? std::max<int64_t>(0, length - o.sliding_window) : 0;
+  length = std::min<int64_t>(length, s.max_blocks * bs);  // no key past the table
+  int64_t count = length - first;
+  int64_t stride = (count + kLanes - 1) / kLanes * kLanes;  // a group's logits, padded
+  if (count <= 0) {
+    for (int64_t i = 0; i < group * d; ++i) Narrow(0.0f, out_rows + i);
+    return;
+  }
+  // scratch: queries [group, d], sums [group, d], totals [group],
+  // logits [group, stride] (-inf past count)
+  scratch.resize(group * d + group * d + group + group * stride);
+  float* queries = scratch.data();
+  float* sums = queries + group * d;
+  float* totals = sums + group * d;
+  float* logits = totals + group;
+  const T* q_rows = q + (row * s.num_q_heads + head * group) * d;
+  for (int64_t i = 0; i < group * d; ++i) queries[i] = Widen(q_rows[i]) * o.scale;
+  const int32_t* table = tables + row * s.max_blocks;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  auto page = [&](const T* pages, int64_t block) -> const T* {
+    int32_t entry = table[block];
+    if (entry < 0) return nullptr;
+    int64_t clamped = std::min<int64_t>(entry, s.num_blocks - 1);
+    return pages + (head * s.num_blocks + clamped) * bs * d;
+  };
+  auto prefetch_page = [&](const T* pages, int64_t block) {
+    if (block * bs >= length) return;
+    const T* next = page(pages, block);
+    if (next == nullptr) return;
+    for (int64_t byte = 0; byte < bs * d * int64_t(sizeof(T)); byte += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(next) + byte);
+    }
+  };
+
+  // Logits, page by page; -inf where the table holds no block.
+  for (int64_t block = first / bs; block * bs < length; ++block) {
+    int64_t lo = std::max(first, block * bs) - block * bs;
+    int64_t hi = std::min(length, (block + 1) * bs) - block * bs;
+    float* block_logits = logits + block * bs - first;
+    const T* keys = page(k, block);
+    prefetch_page(k, block + 1);
+    if (keys == nullptr) {
+      for (int64_t g = 0; g < group; ++g) {
+        std::fill(block_logits + g * stride + lo, block_logits + g * stride + hi, neg_inf);
+      }
+      continue;
+    }
+    DotRows<T, D>(queries, keys, d, group, lo, hi, block_logits, stride);
+    for (int64_t g = 0; g < group; ++g) {
+      if (o.soft_cap > 0) {  // on the keys read only: masked ones stay -inf
+        for (int64_t t = lo; t < hi; ++t) {
+          float& logit = block_logits[g * stride + t];
+          logit = o.soft_cap * std::tanh(logit / o.soft_cap);
+        }
+      }
+    }
+  }
+
+  // Softmax weights, unnormalized; the totals divide at the end.
+  bool any_visible = false;
+  for (int64_t g = 0; g < group; ++g) {
+    float* row_logits = logits + g * stride;
+    std::fill(row_logits + count, row_logits + stride, neg_inf);
+    float most = neg_inf;
+#pragma omp simd reduction(max : most)
+    for (int64_t i = 0; i < count; ++i) most = std::max(most, row_logits[i]);
+    totals[g] = 0.0f;
+    if (most == neg_inf) continue;
+    any_visible = true;
+    Lanes total = {};
+    for (int64_t i = 0; i < stride; i += kLanes) {
+      Lanes w = ExpNonPositive(Load<Lanes>(row_logits + i) - most);
+      Store(row_logits + i, w);
+      total += w;
+    }
+    totals[g] = Sum(total);
+  }
+  std::fill(sums, sums + group * d, 0.0f);
+  for (int64_t block = first / bs; any_visible && block * bs < length; ++block) {
+    const T* values = page(v, block);
+    prefetch_page(v, block + 1);
+    if (values == nullptr) continue;
+    int64_t lo = std::max(first, block * bs) - block * bs;
+    int64_t hi = std::min(length, (block + 1) * bs) - block * bs;
+    const float* block_weights = logits + block * bs - first;
+    AccumulateRows<T, D>(block_weights, values, d, group, lo, hi, stride, sums);
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float inverse = totals[g] == 0.0f ? 0.0f : 1.0f / totals[g];
+    for (int64_t i = 0; i < d; ++i) Narrow(sums[g * d + i] * inverse, out_rows + g * d + i);
+  }
+}
+
+// Items (row, KV head) shared by the calling thread and pool tasks: each takes
+// the next index until none is left; the caller returns once every task that
+// took one has finished (a task that starts later finds none and touches
+// nothing but this shared counter).
+struct WorkQueue {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> active{0};
+};
+
+template <typename T>
+void AttendAll(const Shapes& s, const Options& o, const T* q, const T* k, const T* v,
+               const int32_t* tables, const int32_t* lengths, T* out, ffi::ThreadPool pool) {
+  const int64_t items = s.batch * s.num_kv_heads;
+  auto queue = std::make_shared<WorkQueue>();
+  auto work = [=, &s, &o](WorkQueue& shared) {
+    std::vector<float> scratch;
+    auto attend = s.head_dim == 64 ? AttendItem<T, 64>
+                  : s.head_dim == 128 ? AttendItem<T, 128>
+                  : s.head_dim == 256 ? AttendItem<T, 256>
+                                       : AttendItem<T, 0>;
+    for (int64_t item = shared.next++; item < items; item = shared.next++) {
+      attend(s, o, q, k, v, tables, lengths, out, item / s.num_kv_heads, item % s.num_kv_heads,
+             scratch);
+    }
+  };
+  int64_t helpers = std::min<int64_t>(pool.num_threads(), items) - 1;
+  for (int64_t i = 0; i < helpers; ++i) {
+    pool.Schedule([queue, work]() {
+      queue->active++;
+      work(*queue);
+      queue->active--;
+    });
+  }
+  work(*queue);
+  while (queue->active.load() > 0) std::this_thread::yield();
+}
+
+ffi::Error PagedDecodeAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
+                                ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> block_tables,
+                                ffi::Buffer<ffi::S32> lengths, ffi::Result<ffi::AnyBuffer> out,
+                                float scale, float soft_cap, int64_t sliding_window) {
+  auto q_dims = q.dimensions();
+  auto k_dims = k_pages.dimensions();
+  auto t_dims = block_tables.dimensions();
+  if (q_dims.size() != 3 || k_dims.size() != 4 || t_dims.size() != 2) {
+    return ffi::Error::InvalidArgument("paged decode attention: bad ranks");
+  }
+  Shapes s{q_dims[0], q_dims[1], q_dims[2], k_dims[0], k_dims[1], k_dims[2], t_dims[1]};
+  if (k_dims[3] != s.head_dim || s.num_q_heads % s.num_kv_heads != 0 || t_dims[0] != s.batch) {
+    return ffi::Error::InvalidArgument("paged decode attention: inconsistent shapes");
+  }
+  auto dtype = q.element_type();
+  // bfloat16 pages may come as their bits (uint16), as the CPU cache stores them.
+  auto page_dtype_ok = [&](ffi::DataType page) {
+    return page == dtype || (dtype == ffi::DataType::BF16 && page == ffi::DataType::U16);
+  };
+  if (!page_dtype_ok(k_pages.element_type()) || !page_dtype_ok(v_pages.element_type()) ||
+      out->element_type() != dtype) {
+    return ffi::Error::InvalidArgument("paged decode attention: mixed dtypes");
+  }
+  Options o{scale, soft_cap, sliding_window};
+  const int32_t* tables = block_tables.typed_data();
+  const int32_t* lens = lengths.typed_data();
+  if (dtype == ffi::DataType::F32) {
+    AttendAll(s, o, static_cast<const float*>(q.untyped_data()),
+              static_cast<const float*>(k_pages.untyped_data()),
+              static_cast<const float*>(v_pages.untyped_data()), tables, lens,
+              static_cast<float*>(out->untyped_data()), pool);
+  } else if (dtype == ffi::DataType::BF16) {
+    AttendAll(s, o, static_cast<const uint16_t*>(q.untyped_data()),
+              static_cast<const uint16_t*>(k_pages.untyped_data()),
+              static_cast<const uint16_t*>(v_pages.untyped_data()), tables, lens,
+              static_cast<uint16_t*>(out->untyped_data()), pool);
+  } else {
+    return ffi::Error::InvalidArgument("paged decode attention: float32 or bfloat16 only");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedDecodeAttentionCpu, PagedDecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("sliding_window"));

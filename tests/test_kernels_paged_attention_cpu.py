@@ -1,0 +1,176 @@
+"""The C++ paged decode attention of the CPU backend (`pallas_kernels/
+paged_attention/cpu.py`) against the XLA reference, its build, and the
+choice that runs it (`paged_jax.kernel_choice`).
+
+Every case poisons the bytes no query may read with NaN, as in
+tests/test_kernels_paged_attention.py, whose inputs these reuse. The
+kernel's output buffer comes uninitialized from XLA, so each element it
+failed to write (rows of length 0 included, which must be zeros) would show
+as a mismatch.
+"""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from paged_jax import attention, kernel_choice
+from pallas_kernels.paged_attention import cpu
+from tests.test_kernels_paged_attention import (
+  Case,
+  assert_close,
+  attend,
+  good_args,
+  make_inputs,
+  reference_attention,
+)
+
+pytestmark = pytest.mark.skipif(
+  jax.default_backend() != "cpu", reason="the C++ kernel runs on the CPU backend"
+)
+OPTIONS = ("sm_scale", "soft_cap", "sliding_window")
+kernel = jax.jit(cpu.paged_attention, static_argnames=OPTIONS)
+
+# SmolLM2's heads (9 query, 3 KV: a group of 3) at head sizes 64 and 128
+# (compiled for their size) and 8 and 80 (any size), both dtypes, every
+# option, a -1 table entry inside a context; lengths (`make_lengths`) include
+# 0, 1, a full last block and the maximum.
+CASES = [
+  Case(6, 9, 3, 64, 16, 4, "bfloat16"),
+  Case(6, 9, 3, 64, 16, 4, "float32", hole=True),
+  Case(5, 4, 1, 128, 8, 5, "bfloat16", sm_scale=0.3, soft_cap=4.0),
+  Case(4, 2, 1, 8, 4, 6, "float32", sliding_window=9),
+  Case(3, 6, 2, 80, 16, 3, "bfloat16", soft_cap=3.0, sliding_window=20, hole=True),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+  """Builds the kernel (once per machine: the library is cached); skips
+  where no compiler exists, fails where one exists and the build fails."""
+  if cpu.find_compiler() is None:
+    pytest.skip("no C++ compiler")
+  assert cpu.unavailable_reason() is None
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_kernel_matches_reference_on_poisoned_cache(case):
+  q, clean, poisoned, tables, lengths = make_inputs(case, seed=11)
+  expected = attend(reference_attention, q, clean, tables, lengths, **case.options)
+  out = attend(kernel, q, poisoned, tables, lengths, **case.options)
+  assert out.shape == q.shape and out.dtype == q.dtype
+  assert_close(out, expected, case.dtype)
+  assert not np.asarray(out, np.float32)[lengths == 0].any()
+
+
+def test_attention_auto_runs_the_kernel_on_cpu(monkeypatch):
+  case = CASES[0]
+  q, _, poisoned, tables, lengths = make_inputs(case, seed=12)
+  calls = []
+  monkeypatch.setattr(cpu, "paged_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+  out = attend(attention.paged_attention, q, poisoned, tables, lengths)
+  assert calls and np.isfinite(np.asarray(out, np.float32)).all()
+  with kernel_choice.use_cpu_kernel(False):
+    attend(attention.paged_attention, q, poisoned, tables, lengths)
+  assert len(calls) == 1
+
+
+def test_kernel_propagates_nan_read_inside_the_context():
+  rng = np.random.default_rng(7)
+  k_pages = rng.standard_normal((1, 4, 4, 8)).astype(np.float32)
+  v_pages = rng.standard_normal((1, 4, 4, 8)).astype(np.float32)
+  k_pages[0, 2, 1] = np.nan  # inside sequence 0's context, outside sequence 1's
+  q = rng.standard_normal((2, 2, 8)).astype(np.float32)
+  tables = np.array([[2, -1], [3, 1]], np.int32)
+  out = kernel(q, k_pages, v_pages, tables, np.array([3, 6], np.int32))
+  assert np.all(np.isnan(np.asarray(out[0])))
+  assert np.all(np.isfinite(np.asarray(out[1])))
+
+
+def test_kernel_runs_under_vmap():
+  case = CASES[3]
+  q, clean, _, tables, lengths = make_inputs(case, seed=13)
+  k, v = (jnp.asarray(x) for x in clean[:2])
+  expected = reference_attention(q, k, v, tables, lengths, sliding_window=9)
+  batched = jax.vmap(lambda q: kernel(q, k, v, tables, lengths, sliding_window=9))
+  out = batched(jnp.stack([q, 2 * q]))
+  assert_close(out[0], expected, case.dtype)
+
+
+@pytest.mark.parametrize(
+  "dtype,kv_dtype,quantized,message",
+  [
+    ("float16", "float16", False, "float32 or bfloat16 .* not float16 on float16"),
+    ("bfloat16", "int8", True, "no quantized pages"),
+  ],
+)
+def test_kernel_refuses_what_it_cannot_serve(dtype, kv_dtype, quantized, message):
+  assert cpu.refusal(jnp.dtype(dtype), jnp.dtype(kv_dtype), quantized) is not None
+  args = good_args()
+  args["q"] = args["q"].astype(dtype)
+  args["k_pages"] = args["v_pages"] = args["k_pages"].astype(kv_dtype)
+  if quantized:
+    args["k_scales"] = args["v_scales"] = jnp.ones((2, 10, 8), jnp.float32)
+  with pytest.raises(ValueError, match=f"paged_attention_cpu: .*{message}"):
+    cpu.paged_attention(**args)
+  choice = kernel_choice.select_attention_kernel(
+    "auto", dtype=dtype, block_size=8, head_dim=64, group=2, quantized=quantized, kv_dtype=kv_dtype
+  )
+  assert choice is None  # the chunked XLA implementation serves them
+
+
+def test_auto_leaves_float32_to_xla_and_cpu_impl_runs_it(caplog):
+  kernel_choice._log_once.cache_clear()
+  with caplog.at_level(logging.INFO, logger="paged_jax"):
+    choice = kernel_choice.select_attention_kernel(
+      "auto", dtype=jnp.float32, block_size=8, head_dim=64, group=2
+    )
+  assert choice is None and "float32 SmolLM2 decode step measured slower" in caplog.text
+  asked = kernel_choice.select_attention_kernel(
+    "cpu", dtype=jnp.float32, block_size=8, head_dim=64, group=2
+  )
+  assert asked == ("cpu", False)
+
+
+def test_cpu_impl_runs_on_the_cpu_backend_only():
+  with kernel_choice.target_platform("tpu"), pytest.raises(ValueError, match="cpu backend only"):
+    attention.paged_attention(**good_args(), impl="cpu")
+
+
+def test_without_a_kernel_auto_falls_back_and_logs_why(monkeypatch, caplog):
+  reason = "no C++ compiler found (c++, g++ or clang++)"
+  monkeypatch.setattr(cpu, "unavailable_reason", lambda: reason)
+  kernel_choice._log_once.cache_clear()
+  with caplog.at_level(logging.INFO, logger="paged_jax"):
+    choice = kernel_choice.select_attention_kernel(
+      "auto", dtype=jnp.bfloat16, block_size=8, head_dim=64, group=2
+    )
+  assert choice is None
+  assert f"chunked XLA (C++ kernel: {reason})" in caplog.text
+  with pytest.raises(RuntimeError, match="paged_attention_cpu: no C\\+\\+ compiler"):
+    cpu.paged_attention(**good_args())
+
+
+def test_a_failed_build_or_no_compiler_gives_the_reason(monkeypatch, tmp_path):
+  monkeypatch.setenv("PAGED_JAX_KERNEL_DIR", str(tmp_path))
+  monkeypatch.setenv("CXX", "false")  # a "compiler" that fails
+  library, reason = cpu.load_library()
+  assert library is None and reason.startswith("building it failed:") and "false" in reason
+  monkeypatch.setenv("CXX", "no-such-compiler-here")
+  library, reason = cpu.load_library()
+  assert library is None and reason == "no C++ compiler found (no-such-compiler-here)"
+  assert not list(tmp_path.glob("*.so"))
+
+
+def test_a_built_kernel_is_reused_without_compiling(monkeypatch):
+  compiler = cpu.find_compiler()
+  library = cpu.build(compiler)  # built by the fixture: cached
+  assert library.exists() and library.parent == cpu.cache_dir()
+
+  def no_compile(*args, **kwargs):
+    raise AssertionError("compiled again")
+
+  monkeypatch.setattr(cpu.subprocess, "run", no_compile)
+  assert cpu.build(compiler) == library
