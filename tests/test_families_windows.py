@@ -73,8 +73,13 @@ WINDOWED = {
 }
 
 
+# CI runs the Gemma-shaped model: its sliding layers mask the same window as
+# Mistral's every layer does (and it has global layers and soft caps too);
+# Mistral's windows run in CI on the cache that frees blocks, below.
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
-@pytest.mark.parametrize("name", WINDOWED)
+@pytest.mark.parametrize(
+  "name", [pytest.param("mistral_window_8", marks=pytest.mark.slow), "gemma_hybrid_window_8"]
+)
 def test_paged_greedy_decoding_equals_dense_past_the_window(name, preemption_mode):
   """Every block kept, each layer masking its own window, with prefix
   caching: sequences of 4 to 5 windows in 20 blocks, so some are preempted.

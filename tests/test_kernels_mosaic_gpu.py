@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from paged_jax import attention, kernel_choice
-from pallas_kernels.paged_attention import gpu, mosaic_gpu
+from pallas_kernels.paged_attention import cpu, gpu, mosaic_gpu
 from tests.abstract_gpu import lower_for
 from tests.test_kernels_paged_attention import (
   OPTIONS,
@@ -196,7 +196,11 @@ def test_forced_gpu_kernels_interpret_on_cpu():
   assert select("mosaic_gpu") == ("mosaic_gpu", True)
   assert select("triton") == ("triton", True)
   assert select("pallas") == ("triton", True)
-  assert select("auto") is None
+  # "auto" on CPU: the C++ kernel for bfloat16 where it builds, else XLA.
+  built = cpu.unavailable_reason() is None
+  assert select("auto") == (("cpu", False) if built else None)
+  with kernel_choice.use_cpu_kernel(False):
+    assert select("auto") is None
   with pytest.raises(ValueError, match="impl must be one of"):
     select("cuda")
 
