@@ -222,12 +222,17 @@ def served_alone(llm):
 
 # Over 10 s: a tight cache with prefix caching compiles its engine's programs,
 # the automaton steps inside the ragged step and the decode loop included. CI
-# runs "swap" (a group preempted mid-prompt is recomputed even so), and so
-# with decode launches dispatched ahead too (a launch's automaton states
-# carry on to the next on the device); "recompute" is `slow`.
+# runs "swap" (a group preempted mid-prompt is recomputed even so); with
+# decode launches dispatched ahead (a launch's automaton states carry on to
+# the next on the device) and "recompute" are `slow`: the CI soak
+# (tests/test_soak.py) serves structured outputs with `--async-scheduling`.
 @pytest.mark.parametrize(
   "preemption_mode, ahead",
-  [pytest.param("recompute", False, marks=pytest.mark.slow), ("swap", False), ("swap", True)],
+  [
+    pytest.param("recompute", False, marks=pytest.mark.slow),
+    ("swap", False),
+    pytest.param("swap", True, marks=pytest.mark.slow),
+  ],
 )
 def test_prefix_caching_preemption_and_n2_keep_outputs_valid_and_equal(
   tiny, served_alone, preemption_mode, ahead
