@@ -239,7 +239,7 @@ def test_shape_only_models_compile_for_tpu(model, topology, tp):
   assert report["max_temp_bytes"] > 0
   names = [p["name"] for p in report["programs"]]
   assert any(n.startswith("plain: decode_loop") for n in names)
-  assert any(n.startswith("plain: prefill") for n in names)
+  assert any(n.startswith("plain: ragged_step") for n in names)
   # Every program that holds the weights holds at least this chip's share.
   largest = max(p["argument_bytes"] for p in report["programs"])
   assert largest >= report["weight_bytes_per_chip"] + 32 * block
