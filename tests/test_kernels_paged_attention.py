@@ -574,6 +574,10 @@ def test_check_block_tables_accepts_valid_tables():
   ids=["reference", "chunked"],
 )
 def test_xla_attention_propagates_nan_read_inside_the_context(attention):
+  check_nan_read_inside_the_context_propagates(attention)
+
+
+def check_nan_read_inside_the_context_propagates(attention):
   """A NaN key the query can see poisons that output (stale reads stay visible)."""
   rng = np.random.default_rng(7)
   k_pages = rng.standard_normal((1, 4, 4, 8)).astype(np.float32)

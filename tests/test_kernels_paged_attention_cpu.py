@@ -22,6 +22,7 @@ from tests.test_kernels_paged_attention import (
   Case,
   assert_close,
   attend,
+  check_nan_read_inside_the_context_propagates,
   good_args,
   make_inputs,
   reference_attention,
@@ -78,15 +79,7 @@ def test_attention_auto_runs_the_kernel_on_cpu(monkeypatch):
 
 
 def test_kernel_propagates_nan_read_inside_the_context():
-  rng = np.random.default_rng(7)
-  k_pages = rng.standard_normal((1, 4, 4, 8)).astype(np.float32)
-  v_pages = rng.standard_normal((1, 4, 4, 8)).astype(np.float32)
-  k_pages[0, 2, 1] = np.nan  # inside sequence 0's context, outside sequence 1's
-  q = rng.standard_normal((2, 2, 8)).astype(np.float32)
-  tables = np.array([[2, -1], [3, 1]], np.int32)
-  out = kernel(q, k_pages, v_pages, tables, np.array([3, 6], np.int32))
-  assert np.all(np.isnan(np.asarray(out[0])))
-  assert np.all(np.isfinite(np.asarray(out[1])))
+  check_nan_read_inside_the_context_propagates(kernel)
 
 
 def test_kernel_runs_under_vmap():

@@ -107,8 +107,10 @@ def random_operation(rng, ref_seqs, max_seqs: int, max_tokens: int, step: int) -
   return (name,)
 
 
-def apply(manager, operation):
-  """Runs an operation on a plain manager (reference or jitted); returns what it reported."""
+def apply(manager, operation, access=None):
+  """Runs an operation on a manager (reference or jitted); returns what it
+  reported. `access(manager, seq_id, now)` marks a sequence's blocks used
+  (default: the plain managers' method)."""
   name, *args = operation
   if name == "allocate":
     seq_ids, tokens, salt = args
@@ -118,13 +120,15 @@ def apply(manager, operation):
     new = [t for _, t in rows]
     return manager.append_slots([s for s, _ in rows], new, [len(t) for t in new], lookahead)
   if name == "access":
-    manager.access_all_blocks_in_seq(*args)
+    if access is None:
+      manager.access_all_blocks_in_seq(*args)
+    else:
+      access(manager, *args)
     return None
   if name == "reset":
     manager.reset()
     return None
-  result = getattr(manager, name)(*args)
-  return result  # fork, free: a status; swaps: (status, plan)
+  return getattr(manager, name)(*args)  # fork, free: a status; swaps: (status, plan)
 
 
 def cached_blocks(pool_content, ref_pool) -> tuple[list, list]:
@@ -169,31 +173,17 @@ def _plain_snapshot(m, cfg):
   )
 
 
-def apply_hybrid(manager, operation):
-  """Runs an operation on a hybrid manager; returns what it reported."""
-  name, *args = operation
-  if name == "allocate":
-    seq_ids, tokens, salt = args
-    return manager.allocate_counting_hits(seq_ids, tokens, len(tokens), salt)
-  if name == "append":
-    rows, lookahead = args
-    new = [t for _, t in rows]
-    return manager.append_slots([s for s, _ in rows], new, [len(t) for t in new], lookahead)
-  if name == "access":
-    _access(manager, *args)
-    return None
-  if name == "reset":
-    manager.reset()
-    return None
-  return getattr(manager, name)(*args)
-
-
 def _access(manager, seq_id, now):
   if isinstance(manager, ReferenceHybridManager):
     for one in manager.types:
       one.access_all_blocks_in_seq(seq_id, now)
   else:
     manager.state = hybrid.access_all_blocks_in_seq(manager.state, np.int32(seq_id), np.int32(now))
+
+
+def apply_hybrid(manager, operation):
+  """Runs an operation on a hybrid manager; returns what it reported."""
+  return apply(manager, operation, access=_access)
 
 
 def run_hybrid(seed: int, num_ops: int, cfg: HybridCacheConfig = GEMMA):
