@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from paged_jax import attention, kernel_choice
+from pallas_kernels import cpu_build
 from pallas_kernels.paged_attention import cpu
 from tests.test_kernels_paged_attention import (
   Case,
@@ -149,21 +150,21 @@ def test_without_a_kernel_auto_falls_back_and_logs_why(monkeypatch, caplog):
 def test_a_failed_build_or_no_compiler_gives_the_reason(monkeypatch, tmp_path):
   monkeypatch.setenv("PAGED_JAX_KERNEL_DIR", str(tmp_path))
   monkeypatch.setenv("CXX", "false")  # a "compiler" that fails
-  library, reason = cpu.load_library()
+  library, reason = cpu.LIBRARY.load()
   assert library is None and reason.startswith("building it failed:") and "false" in reason
   monkeypatch.setenv("CXX", "no-such-compiler-here")
-  library, reason = cpu.load_library()
+  library, reason = cpu.LIBRARY.load()
   assert library is None and reason == "no C++ compiler found (no-such-compiler-here)"
   assert not list(tmp_path.glob("*.so"))
 
 
 def test_a_built_kernel_is_reused_without_compiling(monkeypatch):
-  compiler = cpu.find_compiler()
-  library = cpu.build(compiler)  # built by the fixture: cached
-  assert library.exists() and library.parent == cpu.cache_dir()
+  compiler = cpu_build.find_compiler()
+  library = cpu.LIBRARY.build(compiler)  # built by the fixture: cached
+  assert library.exists() and library.parent == cpu_build.cache_dir()
 
   def no_compile(*args, **kwargs):
     raise AssertionError("compiled again")
 
-  monkeypatch.setattr(cpu.subprocess, "run", no_compile)
-  assert cpu.build(compiler) == library
+  monkeypatch.setattr(cpu_build.subprocess, "run", no_compile)
+  assert cpu.LIBRARY.build(compiler) == library

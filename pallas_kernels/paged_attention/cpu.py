@@ -5,14 +5,8 @@ each sequence's keys and values page by page through its block table, in
 place, and shares the (sequence, KV head) pairs between the calling thread
 and XLA's intra-op thread pool (`cpu_decode.cc`).
 
-The package builds it at first use with the system C++ compiler (``$CXX``,
-else ``c++``, ``g++`` or ``clang++``), which takes a few seconds, and keeps the
-library in a cache directory (``$PAGED_JAX_KERNEL_DIR``, else
-``$XDG_CACHE_HOME/paged_jax/kernels`` or ``~/.cache/paged_jax/kernels``; one
-per machine, shared by its processes) under a name keyed by
-the source, the jaxlib version (its FFI header), the compiler and the CPU's
-instruction sets; concurrent processes (test workers) wait on a file lock for
-one build. Nothing is downloaded. `unavailable_reason` says why the kernel
+`pallas_kernels.cpu_build` builds it at first use with the system C++
+compiler and caches the library; `unavailable_reason` says why the kernel
 cannot run (no compiler, a failed build); `paged_jax.kernel_choice` then runs
 the XLA implementation, having logged the reason once.
 
@@ -22,132 +16,28 @@ It serves float32 and bfloat16 queries and pages of one dtype, any GQA group,
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import jaxlib
 import numpy as np
 
+from pallas_kernels import cpu_build
+from pallas_kernels.cpu_build import find_compiler
 from pallas_kernels.paged_attention import common
 
-SOURCE = Path(__file__).with_name("cpu_decode.cc")
 TARGET = "paged_jax_paged_decode_attention_cpu"
+LIBRARY = cpu_build.Library(
+  Path(__file__).with_name("cpu_decode.cc"), ((TARGET, "PagedDecodeAttentionCpu"),)
+)
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 _NAME = "paged_attention_cpu"
-
-
-def cache_dir() -> Path:
-  """Where built libraries are kept."""
-  if os.environ.get("PAGED_JAX_KERNEL_DIR"):
-    return Path(os.environ["PAGED_JAX_KERNEL_DIR"])
-  base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-  return Path(base) / "paged_jax" / "kernels"
-
-
-def find_compiler() -> str | None:
-  """The C++ compiler to build with: ``$CXX``, else the first on PATH."""
-  if os.environ.get("CXX"):
-    return shutil.which(os.environ["CXX"])
-  return next(filter(None, map(shutil.which, ("c++", "g++", "clang++"))), None)
-
-
-def _cpu_features() -> str:
-  """The CPU's instruction-set flags (``-march=native`` builds for them)."""
-  with contextlib.suppress(OSError):
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-      if line.startswith(("flags", "Features")):
-        return line
-  return platform.processor()
-
-
-@functools.cache
-def _build_key(compiler: str) -> str:
-  version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-  parts = (SOURCE.read_bytes().hex(), jaxlib.__version__, version, " ".join(_FLAGS))
-  parts += (platform.machine(), _cpu_features())
-  return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
-
-
-def build(compiler: str) -> Path:
-  """The kernel's shared library, compiled unless the cache holds it.
-
-  Raises:
-    RuntimeError: when the compiler fails (its output in the message).
-  """
-  directory = cache_dir()
-  directory.mkdir(parents=True, exist_ok=True)
-  library = directory / f"cpu_decode_{_build_key(compiler)}.so"
-  with _locked(directory / "cpu_decode.lock"):
-    if library.exists():
-      return library
-    with tempfile.TemporaryDirectory(dir=directory) as scratch:
-      built = Path(scratch) / library.name
-      command = [compiler, *_FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(built)]
-      result = subprocess.run(command, capture_output=True, text=True)
-      if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-2000:]}")
-      os.replace(built, library)
-  return library
-
-
-@contextlib.contextmanager
-def _locked(path: Path):
-  """An exclusive lock on `path` (where fcntl exists), so that one process builds."""
-  try:
-    import fcntl
-  except ImportError:
-    yield
-    return
-  with open(path, "w") as handle:
-    fcntl.flock(handle, fcntl.LOCK_EX)
-    try:
-      yield
-    finally:
-      fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def load_library() -> tuple[ctypes.CDLL | None, str | None]:
-  """The built kernel library, or None and why it cannot be built or loaded."""
-  compiler = find_compiler()
-  if compiler is None:
-    wanted = os.environ.get("CXX") or "c++, g++ or clang++"
-    return None, f"no C++ compiler found ({wanted})"
-  try:
-    return ctypes.cdll.LoadLibrary(str(build(compiler))), None
-  except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-    return None, f"building it failed: {error}"
-
-
-_REGISTER_LOCK = threading.Lock()
+__all__ = ["find_compiler", "paged_attention", "refusal", "unavailable_reason"]
 
 
 def unavailable_reason() -> str | None:
-  """Why the kernel cannot run here; None once it is built and registered
-  (the first call builds it, once per process)."""
-  with _REGISTER_LOCK:
-    return _register()
-
-
-@functools.cache
-def _register() -> str | None:
-  library, reason = load_library()
-  if library is not None:
-    jax.ffi.register_ffi_target(
-      TARGET, jax.ffi.pycapsule(library.PagedDecodeAttentionCpu), platform="cpu"
-    )
-  return reason
+  """Why the kernel cannot run here; None once it is built and registered."""
+  return LIBRARY.unavailable_reason()
 
 
 def refusal(dtype, kv_dtype, quantized: bool) -> str | None:

@@ -14,50 +14,27 @@
 // are float32 or bfloat16 (bits read as uint16); sums run in float32.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "cpu_simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-inline float Widen(float x) { return x; }
-
-inline float Widen(uint16_t bits) {
-  uint32_t word = static_cast<uint32_t>(bits) << 16;
-  float x;
-  std::memcpy(&x, &word, sizeof(x));
-  return x;
-}
-
-inline void Narrow(float x, float* out) { *out = x; }
-
-inline void Narrow(float x, uint16_t* out) {  // round to nearest even, NaN kept
-  uint32_t word;
-  std::memcpy(&word, &x, sizeof(word));
-  if (std::isnan(x)) {
-    *out = static_cast<uint16_t>((word >> 16) | 0x40);
-    return;
-  }
-  *out = static_cast<uint16_t>((word + 0x7fff + ((word >> 16) & 1)) >> 16);
-}
-
-// 16 float32 lanes (GCC/Clang vector extensions: one AVX-512 register, two
-// AVX2 ones, four NEON ones).
-constexpr int64_t kLanes = 16;
-typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
-typedef float HalfLanes __attribute__((vector_size(kLanes / 2 * sizeof(float))));
-typedef float QuarterLanes __attribute__((vector_size(kLanes / 4 * sizeof(float))));
-
-typedef int32_t IntLanes __attribute__((vector_size(kLanes * sizeof(int32_t))));
+using paged_jax::IntLanes;
+using paged_jax::kLanes;
+using paged_jax::Lanes;
+using paged_jax::Load;
+using paged_jax::LoadWide;
+using paged_jax::Narrow;
+using paged_jax::Store;
+using paged_jax::Sum;
+using paged_jax::Widen;
 
 // exp(x) for x <= 0, 16 at a time (Cephes' polynomial, about 1 ulp); 0 below
 // -87 (and for -inf), NaN kept.
@@ -75,35 +52,6 @@ inline Lanes ExpNonPositive(Lanes x) {
   p = p * r * r + r + 1.0f;
   IntLanes two_n = (__builtin_convertvector(n, IntLanes) + 127) << 23;
   return (Lanes)((IntLanes)(p * (Lanes)two_n) & ~tiny);
-}
-
-template <typename V>
-inline V Load(const float* p) {
-  V v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void Store(float* p, Lanes v) { std::memcpy(p, &v, sizeof(v)); }
-
-inline float Sum(Lanes v) {
-  const float* lanes = reinterpret_cast<const float*>(&v);
-  HalfLanes half = Load<HalfLanes>(lanes) + Load<HalfLanes>(lanes + kLanes / 2);
-  const float* halves = reinterpret_cast<const float*>(&half);
-  QuarterLanes quarter = Load<QuarterLanes>(halves) + Load<QuarterLanes>(halves + kLanes / 4);
-  return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
-}
-
-typedef uint16_t Bf16Lanes __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-typedef uint32_t WordLanes __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-
-// 16 elements from p as float32.
-inline Lanes LoadWide(const float* p) { return Load<Lanes>(p); }
-
-inline Lanes LoadWide(const uint16_t* p) {
-  Bf16Lanes bits;
-  std::memcpy(&bits, p, sizeof(bits));
-  return (Lanes)(__builtin_convertvector(bits, WordLanes) << 16);
 }
 
 // Head sizes a multiple of the lanes, known at compile time, run the
@@ -279,41 +227,19 @@ void AttendItem(const Shapes& s, const Options& o, const T* q, const T* k, const
   }
 }
 
-// Items (row, KV head) shared by the calling thread and pool tasks: each takes
-// the next index until none is left; the caller returns once every task that
-// took one has finished (a task that starts later finds none and touches
-// nothing but this shared counter).
-struct WorkQueue {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> active{0};
-};
-
+// Items (row, KV head) shared by the calling thread and the pool's threads.
 template <typename T>
 void AttendAll(const Shapes& s, const Options& o, const T* q, const T* k, const T* v,
                const int32_t* tables, const int32_t* lengths, T* out, ffi::ThreadPool pool) {
-  const int64_t items = s.batch * s.num_kv_heads;
-  auto queue = std::make_shared<WorkQueue>();
-  auto work = [=, &s, &o](WorkQueue& shared) {
-    std::vector<float> scratch;
-    auto attend = s.head_dim == 64 ? AttendItem<T, 64>
-                  : s.head_dim == 128 ? AttendItem<T, 128>
-                  : s.head_dim == 256 ? AttendItem<T, 256>
-                                       : AttendItem<T, 0>;
-    for (int64_t item = shared.next++; item < items; item = shared.next++) {
-      attend(s, o, q, k, v, tables, lengths, out, item / s.num_kv_heads, item % s.num_kv_heads,
-             scratch);
-    }
-  };
-  int64_t helpers = std::min<int64_t>(pool.num_threads(), items) - 1;
-  for (int64_t i = 0; i < helpers; ++i) {
-    pool.Schedule([queue, work]() {
-      queue->active++;
-      work(*queue);
-      queue->active--;
-    });
-  }
-  work(*queue);
-  while (queue->active.load() > 0) std::this_thread::yield();
+  auto attend = s.head_dim == 64 ? AttendItem<T, 64>
+                : s.head_dim == 128 ? AttendItem<T, 128>
+                : s.head_dim == 256 ? AttendItem<T, 256>
+                                     : AttendItem<T, 0>;
+  std::vector<float> scratch;  // each thread's own copy
+  paged_jax::ShareItems(pool, s.batch * s.num_kv_heads, [=](int64_t item) mutable {
+    attend(s, o, q, k, v, tables, lengths, out, item / s.num_kv_heads, item % s.num_kv_heads,
+           scratch);
+  });
 }
 
 ffi::Error PagedDecodeAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
