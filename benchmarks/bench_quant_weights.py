@@ -26,19 +26,22 @@ With `--tpu-topology v5e:1x1` (JAX >= 0.12 with libtpu) nothing runs: each
 form is compiled for that TPU's compile-only devices and only the
 `materialized` column is filled.
 
-With `--smollm2-shapes`: one bfloat16 row through SmolLM2's kernel shapes,
-the float kernel, per-channel int8 and int4 (groups of 32) before and now
-(`interleaved` against `library`), the forms' calls taking turns in one
-process (median over rounds), for a machine whose load changes.
+With `--smollm2-shapes`: bfloat16 rows (`--rows`, default 1) through
+SmolLM2's kernel shapes, the float kernel, per-channel int8 and int4 (groups
+of 32) before and now (`interleaved` against `library`, XLA's forms, traced
+with the C++ kernel off) and by the C++ CPU kernel
+(`pallas_kernels.quantized_matmul.cpu`), the forms' calls taking turns in
+one process (median over rounds), for a machine whose load changes.
 
   python benchmarks/bench_quant_weights.py [--rows 1 32] [--n 4096 --k 2048]
                                            [--tpu-topology v5e:1x1]
-  python benchmarks/bench_quant_weights.py --smollm2-shapes
+  python benchmarks/bench_quant_weights.py --smollm2-shapes [--rows 1 4 8 16]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import re
 import time
@@ -47,6 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged_jax import kernel_choice
 from paged_jax.models import layers, quantized
 
 
@@ -135,26 +139,33 @@ def time_call(fn, *args, iters: int) -> float:
 SMOLLM2_SHAPES = ((576, 576), (192, 576), (1536, 576), (576, 1536))
 
 
-def smollm2_shapes(rounds: int = 7, calls: int = 200) -> None:
-  """Prints us per one-row bfloat16 call of each form, SmolLM2's kernels."""
+def smollm2_shapes(rows_list=(1,), rounds: int = 7, calls: int = 200) -> None:
+  """Prints us per bfloat16 call of each form at SmolLM2's kernels: XLA's
+  forms (traced with the C++ kernel off) and the C++ kernel's."""
   rng = np.random.default_rng(0)
-  print("| kernel [out, in] | bfloat16 | int8 per channel | int4 interleaved | int4 library |")
-  print("| --- | ---: | ---: | ---: | ---: |")
-  for n, k in SMOLLM2_SHAPES:
+  print(
+    "| rows | kernel [out, in] | bfloat16 | int8 per channel | int8 C++ | int4 interleaved "
+    "| int4 library | int4 C++ |"
+  )
+  print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+  bf16 = jnp.bfloat16
+  traced = lambda fn, enabled: jax.jit(kernel_choice.use_cpu_kernel(enabled)(fn))
+  for rows, (n, k) in itertools.product(rows_list, SMOLLM2_SHAPES):
     w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
-    x = jnp.asarray(rng.standard_normal((1, k)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
     q8, q4 = quantized.quantize_int8(w), quantized.quantize_int4(w, 32)
+    int8 = (q8.values[...], q8.scales[...])
     int4 = (q4.values[...], q4.scales[...], q4.minimums[...])
     mixed = (jnp.asarray(interleave(int4[0], 32)), *int4[1:])
-    bf16 = jnp.bfloat16
+    product8 = lambda x, v, s: quantized.matmul(x, v, s, None, 8, k, bf16)
+    product4 = lambda x, v, s, m: quantized.matmul(x, v, s, m, 4, 32, bf16)
     forms = [
       (jax.jit(lambda x, w: float_dot(x, w, bf16)), (x, jnp.asarray(w, bf16))),
-      (
-        jax.jit(lambda x, v, s: quantized.matmul(x, v, s, None, 8, k, bf16)),
-        (x, q8.values[...], q8.scales[...]),
-      ),
-      (jax.jit(lambda x, v, s, m: interleaved(x, v, s, m, 4, 32, bf16)), (x, *mixed)),
-      (jax.jit(lambda x, v, s, m: quantized.matmul(x, v, s, m, 4, 32, bf16)), (x, *int4)),
+      (traced(product8, False), (x, *int8)),
+      (traced(product8, True), (x, *int8)),
+      (traced(lambda x, v, s, m: interleaved(x, v, s, m, 4, 32, bf16), False), (x, *mixed)),
+      (traced(product4, False), (x, *int4)),
+      (traced(product4, True), (x, *int4)),
     ]
     times = [[] for _ in forms]
     for fn, args in forms:
@@ -166,20 +177,23 @@ def smollm2_shapes(rounds: int = 7, calls: int = 200) -> None:
           out = fn(*args)
         jax.block_until_ready(out)
         spent.append((time.perf_counter() - start) / calls * 1e6)
-    print(f"| [{n}, {k}] | " + " | ".join(f"{np.median(t):.0f}" for t in times) + " |")
+    cells = " | ".join(f"{np.median(t):.0f}" for t in times)
+    print(f"| {rows} | [{n}, {k}] | {cells} |", flush=True)
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--rows", type=int, nargs="+", default=[1, 32])
+  parser.add_argument("--rows", type=int, nargs="+")
   parser.add_argument("--n", type=int, default=4096)
   parser.add_argument("--k", type=int, default=2048)
   parser.add_argument("--iters", type=int, default=20)
   parser.add_argument("--tpu-topology", help="compile for this TPU (no run): fusions only")
   parser.add_argument("--smollm2-shapes", action="store_true", help="see the module docstring")
   args = parser.parse_args()
+  args.rows_given = args.rows is not None
+  args.rows = args.rows or [1, 32]
   if args.smollm2_shapes:
-    smollm2_shapes()
+    smollm2_shapes(args.rows if args.rows_given else (1,))
     return
   tpu = on_tpu(args.tpu_topology) if args.tpu_topology else None
 

@@ -5,7 +5,9 @@ rounds: each round runs llama.cpp once, then every paged_jax format once
 (`quantization:dtype`, as in bench_quant_weights_smollm2.py: `gguf` keeps
 the file's Q4_1 kernels as int4 groups of 32 with minimums, `none` is every
 weight dequantized to float, `int8`/`int4` quantize the float32 weights at
-load). The first round compiles and warms up and is not counted; the table
+load; a `:xla` suffix, e.g. `gguf:bfloat16:xla`, runs the quantized
+products on XLA, the C++ CPU kernel off). The first round compiles and
+warms up and is not counted; the table
 gives medians of the other `--rounds`, so that a load the machine takes on
 mid-run weighs on every engine alike.
 
@@ -37,7 +39,7 @@ leaves OpenMP's own policy).
 Usage: PYTHONPATH=. python benchmarks/bench_vs_llamacpp.py
        [--llama-bench PATH] [--llama-batched-bench PATH]
        [--formats gguf:bfloat16 none:bfloat16 int8:bfloat16 int4:bfloat16]
-       [--workloads single offline] [--tokens 64] [--rounds 5] [--threads 1 2]
+       [--workloads single offline] [--tokens 64] [--rounds 5] [--threads 1 2 | --threads]
        [--omp-wait-policy PASSIVE]
 """
 
@@ -168,11 +170,21 @@ def prepare(formats, group_size: int, workdir: pathlib.Path) -> list[list[int]]:
   return prompts(tokenizer)
 
 
+def kernel_setting(form: str):
+  """The C++ quantized product's switch for `form`: off for a `:xla` suffix."""
+  from paged_jax import kernel_choice
+
+  return kernel_choice.use_cpu_kernel(not form.endswith(":xla"), "quantized_matmul")
+
+
 def load_engines(formats, workloads, group_size: int, workdir: pathlib.Path) -> dict:
   """{form: (a 1-slot LLM or None, a 32-slot LLM or None)} by `workloads`."""
   engines = {}
   for form in formats:
-    model, tokenizer = load(form, workdir / "hf", group_size)
+    model, tokenizer = load(form.removesuffix(":xla"), workdir / "hf", group_size)
+    # A static attribute (part of the graphdef, the programs' jit key), so
+    # that each setting of the kernel switch traces programs of its own.
+    model.cpu_kernel_variant = form.endswith(":xla")
     engines[form] = (
       engine(model, tokenizer, 1) if "single" in workloads else None,
       engine(model, tokenizer, OFFLINE_PROMPTS) if "offline" in workloads else None,
@@ -219,15 +231,17 @@ def main():
   parser.add_argument("--workloads", nargs="+", default=["single"], choices=("single", "offline"))
   parser.add_argument("--tokens", type=int, default=64)
   parser.add_argument("--rounds", type=int, default=5, help="counted rounds, after one warm-up")
-  parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="llama.cpp's -t")
+  parser.add_argument(
+    "--threads", type=int, nargs="*", default=[1, 2], help="llama.cpp's -t (none: no llama.cpp)"
+  )
   parser.add_argument("--omp-wait-policy", default="PASSIVE", help="llama.cpp's OMP_WAIT_POLICY")
   parser.add_argument("--group-size", type=int, default=32)
   parser.add_argument("--json", type=pathlib.Path, help="also write every round's numbers here")
   args = parser.parse_args()
   single_bin = batched_bin = None
-  if "single" in args.workloads:
+  if "single" in args.workloads and args.threads:
     single_bin = require_binary(args.llama_bench, "--llama-bench")
-  if "offline" in args.workloads:
+  if "offline" in args.workloads and args.threads:
     batched_bin = require_binary(args.llama_batched_bench, "--llama-batched-bench")
   from paged_jax.models import checkpoints
 
@@ -235,7 +249,7 @@ def main():
   print(f"uptime at start: {os.getloadavg()}", file=sys.stderr)
   with tempfile.TemporaryDirectory(prefix="vs_llamacpp_") as workdir:
     workdir = pathlib.Path(workdir)
-    ids = prepare(args.formats, args.group_size, workdir)
+    ids = prepare([f.removesuffix(":xla") for f in args.formats], args.group_size, workdir)
     engines = load_engines(args.formats, args.workloads, args.group_size, workdir)
   prompt_len = len(ids[0])
   offline_len = round(statistics.mean(len(p) for p in ids[:OFFLINE_PROMPTS]))
@@ -252,11 +266,13 @@ def main():
         if batched_bin:
           row.update(llama_offline(batched_bin, *run, offline_len, args.tokens))
       else:
-        single, offline = engines[name.removeprefix("paged_jax ")]
-        if single:
-          row.update(paged_single(single, ids, args.tokens))
-        if offline:
-          row.update(paged_offline(offline, ids, args.tokens))
+        form = name.removeprefix("paged_jax ")
+        single, offline = engines[form]
+        with kernel_setting(form):  # read where the engine's programs are traced
+          if single:
+            row.update(paged_single(single, ids, args.tokens))
+          if offline:
+            row.update(paged_offline(offline, ids, args.tokens))
       print(f"round {round_} {name}: {row}", file=sys.stderr)
       if round_:
         rounds[name].append(row)

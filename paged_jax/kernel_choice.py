@@ -27,10 +27,10 @@
 `select_attention_kernel`, `select_prefill_kernel` and `select_kernel`
 resolve ``impl`` for the decode attention, prefill attention and the KV
 cache's ops on the kernel platform (`kernel_platform`, or `target_platform`'s
-inside it); `select_quantized_matmul` picks the product of weights kept quantized
-(Mosaic on TPU, XLA elsewhere); `check_block_size` refuses a block size no
-kernel serves;
-`describe_kernels` names what ``"auto"`` runs.
+inside it); `select_quantized_matmul` picks the product of weights kept
+quantized (Mosaic on TPU, C++ on CPU for a few rows, XLA otherwise);
+`check_block_size` refuses a block size no kernel serves; `describe_kernels`
+names what ``"auto"`` runs.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import quantized_matmul
 from pallas_kernels.paged_attention import cpu, gpu, mosaic_gpu, tpu_prefill
+from pallas_kernels.quantized_matmul import cpu as quantized_cpu
 
 logger = logging.getLogger("paged_jax")
 
@@ -53,7 +54,8 @@ IMPLS = ("auto", "pallas", "reference")
 ATTENTION_IMPLS = IMPLS + ("mosaic_gpu", "triton", "cpu")
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 _TARGET_PLATFORM = contextvars.ContextVar("target_platform", default=None)
-_CPU_KERNEL = contextvars.ContextVar("cpu_kernel", default=None)
+CPU_KERNELS = ("attention", "quantized_matmul")
+_CPU_KERNEL = contextvars.ContextVar("cpu_kernel", default=())  # ((kernel, enabled), ...)
 # Dtypes the C++ kernel serves but "auto" does not give it, and why.
 _CPU_AUTO_REFUSALS = {
   "float32": "a float32 SmolLM2 decode step measured slower with it (benchmarks/RESULTS.md)"
@@ -72,20 +74,31 @@ def target_platform(platform: str):
 
 
 @contextlib.contextmanager
-def use_cpu_kernel(enabled: bool):
-  """Whether ``impl="auto"`` runs the C++ decode kernel on CPU for what is
-  traced inside (default: on unless ``PAGED_JAX_CPU_KERNEL=0``). Programs
-  already compiled keep the choice they were traced with."""
-  token = _CPU_KERNEL.set(enabled)
+def use_cpu_kernel(enabled: bool, kernel: str | None = None):
+  """Whether the C++ kernels run on CPU for what is traced inside: `kernel`
+  one of ``CPU_KERNELS`` (the decode attention kernel, for ``impl="auto"``;
+  the quantized product), or None for both (default: on unless
+  ``PAGED_JAX_CPU_KERNEL=0``). Programs already compiled keep the choice
+  they were traced with.
+
+  Raises:
+    ValueError: for another `kernel`.
+  """
+  if kernel is not None and kernel not in CPU_KERNELS:
+    raise ValueError(f"kernel must be one of {CPU_KERNELS} or None, got {kernel!r}")
+  names = CPU_KERNELS if kernel is None else (kernel,)
+  settings = {**dict(_CPU_KERNEL.get()), **dict.fromkeys(names, enabled)}
+  token = _CPU_KERNEL.set(tuple(settings.items()))
   try:
     yield
   finally:
     _CPU_KERNEL.reset(token)
 
 
-def cpu_kernel_enabled() -> bool:
-  """`use_cpu_kernel`'s setting, else ``PAGED_JAX_CPU_KERNEL`` (on unless ``0``)."""
-  enabled = _CPU_KERNEL.get()
+def cpu_kernel_enabled(kernel: str = "attention") -> bool:
+  """`use_cpu_kernel`'s setting for `kernel`, else ``PAGED_JAX_CPU_KERNEL``
+  (on unless ``0``)."""
+  enabled = dict(_CPU_KERNEL.get()).get(kernel)
   if enabled is None:
     return os.environ.get("PAGED_JAX_CPU_KERNEL", "1") != "0"
   return enabled
@@ -263,7 +276,14 @@ def gpu_kernel_choice(
 
 
 def select_quantized_matmul(
-  *, out_features: int, in_features: int, bits: int, group_size: int, dtype
+  *,
+  out_features: int,
+  in_features: int,
+  bits: int,
+  group_size: int,
+  dtype,
+  rows: int = 1,
+  split: bool = False,
 ) -> tuple[str, bool] | None:
   """The product `x @ dequant(w).T` of a quantized kernel on the kernel platform.
 
@@ -271,9 +291,14 @@ def select_quantized_matmul(
   dequantizes tile by tile in VMEM, where XLA:TPU writes a grouped kernel's
   float copy to HBM first; but per-channel int8, whose integers XLA feeds
   its matmul directly (scales applied after), and shapes or dtypes the
-  kernel does not tile stay on XLA. On a GPU and on CPU, XLA (no GPU kernel
-  yet; XLA:CPU fuses the one-row product). On TPU and GPU the choice and
-  its reason are logged once per kernel shape (logger ``paged_jax``).
+  kernel does not tile stay on XLA. On CPU, up to `quantized_matmul.cpu.
+  MAX_ROWS` rows of `x` run the C++ kernel (`pallas_kernels.quantized_matmul.
+  cpu`, built at first use) unless no compiler builds it, the weights are
+  split over devices, or `use_cpu_kernel(False)` (``PAGED_JAX_CPU_KERNEL=0``,
+  which turns off the decode attention kernel too) turns it off; more rows
+  stay on XLA, whose product writes the float kernel once. On a GPU, XLA (no
+  GPU kernel yet). The choice and its reason are logged once per kernel
+  shape (on CPU once per dtype; logger ``paged_jax``).
 
   Args:
     out_features: the kernel's rows.
@@ -281,11 +306,15 @@ def select_quantized_matmul(
     bits: 8 or 4.
     group_size: inputs per scale (`in_features` for per-channel int8).
     dtype: the compute dtype of `x`.
+    rows: rows of `x` (the CPU kernel takes a few).
+    split: whether the weights are split over devices.
 
   Returns:
-    None for XLA, else ``("tpu", False)``.
+    None for XLA, else ``("tpu", False)`` or ``("cpu", False)``.
   """
   platform = kernel_platform()
+  if platform == "cpu":
+    return _cpu_quantized_matmul(dtype, rows, split)
   if platform != "tpu" and platform not in _GPU_PLATFORMS:
     return None
   if platform != "tpu":
@@ -302,6 +331,19 @@ def select_quantized_matmul(
     f"[{out_features}, {in_features}], {jnp.dtype(dtype).name}): {choice}"
   )
   return None if reason else ("tpu", False)
+
+
+def _cpu_quantized_matmul(dtype, rows: int, split: bool) -> tuple[str, bool] | None:
+  """The CPU choice of `select_quantized_matmul`."""
+  if rows > quantized_cpu.MAX_ROWS or split or not cpu_kernel_enabled("quantized_matmul"):
+    return None
+  reason = quantized_cpu.refusal(rows, dtype) or quantized_cpu.unavailable_reason()
+  choice = "C++ kernel" if reason is None else f"XLA (C++ kernel: {reason})"
+  _log_once(
+    f"quantized matmul on cpu ({jnp.dtype(dtype).name}, up to "
+    f"{quantized_cpu.MAX_ROWS} rows): {choice}"
+  )
+  return None if reason else ("cpu", False)
 
 
 def mosaic_gpu_refusal(

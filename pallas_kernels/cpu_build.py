@@ -34,7 +34,15 @@ import jaxlib
 
 INCLUDE_DIR = Path(__file__).parent
 HEADERS = (INCLUDE_DIR / "cpu_simd.h",)
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
+FLAGS = (
+  "-O3",
+  "-march=native",
+  "-ffp-contract=fast",
+  "-fopenmp-simd",
+  "-std=c++17",
+  "-shared",
+  "-fPIC",
+)
 
 
 def cache_dir() -> Path:

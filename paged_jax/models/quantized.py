@@ -164,7 +164,10 @@ def matmul(
 ) -> jax.Array:
   """Float32 `x @ dequantize(...).T`, accumulated in float32.
 
-  On TPU the Mosaic kernel (`pallas_kernels.quantized_matmul`, chosen by
+  On CPU, a few rows (a decode step; `kernel_choice.select_quantized_matmul`)
+  run the C++ kernel (`pallas_kernels.quantized_matmul.cpu`), which computes
+  each weight in registers from the bytes, in float32 (not rounded to
+  `dtype`, as `matvec`). On TPU the Mosaic kernel (`pallas_kernels.quantized_matmul`, chosen by
   `kernel_choice.select_quantized_matmul`) dequantizes in VMEM what the
   forms below would write to HBM: the several-row product's numbers, at
   every row count; with `placement` `(mesh, values_spec)` (weights split
@@ -185,7 +188,13 @@ def matmul(
     bits=bits,
     group_size=group_size,
     dtype=dtype,
+    rows=math.prod(x.shape[:-1]),
+    split=placement is not None,
   )
+  if kernel == ("cpu", False):
+    return quantized_matmul.cpu.quantized_matmul(
+      x, values, scales, minimums, bits=bits, group_size=group_size
+    )
   if kernel is not None and placement is not None:
     mesh, values_spec = placement
     return quantized_matmul.quantized_matmul_sharded(
