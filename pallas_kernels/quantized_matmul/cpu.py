@@ -36,9 +36,9 @@ LIBRARY = cpu_build.Library(
   ((TARGET, "QuantizedMatmulCpu"), (TARGET_INTO, "QuantizedMatmulIntoCpu")),
 )
 # Rows of `x` the kernel takes; more go to XLA, whose several-row product
-# (the float kernel written once, then a matmul) wins from about there on
-# (benchmarks/bench_quant_weights.py --cpu-kernel).
-MAX_ROWS = 8
+# (the float kernel written once, then a matmul) is as fast from about 8
+# rows on (benchmarks/bench_quant_weights.py --smollm2-shapes --rows 1 2 4 8).
+MAX_ROWS = 4
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 GROUP_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 _NAME = "quantized_matmul_cpu"

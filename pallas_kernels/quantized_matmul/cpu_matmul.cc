@@ -18,6 +18,7 @@
 // group; other shapes run plain loops.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -190,13 +191,15 @@ void RowDot(const Shapes& s, const void* weights, const float* x, int64_t rows,
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 constexpr bool kBf16Dots = true;
 
-// 4-bit weights times bfloat16 rows of x by bfloat16 dot products
-// (vdpbf16ps: pairs of products added to float32 lanes). The integers 0..15
-// and bfloat16 x multiply exactly, so per group the sum is
-// scale * dot(ints, x) + minimum * sum(x), in float32, with each group's x
-// sums (`x_sums`, [M, groups]) computed once per call. A run of 32 bytes
-// gives 32 inputs of each half; each group lies in one half (`InBf16Runs`).
-template <int64_t M>
+// 4-bit weights times rows of x by bfloat16 dot products (vdpbf16ps: pairs
+// of products added to float32 lanes). x comes as P bfloat16 pieces that sum
+// to it ([P, m, k]: a bfloat16 x is its own piece; a float32 one is split in
+// three, 24 bits in all, `SplitInBfloat16`). The integers 0..15 times a
+// piece are exact, so per group the sum is scale * dot(ints, x) +
+// minimum * sum(x) in float32, with each group's x sums (`x_sums`,
+// [m, groups]) computed once per call. A run of 32 bytes gives 32 inputs of
+// each half; each group lies in one half (`InBf16Runs`).
+template <int64_t M, int64_t P>
 void RowDotBf16(const Shapes& s, const uint8_t* weights, const uint16_t* x, const float* x_sums,
                 const float* scales, const float* minimums, float* out) {
   const int64_t half = s.k / 2, per_half = half / s.group_size, runs = s.group_size / 32;
@@ -209,8 +212,10 @@ void RowDotBf16(const Shapes& s, const uint8_t* weights, const uint16_t* x, cons
     for (auto& row : parity) row[0] = row[1] = _mm512_setzero_ps();
   }
   for (int64_t g = 0; g < per_half; ++g) {
-    __m512 dot[M][2];
-    for (auto& row : dot) row[0] = row[1] = _mm512_setzero_ps();
+    __m512 dot[P][M][2];  // a sum per piece: independent adds
+    for (auto& piece : dot) {
+      for (auto& row : piece) row[0] = row[1] = _mm512_setzero_ps();
+    }
     for (int64_t r = 0; r < runs; ++r) {
       const int64_t c = g * s.group_size + r * 32;
       __m512i words = _mm512_cvtepu8_epi16(
@@ -218,17 +223,21 @@ void RowDotBf16(const Shapes& s, const uint8_t* weights, const uint16_t* x, cons
       __m512bh ints[2] = {
           (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(words, low_nibble), table),
           (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table)};
-      for (int64_t i = 0; i < M; ++i) {
-        for (int64_t h = 0; h < 2; ++h) {
-          __m512bh xs = (__m512bh)_mm512_loadu_si512(x + i * s.k + h * half + c);
-          dot[i][h] = _mm512_dpbf16_ps(dot[i][h], ints[h], xs);
+      for (int64_t p = 0; p < P; ++p) {
+        for (int64_t i = 0; i < M; ++i) {
+          for (int64_t h = 0; h < 2; ++h) {
+            const uint16_t* xs = x + (p * s.m + i) * s.k + h * half + c;
+            dot[p][i][h] = _mm512_dpbf16_ps(dot[p][i][h], ints[h], (__m512bh)_mm512_loadu_si512(xs));
+          }
         }
       }
     }
     for (int64_t i = 0; i < M; ++i) {
       for (int64_t h = 0; h < 2; ++h) {
+        __m512 sum = dot[0][i][h];
+        for (int64_t p = 1; p < P; ++p) sum = _mm512_add_ps(sum, dot[p][i][h]);
         __m512 scale = _mm512_set1_ps(scales[g + h * per_half]);
-        acc[g & 1][i][h] = _mm512_fmadd_ps(scale, dot[i][h], acc[g & 1][i][h]);
+        acc[g & 1][i][h] = _mm512_fmadd_ps(scale, sum, acc[g & 1][i][h]);
       }
     }
   }
@@ -245,18 +254,24 @@ void RowDotBf16(const Shapes& s, const uint8_t* weights, const uint16_t* x, cons
   }
 }
 
-void RowDotBf16Rows(const Shapes& s, const uint8_t* weights, const uint16_t* x,
+// Rows of x two at a time (one bfloat16 piece) or one at a time (three):
+// more at once spill registers.
+void RowDotBf16Rows(const Shapes& s, int64_t pieces, const uint8_t* weights, const uint16_t* x,
                     const float* x_sums, const float* scales, const float* minimums, float* out) {
   const int64_t groups = s.groups();
-  for (int64_t first = 0; first < s.m; first += kMaxRowsAtOnce) {
-    const uint16_t* xs = x + first * s.k;
-    const float* sums = x_sums + first * groups;
-    float* outs = out + first * s.n;
-    switch (std::min(s.m - first, kMaxRowsAtOnce)) {
-      case 1: RowDotBf16<1>(s, weights, xs, sums, scales, minimums, outs); break;
-      case 2: RowDotBf16<2>(s, weights, xs, sums, scales, minimums, outs); break;
-      case 3: RowDotBf16<3>(s, weights, xs, sums, scales, minimums, outs); break;
-      default: RowDotBf16<4>(s, weights, xs, sums, scales, minimums, outs);
+  for (int64_t i = 0; i < s.m;) {
+    const uint16_t* xs = x + i * s.k;
+    const float* sums = x_sums + i * groups;
+    float* outs = out + i * s.n;
+    if (pieces == 3) {
+      RowDotBf16<1, 3>(s, weights, xs, sums, scales, minimums, outs);
+      i += 1;
+    } else if (i + 1 < s.m) {
+      RowDotBf16<2, 1>(s, weights, xs, sums, scales, minimums, outs);
+      i += 2;
+    } else {
+      RowDotBf16<1, 1>(s, weights, xs, sums, scales, minimums, outs);
+      i += 1;
     }
   }
 }
@@ -264,8 +279,8 @@ void RowDotBf16Rows(const Shapes& s, const uint8_t* weights, const uint16_t* x,
 constexpr bool kBf16Dots = false;
 #endif
 
-// Whether 4-bit weights and bfloat16 x take `RowDotBf16`: this CPU has
-// bfloat16 dot products and runs of 32 bytes lie in one group of one half.
+// Whether 4-bit weights take `RowDotBf16`: this CPU has bfloat16 dot
+// products and runs of 32 bytes lie in one group of one half.
 bool InBf16Runs(const Shapes& s) {
   const int64_t half = s.k / 2;
   return kBf16Dots && s.bits == 4 && half % 32 == 0 && s.group_size % 32 == 0 &&
@@ -280,7 +295,8 @@ struct Operands {
   bool half_scales, half_minimums;
   const int32_t* run_group;  // group of each run of 16 inputs
   float* out;  // [m, n]
-  const uint16_t* x_bf16;  // x as bfloat16 bits where `RowDotBf16` serves, else nullptr
+  const uint16_t* x_bf16;  // x as bfloat16 pieces where `RowDotBf16` serves, else nullptr
+  int64_t x_pieces;  // how many: [x_pieces, m, k]
   const float* x_sums;  // [m, groups]: x summed per group, for `RowDotBf16`
 };
 
@@ -301,14 +317,29 @@ void MultiplyAll(const Shapes& s, const Operands& o, ffi::ThreadPool pool) {
       const void* row = static_cast<const uint8_t*>(o.values) + r * s.stored();
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
       if (o.x_bf16 != nullptr) {
-        RowDotBf16Rows(s, static_cast<const uint8_t*>(row), o.x_bf16, o.x_sums, scales,
-                       minimums, o.out + r);
+        RowDotBf16Rows(s, o.x_pieces, static_cast<const uint8_t*>(row), o.x_bf16, o.x_sums,
+                       scales, minimums, o.out + r);
         continue;
       }
 #endif
       RowDot<Bits>(s, row, o.x, s.m, scales, minimums, o.run_group, o.out + r);
     }
   });
+}
+
+// Three bfloat16 pieces [3, count] that sum to float32 `x` (each piece the
+// rounding of what the ones before leave: 24 bits in all; inf and NaN are
+// their first piece).
+std::vector<uint16_t> SplitInBfloat16(const float* x, int64_t count) {
+  std::vector<uint16_t> pieces(3 * count);
+  for (int64_t i = 0; i < count; ++i) {
+    float rest = x[i];
+    for (int64_t p = 0; p < (std::isfinite(rest) ? 3 : 1); ++p) {
+      paged_jax::Narrow(rest, &pieces[p * count + i]);
+      rest -= Widen(pieces[p * count + i]);
+    }
+  }
+  return pieces;
 }
 
 template <typename Dims>
@@ -345,21 +376,25 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
     return ffi::Error::InvalidArgument(
         "quantized matmul: x float32 or bfloat16, scales float16 or float32");
   }
-  // x as float32 (and its sums per group where bfloat16 dot products serve),
-  // and the group of each run of 16 inputs.
+  // x as float32 (and, where bfloat16 dot products serve, as bfloat16 pieces
+  // and its sums per group), and the group of each run of 16 inputs.
   std::vector<float> widened, x_sums;
+  std::vector<uint16_t> pieces;
   const float* xs = static_cast<const float*>(x.untyped_data());
   const uint16_t* x_bf16 = nullptr;
   if (x_type == ffi::DataType::BF16) {
-    const uint16_t* bits16 = static_cast<const uint16_t*>(x.untyped_data());
+    x_bf16 = static_cast<const uint16_t*>(x.untyped_data());
     widened.resize(s.m * s.k);
-    for (int64_t i = 0; i < s.m * s.k; ++i) widened[i] = Widen(bits16[i]);
+    for (int64_t i = 0; i < s.m * s.k; ++i) widened[i] = Widen(x_bf16[i]);
     xs = widened.data();
-    if (InBf16Runs(s)) {
-      x_bf16 = bits16;
-      x_sums.assign(s.m * s.groups(), 0.0f);
-      for (int64_t i = 0; i < s.m * s.k; ++i) x_sums[i / group_size] += widened[i];
-    }
+  } else if (InBf16Runs(s)) {
+    pieces = SplitInBfloat16(xs, s.m * s.k);
+    x_bf16 = pieces.data();
+  }
+  if (!InBf16Runs(s)) x_bf16 = nullptr;
+  if (x_bf16 != nullptr) {
+    x_sums.assign(s.m * s.groups(), 0.0f);
+    for (int64_t i = 0; i < s.m * s.k; ++i) x_sums[i / group_size] += xs[i];
   }
   std::vector<int32_t> run_group(s.k / kLanes);
   for (int64_t j = 0; j < int64_t(run_group.size()); ++j) run_group[j] = j * kLanes / group_size;
@@ -372,6 +407,7 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
              run_group.data(),
              out->typed_data(),
              x_bf16,
+             x_type == ffi::DataType::BF16 ? 1 : 3,
              x_sums.data()};
   if (bits == 4) {
     MultiplyAll<4>(s, o, pool);
