@@ -89,6 +89,15 @@ def test_leading_axes_and_bfloat16_scales():
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_nan_input_gives_nan_outputs_in_its_row_only(dtype):
+  values, scales, mins = random_weight(32, 128, 4, 32, True, seed=9)
+  x = np.random.default_rng(10).standard_normal((2, 128))
+  x[1, 70] = np.nan
+  got = np.asarray(product(jnp.asarray(x, dtype), values, scales, mins, 4, 32))
+  assert np.isfinite(got[0]).all() and np.isnan(got[1]).all()
+
+
 def test_float16_scales_decode_exactly_subnormals_included():
   """Every finite float16 bit pattern as the scale of a row of 32 int8 ones,
   x the first unit vector: each output is its scale, exactly."""

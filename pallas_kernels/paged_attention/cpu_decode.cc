@@ -26,15 +26,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using paged_jax::IntLanes;
-using paged_jax::kLanes;
-using paged_jax::Lanes;
-using paged_jax::Load;
-using paged_jax::LoadWide;
-using paged_jax::Narrow;
-using paged_jax::Store;
-using paged_jax::Sum;
-using paged_jax::Widen;
+using namespace paged_jax;  // NOLINT: the kernels' shared pieces (cpu_simd.h)
 
 // exp(x) for x <= 0, 16 at a time (Cephes' polynomial, about 1 ulp); 0 below
 // -87 (and for -inf), NaN kept.

@@ -36,12 +36,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using paged_jax::IntLanes;
-using paged_jax::kLanes;
-using paged_jax::Lanes;
-using paged_jax::Load;
-using paged_jax::Sum;
-using paged_jax::Widen;
+using namespace paged_jax;  // NOLINT: the kernels' shared pieces (cpu_simd.h)
 
 constexpr int64_t kMaxRowsAtOnce = 4;  // rows of x multiplied per pass over a weight row
 constexpr int64_t kOutputsPerItem = 16;
