@@ -24,6 +24,7 @@ pytestmark = pytest.mark.skipif(
   jax.default_backend() != "cpu", reason="the C++ kernel runs on the CPU backend"
 )
 MAX = cpu.MAX_ROWS
+SLOW = pytest.mark.slow  # CI keeps one case of each path
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -50,14 +51,22 @@ def product(x, values, scales, mins, bits, group_size, into=None):
 CASES = [
   pytest.param(576, 576, 4, 32, True, 1, "bfloat16", "float16", id="int4-g32-min-m1-bf16"),
   pytest.param(576, 576, 4, 32, True, 3, "float32", "float16", id="int4-g32-min-m3-f32"),
-  pytest.param(64, 576, 4, 64, False, MAX, "bfloat16", "float32", id="int4-g64-mmax-bf16"),
-  pytest.param(48, 384, 4, 128, True, 3, "bfloat16", "float16", id="int4-g128-min-m3-bf16"),
-  pytest.param(64, 512, 4, 128, False, 2, "float32", "float32", id="int4-g128-m2-f32"),
+  pytest.param(
+    64, 576, 4, 64, False, MAX, "bfloat16", "float32", id="int4-g64-mmax-bf16", marks=SLOW
+  ),
+  pytest.param(
+    48, 384, 4, 128, True, 3, "bfloat16", "float16", id="int4-g128-min-m3-bf16", marks=SLOW
+  ),
+  pytest.param(64, 512, 4, 128, False, 2, "float32", "float32", id="int4-g128-m2-f32", marks=SLOW),
   pytest.param(40, 576, 8, 576, False, 1, "bfloat16", "float32", id="int8-channel-m1-bf16"),
-  pytest.param(40, 256, 8, 32, True, MAX, "float32", "float16", id="int8-g32-min-mmax-f32"),
-  pytest.param(24, 160, 8, 16, False, 2, "bfloat16", "float16", id="int8-g16-m2-bf16"),
+  pytest.param(
+    40, 256, 8, 32, True, MAX, "float32", "float16", id="int8-g32-min-mmax-f32", marks=SLOW
+  ),
+  pytest.param(24, 160, 8, 16, False, 2, "bfloat16", "float16", id="int8-g16-m2-bf16", marks=SLOW),
   pytest.param(33, 96, 4, 32, True, 2, "float32", "float16", id="int4-k96-n33-m2-f32"),
-  pytest.param(33, 72, 4, 12, True, 1, "bfloat16", "float32", id="int4-k72-g12-m1-bf16"),
+  pytest.param(
+    33, 72, 4, 12, True, 1, "bfloat16", "float32", id="int4-k72-g12-m1-bf16", marks=SLOW
+  ),
   pytest.param(17, 72, 8, 12, True, MAX, "float32", "float16", id="int8-k72-g12-mmax-f32"),
 ]
 
