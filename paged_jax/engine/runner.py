@@ -243,13 +243,13 @@ class ModelRunner(RunAhead):
     per_shard = self.cache.cfg.max_seqs
     return next(b for b in self.decode_buckets() if b >= min(self.max_decode_rows, per_shard))
 
-  def _ragged_step_rows(self) -> np.ndarray | None:
+  def _ragged_row_slots(self) -> np.ndarray | None:
     """The slots of a ragged step's rows: the running ones packed into
     `ragged_rows` per shard, or every slot (None) while a beam group runs
     or when more rows run."""
     if np.any(self.table.in_beam_group):
       return None
-    running = (self.table.seq_ids >= 0).reshape(self.cache.num_shards, -1)
+    running = (self.table.slots >= 0).reshape(self.cache.num_shards, -1)
     return pack_decode_rows(running, sorted({self.ragged_rows(), self.cache.cfg.max_seqs}))
 
   def decode_kinds(self) -> list:
@@ -261,15 +261,15 @@ class ModelRunner(RunAhead):
 
   def next_decode_rows(self) -> int:
     """The rows (over every data shard) the next decode launch runs."""
-    rows = self._decode_rows()
-    return self.table.seq_ids.shape[0] if rows is None else rows.shape[0]
+    row_slots = self._decode_row_slots()
+    return self.table.slots.shape[0] if row_slots is None else row_slots.shape[0]
 
-  def _decode_rows(self) -> np.ndarray | None:
+  def _decode_row_slots(self) -> np.ndarray | None:
     """The slots of the next decode launch's rows (see `pack_decode_rows`);
     None for every slot in order, while a beam group runs."""
     if np.any(self.table.in_beam_group):
       return None
-    running = (self.table.seq_ids >= 0).reshape(self.cache.num_shards, -1)
+    running = (self.table.slots >= 0).reshape(self.cache.num_shards, -1)
     return pack_decode_rows(running, self.decode_buckets())
 
   def _refuse_while_decoding(self) -> None:
@@ -301,13 +301,13 @@ class ModelRunner(RunAhead):
       RuntimeError: if a row decodes.
     """
     self._refuse_while_decoding()
-    rows = self._idle_rows(rows_per_shard)
+    row_slots = self._idle_row_slots(rows_per_shard)
     table, _ = self._unconstrained(0)
     for speculating in self.decode_kinds():
-      loop = self.decode_carry(num_steps, rows, speculating=speculating)
-      loop = self._launch_decode(loop, rows, False, table, speculating)
+      loop = self.decode_carry(num_steps, row_slots, speculating=speculating)
+      loop = self._launch_decode(loop, row_slots, False, table, speculating)
     if run_ahead:  # a launch on a continued carry: its arrays are the loop's outputs
-      loop = self._launch_decode(self._continued(loop, 1), rows, False, table)
+      loop = self._launch_decode(self._continued(loop, 1), row_slots, False, table)
     if loop.beams is not None:
       no_group = self.table.group_slots([])  # starting and forgetting a group (results dropped)
       programs.start_beams(self.table.beams, no_group, 1, 1.0)
@@ -320,20 +320,20 @@ class ModelRunner(RunAhead):
     table, states = self._automata(num_rows, ())
     return table, None if table is None else states
 
-  def _idle_rows(self, rows_per_shard: int) -> np.ndarray | None:
+  def _idle_row_slots(self, rows_per_shard: int) -> np.ndarray | None:
     """The rows of a warm-up launch: `rows_per_shard` rows per shard that
-    run no slot, or None for every slot (see `_decode_rows`)."""
+    run no slot, or None for every slot (see `_decode_row_slots`)."""
     if rows_per_shard == self.cache.cfg.max_seqs:
       return None
     return np.full(self.cache.num_shards * rows_per_shard, -1, np.int32)
 
   def _launch_decode(
-    self, carry, rows, stop_on_finish: bool, table=None, speculating=None
+    self, carry, row_slots, stop_on_finish: bool, table=None, speculating=None
   ) -> programs.DecodeLoop:
     loop = programs.decode_loop(
       self.graphdef,
       self.params,
-      self.table.row_params(rows),
+      self.table.row_params(row_slots),
       carry,
       jnp.array(stop_on_finish),
       table,
@@ -353,19 +353,19 @@ class ModelRunner(RunAhead):
   def decode_carry(
     self,
     num_steps: int,
-    rows,
+    row_slots,
     automaton_state=None,
     histories=(),
     speculating=None,
     max_steps: int | None = None,
   ) -> programs.DecodeLoop:
-    """The decode loop's carry for a launch on the slots `rows` (see
-    `_decode_rows`) with draws for `num_steps` steps, of which it runs at
+    """The decode loop's carry for a launch on the slots `row_slots` (see
+    `_decode_row_slots`) with draws for `num_steps` steps, of which it runs at
     most `max_steps` (default all; a traced value: no new compile), the
     rows' automata in `automaton_state` (table states; None:
     unconstrained), and with `speculating` (a `SpeculativeConfig`) the
     rows' tokens in `histories` (`(slot, token ids)` pairs)."""
-    slots = self.table.slots_of(rows)
+    slots = self.table.slots_of(row_slots)
     take = lambda a: a[np.maximum(slots, 0)]
     num_rows, k = slots.shape[0], self.num_logprobs
     if automaton_state is None:
@@ -381,7 +381,7 @@ class ModelRunner(RunAhead):
     # (`programs.continue_decoding`) runs the same program.
     rows_carry = jax.device_put(
       dict(
-        seq_ids=np.where(slots >= 0, take(self.table.seq_ids), -1).astype(np.int32),
+        slots=np.where(slots >= 0, take(self.table.slots), -1).astype(np.int32),
         last_token=take(self.table.last_token),
         num_generated=take(self.table.num_generated),
         limit=take(self.table.limit),
@@ -401,7 +401,7 @@ class ModelRunner(RunAhead):
     return programs.DecodeLoop(
       state=self.cache.state,
       kv=self.cache.kv,
-      beams=self.table.beams if rows is None and self.speculative is None else None,
+      beams=self.table.beams if row_slots is None and self.speculative is None else None,
       spec=None
       if speculating is None
       else speculation_carry(
@@ -443,13 +443,13 @@ class ModelRunner(RunAhead):
     """
     speculating = self.speculative if speculate else None
     steps = self._launch_steps(num_steps)
-    rows = self._decode_rows()
-    table, automaton_state = self._automata(*self.table.row_constraints(rows, constraints))
-    loop = self.decode_carry(num_steps, rows, automaton_state, histories, speculating, steps)
-    loop = self._launch_decode(loop, rows, stop_on_finish, table, speculating)
-    if run_ahead and self._rows_still_fill(rows, steps):
-      self._run_ahead(loop, rows, table)
-    result = self._take_step_results(rows, loop)
+    row_slots = self._decode_row_slots()
+    table, automaton_state = self._automata(*self.table.row_constraints(row_slots, constraints))
+    loop = self.decode_carry(num_steps, row_slots, automaton_state, histories, speculating, steps)
+    loop = self._launch_decode(loop, row_slots, stop_on_finish, table, speculating)
+    if run_ahead and self._rows_still_fill(row_slots, steps):
+      self._run_ahead(loop, row_slots, table)
+    result = self._take_step_results(row_slots, loop)
     self._launched(result)
     return result
 
@@ -461,11 +461,11 @@ class ModelRunner(RunAhead):
     self._next_steps = min(2 * steps, num_steps)
     return steps
 
-  def _take_step_results(self, rows, loop) -> DecodeResult:
-    """Takes the carry of a launch on `rows` (see `_decode_rows`; a decode
+  def _take_step_results(self, row_slots, loop) -> DecodeResult:
+    """Takes the carry of a launch on `row_slots` (see `_decode_row_slots`; a decode
     loop, or a ragged step) back into the pages, the beams and the slots'
     state, and returns what it did per slot."""
-    slots = self.table.slots_of(rows)
+    slots = self.table.slots_of(row_slots)
     counts, finished = self.table.take(slots, loop)
     to_slots = lambda a: per_slot(np.asarray(a), slots, counts.shape[0])
     counters = self.counters
@@ -511,28 +511,35 @@ class ModelRunner(RunAhead):
       step's `DecodeResult` (per slot).
     """
     packed, last_token_of, sample_slots = self._pack_prompts(chunks, samples)
-    rows = self._ragged_step_rows()
-    num_rows, triples = self.table.row_constraints(rows, row_constraints)
+    row_slots = self._ragged_row_slots()
+    num_rows, triples = self.table.row_constraints(row_slots, row_constraints)
     num_draws = last_token_of.shape[0]
     drawing = [(num_rows + sample, automaton, state) for sample, automaton, state in constraints]
     table, states = self._automata(num_rows + num_draws, triples + drawing)
-    loop = self.decode_carry(num_steps, rows, states[:num_rows])
+    loop = self.decode_carry(num_steps, row_slots, states[:num_rows])
     draw_states = None if table is None else states[num_rows:]
     loop, draw, scores = self._launch_ragged_step(
-      loop, rows, packed, last_token_of, sample_slots, table, draw_states
+      loop, row_slots, packed, last_token_of, sample_slots, table, draw_states
     )
-    result = self._take_step_results(rows, loop)
+    result = self._take_step_results(row_slots, loop)
     self._next_steps = 1
     draws, scores = prompt_outputs(chunks, packed, len(samples), draw, scores)
     return draws, scores, result
 
   def _launch_ragged_step(
-    self, loop, rows, packed: PackedPrefill, last_token_of, samples, table=None, draw_states=None
+    self,
+    loop,
+    row_slots,
+    packed: PackedPrefill,
+    last_token_of,
+    samples,
+    table=None,
+    draw_states=None,
   ):
     loop, draw, scores = programs.ragged_step(
       self.graphdef,
       self.params,
-      self.table.row_params(rows),
+      self.table.row_params(row_slots),
       loop,
       *packed.arrays(),
       last_token_of,
@@ -552,12 +559,12 @@ class ModelRunner(RunAhead):
       RuntimeError: if a row decodes.
     """
     self._refuse_while_decoding()
-    rows = self._idle_rows(self.ragged_rows())
+    row_slots = self._idle_row_slots(self.ragged_rows())
     no_draws = np.zeros(self.cache.num_slots, np.int32)
     packed = PackedPrefill.empty(self.cache.num_shards, shape, self.prefill_width)
-    loop = self.decode_carry(num_steps, rows)
+    loop = self.decode_carry(num_steps, row_slots)
     self._launch_ragged_step(
-      loop, rows, packed, no_draws, no_draws, *self._unconstrained(no_draws.size)
+      loop, row_slots, packed, no_draws, no_draws, *self._unconstrained(no_draws.size)
     )
 
 

@@ -21,7 +21,7 @@ from paged_jax.engine.programs.decode import (
   start_beams,
 )
 from paged_jax.engine.programs.prompt import PromptScores, prefill, ragged_step, score_next_tokens
-from paged_jax.engine.programs.step import copy_for_append, slots_of
+from paged_jax.engine.programs.step import copy_for_append, slot_mapping_of
 
 __all__ = [
   "DecodeLoop",
@@ -35,6 +35,6 @@ __all__ = [
   "prefill",
   "ragged_step",
   "score_next_tokens",
-  "slots_of",
+  "slot_mapping_of",
   "start_beams",
 ]

@@ -29,13 +29,13 @@ class DecodeLoop:
   """Carry of the decode loop.
 
   Rows are running sequences, `R / D` per data shard: row `r` decodes
-  global slot `seq_ids[r]`, a slot of shard `r // (R / D)`. With `beams`,
-  rows are every slot in order (`seq_ids[r]` is `r` or -1).
+  global slot `slots[r]`, a slot of shard `r // (R / D)`. With `beams`,
+  rows are every slot in order (`slots[r]` is `r` or -1).
   """
 
   state: BlockManagerState  # one per data shard (leading axis)
   kv: KVCache
-  seq_ids: jax.Array  # int32[R], -1 where not running
+  slots: jax.Array  # int32[R], -1 where not running
   last_token: jax.Array  # int32[R], sampled, not yet in the cache
   num_generated: jax.Array  # int32[R], tokens sampled so far
   limit: jax.Array  # int32[R], tokens to sample at most
@@ -114,7 +114,7 @@ def flat(per_shard_rows: jax.Array) -> jax.Array:
 
 def local_slots(loop: DecodeLoop) -> jax.Array:
   """The loop's rows as each shard's local slots `[D, R/D]` (see `per_shard`)."""
-  return per_shard(loop.seq_ids, loop.out_of_blocks.shape[0], loop.state.cfg.max_seqs)
+  return per_shard(loop.slots, loop.out_of_blocks.shape[0], loop.state.cfg.max_seqs)
 
 
 def per_shard(ids: jax.Array, num_shards: int, slots_per_shard: int) -> jax.Array:

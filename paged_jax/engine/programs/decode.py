@@ -101,7 +101,7 @@ def advance_rows(
   cfg = loop.state.cfg
   bm = BlockSpaceManager(cfg)
   num_shards = loop.out_of_blocks.shape[0]
-  running = loop.seq_ids >= 0
+  running = loop.slots >= 0
   local = local_slots(loop)
   kv = copy_for_append(loop.kv, loop.state, state, local, plan, 1)
   num_tokens = flat(on_every_shard(bm.get_num_tokens)(state, local))
@@ -131,7 +131,7 @@ def advance_rows(
   done = sampled & ((num_generated >= loop.limit) | is_stop(draw.tokens, rows.stop_ids))
   automaton_state, dead = step_automata(table, loop.automaton_state, sampled, draw.tokens)
   done = done | dead
-  seq_ids = jnp.where(done, -1, loop.seq_ids)
+  slots = jnp.where(done, -1, loop.slots)
   last_token = jnp.where(sampled, draw.tokens, loop.last_token)
   s, per = running.shape[0], cfg.max_seqs
   num_pairs = 0 if loop.beams is None else s * 2 * loop.beams.hyp_len.shape[1]
@@ -143,7 +143,7 @@ def advance_rows(
       running,
       rows.stop_ids,
       loop.limit,
-      seq_ids,
+      slots,
       last_token,
       num_generated,
     )
@@ -162,7 +162,7 @@ def advance_rows(
         fork_parents=jnp.full(num_pairs, -1),
         fork_children=jnp.full(num_pairs, -1),
         dropped=jnp.zeros(s, bool),
-        seq_ids=seq_ids,
+        slots=slots,
         last_token=last_token,
         num_generated=num_generated,
         finished=jnp.zeros(s, bool),
@@ -180,10 +180,10 @@ def advance_rows(
     forked,
     plan,
     num_tokens,
-    free=jnp.where(done | moves.dropped, loop.seq_ids, -1),
+    free=jnp.where(done | moves.dropped, loop.slots, -1),
     finished=jnp.any(done) | jnp.any(moves.finished),
     kv=cache.kv,
-    seq_ids=moves.seq_ids,
+    slots=moves.slots,
     last_token=moves.last_token,
     num_generated=moves.num_generated,
     beams=beams,
@@ -217,7 +217,7 @@ def decode_loop(
 
   def keep_going(loop):
     return (
-      jnp.any(loop.seq_ids >= 0)
+      jnp.any(loop.slots >= 0)
       & ~jnp.any(loop.out_of_blocks)
       & (loop.step < jnp.minimum(num_steps, loop.max_steps))
       & ~(stop_on_finish & loop.finished_any)
@@ -240,7 +240,7 @@ def decode_loop(
 # A continued launch's carry: the rows' state carries on, the launch's
 # draws and counters start afresh.
 _CARRIED = (
-  "seq_ids",
+  "slots",
   "last_token",
   "num_generated",
   "limit",

@@ -25,7 +25,7 @@ from paged_jax.config import Status
 from paged_jax.engine.programs.carry import DecodeLoop
 from paged_jax.engine.programs.decode import advance_rows
 from paged_jax.engine.programs.speculating import draft_call
-from paged_jax.engine.programs.step import append_last_tokens, slots_of
+from paged_jax.engine.programs.step import append_last_tokens, slot_mapping_of
 from paged_jax.paged_cache import paged_cache, take_tiles, tile_token_index, untile
 from paged_jax.sampling import (
   RowParams,
@@ -104,11 +104,13 @@ def prefill(
   (`draft_graphdef`, `draft_params`), the chunks also run through it,
   writing its layers of the cache.
   """
-  tables, slots = _prompt_tables_and_slots(states, positions, tiles, tile_slots, write_from)
+  tables, slot_mapping = _prompt_tables_and_slot_mapping(
+    states, positions, tiles, tile_slots, write_from
+  )
   cache = paged_cache(
     kv=kv,
     block_tables=tables,
-    slot_mapping=slots,
+    slot_mapping=slot_mapping,
     cache_sliding_window=states.cfg.sliding_window,
     query_tiles=tiles,
   )
@@ -129,7 +131,7 @@ def prefill(
       tokens,
       positions,
       tables,
-      slots,
+      slot_mapping,
       states.cfg.sliding_window,
       logits=False,
       query_tiles=tiles,
@@ -137,16 +139,18 @@ def prefill(
   return sharding.replicate((draw, scores), kv), kv
 
 
-def _prompt_tables_and_slots(states, positions, tiles, tile_slots, write_from):
-  """A packed prompt call's block table per tile and cache slot per token
+def _prompt_tables_and_slot_mapping(states, positions, tiles, tile_slots, write_from):
+  """A packed prompt call's block table per tile and slot mapping per token
   (-1 where a token's K/V is written already, or padding); see `prefill`."""
   tables = on_every_shard(manager.get_block_tables)(states, tile_slots)
   tables = tables.reshape(-1, tables.shape[-1])
   flat = tile_token_index(tiles, *positions.shape)
   tile_positions = take_tiles(positions, flat, -1)
   written = jnp.where(tile_positions >= write_from[:, None], tile_positions, -1)
-  slots = untile(slots_of(tables, written, states.cfg.block_size), flat, positions.shape, -1)
-  return tables, slots
+  slot_mapping = untile(
+    slot_mapping_of(tables, written, states.cfg.block_size), flat, positions.shape, -1
+  )
+  return tables, slot_mapping
 
 
 def _hidden_states(model, args):
@@ -216,7 +220,7 @@ def ragged_step(
   blocked = jnp.any(out_of_blocks)
   state = jax.tree.map(lambda new, old: jnp.where(blocked, old, new), state, loop.state)
   plan = plan.replace(count=jnp.where(blocked, 0, plan.count))
-  prompt_tables, prompt_slots = _prompt_tables_and_slots(
+  prompt_tables, prompt_slot_mapping = _prompt_tables_and_slot_mapping(
     state, positions, tiles, tile_slots, write_from
   )
   num_shards, num_prompt_tokens = tokens.shape
@@ -228,7 +232,7 @@ def ragged_step(
     ragged = paged_cache(
       kv=cache.kv,
       block_tables=prompt_tables,
-      slot_mapping=after_prompt(prompt_slots, cache.slot_mapping),
+      slot_mapping=after_prompt(prompt_slot_mapping, cache.slot_mapping),
       cache_sliding_window=cache.cache_sliding_window,
       query_tiles=tiles,
       decode_tables=cache.block_tables,
@@ -247,12 +251,12 @@ def ragged_step(
     scores = _scores_if_asked(logits_of, prompt_hidden, next_tokens, num_logprobs)
     return logits[:num_rows, None], ragged, (logits[num_rows:], scores)
 
-  decoding = loop.replace(seq_ids=jnp.where(blocked, -1, loop.seq_ids))
+  decoding = loop.replace(slots=jnp.where(blocked, -1, loop.slots))
   stepped, (sample_logits, scores) = advance_rows(
     graphdef, params_state, rows, table, decoding, state, plan, call_model
   )
   stepped = stepped.replace(
-    seq_ids=jnp.where(blocked, loop.seq_ids, stepped.seq_ids), out_of_blocks=out_of_blocks
+    slots=jnp.where(blocked, loop.slots, stepped.slots), out_of_blocks=out_of_blocks
   )
   index = jnp.zeros(last_token_of.shape, jnp.int32)
   mask = None if table is None else structured.allowed_mask(table, draw_states)

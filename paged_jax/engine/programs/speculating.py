@@ -20,7 +20,7 @@ from paged_jax.engine.programs.carry import DecodeLoop, by_shard, flat, local_sl
 from paged_jax.engine.programs.step import (
   copy_for_append,
   finish_step,
-  slots_of,
+  slot_mapping_of,
   step_automata,
   unless_out_of_blocks,
 )
@@ -61,9 +61,9 @@ def speculative_step(
   bm = BlockSpaceManager(cfg)
   spec, k = loop.spec, config.num_speculative_tokens
   num_shards = loop.out_of_blocks.shape[0]
-  num_rows = loop.seq_ids.shape[0]
+  num_rows = loop.slots.shape[0]
   row_ids = jnp.arange(num_rows)
-  running = loop.seq_ids >= 0
+  running = loop.slots >= 0
   local = local_slots(loop)
   new_tokens = jnp.concatenate([spec.pending, spec.pending[:, :1]], axis=1)
   new_tokens = new_tokens.at[row_ids, spec.num_pending].set(loop.last_token)
@@ -94,7 +94,7 @@ def speculative_step(
     cache = paged_cache(
       kv=kv,
       block_tables=tables,
-      slot_mapping=slots_of(tables, positions, cfg.block_size),
+      slot_mapping=slot_mapping_of(tables, positions, cfg.block_size),
       cache_sliding_window=cfg.sliding_window,
     )
     model = graphdef.merge(params_state)
@@ -132,10 +132,10 @@ def speculative_step(
       state,
       plan,
       num_tokens,
-      free=jnp.where(done, loop.seq_ids, -1),
+      free=jnp.where(done, loop.slots, -1),
       finished=jnp.any(done),
       kv=cache.kv,
-      seq_ids=jnp.where(done, -1, loop.seq_ids),
+      slots=jnp.where(done, -1, loop.slots),
       last_token=jnp.where(running, draw.tokens[row_ids, last], loop.last_token),
       num_generated=num_generated,
       automaton_state=automaton_state,
@@ -209,7 +209,16 @@ def append_pending(loop: DecodeLoop) -> DecodeLoop:
 
 
 def draft_call(
-  draft, kv, first_layer, tokens, positions, tables, slots, window, logits=True, query_tiles=None
+  draft,
+  kv,
+  first_layer,
+  tokens,
+  positions,
+  tables,
+  slot_mapping,
+  window,
+  logits=True,
+  query_tiles=None,
 ):
   """The draft model's forward over its layers of `kv` (from `first_layer`
   on): `(logits or, without `logits`, hidden states where the model has
@@ -219,7 +228,7 @@ def draft_call(
   cache = paged_cache(
     kv=kv.layers(first_layer),
     block_tables=tables,
-    slot_mapping=slots,
+    slot_mapping=slot_mapping,
     cache_sliding_window=window,
     query_tiles=query_tiles,
   )
@@ -263,10 +272,10 @@ def _draft_proposals(draft, rows: RowParams, loop: DecodeLoop, kv, tables, num_t
     tokens,
     positions,
     tables,
-    slots_of(tables, positions, cfg.block_size),
+    slot_mapping_of(tables, positions, cfg.block_size),
     cfg.sliding_window,
   )
-  running = loop.seq_ids >= 0
+  running = loop.slots >= 0
   recent = num_tokens[:, None] - (k + 1) + jnp.arange(k + 1)[None, :]
   positions = jnp.where(running[:, None] & (recent >= 0), recent, -1)
   tokens = jnp.take_along_axis(history, jnp.clip(recent, 0, history.shape[1] - 1), axis=1)
