@@ -112,19 +112,19 @@ def flat(per_shard_rows: jax.Array) -> jax.Array:
   return per_shard_rows.reshape(-1, *per_shard_rows.shape[2:])
 
 
-def local_slots(loop: DecodeLoop) -> jax.Array:
-  """The loop's rows as each shard's local slots `[D, R/D]` (see `per_shard`)."""
+def shard_seq_ids(loop: DecodeLoop) -> jax.Array:
+  """The loop's rows as each shard's sequence ids `[D, R/D]` (see `per_shard`)."""
   return per_shard(loop.slots, loop.out_of_blocks.shape[0], loop.state.cfg.max_seqs)
 
 
 def per_shard(ids: jax.Array, num_shards: int, slots_per_shard: int) -> jax.Array:
-  """Rows' global slots `[R]` (-1: none) as each shard's local slots
+  """Rows' global slots `[R]` (-1: none) as each shard's sequence ids
   `[D, R/D]` (row `r` holds a slot of shard `r // (R/D)`)."""
   return jnp.where(ids >= 0, ids % slots_per_shard, -1).reshape(num_shards, -1)
 
 
 def pairs_per_shard(ids: jax.Array, num_shards: int, per: int) -> jax.Array:
-  """Global slots `[K]` as local slots `[D, K]`, -1 outside each shard."""
+  """Global slots `[K]` as sequence ids `[D, K]`, -1 outside each shard."""
   shard = jnp.where(ids >= 0, ids // per, -1)
   mine = shard[None, :] == jnp.arange(num_shards)[:, None]
   return jnp.where(mine, ids % per, -1)

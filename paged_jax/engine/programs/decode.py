@@ -36,8 +36,8 @@ from paged_jax.engine.programs.carry import (
   DecodeLoop,
   by_shard,
   flat,
-  local_slots,
   pairs_per_shard,
+  shard_seq_ids,
 )
 from paged_jax.engine.programs.speculating import append_pending, speculative_step
 from paged_jax.engine.programs.step import (
@@ -102,7 +102,7 @@ def advance_rows(
   bm = BlockSpaceManager(cfg)
   num_shards = loop.out_of_blocks.shape[0]
   running = loop.slots >= 0
-  local = local_slots(loop)
+  local = shard_seq_ids(loop)
   kv = copy_for_append(loop.kv, loop.state, state, local, plan, 1)
   num_tokens = flat(on_every_shard(bm.get_num_tokens)(state, local))
   slot_mapping = on_every_shard(functools.partial(bm.get_slot_mapping, width=1))(

@@ -16,7 +16,7 @@ from paged_jax import sharding, structured
 from paged_jax.block_manager.manager import BlockSpaceManager
 from paged_jax.block_manager.state import on_every_shard
 from paged_jax.engine import speculative
-from paged_jax.engine.programs.carry import DecodeLoop, by_shard, flat, local_slots
+from paged_jax.engine.programs.carry import DecodeLoop, by_shard, flat, shard_seq_ids
 from paged_jax.engine.programs.step import (
   copy_for_append,
   finish_step,
@@ -64,7 +64,7 @@ def speculative_step(
   num_rows = loop.slots.shape[0]
   row_ids = jnp.arange(num_rows)
   running = loop.slots >= 0
-  local = local_slots(loop)
+  local = shard_seq_ids(loop)
   new_tokens = jnp.concatenate([spec.pending, spec.pending[:, :1]], axis=1)
   new_tokens = new_tokens.at[row_ids, spec.num_pending].set(loop.last_token)
   num_new = jnp.where(running, spec.num_pending + 1, 0)
@@ -198,7 +198,7 @@ def append_pending(loop: DecodeLoop) -> DecodeLoop:
   cfg, spec = loop.state.cfg, loop.spec
   bm = BlockSpaceManager(cfg)
   num_shards = loop.out_of_blocks.shape[0]
-  local = local_slots(loop)
+  local = shard_seq_ids(loop)
   state, plan = on_every_shard(bm.append_slots)(
     loop.state, local, by_shard(spec.pending, num_shards), by_shard(spec.num_pending, num_shards)
   )

@@ -22,7 +22,7 @@ from paged_jax.block_manager.manager import BlockSpaceManager
 from paged_jax.block_manager.plans import unwritten_hit_copies
 from paged_jax.block_manager.state import CopyPlan, on_every_shard
 from paged_jax.config import Status
-from paged_jax.engine.programs.carry import DecodeLoop, by_shard, local_slots, per_shard
+from paged_jax.engine.programs.carry import DecodeLoop, by_shard, per_shard, shard_seq_ids
 from paged_jax.kv_cache import KVCache
 
 
@@ -32,7 +32,7 @@ def append_last_tokens(loop: DecodeLoop):
   running = loop.slots >= 0
   return on_every_shard(BlockSpaceManager(loop.state.cfg).append_slots)(
     loop.state,
-    local_slots(loop),
+    shard_seq_ids(loop),
     by_shard(loop.last_token[:, None], num_shards),
     by_shard(running.astype(jnp.int32), num_shards),
   )
