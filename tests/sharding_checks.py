@@ -208,7 +208,7 @@ def step_collectives(model, mesh) -> dict[str, list[list[str]]]:
   )
   packed = PackedPrefill.empty(cache.num_shards, (32, 2), runner.prefill_width)
   draws = cache.num_shards * CFG.max_seqs
-  prefill = programs.prefill.lower(
+  prefill = programs.prefill_step.lower(
     runner.graphdef,
     runner.params,
     cache.kv,

@@ -215,7 +215,7 @@ class ModelRunner(RunAhead):
     self, packed: PackedPrefill, last_token_of, samples, table=None, draw_states=None
   ):
     cache = self.cache
-    (draw, scores), kv = programs.prefill(
+    (draw, scores), kv = programs.prefill_step(
       self.graphdef,
       self.params,
       cache.kv,

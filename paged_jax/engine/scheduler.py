@@ -170,10 +170,12 @@ class Scheduler:
     count = 0
     for group in self.running:
       if group.beam:
-        if group.beam_slots and group.seqs[0].prefill is None:
+        if group.beam_slots and group.seqs[0].tokens_to_prefill is None:
           count += len(self.cache.held(group.beam_slots))
       else:
-        count += sum(s.slot >= 0 and s.prefill is None and bool(s.token_ids) for s in group.live())
+        count += sum(
+          s.slot >= 0 and s.tokens_to_prefill is None and bool(s.token_ids) for s in group.live()
+        )
     return count
 
   # One round.
@@ -253,12 +255,12 @@ class Scheduler:
       self._next.rows.new_rows.append(new_row(group, seq, slot, greedy=False))
     if group.fresh:
       leader = live[0]
-      leader.prefill = group.prompt_token_ids
+      leader.tokens_to_prefill = group.prompt_token_ids
       leader.num_computed = self._allocate(leader, group.request_id)
       _score_whole_prompt(group, leader)
     else:
       for seq in live:
-        seq.prefill = np.concatenate(
+        seq.tokens_to_prefill = np.concatenate(
           [group.prompt_token_ids, np.asarray(seq.token_ids[:-1], np.int32)]
         )
         seq.num_computed = self._allocate(seq, group.request_id)
@@ -275,16 +277,16 @@ class Scheduler:
     self._next.rows.new_beams.append((slots, group.params.n, group.params.length_penalty))
     group.beam_slots = slots
     leader.slot = slots[0]
-    leader.prefill = group.prompt_token_ids[:-1]
+    leader.tokens_to_prefill = group.prompt_token_ids[:-1]
     leader.num_computed = self._allocate(leader, group.request_id)
     _score_whole_prompt(group, leader)
     self.running.append(group)
 
   def _allocate(self, seq: Sequence, request_id: str) -> int:
-    """Allocates the blocks of `seq.prefill`, or none yet on a cache that
+    """Allocates the blocks of `seq.tokens_to_prefill`, or none yet on a cache that
     frees the blocks outside its window (each chunk appends its tokens, see
     `_plan_chunks`); returns the tokens already computed."""
-    tokens = seq.prefill if self.cache.max_chunk is None else seq.prefill[:0]
+    tokens = seq.tokens_to_prefill if self.cache.max_chunk is None else seq.tokens_to_prefill[:0]
     return self.cache.allocate(seq.slot, tokens, request_id)
 
   def _skip_prefixes_written_now(self, group: SequenceGroup, chunks: list[PrefillChunk]) -> None:
@@ -306,13 +308,16 @@ class Scheduler:
       return
     block_size = self.cache.cfg.block_size
     for seq in group.live():
-      if seq.prefill is None:
+      if seq.tokens_to_prefill is None:
         continue
       shared = max(
-        (_common_prefix(seq.prefill, c.seq.prefill[: c.start + c.tokens.size]) for c in chunks),
+        (
+          _common_prefix(seq.tokens_to_prefill, c.seq.tokens_to_prefill[: c.start + c.tokens.size])
+          for c in chunks
+        ),
         default=0,
       )
-      most = (seq.prefill.size - 1) // block_size * block_size
+      most = (seq.tokens_to_prefill.size - 1) // block_size * block_size
       seq.num_computed = max(seq.num_computed, min(shared // block_size * block_size, most))
 
   def _plan_chunks(self, group: SequenceGroup, budget: int, out: SchedulerOutput) -> int:
@@ -324,22 +329,22 @@ class Scheduler:
     too few free blocks waits (`_stalled`)."""
     max_chunk = self.cache.max_chunk
     for seq in group.live():
-      if seq.prefill is None or budget <= 0:
+      if seq.tokens_to_prefill is None or budget <= 0:
         continue
       start = seq.num_computed
-      count = min(seq.prefill.size - start, budget, max_chunk or budget)
+      count = min(seq.tokens_to_prefill.size - start, budget, max_chunk or budget)
       if max_chunk is not None and not self.cache.append_chunk(
-        seq.slot, seq.prefill[start : start + count], group.request_id
+        seq.slot, seq.tokens_to_prefill[start : start + count], group.request_id
       ):
         self._stalled = True
         continue
       seq.num_computed = start + count
-      chunk = PrefillChunk(group, seq, seq.prefill[start : start + count], start)
+      chunk = PrefillChunk(group, seq, seq.tokens_to_prefill[start : start + count], start)
       if group.params.prompt_logprobs is not None and group.fresh:
         chunk.write_from = seq.cached_prefix
         following = np.append(group.prompt_token_ids[1:], -1).astype(np.int32)
         chunk.next_tokens = following[start : start + count]
-      if seq.num_computed == seq.prefill.size:
+      if seq.num_computed == seq.tokens_to_prefill.size:
         if group.beam:  # the prompt's last token starts the first beam step
           self._next.rows.start.append((seq.slot, int(group.prompt_token_ids[-1]), 0))
         elif not group.fresh:
@@ -405,7 +410,7 @@ class Scheduler:
     out.preempted.append(group)
     live = group.live()
     slots = self._held(group)
-    decoding = all(s.prefill is None for s in live)
+    decoding = all(s.tokens_to_prefill is None for s in live)
     # As in vLLM, a group of several sequences is swapped whatever the mode
     # (prefilled again, its sequences would share no blocks), unless the
     # host pool has no room; beams always are (their state is on the device).
@@ -425,7 +430,7 @@ class Scheduler:
       self._free(group, slots)
     self._release_group(group)
     for seq in live:
-      seq.prefill, seq.num_computed = None, 0
+      seq.tokens_to_prefill, seq.num_computed = None, 0
     _enqueue(self.waiting, group)
 
   # Results.
@@ -442,9 +447,9 @@ class Scheduler:
     self.cache.mark_computed([c.seq.slot for c in chunks], [c.seq.num_computed for c in chunks])
     for chunk in chunks:
       seq, request_id = chunk.seq, chunk.group.request_id
-      if seq.num_computed < seq.prefill.size:
+      if seq.num_computed < seq.tokens_to_prefill.size:
         continue
-      seq.prefill = None
+      seq.tokens_to_prefill = None
       for child in chunk.samples[1:]:
         self.cache.fork(seq.slot, child.slot, request_id)
       for sample in chunk.samples:
@@ -512,6 +517,7 @@ class Scheduler:
     decided = since.preempted or since.failed or since.swap_out or since.swap_in
     changed = any(getattr(rows, field.name) for field in dataclasses.fields(rows))
     prompts_left = any(
-      group.beam or any(seq.prefill is not None for seq in group.live()) for group in self.running
+      group.beam or any(seq.tokens_to_prefill is not None for seq in group.live())
+      for group in self.running
     )
     return not (self.waiting or self.swapped or decided or changed or prompts_left)

@@ -1,11 +1,11 @@
-"""The programs with prompt work: `ragged_step` and `prefill`.
+"""The programs with prompt work: `ragged_step` and `prefill_step`.
 
 `ragged_step` is one engine step with prompt work: the step's prompt
 chunks and one decode step of every running row, packed on one token axis
 and run through the model together. It draws each row's next token and the
 first token of the sequences whose prompt the chunks complete.
 
-`prefill` runs prompt chunks alone, each data shard's packed into one token
+`prefill_step` runs prompt chunks alone, each data shard's packed into one token
 axis, for a speculating engine. Both compile once per shape (tokens and
 tiles are bucketed).
 """
@@ -64,7 +64,7 @@ def score_next_tokens(logits, next_tokens, num_logprobs: int) -> PromptScores:
 @functools.partial(
   jax.jit, static_argnums=(0, 12), static_argnames=("draft_graphdef",), donate_argnums=(2,)
 )
-def prefill(
+def prefill_step(
   graphdef,
   params_state,
   kv,
@@ -141,7 +141,7 @@ def prefill(
 
 def _prompt_tables_and_slot_mapping(states, positions, tiles, tile_slots, write_from):
   """A packed prompt call's block table per tile and slot mapping per token
-  (-1 where a token's K/V is written already, or padding); see `prefill`."""
+  (-1 where a token's K/V is written already, or padding); see `prefill_step`."""
   tables = on_every_shard(manager.get_block_tables)(states, tile_slots)
   tables = tables.reshape(-1, tables.shape[-1])
   flat = tile_token_index(tiles, *positions.shape)
@@ -200,7 +200,7 @@ def ragged_step(
 
   Each data shard's token axis holds its prompt chunks packed (`tokens`,
   `positions` `[D, T]`: every chunk has its own length and first position,
-  attended in `tiles` through its sequence's block table; as in `prefill`),
+  attended in `tiles` through its sequence's block table; as in `prefill_step`),
   then its decode rows' last tokens, one query each (attended by the decode
   kernel through the row's table, see `PagedCache.decode_tables`): the
   model's weights are read once for the whole step. The rows' step is
@@ -213,7 +213,7 @@ def ragged_step(
 
   Returns:
     `(loop after the step, draws, prompt scores)` as `decode_loop` and
-    `prefill` return them.
+    `prefill_step` return them.
   """
   state, plan = append_last_tokens(loop)
   out_of_blocks = plan.status != Status.OK
