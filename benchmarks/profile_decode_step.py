@@ -364,7 +364,7 @@ def sampling_timings(vocab, reps, repeats, num_logprobs=5):
 def block_manager_timings(llm, reps, repeats):
   """The manager's per-step work on the live state (32 running rows)."""
   runner = llm.engine.runner
-  state0 = runner.cache.state
+  state0 = runner.cache_manager.state
   cfg = state0.cfg
   bm = BlockSpaceManager(cfg)
   local = jnp.asarray(runner.table.slots.reshape(1, -1))  # rows = slots, every one running
@@ -409,7 +409,7 @@ def block_manager_timings(llm, reps, repeats):
     return jax.lax.fori_loop(0, reps, body, kv)
 
   g = jax.jit(cow, donate_argnums=(0,))
-  holder = {"kv": copy_tree(runner.cache.kv)}
+  holder = {"kv": copy_tree(runner.cache_manager.kv)}
 
   def call():
     holder["kv"] = g(holder["kv"], state0, state1, plan)
@@ -511,7 +511,7 @@ def main():
   if not args.whole_only:
     parts = {}
     parts.update(
-      layer_timings(model, copy_tree(llm.engine.runner.cache.kv), args.reps, args.repeats)
+      layer_timings(model, copy_tree(llm.engine.runner.cache_manager.kv), args.reps, args.repeats)
     )
     print("layers done", flush=True)
     parts.update(sampling_timings(model.config.vocab_size, args.reps, args.repeats))

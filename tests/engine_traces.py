@@ -34,7 +34,7 @@ from paged_jax.models import ByteTokenizer, tiny_corpus
 
 def num_data_shards(engine: pj.LLMEngine) -> int:
   """Data shards of the engine (one manager state each)."""
-  return engine.cache.num_shards
+  return engine.cache_manager.num_shards
 
 
 def slots_of_unfinished_requests(engine: pj.LLMEngine) -> dict[str, set[tuple[int, int]]]:

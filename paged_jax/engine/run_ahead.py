@@ -5,7 +5,7 @@ While the host reads back one decode launch (and builds its outputs), the
 next one, on the same rows, already runs on the device from the first
 one's outputs (`programs.continue_decoding`). `RunAhead` is that part of
 the model runner; it uses the runner's `_launch_decode`, `_launch_steps`,
-`_take_step_results`, `decode_buckets`, `table`, `cache` and `counters`.
+`_take_step_results`, `decode_buckets`, `table`, `cache_manager` and `counters`.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class RunAhead:
 
   def _continued(self, loop: programs.DecodeLoop, steps: int) -> programs.DecodeLoop:
     """The carry of a launch that continues `loop` for `steps` steps at most."""
-    max_steps = jax.device_put(np.int32(steps), self.cache.replicated)
+    max_steps = jax.device_put(np.int32(steps), self.cache_manager.replicated)
     return programs.continue_decoding(loop, max_steps)
 
   def _launched(self, result: DecodeResult) -> None:
@@ -101,6 +101,8 @@ class RunAhead:
     pads no more than a launch packed after reading this one back. Rows
     that stop on a stop token are not foreseen."""
     running = (self.table.slots >= 0) & (self.table.limit - self.table.num_generated > num_steps)
-    packed = pack_decode_rows(running.reshape(self.cache.num_shards, -1), self.decode_buckets())
+    packed = pack_decode_rows(
+      running.reshape(self.cache_manager.num_shards, -1), self.decode_buckets()
+    )
     bucket = lambda r: self.table.slots.shape[0] if r is None else r.shape[0]
     return bool(running.any()) and bucket(packed) == bucket(row_slots)

@@ -39,7 +39,7 @@ class ModelRunner(RunAhead):
 
   Args:
     model: an NNX model following `paged_jax.engine.ModelProtocol`.
-    cache: the cache manager whose states and pages the programs use.
+    cache_manager: the `CacheManager` whose states and pages the programs use.
     num_logprobs: top log-probabilities computed per token (static).
     stop_width: stop-token ids per row (static).
     mesh: the mesh the model's weights are split over, or None.
@@ -57,7 +57,7 @@ class ModelRunner(RunAhead):
     speculative: a `SpeculativeConfig`: every decode step speculates (no
       beam groups then); None: none does.
     draft_model: the draft model of a "draft_model" config (its K/V layers
-      follow the model's in `cache`), or None.
+      follow the model's in `cache_manager.kv`), or None.
     automaton_capacity: the `structured.TableCapacity` every launch's
       automaton table is packed to, constrained rows or not, so that each
       program compiles once; None: launches without constrained rows take
@@ -67,7 +67,7 @@ class ModelRunner(RunAhead):
   def __init__(
     self,
     model,
-    cache: CacheManager,
+    cache_manager: CacheManager,
     *,
     num_logprobs: int = 0,
     stop_width: int = 4,
@@ -82,7 +82,7 @@ class ModelRunner(RunAhead):
     draft_model=None,
     automaton_capacity: structured.TableCapacity | None = None,
   ):
-    self.cache = cache
+    self.cache_manager = cache_manager
     self.automaton_capacity = automaton_capacity
     self.speculative = speculative
     self.draft = {}  # the draft model's graphdef and params, as the programs take them
@@ -93,7 +93,9 @@ class ModelRunner(RunAhead):
       self.draft = dict(draft_graphdef=programs.HashedGraph(graphdef), draft_params=params)
     self.prefill_width, self.max_prefill_rows = prefill_width, max_prefill_rows
     self.max_prefill_tokens = max_prefill_tokens
-    self.max_decode_rows = cache.cfg.max_seqs if max_decode_rows is None else max_decode_rows
+    self.max_decode_rows = (
+      cache_manager.cfg.max_seqs if max_decode_rows is None else max_decode_rows
+    )
     self.decode_row_buckets = decode_row_buckets
     if mesh is not None:
       model = sharding.shard_model(model, mesh)
@@ -103,8 +105,12 @@ class ModelRunner(RunAhead):
     self.params = jax.device_put(params, jax.tree.map(lambda a: a.sharding, params))
     self.graphdef = programs.HashedGraph(graphdef)
     self.vocab_size = model.config.vocab_size
-    beams = beam.Beams.create(cache.num_slots, max_beam_width, cache.cfg.max_tokens_per_seq)
-    self.table = RowTable(cache.num_slots, stop_width, jax.device_put(beams, cache.replicated))
+    beams = beam.Beams.create(
+      cache_manager.num_slots, max_beam_width, cache_manager.cfg.max_tokens_per_seq
+    )
+    self.table = RowTable(
+      cache_manager.num_slots, stop_width, jax.device_put(beams, cache_manager.replicated)
+    )
     self.max_beam_width = max_beam_width
     self.num_logprobs = num_logprobs
     self.ahead: AheadLaunch | None = None  # dispatched, not yet read back
@@ -163,7 +169,7 @@ class ModelRunner(RunAhead):
     for row, automaton, state in constraints:
       states[row] = packed.initial_state(automaton) + state
     if self._placed_table[0] is not packed:  # placed once per table, not per launch
-      self._placed_table = (packed, jax.device_put(packed.table, self.cache.replicated))
+      self._placed_table = (packed, jax.device_put(packed.table, self.cache_manager.replicated))
     return self._placed_table[1], states
 
   def prefill(self, chunks, samples, constraints=()) -> tuple[Draw, list]:
@@ -199,8 +205,8 @@ class ModelRunner(RunAhead):
   def _pack_prompts(self, chunks, samples):
     """`(packed chunks, last_token_of, sample slots)` of a launch with
     prompt chunks (see `prefill`): one draw per slot, whatever the samples."""
-    cache = self.cache
-    num_shards, per_shard = cache.num_shards, cache.cfg.max_seqs
+    cache_manager = self.cache_manager
+    num_shards, per_shard = cache_manager.num_shards, cache_manager.cfg.max_seqs
     packed = pack_prefill(chunks, self.prefill_width, num_shards, per_shard, self.prefill_buckets())
     self.counters["prefill_positions"] += packed.tokens.size
     num_draws = num_shards * per_shard
@@ -214,12 +220,12 @@ class ModelRunner(RunAhead):
   def _launch_prefill(
     self, packed: PackedPrefill, last_token_of, samples, table=None, draw_states=None
   ):
-    cache = self.cache
+    cache_manager = self.cache_manager
     (draw, scores), kv = programs.prefill_step(
       self.graphdef,
       self.params,
-      cache.kv,
-      cache.state,
+      cache_manager.kv,
+      cache_manager.state,
       *packed.arrays(),
       last_token_of,
       jax.tree.map(lambda a: a[samples], self.table.sampling),
@@ -228,19 +234,21 @@ class ModelRunner(RunAhead):
       draw_states,
       **self.draft,
     )
-    cache.take_launch(kv)
+    cache_manager.take_launch(kv)
     return draw, scores
 
   def decode_buckets(self) -> list[int]:
     """Every row count (per data shard) a decode launch can have, ascending
     (see `packing.decode_buckets`)."""
-    return decode_buckets(self.cache.cfg.max_seqs, self.max_decode_rows, self.decode_row_buckets)
+    return decode_buckets(
+      self.cache_manager.cfg.max_seqs, self.max_decode_rows, self.decode_row_buckets
+    )
 
   def ragged_rows(self) -> int:
     """The decode rows (per data shard) of every ragged step: the smallest
     decode bucket that holds `max_decode_rows`, so that the step's shape
     follows its prompt tokens alone (one program per prompt bucket)."""
-    per_shard = self.cache.cfg.max_seqs
+    per_shard = self.cache_manager.cfg.max_seqs
     return next(b for b in self.decode_buckets() if b >= min(self.max_decode_rows, per_shard))
 
   def _ragged_row_slots(self) -> np.ndarray | None:
@@ -249,8 +257,8 @@ class ModelRunner(RunAhead):
     or when more rows run."""
     if np.any(self.table.in_beam_group):
       return None
-    running = (self.table.slots >= 0).reshape(self.cache.num_shards, -1)
-    return pack_decode_rows(running, sorted({self.ragged_rows(), self.cache.cfg.max_seqs}))
+    running = (self.table.slots >= 0).reshape(self.cache_manager.num_shards, -1)
+    return pack_decode_rows(running, sorted({self.ragged_rows(), self.cache_manager.cfg.max_seqs}))
 
   def decode_kinds(self) -> list:
     """The kinds of decode launch: the `speculative` config (speculating
@@ -269,7 +277,7 @@ class ModelRunner(RunAhead):
     None for every slot in order, while a beam group runs."""
     if np.any(self.table.in_beam_group):
       return None
-    running = (self.table.slots >= 0).reshape(self.cache.num_shards, -1)
+    running = (self.table.slots >= 0).reshape(self.cache_manager.num_shards, -1)
     return pack_decode_rows(running, self.decode_buckets())
 
   def _refuse_while_decoding(self) -> None:
@@ -285,8 +293,8 @@ class ModelRunner(RunAhead):
       RuntimeError: if a row decodes.
     """
     self._refuse_while_decoding()
-    no_draws = np.zeros(self.cache.num_slots, np.int32)
-    packed = PackedPrefill.empty(self.cache.num_shards, shape, self.prefill_width)
+    no_draws = np.zeros(self.cache_manager.num_slots, np.int32)
+    packed = PackedPrefill.empty(self.cache_manager.num_shards, shape, self.prefill_width)
     self._launch_prefill(packed, no_draws, no_draws, *self._unconstrained(no_draws.size))
 
   def warm_up_decode(self, num_steps: int, rows_per_shard: int, run_ahead: bool = False) -> None:
@@ -323,9 +331,9 @@ class ModelRunner(RunAhead):
   def _idle_row_slots(self, rows_per_shard: int) -> np.ndarray | None:
     """The rows of a warm-up launch: `rows_per_shard` rows per shard that
     run no slot, or None for every slot (see `_decode_row_slots`)."""
-    if rows_per_shard == self.cache.cfg.max_seqs:
+    if rows_per_shard == self.cache_manager.cfg.max_seqs:
       return None
-    return np.full(self.cache.num_shards * rows_per_shard, -1, np.int32)
+    return np.full(self.cache_manager.num_shards * rows_per_shard, -1, np.int32)
 
   def _launch_decode(
     self, carry, row_slots, stop_on_finish: bool, table=None, speculating=None
@@ -346,7 +354,7 @@ class ModelRunner(RunAhead):
   def _keep(self, loop: programs.DecodeLoop) -> None:
     """Takes a dispatched launch's pages, manager state and beams (maybe
     not computed yet) as the ones the next launch starts from."""
-    self.cache.take_launch(loop.kv, loop.state)
+    self.cache_manager.take_launch(loop.kv, loop.state)
     if loop.beams is not None:
       self.table.beams = loop.beams
 
@@ -390,22 +398,25 @@ class ModelRunner(RunAhead):
         max_steps=np.int32(num_steps if max_steps is None else max_steps),
         step=np.int32(0),
         rows_run=np.int32(0),
-        out_of_blocks=np.zeros(self.cache.num_shards, bool),
+        out_of_blocks=np.zeros(self.cache_manager.num_shards, bool),
         finished_any=np.array(False),
         cow_copies=np.int32(0),
         peak_blocks=np.int32(0),
         utilization_sum=np.float32(0.0),
       ),
-      self.cache.replicated,
+      self.cache_manager.replicated,
     )
     return programs.DecodeLoop(
-      state=self.cache.state,
-      kv=self.cache.kv,
+      state=self.cache_manager.state,
+      kv=self.cache_manager.kv,
       beams=self.table.beams if row_slots is None and self.speculative is None else None,
       spec=None
       if speculating is None
       else speculation_carry(
-        slots, histories, speculating.num_speculative_tokens, self.cache.cfg.max_tokens_per_seq
+        slots,
+        histories,
+        speculating.num_speculative_tokens,
+        self.cache_manager.cfg.max_tokens_per_seq,
       ),
       **rows_carry,
     )
@@ -560,8 +571,8 @@ class ModelRunner(RunAhead):
     """
     self._refuse_while_decoding()
     row_slots = self._idle_row_slots(self.ragged_rows())
-    no_draws = np.zeros(self.cache.num_slots, np.int32)
-    packed = PackedPrefill.empty(self.cache.num_shards, shape, self.prefill_width)
+    no_draws = np.zeros(self.cache_manager.num_slots, np.int32)
+    packed = PackedPrefill.empty(self.cache_manager.num_shards, shape, self.prefill_width)
     loop = self.decode_carry(num_steps, row_slots)
     self._launch_ragged_step(
       loop, row_slots, packed, no_draws, no_draws, *self._unconstrained(no_draws.size)
