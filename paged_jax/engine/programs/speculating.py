@@ -265,16 +265,13 @@ def _draft_proposals(draft, rows: RowParams, loop: DecodeLoop, kv, tables, num_t
   cfg, history = loop.state.cfg, loop.spec.history
   graph, params = draft
   first_layer = len(kv.k) - graph.merge(params).config.num_layers
-  call = lambda kv, tokens, positions: draft_call(
-    draft,
-    kv,
-    first_layer,
-    tokens,
-    positions,
-    tables,
-    slot_mapping_of(tables, positions, cfg.block_size),
-    cfg.sliding_window,
-  )
+
+  def call(kv, tokens, positions):
+    mapping = slot_mapping_of(tables, positions, cfg.block_size)
+    return draft_call(
+      draft, kv, first_layer, tokens, positions, tables, mapping, cfg.sliding_window
+    )
+
   running = loop.slots >= 0
   recent = num_tokens[:, None] - (k + 1) + jnp.arange(k + 1)[None, :]
   positions = jnp.where(running[:, None] & (recent >= 0), recent, -1)
