@@ -241,12 +241,9 @@ class Scheduler:
       return AllocStatus.LATER, None
     if group.fresh:
       return self.cache_manager.can_allocate(prompt, self.shard), None
-    free = (
-      self.cache_manager.num_free_gpu_blocks(self.shard) - self.cache_manager.cfg.watermark_blocks
-    )
-    fits = (
-      resident_blocks(self.cache_manager.cfg, prompt, lengths, self.cache_manager.max_chunk) <= free
-    )
+    cache_manager = self.cache_manager
+    free = cache_manager.num_free_gpu_blocks(self.shard) - cache_manager.cfg.watermark_blocks
+    fits = resident_blocks(cache_manager.cfg, prompt, lengths, cache_manager.max_chunk) <= free
     return (AllocStatus.OK if fits else AllocStatus.LATER), None
 
   def _admit(self, group: SequenceGroup) -> None:
@@ -291,9 +288,9 @@ class Scheduler:
     """Allocates the blocks of `seq.tokens_to_prefill`, or none yet on a cache that
     frees the blocks outside its window (each chunk appends its tokens, see
     `_plan_chunks`); returns the tokens already computed."""
-    tokens = (
-      seq.tokens_to_prefill if self.cache_manager.max_chunk is None else seq.tokens_to_prefill[:0]
-    )
+    tokens = seq.tokens_to_prefill
+    if self.cache_manager.max_chunk is not None:
+      tokens = tokens[:0]
     return self.cache_manager.allocate(seq.slot, tokens, request_id)
 
   def _skip_prefixes_written_now(self, group: SequenceGroup, chunks: list[PrefillChunk]) -> None:
