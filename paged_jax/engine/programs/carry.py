@@ -4,8 +4,8 @@
 the manager states, the pages, the launch's draws and counters);
 `Speculation` is what a speculating loop adds per row. `HashedGraph` makes
 a model's graphdef a cheap static jit argument. `per_shard` and
-`pairs_per_shard` turn the rows' global slots into each data shard's local
-ones, `by_shard` and `flat` reshape row arrays between `[R]` and
+`pairs_per_shard` turn the rows' global slots into each data shard's
+sequence ids, `by_shard` and `flat` reshape row arrays between `[R]` and
 `[D, R / D]`.
 """
 

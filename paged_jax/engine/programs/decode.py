@@ -58,7 +58,7 @@ from paged_jax.sampling import (
 def decode_step(
   graphdef,
   params_state,
-  rows: RowParams,
+  row_params: RowParams,
   table: structured.AutomatonTable | None,
   loop: DecodeLoop,
 ) -> DecodeLoop:
@@ -72,7 +72,7 @@ def decode_step(
   one (None, no constrained row runs), nothing is masked.
   """
   state, plan = append_last_tokens(loop)
-  advance = lambda _: advance_rows(graphdef, params_state, rows, table, loop, state, plan)[0]
+  advance = lambda _: advance_rows(graphdef, params_state, row_params, table, loop, state, plan)[0]
   return unless_out_of_blocks(loop, plan, advance)
 
 
@@ -86,7 +86,7 @@ def _call_model(model, tokens, positions, cache, kv):
 def advance_rows(
   graphdef,
   params_state,
-  rows: RowParams,
+  row_params: RowParams,
   table: structured.AutomatonTable | None,
   loop: DecodeLoop,
   state: BlockManagerState,
@@ -119,7 +119,7 @@ def advance_rows(
   logits, cache, extra = call_model(model, loop.last_token[:, None], positions, cache, kv)
   num_logprobs = loop.draws.top_ids.shape[-1]
   mask = None if table is None else structured.allowed_mask(table, loop.automaton_state)
-  draw = sample_rows(logits[:, 0], rows, loop.num_generated, num_logprobs, mask)
+  draw = sample_rows(logits[:, 0], row_params, loop.num_generated, num_logprobs, mask)
   column = jnp.where(running, loop.step, loop.draws.tokens.shape[1])
   draws = jax.tree.map(
     lambda out, new: out.at[jnp.arange(out.shape[0]), column].set(new, mode="drop"),
@@ -128,7 +128,7 @@ def advance_rows(
   )
   sampled = running if loop.beams is None else running & (loop.beams.leader < 0)
   num_generated = loop.num_generated + sampled
-  done = sampled & ((num_generated >= loop.limit) | is_stop(draw.tokens, rows.stop_ids))
+  done = sampled & ((num_generated >= loop.limit) | is_stop(draw.tokens, row_params.stop_ids))
   automaton_state, dead = step_automata(table, loop.automaton_state, sampled, draw.tokens)
   done = done | dead
   slots = jnp.where(done, -1, loop.slots)
@@ -141,7 +141,7 @@ def advance_rows(
       loop.beams,
       jax.nn.log_softmax(logits[:, 0].astype(jnp.float32)),
       running,
-      rows.stop_ids,
+      row_params.stop_ids,
       loop.limit,
       slots,
       last_token,
@@ -196,7 +196,7 @@ def advance_rows(
 def decode_loop(
   graphdef,
   params_state,
-  rows: RowParams,
+  row_params: RowParams,
   loop: DecodeLoop,
   stop_on_finish,
   table: structured.AutomatonTable | None = None,
@@ -224,11 +224,11 @@ def decode_loop(
     )
 
   if speculating is None:
-    step = functools.partial(decode_step, graphdef, params_state, rows, table)
+    step = functools.partial(decode_step, graphdef, params_state, row_params, table)
   else:
     draft = None if draft_graphdef is None else (draft_graphdef, draft_params)
     step = functools.partial(
-      speculative_step, graphdef, params_state, rows, table, speculating, draft
+      speculative_step, graphdef, params_state, row_params, table, speculating, draft
     )
   loop = jax.lax.while_loop(keep_going, step, loop)
   if speculating is not None:

@@ -76,7 +76,7 @@ def prefill_step(
   write_from,
   next_tokens,
   last_token_of,
-  rows,
+  row_params,
   num_logprobs,
   table=None,
   draw_states=None,
@@ -94,7 +94,7 @@ def prefill_step(
   slots in their shard (-1: no tile). A tile's positions before
   `write_from[tile]` already hold their K/V in the cache and are not
   written again. Draw `i` samples from the token at `last_token_of[i]` (an
-  index into the `D * T` tokens) with the sampling parameters `rows[i]`,
+  index into the `D * T` tokens) with the sampling parameters `row_params[i]`,
   masked by `table`'s automaton state `draw_states[i]` when there is a
   `table`. Where a token has `next_tokens` (>= 0), it also scores them (see
   `score_next_tokens`; the vocabulary-wide work runs only when some token
@@ -120,7 +120,7 @@ def prefill_step(
   last_logits = logits_of(hidden.reshape(-1, hidden.shape[-1])[last_token_of])
   index = jnp.zeros(last_token_of.shape, jnp.int32)
   mask = None if table is None else structured.allowed_mask(table, draw_states)
-  draw = sample_rows(last_logits, rows, index, num_logprobs, mask)
+  draw = sample_rows(last_logits, row_params, index, num_logprobs, mask)
   scores = _scores_if_asked(logits_of, hidden, next_tokens, num_logprobs)
   kv = cache.kv
   if draft_graphdef is not None:
@@ -180,7 +180,7 @@ def _scores_if_asked(logits_of, hidden, next_tokens, num_logprobs: int) -> Promp
 def ragged_step(
   graphdef,
   params_state,
-  rows: RowParams,
+  row_params: RowParams,
   loop: DecodeLoop,
   tokens,
   positions,
@@ -253,7 +253,7 @@ def ragged_step(
 
   decoding = loop.replace(slots=jnp.where(blocked, -1, loop.slots))
   stepped, (sample_logits, scores) = advance_rows(
-    graphdef, params_state, rows, table, decoding, state, plan, call_model
+    graphdef, params_state, row_params, table, decoding, state, plan, call_model
   )
   stepped = stepped.replace(
     slots=jnp.where(blocked, loop.slots, stepped.slots), out_of_blocks=out_of_blocks
