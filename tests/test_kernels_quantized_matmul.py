@@ -279,6 +279,22 @@ def test_product_compiles_for_tpu_v5e_without_a_float_kernel():
 
 
 @needs_libtpu
+def test_a_model_placed_on_tpu_holds_its_scales_as_bits():
+  # What `aot` compiles: Llama-3-8B's int4 shapes placed on a v5e chip.
+  from paged_jax import aot
+  from paged_jax.engine import weights
+
+  model = aot.ShapeOnlyModel.named("llama-3-8b", quantization="int4")
+  _, params = model.abstract_params(aot.jax_mesh(aot.topology_devices("v5e:1x1"), (1, 1)))
+  dtypes = {
+    (path.rsplit("/", 1)[-1], str(leaf.dtype))
+    for path, leaf in weights.flat_weights(params).items()
+    if "/kernel/" in path
+  }
+  assert dtypes == {("values", "uint8"), ("scales", "int16"), ("minimums", "int16")}
+
+
+@needs_libtpu
 @pytest.mark.parametrize(
   "split,n,k", [("column", 14336, 4096), pytest.param("row", 4096, 14336, marks=pytest.mark.slow)]
 )
