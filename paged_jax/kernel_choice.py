@@ -27,10 +27,10 @@
 `select_attention_kernel`, `select_prefill_kernel` and `select_kernel`
 resolve ``impl`` for the decode attention, prefill attention and the KV
 cache's ops on the kernel platform (`kernel_platform`, or `target_platform`'s
-inside it); `select_quantized_matmul` picks the product of weights kept quantized
-(Mosaic on TPU, XLA elsewhere); `check_block_size` refuses a block size no
-kernel serves;
-`describe_kernels` names what ``"auto"`` runs.
+inside it); `select_quantized_matmul` picks the product of weights kept
+quantized (Mosaic on TPU, Triton on a GPU, XLA on CPU); `check_block_size`
+refuses a block size no kernel serves; `describe_kernels` names what
+``"auto"`` runs.
 """
 
 from __future__ import annotations
@@ -267,13 +267,14 @@ def select_quantized_matmul(
 ) -> tuple[str, bool] | None:
   """The product `x @ dequant(w).T` of a quantized kernel on the kernel platform.
 
-  On TPU the Mosaic kernel (`pallas_kernels.quantized_matmul`), which
-  dequantizes tile by tile in VMEM, where XLA:TPU writes a grouped kernel's
-  float copy to HBM first; but per-channel int8, whose integers XLA feeds
-  its matmul directly (scales applied after), and shapes or dtypes the
-  kernel does not tile stay on XLA. On a GPU and on CPU, XLA (no GPU kernel
-  yet; XLA:CPU fuses the one-row product). On TPU and GPU the choice and
-  its reason are logged once per kernel shape (logger ``paged_jax``).
+  On TPU the Mosaic kernel and on a GPU the Triton kernel
+  (`pallas_kernels.quantized_matmul`), which dequantize tile by tile on
+  chip, where XLA:TPU writes a grouped kernel's float copy to HBM first;
+  but per-channel int8, whose integers XLA feeds its matmul directly
+  (scales applied after), and shapes or dtypes a kernel does not tile stay
+  on XLA. On CPU, XLA (XLA:CPU fuses the one-row product). On TPU and GPU
+  the choice and its reason are logged once per kernel shape (logger
+  ``paged_jax``).
 
   Args:
     out_features: the kernel's rows.
@@ -283,25 +284,28 @@ def select_quantized_matmul(
     dtype: the compute dtype of `x`.
 
   Returns:
-    None for XLA, else ``("tpu", False)``.
+    None for XLA, else ``("tpu", False)`` or ``("gpu", False)``.
   """
   platform = kernel_platform()
   if platform != "tpu" and platform not in _GPU_PLATFORMS:
     return None
-  if platform != "tpu":
-    reason = "no GPU kernel is built"
-  elif bits == 8 and group_size == in_features:
+  kernel, name = ("tpu", "Mosaic kernel") if platform == "tpu" else ("gpu", "Triton kernel")
+  if bits == 8 and group_size == in_features:
     reason = "XLA fuses per-channel int8 into its matmul"
-  else:
+  elif kernel == "tpu":
     reason = quantized_matmul.refusal(
       1, out_features, in_features, bits=bits, group_size=group_size, dtype=dtype
     )
-  choice = "Mosaic kernel" if reason is None else f"XLA, because {reason}"
+  else:
+    reason = quantized_matmul.gpu.refusal(
+      1, out_features, in_features, bits=bits, group_size=group_size, dtype=dtype
+    )
+  choice = name if reason is None else f"XLA, because {reason}"
   _log_once(
     f"quantized matmul on {platform} ({bits}-bit, groups of {group_size}, "
     f"[{out_features}, {in_features}], {jnp.dtype(dtype).name}): {choice}"
   )
-  return None if reason else ("tpu", False)
+  return None if reason else (kernel, False)
 
 
 def mosaic_gpu_refusal(

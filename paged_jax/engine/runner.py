@@ -87,8 +87,7 @@ class ModelRunner(RunAhead):
     self.speculative = speculative
     self.draft = {}  # the draft model's graphdef and params, as the programs take them
     if draft_model is not None:
-      if mesh is not None:
-        draft_model = sharding.shard_model(draft_model, mesh)
+      draft_model = placed(draft_model, mesh)
       graphdef, params = nnx.split(draft_model)
       self.draft = dict(draft_graphdef=programs.HashedGraph(graphdef), draft_params=params)
     self.prefill_width, self.max_prefill_rows = prefill_width, max_prefill_rows
@@ -97,8 +96,7 @@ class ModelRunner(RunAhead):
       cache_manager.cfg.max_seqs if max_decode_rows is None else max_decode_rows
     )
     self.decode_row_buckets = decode_row_buckets
-    if mesh is not None:
-      model = sharding.shard_model(model, mesh)
+    model = placed(model, mesh)
     graphdef, params = nnx.split(model)
     # Committed to where they are, as `update_weights` and `wake_up` place
     # weights: the programs see the same argument kinds (no new compile).
@@ -581,3 +579,12 @@ class ModelRunner(RunAhead):
 
 def _num_speculative(speculating) -> int:
   return 0 if speculating is None else speculating.num_speculative_tokens
+
+
+def placed(model, mesh):
+  """`model` with its parameters on `mesh` (`sharding.shard_model`), or, with
+  no mesh, a copy of it sharing its arrays with its quantized kernels readied
+  for the default device (`sharding.place_quantized`)."""
+  if mesh is not None:
+    return sharding.shard_model(model, mesh)
+  return sharding.place_quantized(nnx.clone(model), None)

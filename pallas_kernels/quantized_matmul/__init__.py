@@ -1,13 +1,17 @@
 """`x @ dequant(w).T` for weights kept quantized (W4A16, grouped W8A16): a
-jnp reference and a Mosaic TPU kernel that dequantizes in VMEM."""
+jnp reference, a Mosaic TPU kernel that dequantizes in VMEM and a Triton GPU
+kernel (`gpu`) that dequantizes in registers."""
 
-from pallas_kernels.quantized_matmul.common import check_args, refusal, tiles
+from pallas_kernels.quantized_matmul import gpu
+from pallas_kernels.quantized_matmul.common import check_args, float_groups, refusal, tiles
 from pallas_kernels.quantized_matmul.reference import quantized_matmul_reference
 from pallas_kernels.quantized_matmul.sharded import quantized_matmul_sharded
 from pallas_kernels.quantized_matmul.tpu import quantized_matmul
 
 __all__ = [
   "check_args",
+  "float_groups",
+  "gpu",
   "quantized_matmul",
   "quantized_matmul_reference",
   "quantized_matmul_sharded",
