@@ -14,9 +14,16 @@ venv's `vllm` command); it only sends requests, so any vLLM build serves.
 `--tokenizer` is a Hugging Face tokenizer folder of the model (the prompts
 are sliced in its tokens). Servers run one at a time.
 
+`--vllm-server PYTHON` adds vLLM's own OpenAI server as a peer, from a venv
+with vLLM's CPU build, on the Hugging Face folder `--hf-dir` (written by
+`bench_vs_peers.save_hf_folder`), set up as its CPU documentation advises
+for a dedicated machine (`bench_vs_peers.vllm_cpu_env`: every core bound,
+tcmalloc and Intel OpenMP preloaded), with the same `--max-model-len`.
+
 Usage:
   python benchmarks/bench_http.py --vllm /venv/bin/vllm --tokenizer DIR \\
-    [--code before=/tree/of/old/commit after=.] [--dtypes bfloat16 float32] [--json]
+    [--code before=/tree/of/old/commit after=.] [--dtypes bfloat16 float32] \\
+    [--vllm-server /venv/bin/python --hf-dir DIR] [--max-model-len 512] [--json]
 """
 
 from __future__ import annotations
@@ -60,12 +67,9 @@ def bench_serve(args, url: str, workload: list[str]) -> dict:
   return {field: measured.get(field) for field in BENCH_FIELDS}
 
 
-def run_server(args, label: str, tree: str, dtype: str) -> list[dict]:
-  """Every workload against a fresh `serve` of the code in `tree`."""
-  env = dict(os.environ, PYTHONPATH=str(pathlib.Path(tree).resolve()))
-  flags = ["--model", args.model, "--served-model-name", args.served_name, "--dtype", dtype]
+def run_server(args, label: str, dtype: str, server: Server) -> list[dict]:
+  """Every workload against a started `server`, which it stops."""
   start = time.perf_counter()
-  server = Server([*flags, *args.server_args], env=env)
   rows = []
   try:
     server.wait_healthy()
@@ -77,6 +81,24 @@ def run_server(args, label: str, tree: str, dtype: str) -> list[dict]:
   finally:
     server.kill()
   return rows
+
+
+def paged_jax_server(args, tree: str, dtype: str) -> Server:
+  """`python -m paged_jax serve` of the code in `tree`."""
+  env = dict(os.environ, PYTHONPATH=str(pathlib.Path(tree).resolve()))
+  flags = ["--model", args.model, "--served-model-name", args.served_name, "--dtype", dtype]
+  flags += ["--max-model-len", str(args.max_model_len)]
+  return Server([*flags, *args.server_args], env=env)
+
+
+def vllm_server(args, dtype: str) -> Server:
+  """vLLM's OpenAI server on `--hf-dir`, on every core as its CPU docs advise."""
+  from bench_vs_peers import vllm_cpu_env
+
+  flags = ["--model", str(args.hf_dir), "--served-model-name", args.served_name]
+  flags += ["--dtype", dtype, "--max-model-len", str(args.max_model_len)]
+  program = (args.vllm_server, "-m", "vllm.entrypoints.openai.api_server")
+  return Server(flags, env=vllm_cpu_env(args.vllm_server), program=program)
 
 
 def markdown(rows: list[dict]) -> str:
@@ -104,9 +126,15 @@ def parse_args(argv=None):
   parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
   parser.add_argument("--num-prompts", type=int, default=48)
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--max-model-len", type=int, default=512, help="of every server")
+  parser.add_argument("--vllm-server", help="python of a venv with vLLM's CPU build: a peer")
+  parser.add_argument("--hf-dir", help="the model's Hugging Face folder, for --vllm-server")
   parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=[])
   parser.add_argument("--json", action="store_true", help="print the rows as JSON too")
-  return parser.parse_args(argv)
+  args = parser.parse_args(argv)
+  if args.vllm_server and not args.hf_dir:
+    parser.error("--vllm-server needs --hf-dir, the folder vLLM serves")
+  return args
 
 
 def main(argv=None) -> None:
@@ -117,7 +145,9 @@ def main(argv=None) -> None:
     text_slices(args.vllm, args.tokenizer, args.dataset, args.num_prompts, args.seed)
     for dtype in args.dtypes:
       for label, tree in (code.split("=", 1) for code in args.code):
-        rows += run_server(args, label, tree, dtype)
+        rows += run_server(args, label, dtype, paged_jax_server(args, tree, dtype))
+      if args.vllm_server:
+        rows += run_server(args, "vLLM CPU", dtype, vllm_server(args, dtype))
   print(markdown(rows))
   if args.json:
     print(json.dumps(rows))

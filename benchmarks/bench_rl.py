@@ -171,7 +171,7 @@ def sleep_rows(name, llm, prompts) -> list[str]:
     after, _ = memory.bytes_in_use()
     start = time.perf_counter()
     llm.wake_up()
-    jax.block_until_ready((llm.engine.runner.params, llm.engine.cache.kv))
+    jax.block_until_ready((llm.engine.runner.params, llm.engine.cache_manager.kv))
     woke = time.perf_counter() - start
     with compile_guard.count_compiles() as compiles:
       llm.generate(prompts, pj.SamplingParams(max_tokens=8))

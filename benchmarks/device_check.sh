@@ -6,10 +6,11 @@
 # pytest, tokenizers, jinja2). Wheels of the rest (gguf, outlines-core) are
 # installed from WHEELS_DIR (default ./.whl) into a temporary folder when
 # that folder exists; nothing is downloaded. In order, each with its own
-# time limit, the whole under 6.5 minutes:
+# time limit, the whole under 7.5 minutes:
 #   1. the kernel tests, the GPU flavour compiled on the GPU: the Mosaic GPU
-#      and Triton paged-attention kernels, write_kv and copy_blocks, against
-#      the XLA reference on poisoned random data (tests/kernel_modes.py);
+#      and Triton paged-attention kernels, write_kv, copy_blocks and the
+#      Triton quantized product, against the XLA or jnp reference on
+#      poisoned random data (tests/kernel_modes.py);
 #   2. the ragged and packed model calls (prompt tiles and decode tokens in
 #      one call, the decode tokens through the GPU kernel) against separate
 #      calls;
@@ -18,7 +19,10 @@
 #   4. bench_kernels.py at Llama-3-8B decode shapes (32 q heads, 8 KV heads,
 #      head_dim 128, bfloat16, length 4096, batch 1 and 64, block size 16
 #      and 64) against JAX's shipped kernel, the XLA reference and a device
-#      copy of the same bytes.
+#      copy of the same bytes;
+#   5. quant_matmul_gpu.py: one product with Llama-3-8B's [14336, 4096]
+#      gate kernel, int8 and int4 formats, 1, 8 and 256 rows, XLA against
+#      the Triton kernel (temporaries, weight-sized float arrays, time).
 # Everything goes into one results file.
 #
 #   bash benchmarks/device_check.sh [RESULTS_FILE [BENCH_ARGS...]]
@@ -64,8 +68,9 @@ pytest_part() {  # time limit, then pytest's arguments
 print("jax", jax.__version__, jax.default_backend(), jax.devices())' 2>&1
 
   section "kernel tests, the GPU flavour compiled on the GPU"
-  pytest_part 150 tests/test_kernels_mosaic_gpu.py tests/test_kernels_paged_attention.py \
-    tests/test_kernels_write_kv.py tests/test_kernels_copy_blocks.py -k "not tpu"
+  pytest_part 180 tests/test_kernels_mosaic_gpu.py tests/test_kernels_paged_attention.py \
+    tests/test_kernels_write_kv.py tests/test_kernels_copy_blocks.py \
+    tests/test_kernels_quantized_matmul_gpu.py -k "not tpu"
 
   section "ragged and packed model calls, compiled on the GPU"
   pytest_part 60 tests/test_generate.py -k "ragged_call or packed_call"
@@ -81,6 +86,10 @@ for dtype in (jnp.bfloat16, jnp.float32):
   section "bench_kernels.py, Llama-3-8B decode"
   timeout 80 "$python" benchmarks/bench_kernels.py "${bench_args[@]}" 2>&1 | tail -n 40
   echo "bench exit status: ${PIPESTATUS[0]}"
+
+  section "quant_matmul_gpu.py, Llama-3-8B gate projection"
+  timeout 60 "$python" benchmarks/quant_matmul_gpu.py --iters 20 2>&1 | tail -n 40
+  echo "quantized matmul exit status: ${PIPESTATUS[0]}"
   section "done"
 } > "$results" 2>&1
 

@@ -1,6 +1,6 @@
 """How long the device waits for the host while an engine serves.
 
-`watch_launches()` wraps the engine's model launches (`programs.prefill`,
+`watch_launches()` wraps the engine's model launches (`prefill_step`,
 `decode_loop`, `ragged_step`): a thread waits for each launch's
 outputs and notes when they are ready. The device runs launches in the order
 they were dispatched, so launch `i` is busy from `max(dispatched_i,
@@ -26,7 +26,7 @@ import jax
 
 from paged_jax.engine import programs
 
-LAUNCHES = ("prefill", "decode_loop", "ragged_step")
+LAUNCHES = ("prefill_step", "decode_loop", "ragged_step")
 
 
 class LaunchWatch:

@@ -130,16 +130,16 @@ def whole_step(llm, repeats):
   for i, prompt in enumerate(PROMPTS):
     engine.add_request(f"live{i}", prompt, long)
   runner = engine.runner
-  while not np.all(runner.table.seq_ids >= 0):
+  while not np.all(runner.table.slots >= 0):
     engine.step()
   engine.step()  # another decode launch: contexts ~ prompt + 2 launches
   steps = engine.num_decode_steps
-  rows = runner._decode_rows()
-  carry = runner.decode_carry(steps, rows)
+  row_slots = runner._decode_row_slots()
+  carry = runner.decode_carry(steps, row_slots)
   contexts = np.asarray(runner.table.num_generated) + 0  # generated tokens so far per slot
 
   def launch(c):
-    return runner._launch_decode(c, rows, False)
+    return runner._launch_decode(c, row_slots, False)
 
   def fresh():
     return (copy_tree(carry),)
@@ -364,10 +364,10 @@ def sampling_timings(vocab, reps, repeats, num_logprobs=5):
 def block_manager_timings(llm, reps, repeats):
   """The manager's per-step work on the live state (32 running rows)."""
   runner = llm.engine.runner
-  state0 = runner.cache.state
+  state0 = runner.cache_manager.state
   cfg = state0.cfg
   bm = BlockSpaceManager(cfg)
-  local = jnp.asarray(runner.table.seq_ids.reshape(1, -1))  # rows = slots, every one running
+  local = jnp.asarray(runner.table.slots.reshape(1, -1))  # rows = slots, every one running
   on = on_every_shard
   running = (local >= 0).astype(jnp.int32)
   tokens = jnp.full((1, local.shape[1], 1), 5, jnp.int32)
@@ -409,7 +409,7 @@ def block_manager_timings(llm, reps, repeats):
     return jax.lax.fori_loop(0, reps, body, kv)
 
   g = jax.jit(cow, donate_argnums=(0,))
-  holder = {"kv": copy_tree(runner.cache.kv)}
+  holder = {"kv": copy_tree(runner.cache_manager.kv)}
 
   def call():
     holder["kv"] = g(holder["kv"], state0, state1, plan)
@@ -511,7 +511,7 @@ def main():
   if not args.whole_only:
     parts = {}
     parts.update(
-      layer_timings(model, copy_tree(llm.engine.runner.cache.kv), args.reps, args.repeats)
+      layer_timings(model, copy_tree(llm.engine.runner.cache_manager.kv), args.reps, args.repeats)
     )
     print("layers done", flush=True)
     parts.update(sampling_timings(model.config.vocab_size, args.reps, args.repeats))

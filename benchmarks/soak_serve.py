@@ -204,16 +204,20 @@ def check_refusal(outcome: Outcome) -> bool:
   return outcome.status >= 400 and {"message", "type", "code"} <= set(error)
 
 
-class Server:
-  """A `serve` subprocess on a free port (in `env`, default this one's)."""
+PAGED_JAX_SERVE = (sys.executable, "-m", "paged_jax", "serve")
 
-  def __init__(self, args: list[str], env: dict | None = None):
+
+class Server:
+  """A server subprocess on a free port (in `env`, default this one's):
+  `program` (default `python -m paged_jax serve`) with `--port PORT` and `args`."""
+
+  def __init__(self, args: list[str], env: dict | None = None, program=PAGED_JAX_SERVE):
     with socket.socket() as sock:
       sock.bind(("127.0.0.1", 0))
       self.port = sock.getsockname()[1]
     self.url = f"http://127.0.0.1:{self.port}"
     self.log = tempfile.NamedTemporaryFile("w+", suffix=".log")
-    command = [sys.executable, "-m", "paged_jax", "serve", "--port", str(self.port), *args]
+    command = [*program, "--port", str(self.port), *args]
     self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
   def wait_healthy(self, timeout: float = 900) -> None:

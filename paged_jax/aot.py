@@ -495,7 +495,7 @@ def compile_engine_programs(
     swap = {}
     if shape_only:
       swap = {id(engine.runner.graphdef): graph, id(engine.runner.params): params}
-    kv = engine.cache.kv
+    kv = engine.cache_manager.kv
     big_kv = abstract(model.with_layers(kv) if shape_only else kv, mesh)
     block_bytes = max(block_bytes, per_chip_bytes(big_kv) // engine.cfg.num_gpu_blocks)
     launches = []

@@ -59,67 +59,65 @@ class HybridKVCache:
   @property
   def nbytes(self) -> int:
     """Device bytes of every type's pages."""
-    return sum(cache.nbytes for cache in self.types)
+    return sum(kv.nbytes for kv in self.types)
 
 
-def write_kv(cache: HybridKVCache, layer: int, k, v, slot_mappings: tuple) -> HybridKVCache:
+def write_kv(kv: HybridKVCache, layer: int, k, v, slot_mappings: tuple) -> HybridKVCache:
   """Writes one layer's new K/V rows at the slots of its type's mapping.
 
   Args:
-    cache: the pages.
+    kv: the pages.
     layer: the decoder layer.
     k, v: the new rows, as `kv_cache.write_kv` takes them.
     slot_mappings: one mapping per type (`HybridBlockSpaceManager.get_slot_mapping`).
   """
-  group, index = cache.locate(layer)
-  written = kv_cache.write_kv(cache.types[group], index, k, v, slot_mappings[group])
-  return cache.replace(types=_replaced(cache.types, group, written))
+  group, index = kv.locate(layer)
+  written = kv_cache.write_kv(kv.types[group], index, k, v, slot_mappings[group])
+  return kv.replace(types=_replaced(kv.types, group, written))
 
 
-def attend(
-  cache: HybridKVCache, layer: int, q, block_tables: tuple, lengths, **options
-) -> jax.Array:
+def attend(kv: HybridKVCache, layer: int, q, block_tables: tuple, lengths, **options) -> jax.Array:
   """Decode attention of one layer through its type's block table, masked to its window.
 
   Args:
-    cache: the pages.
+    kv: the pages.
     layer: the decoder layer.
     q: ``[batch, num_q_heads, head_dim]``.
     block_tables: one table per type (`HybridBlockSpaceManager.get_block_tables`).
     lengths: ``int32[batch]`` context lengths, the new token included.
     **options: `paged_attention`'s other options (``sm_scale``, ``soft_cap``, ``impl``).
   """
-  group, _ = cache.locate(layer)
-  k_pages, v_pages = cache.pages(layer)
+  group, _ = kv.locate(layer)
+  k_pages, v_pages = kv.pages(layer)
   return paged_attention(
     q,
     k_pages,
     v_pages,
     block_tables[group],
     lengths,
-    sliding_window=cache.cfg.windows[group],
+    sliding_window=kv.cfg.windows[group],
     **options,
   )
 
 
-def copy_blocks(cache: HybridKVCache, result: HybridResult) -> HybridKVCache:
+def copy_blocks(kv: HybridKVCache, result: HybridResult) -> HybridKVCache:
   """Runs each type's copy-on-write plan on that type's pages."""
-  return cache.replace(
-    types=tuple(kv_cache.copy_blocks(c, plan) for c, plan in zip(cache.types, result.results))
+  return kv.replace(
+    types=tuple(kv_cache.copy_blocks(c, plan) for c, plan in zip(kv.types, result.results))
   )
 
 
-def swap_out(cache: HybridKVCache, result: HybridResult) -> HybridKVCache:
+def swap_out(kv: HybridKVCache, result: HybridResult) -> HybridKVCache:
   """Moves each type's swapped-out blocks to its host pages."""
-  return cache.replace(
-    types=tuple(kv_swap.swap_out(c, plan) for c, plan in zip(cache.types, result.results))
+  return kv.replace(
+    types=tuple(kv_swap.swap_out(c, plan) for c, plan in zip(kv.types, result.results))
   )
 
 
-def swap_in(cache: HybridKVCache, result: HybridResult) -> HybridKVCache:
+def swap_in(kv: HybridKVCache, result: HybridResult) -> HybridKVCache:
   """Moves each type's swapped-in blocks back to its device pages."""
-  return cache.replace(
-    types=tuple(kv_swap.swap_in(c, plan) for c, plan in zip(cache.types, result.results))
+  return kv.replace(
+    types=tuple(kv_swap.swap_in(c, plan) for c, plan in zip(kv.types, result.results))
   )
 
 

@@ -28,9 +28,9 @@
 resolve ``impl`` for the decode attention, prefill attention and the KV
 cache's ops on the kernel platform (`kernel_platform`, or `target_platform`'s
 inside it); `select_quantized_matmul` picks the product of weights kept
-quantized (Mosaic on TPU, C++ on CPU for a few rows, XLA otherwise);
-`check_block_size` refuses a block size no kernel serves; `describe_kernels`
-names what ``"auto"`` runs.
+quantized (Mosaic on TPU, Triton on a GPU, C++ on CPU for a few rows, XLA
+otherwise); `check_block_size` refuses a block size no kernel serves;
+`describe_kernels` names what ``"auto"`` runs.
 """
 
 from __future__ import annotations
@@ -287,18 +287,18 @@ def select_quantized_matmul(
 ) -> tuple[str, bool] | None:
   """The product `x @ dequant(w).T` of a quantized kernel on the kernel platform.
 
-  On TPU the Mosaic kernel (`pallas_kernels.quantized_matmul`), which
-  dequantizes tile by tile in VMEM, where XLA:TPU writes a grouped kernel's
-  float copy to HBM first; but per-channel int8, whose integers XLA feeds
-  its matmul directly (scales applied after), and shapes or dtypes the
-  kernel does not tile stay on XLA. On CPU, up to `quantized_matmul.cpu.
-  MAX_ROWS` rows of `x` run the C++ kernel (`pallas_kernels.quantized_matmul.
-  cpu`, built at first use) unless no compiler builds it, the weights are
-  split over devices, or `use_cpu_kernel(False)` (``PAGED_JAX_CPU_KERNEL=0``,
-  which turns off the decode attention kernel too) turns it off; more rows
-  stay on XLA, whose product writes the float kernel once. On a GPU, XLA (no
-  GPU kernel yet). The choice and its reason are logged once per kernel
-  shape (on CPU once per dtype; logger ``paged_jax``).
+  On TPU the Mosaic kernel and on a GPU the Triton kernel
+  (`pallas_kernels.quantized_matmul`), which dequantize tile by tile on
+  chip, where XLA:TPU writes a grouped kernel's float copy to HBM first;
+  but per-channel int8, whose integers XLA feeds its matmul directly
+  (scales applied after), and shapes or dtypes a kernel does not tile stay
+  on XLA. On CPU, up to `quantized_matmul.cpu.MAX_ROWS` rows of `x` run the
+  C++ kernel (`pallas_kernels.quantized_matmul.cpu`, built at first use)
+  unless no compiler builds it, the weights are split over devices, or
+  `use_cpu_kernel(False)` (``PAGED_JAX_CPU_KERNEL=0``, which turns off the
+  decode attention kernel too) turns it off; more rows stay on XLA, whose
+  product writes the float kernel once. The choice and its reason are
+  logged once per kernel shape (on CPU once per dtype; logger ``paged_jax``).
 
   Args:
     out_features: the kernel's rows.
@@ -310,27 +310,30 @@ def select_quantized_matmul(
     split: whether the weights are split over devices.
 
   Returns:
-    None for XLA, else ``("tpu", False)`` or ``("cpu", False)``.
+    None for XLA, else ``("tpu", False)``, ``("gpu", False)`` or ``("cpu", False)``.
   """
   platform = kernel_platform()
   if platform == "cpu":
     return _cpu_quantized_matmul(dtype, rows, split)
   if platform != "tpu" and platform not in _GPU_PLATFORMS:
     return None
-  if platform != "tpu":
-    reason = "no GPU kernel is built"
-  elif bits == 8 and group_size == in_features:
+  kernel, name = ("tpu", "Mosaic kernel") if platform == "tpu" else ("gpu", "Triton kernel")
+  if bits == 8 and group_size == in_features:
     reason = "XLA fuses per-channel int8 into its matmul"
-  else:
+  elif kernel == "tpu":
     reason = quantized_matmul.refusal(
       1, out_features, in_features, bits=bits, group_size=group_size, dtype=dtype
     )
-  choice = "Mosaic kernel" if reason is None else f"XLA, because {reason}"
+  else:
+    reason = quantized_matmul.gpu.refusal(
+      1, out_features, in_features, bits=bits, group_size=group_size, dtype=dtype
+    )
+  choice = name if reason is None else f"XLA, because {reason}"
   _log_once(
     f"quantized matmul on {platform} ({bits}-bit, groups of {group_size}, "
     f"[{out_features}, {in_features}], {jnp.dtype(dtype).name}): {choice}"
   )
-  return None if reason else ("tpu", False)
+  return None if reason else (kernel, False)
 
 
 def _cpu_quantized_matmul(dtype, rows: int, split: bool) -> tuple[str, bool] | None:

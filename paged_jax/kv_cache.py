@@ -29,7 +29,7 @@ head (host copies ``k_scale_host``, ``v_scale_host`` for swap space).
 ``write_kv`` quantizes each row with its absmax (``scale = absmax / 127``
 for int8, rounding to nearest; ``absmax / 448`` for fp8 e4m3), every op moves
 the scales with their pages, and attention dequantizes as it reads (pass
-``k_scales=cache.k_scale[layer]``, ``v_scales=cache.v_scale[layer]``). Float
+``k_scales=kv.k_scale[layer]``, ``v_scales=kv.v_scale[layer]``). Float
 caches have no scales (the fields are None). The scales are written,
 copied and swapped by XLA scatters and gathers (in place when donated); the
 pages go through the Pallas kernels where ``impl`` picks them.
@@ -366,11 +366,11 @@ def _nbytes(*groups) -> int:
   return sum(a.size * a.dtype.itemsize for group in groups if group for a in group)
 
 
-def write_kv(cache: KVCache, layer: int, k, v, slot_mapping, *, impl: str = "auto") -> KVCache:
+def write_kv(kv: KVCache, layer: int, k, v, slot_mapping, *, impl: str = "auto") -> KVCache:
   """Writes new tokens' keys and values of one layer into their slots.
 
   Args:
-    cache: the cache (donate it under jit).
+    kv: the cache (donate it under jit).
     layer: the layer index, a Python int.
     k: ``[..., num_kv_heads, head_dim]``, one row per token, in the cache's
       dtype; any float dtype for a quantized cache, which quantizes each row
@@ -385,7 +385,7 @@ def write_kv(cache: KVCache, layer: int, k, v, slot_mapping, *, impl: str = "aut
   Returns:
     The cache with the tokens written.
   """
-  _check_layer(cache, layer)
+  _check_layer(kv, layer)
   k, v, slot_mapping = map(jnp.asarray, (k, v, slot_mapping))
   if k.shape[:-2] != slot_mapping.shape:
     raise ValueError(
@@ -396,34 +396,34 @@ def write_kv(cache: KVCache, layer: int, k, v, slot_mapping, *, impl: str = "aut
   v = v.reshape(tokens, *v.shape[-2:])
   slot_mapping = slot_mapping.reshape(tokens)
   if is_concrete(slot_mapping):
-    check_slot_mapping(slot_mapping, cache.num_gpu_blocks * cache.block_size)
+    check_slot_mapping(slot_mapping, kv.num_gpu_blocks * kv.block_size)
   scales = {}
-  if not cache.quantized and not k.dtype == v.dtype == cache.dtype:
+  if not kv.quantized and not k.dtype == v.dtype == kv.dtype:
     raise ValueError(
-      f"k, v and the cache must share one dtype, got {k.dtype}, {v.dtype}, {cache.dtype}"
+      f"k, v and the cache must share one dtype, got {k.dtype}, {v.dtype}, {kv.dtype}"
     )
-  if cache.quantized:
-    (k, k_scales), (v, v_scales) = (quantization.quantize(x, cache.dtype) for x in (k, v))
+  if kv.quantized:
+    (k, k_scales), (v, v_scales) = (quantization.quantize(x, kv.dtype) for x in (k, v))
     k_scale, v_scale = write_kv_kernels.write_scales(
-      cache.k_scale[layer], cache.v_scale[layer], k_scales, v_scales, slot_mapping
+      kv.k_scale[layer], kv.v_scale[layer], k_scales, v_scales, slot_mapping
     )
     scales = dict(
-      k_scale=_replace_layer(cache.k_scale, layer, k_scale),
-      v_scale=_replace_layer(cache.v_scale, layer, v_scale),
+      k_scale=_replace_layer(kv.k_scale, layer, k_scale),
+      v_scale=_replace_layer(kv.v_scale, layer, v_scale),
     )
-  args = (cache.k[layer], cache.v[layer], _as_stored(cache, k), _as_stored(cache, v), slot_mapping)
-  kernel = select_kernel(impl, tile_sizes=(cache.head_dim,))
+  args = (kv.k[layer], kv.v[layer], _as_stored(kv, k), _as_stored(kv, v), slot_mapping)
+  kernel = select_kernel(impl, tile_sizes=(kv.head_dim,))
   if kernel is None:
     k_pages, v_pages = write_kv_kernels.write_kv_reference(*args)
   else:
     backend, interpret = kernel
     k_pages, v_pages = write_kv_kernels.write_kv(*args, backend=backend, interpret=interpret)
-  return cache.replace(
-    k=_replace_layer(cache.k, layer, k_pages), v=_replace_layer(cache.v, layer, v_pages), **scales
+  return kv.replace(
+    k=_replace_layer(kv.k, layer, k_pages), v=_replace_layer(kv.v, layer, v_pages), **scales
   )
 
 
-def copy_blocks(cache: KVCache, plan, *, impl: str = "auto") -> KVCache:
+def copy_blocks(kv: KVCache, plan, *, impl: str = "auto") -> KVCache:
   """Executes a CopyPlan (copy-on-write) on every layer's K and V in one call.
 
   A quantized cache's scales are copied with their blocks. On a cache over a
@@ -431,7 +431,7 @@ def copy_blocks(cache: KVCache, plan, *, impl: str = "auto") -> KVCache:
   ``jax.shard_map``) from that shard's plan.
 
   Args:
-    cache: the cache (donate it under jit).
+    kv: the cache (donate it under jit).
     plan: ``src``, ``dst`` (device blocks) and ``count``; entry ``i <
       count`` copies block ``src[i]`` to ``dst[i]``. The plans of a cache's
       data shards come batched on a leading axis, each in its shard's own
@@ -448,10 +448,10 @@ def copy_blocks(cache: KVCache, plan, *, impl: str = "auto") -> KVCache:
     ValueError: for a plan of the wrong shape or dtype (one plan for a cache
       of several data shards), or a concrete plan out of range.
   """
-  src, dst, count = shard_plans(plan, cache.num_data_shards)
+  src, dst, count = shard_plans(plan, kv.num_data_shards)
   if is_concrete(src, dst, count):
-    blocks = cache.num_gpu_blocks // cache.num_data_shards
-    for shard in range(cache.num_data_shards):
+    blocks = kv.num_gpu_blocks // kv.num_data_shards
+    for shard in range(kv.num_data_shards):
       check_plan(
         src[shard],
         dst[shard],
@@ -461,24 +461,24 @@ def copy_blocks(cache: KVCache, plan, *, impl: str = "auto") -> KVCache:
         name="copy plan",
         disjoint=True,
       )
-  mesh = cache.mesh
+  mesh = kv.mesh
   if mesh is None:
-    return _copy_blocks(cache, src[0], dst[0], count[0], impl)
-  device = cache.device_part()
+    return _copy_blocks(kv, src[0], dst[0], count[0], impl)
+  device = kv.device_part()
   pages = jax.tree.map(lambda _: sharding.PAGES, device)
   shards = sharding.P("data")
   local = lambda part, src, dst, count: _copy_blocks(part, src[0], dst[0], count[0], impl)
   copied = sharding.per_device(local, mesh, (pages, shards, shards, shards), pages)(
     device, src, dst, count
   )
-  return cache.with_device_part(copied)
+  return kv.with_device_part(copied)
 
 
-def _copy_blocks(cache: KVCache, src, dst, count, impl: str) -> KVCache:
+def _copy_blocks(kv: KVCache, src, dst, count, impl: str) -> KVCache:
   """``copy_blocks`` of one plan on the cache's (or one device's) pages."""
 
   def copy(pages):
-    kernel = select_kernel(impl, tile_sizes=(cache.block_size, pages[0].shape[-1]))
+    kernel = select_kernel(impl, tile_sizes=(kv.block_size, pages[0].shape[-1]))
     if kernel is None:
       return copy_blocks_kernels.copy_blocks_reference(pages, src, dst, count)
     backend, interpret = kernel
@@ -486,21 +486,21 @@ def _copy_blocks(cache: KVCache, src, dst, count, impl: str) -> KVCache:
       pages, src, dst, count, backend=backend, interpret=interpret
     )
 
-  pages = in_shape_groups(copy, cache.k + cache.v)
-  layers = cache.num_layers
-  cache = cache.replace(k=pages[:layers], v=pages[layers:])
-  if not cache.quantized:
-    return cache
+  pages = in_shape_groups(copy, kv.k + kv.v)
+  layers = kv.num_layers
+  kv = kv.replace(k=pages[:layers], v=pages[layers:])
+  if not kv.quantized:
+    return kv
   # Scales are [num_kv_heads, num_blocks, block_size]: copied in XLA as
   # pages with head_dim 1 (a gather and a scatter, in place when donated).
   scales = in_shape_groups(
     lambda scales: copy_blocks_kernels.copy_blocks_reference(
       [s[..., None] for s in scales], src, dst, count
     ),
-    cache.k_scale + cache.v_scale,
+    kv.k_scale + kv.v_scale,
   )
   scales = tuple(s[..., 0] for s in scales)
-  return cache.replace(k_scale=scales[:layers], v_scale=scales[layers:])
+  return kv.replace(k_scale=scales[:layers], v_scale=scales[layers:])
 
 
 def in_shape_groups(op, pages, *aligned) -> tuple:
@@ -522,19 +522,19 @@ def in_shape_groups(op, pages, *aligned) -> tuple:
   return tuple(out)
 
 
-def _as_stored(cache: KVCache, x: jax.Array) -> jax.Array:
+def _as_stored(kv: KVCache, x: jax.Array) -> jax.Array:
   """``x`` (of the cache's dtype) as its device pages hold it."""
-  return x if cache.bits_of is None else lax.bitcast_convert_type(x, cache.k[0].dtype)
+  return x if kv.bits_of is None else lax.bitcast_convert_type(x, kv.k[0].dtype)
 
 
-def _as_values(cache: KVCache, pages: jax.Array) -> jax.Array:
+def _as_values(kv: KVCache, pages: jax.Array) -> jax.Array:
   """Device pages viewed as the cache's dtype."""
-  return pages if cache.bits_of is None else lax.bitcast_convert_type(pages, cache.bits_of)
+  return pages if kv.bits_of is None else lax.bitcast_convert_type(pages, kv.bits_of)
 
 
-def _check_layer(cache: KVCache, layer) -> None:
-  if isinstance(layer, bool) or not isinstance(layer, int) or not (0 <= layer < cache.num_layers):
-    raise ValueError(f"layer must be an int in 0..{cache.num_layers - 1}, got {layer!r}")
+def _check_layer(kv: KVCache, layer) -> None:
+  if isinstance(layer, bool) or not isinstance(layer, int) or not (0 <= layer < kv.num_layers):
+    raise ValueError(f"layer must be an int in 0..{kv.num_layers - 1}, got {layer!r}")
 
 
 def _replace_layer(layers: tuple, layer: int, value) -> tuple:

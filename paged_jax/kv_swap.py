@@ -24,17 +24,17 @@ from paged_jax.kv_plans import check_plan, plan_arrays
 from pallas_kernels import bits
 
 
-def swap_out(cache: KVCache, plan) -> KVCache:
+def swap_out(kv: KVCache, plan) -> KVCache:
   """Copies device blocks to host blocks (``src[i]`` -> ``dst[i]``, i < count).
 
-  One jitted call for all layers' K and V, with ``cache`` donated: the planned
+  One jitted call for all layers' K and V, with ``kv`` donated: the planned
   blocks are gathered on the device, moved to host memory in one transfer and
   scattered into the host pages (a quantized cache's scales likewise, in a
   second transfer). The device pages are left as they are (the block manager
   has freed them).
 
   Args:
-    cache: the cache; donated, do not use it afterwards.
+    kv: the cache; donated, do not use it afterwards.
     plan: a SwapPlan from ``BlockSpaceManager.swap_out``.
 
   Returns:
@@ -46,22 +46,22 @@ def swap_out(cache: KVCache, plan) -> KVCache:
       src,
       dst,
       count,
-      num_src_blocks=cache.num_gpu_blocks,
-      num_dst_blocks=cache.num_cpu_blocks,
+      num_src_blocks=kv.num_gpu_blocks,
+      num_dst_blocks=kv.num_cpu_blocks,
       name="swap_out plan",
     )
-  return _jitted_for(cache, _swap_out)(cache, src, dst, count)
+  return _jitted_for(kv, _swap_out)(kv, src, dst, count)
 
 
-def swap_in(cache: KVCache, plan) -> KVCache:
+def swap_in(kv: KVCache, plan) -> KVCache:
   """Copies host blocks to device blocks (``src[i]`` -> ``dst[i]``, i < count).
 
-  One jitted call for all layers' K and V, with ``cache`` donated: gather in
+  One jitted call for all layers' K and V, with ``kv`` donated: gather in
   host memory, one transfer to the device, scatter into the device pages (a
   quantized cache's scales likewise, in a second transfer).
 
   Args:
-    cache: the cache; donated, do not use it afterwards.
+    kv: the cache; donated, do not use it afterwards.
     plan: a SwapPlan from ``BlockSpaceManager.swap_in``.
 
   Returns:
@@ -73,22 +73,22 @@ def swap_in(cache: KVCache, plan) -> KVCache:
       src,
       dst,
       count,
-      num_src_blocks=cache.num_cpu_blocks,
-      num_dst_blocks=cache.num_gpu_blocks,
+      num_src_blocks=kv.num_cpu_blocks,
+      num_dst_blocks=kv.num_gpu_blocks,
       name="swap_in plan",
     )
-  return _jitted_for(cache, _swap_in)(cache, src, dst, count)
+  return _jitted_for(kv, _swap_in)(kv, src, dst, count)
 
 
-def _jitted_for(cache: KVCache, swap):
+def _jitted_for(kv: KVCache, swap):
   """``swap`` jitted with the cache donated and its shardings kept."""
   return _jit_swap(
     swap,
-    cache.num_layers,
-    cache.device_sharding,
-    cache.host_sharding,
-    cache.quantized,
-    cache.bits_of,
+    kv.num_layers,
+    kv.device_sharding,
+    kv.host_sharding,
+    kv.quantized,
+    kv.bits_of,
   )
 
 
@@ -118,59 +118,57 @@ def _jit_swap(swap, num_layers, device_sharding, host_sharding, quantized, bits_
   )
 
 
-def _swap_out(cache: KVCache, src, dst, count) -> KVCache:
+def _swap_out(kv: KVCache, src, dst, count) -> KVCache:
   live = _live_pairs(src, dst, count)
   sources = jnp.where(live, src, 0)
-  targets = jax.device_put(
-    jnp.where(live, dst, cache.num_cpu_blocks), _replicated(cache.host_sharding)
-  )
+  targets = jax.device_put(jnp.where(live, dst, kv.num_cpu_blocks), _replicated(kv.host_sharding))
 
   def move(device_arrays, host_arrays, to_bits):
     staged = _gather_blocks(device_arrays, sources)
-    staged = jax.device_put(to_bits(staged), _staging(cache.host_sharding))
-    return _on_host(cache, _set_blocks)(host_arrays, targets, staged)
+    staged = jax.device_put(to_bits(staged), _staging(kv.host_sharding))
+    return _on_host(kv, _set_blocks)(host_arrays, targets, staged)
 
-  layers = cache.num_layers
+  layers = kv.num_layers
   pages = in_shape_groups(
-    lambda device, host: move(device, host, _bits), cache.k + cache.v, cache.k_host + cache.v_host
+    lambda device, host: move(device, host, _bits), kv.k + kv.v, kv.k_host + kv.v_host
   )
-  cache = cache.replace(k_host=pages[:layers], v_host=pages[layers:])
-  if not cache.quantized:
-    return cache
+  kv = kv.replace(k_host=pages[:layers], v_host=pages[layers:])
+  if not kv.quantized:
+    return kv
   scales = in_shape_groups(
     lambda device, host: move(device, host, lambda x: x),
-    cache.k_scale + cache.v_scale,
-    cache.k_scale_host + cache.v_scale_host,
+    kv.k_scale + kv.v_scale,
+    kv.k_scale_host + kv.v_scale_host,
   )
-  return cache.replace(k_scale_host=scales[:layers], v_scale_host=scales[layers:])
+  return kv.replace(k_scale_host=scales[:layers], v_scale_host=scales[layers:])
 
 
-def _swap_in(cache: KVCache, src, dst, count) -> KVCache:
+def _swap_in(kv: KVCache, src, dst, count) -> KVCache:
   live = _live_pairs(src, dst, count)
-  sources = jax.device_put(jnp.where(live, src, 0), _replicated(cache.host_sharding))
-  targets = jnp.where(live, dst, cache.num_gpu_blocks)
+  sources = jax.device_put(jnp.where(live, src, 0), _replicated(kv.host_sharding))
+  targets = jnp.where(live, dst, kv.num_gpu_blocks)
 
   def move(host_arrays, device_arrays, from_bits):
-    staged = _on_host(cache, _gather_blocks)(host_arrays, sources)
-    staged = jax.device_put(staged, _staging(cache.device_sharding))
+    staged = _on_host(kv, _gather_blocks)(host_arrays, sources)
+    staged = jax.device_put(staged, _staging(kv.device_sharding))
     staged = from_bits(staged)
     return _set_blocks(device_arrays, targets, staged)
 
-  layers = cache.num_layers
+  layers = kv.num_layers
   pages = in_shape_groups(
     lambda host, device: move(host, device, lambda x: lax.bitcast_convert_type(x, device[0].dtype)),
-    cache.k_host + cache.v_host,
-    cache.k + cache.v,
+    kv.k_host + kv.v_host,
+    kv.k + kv.v,
   )
-  cache = cache.replace(k=pages[:layers], v=pages[layers:])
-  if not cache.quantized:
-    return cache
+  kv = kv.replace(k=pages[:layers], v=pages[layers:])
+  if not kv.quantized:
+    return kv
   scales = in_shape_groups(
     lambda host, device: move(host, device, lambda x: x),
-    cache.k_scale_host + cache.v_scale_host,
-    cache.k_scale + cache.v_scale,
+    kv.k_scale_host + kv.v_scale_host,
+    kv.k_scale + kv.v_scale,
   )
-  return cache.replace(k_scale=scales[:layers], v_scale=scales[layers:])
+  return kv.replace(k_scale=scales[:layers], v_scale=scales[layers:])
 
 
 def _gather_blocks(pages, blocks):
@@ -195,10 +193,10 @@ def _replicated(sharding: jax.sharding.NamedSharding):
   return sharding.update(spec=jax.sharding.PartitionSpec())
 
 
-def _on_host(cache: KVCache, fn):
+def _on_host(kv: KVCache, fn):
   """Runs ``fn`` where the host pages live (host compute when offloaded),
   its outputs in host memory."""
-  if cache.host_sharding.memory_kind == cache.device_sharding.memory_kind:
+  if kv.host_sharding.memory_kind == kv.device_sharding.memory_kind:
     return fn
   if "out_memory_spaces" in inspect.signature(compute_on).parameters:  # JAX >= 0.12
     return compute_on(

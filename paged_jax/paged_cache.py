@@ -256,11 +256,11 @@ class ShardedPagedCache(PagedCache):
     device = self.kv.device_part()
     pages = jax.tree.map(lambda _: sharding.PAGES, device)
 
-    def local(kv, tables, slots, q, k, v, positions, tiles, decode_tables):
+    def local(kv, tables, slot_mapping, q, k, v, positions, tiles, decode_tables):
       cache = PagedCache(
         kv=kv,
         block_tables=tables,
-        slot_mapping=slots,
+        slot_mapping=slot_mapping,
         cache_sliding_window=self.cache_sliding_window,
         query_tiles=tiles,
         decode_tables=decode_tables,

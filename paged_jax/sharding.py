@@ -205,17 +205,21 @@ def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh) -> nnx.Module:
   return place_quantized(nnx.merge(graphdef, jax.tree.map(place, state, specs)), mesh)
 
 
-def place_quantized(model: nnx.Module, mesh: jax.sharding.Mesh) -> nnx.Module:
+def place_quantized(model: nnx.Module, mesh: jax.sharding.Mesh | None) -> nnx.Module:
   """``model`` with each quantized kernel (a layer's ``kernel`` with a
   ``place`` method: ``models.quantized.QuantizedWeight``) told how
-  ``partition_spec`` splits it over ``mesh``, so the TPU kernel runs on each
-  device's shard; returns ``model``."""
-  tp, num_kv_heads = mesh.shape["model"], model.config.num_kv_heads
+  ``partition_spec`` splits it over ``mesh`` (None: one device of the kernel
+  platform) and its layer's dtype, so a kernel runs on each device's shard
+  and the TPU kernel finds its scales in the layout it loads; returns
+  ``model``, changed in place."""
+  tp = 1 if mesh is None else mesh.shape["model"]
+  num_kv_heads = model.config.num_kv_heads
   for path, module in nnx.iter_graph(model):
     kernel = getattr(module, "kernel", None)
     if hasattr(kernel, "place"):
       name = "/".join(str(key) for key in (*path, "kernel", "values"))
-      kernel.place(mesh, partition_spec(name, kernel.values.shape, tp, num_kv_heads=num_kv_heads))
+      spec = partition_spec(name, kernel.values.shape, tp, num_kv_heads=num_kv_heads)
+      kernel.place(mesh, spec, module.dtype)
   return model
 
 

@@ -34,7 +34,7 @@ from paged_jax.models import ByteTokenizer, tiny_corpus
 
 def num_data_shards(engine: pj.LLMEngine) -> int:
   """Data shards of the engine (one manager state each)."""
-  return engine.cache.num_shards
+  return engine.cache_manager.num_shards
 
 
 def slots_of_unfinished_requests(engine: pj.LLMEngine) -> dict[str, set[tuple[int, int]]]:
@@ -49,7 +49,7 @@ def slots_of_unfinished_requests(engine: pj.LLMEngine) -> dict[str, set[tuple[in
 
 
 def slots_freed_at_the_next_step(engine: pj.LLMEngine) -> set[tuple[int, int]]:
-  """`(data shard, local slot)` of sequences that finished on the host
+  """`(data shard, sequence id)` of sequences that finished on the host
   (stop strings) while a decode launch ran ahead (`async_scheduling`): their
   blocks are freed once the next step reads that launch back."""
   if engine._deferred is None:

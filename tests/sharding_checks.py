@@ -208,7 +208,7 @@ def step_collectives(model, mesh) -> dict[str, list[list[str]]]:
   )
   packed = PackedPrefill.empty(cache.num_shards, (32, 2), runner.prefill_width)
   draws = cache.num_shards * CFG.max_seqs
-  prefill = programs.prefill.lower(
+  prefill = programs.prefill_step.lower(
     runner.graphdef,
     runner.params,
     cache.kv,
@@ -381,7 +381,7 @@ def serve_features(model, mesh, kv_cache_dtype=None, **options) -> dict:
     for out in engine.step():
       if out.finished:
         finals[out.request_id] = out
-    for shard in range(engine.cache.num_shards):
+    for shard in range(engine.cache_manager.num_shards):
       pj.check_invariants(engine.shard_state(shard))
   stats = engine.stats
   engine.add_request("late", requests[0][0], requests[0][1])
@@ -398,11 +398,11 @@ def serve_features(model, mesh, kv_cache_dtype=None, **options) -> dict:
       src=np.zeros(2, np.int32), dst=np.ones(2, np.int32), count=np.int32(1), status=np.int32(0)
     )
     try:
-      pj.copy_blocks(engine.cache.kv, plan)
+      pj.copy_blocks(engine.cache_manager.kv, plan)
     except ValueError as err:
       errors["copy_plan"] = str(err)
     try:
-      engine.cache.free([0, FEATURES_CFG.max_seqs], "late")  # slot 0 of shards 0, 1
+      engine.cache_manager.free([0, FEATURES_CFG.max_seqs], "late")  # slot 0 of shards 0, 1
     except ValueError as err:
       errors["slots"] = str(err)
   return {
@@ -414,7 +414,7 @@ def serve_features(model, mesh, kv_cache_dtype=None, **options) -> dict:
     "shards": shards,
     "late_shard": late_shard,
     "all_free": engine.num_free_gpu_blocks()
-    == engine.cache.num_shards * FEATURES_CFG.num_gpu_blocks,
+    == engine.cache_manager.num_shards * FEATURES_CFG.num_gpu_blocks,
     "swaps": stats.swaps,
     "preemptions": stats.preemptions,
     "hit_rate": stats.prefix_cache_hit_rate,

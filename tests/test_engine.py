@@ -70,7 +70,7 @@ def _serve(engine, requests):
 def _all_blocks_free(engine):
   state = engine.state
   assert engine.num_free_gpu_blocks() == CFG.num_gpu_blocks
-  assert int(engine.cache.bm.num_free_cpu_blocks(state)) == CFG.num_cpu_blocks
+  assert int(engine.cache_manager.bm.num_free_cpu_blocks(state)) == CFG.num_cpu_blocks
   assert np.all(np.asarray(state.tables) == -1)
 
 

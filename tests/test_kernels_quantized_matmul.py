@@ -103,6 +103,7 @@ def test_float16_scales_decode_from_their_bits_exactly():
   halves = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(np.float16)
   bits = tpu._loadable(jnp.asarray(halves))
   assert bits.dtype == jnp.int16
+  assert tpu._loadable(bits) is bits  # a placed weight's bits go in as they are
   got = np.asarray(tpu._float32(bits))
   want = halves.astype(np.float32)
   np.testing.assert_array_equal(
@@ -217,7 +218,11 @@ SELECT = dict(out_features=14336, in_features=4096, bits=4, group_size=32, dtype
     ("tpu", dict(bits=8, group_size=4096), None, "XLA, because XLA fuses per-channel int8"),
     ("tpu", dict(out_features=100), None, "XLA, because n = 100 is not tiled"),
     ("tpu", dict(dtype=jnp.float16), None, "XLA, because .* not float16"),
-    ("cuda", {}, None, "XLA, because no GPU kernel is built"),
+    ("cuda", {}, ("gpu", False), "Triton kernel"),
+    ("cuda", dict(bits=8, group_size=32), ("gpu", False), "Triton kernel"),
+    ("cuda", dict(bits=8, group_size=4096), None, "XLA, because XLA fuses per-channel int8"),
+    ("cuda", dict(out_features=100), None, "XLA, because n = 100 is not tiled by the GPU"),
+    ("cuda", dict(dtype=jnp.float16), ("gpu", False), "Triton kernel"),
   ],
 )
 def test_quantized_matmul_choice(caplog, platform, overrides, expected, logged):
@@ -250,7 +255,8 @@ def test_product_compiles_for_tpu_v5e_without_a_float_kernel():
   sharding = jax.sharding.SingleDeviceSharding(device)
   shape = lambda dims, dt: jax.ShapeDtypeStruct(dims, dt, sharding=sharding)
   n, k = 14336, 4096
-  groups = shape((n, k // 32), jnp.float16)
+  # Scales and minimums as a placed weight holds them on TPU: float16's bits.
+  groups = shape((n, k // 32), jnp.int16)
 
   def product(x, values, scales, minimums):
     return quantized.matmul(x, values, scales, minimums, 4, 32, jnp.bfloat16)
@@ -262,9 +268,26 @@ def test_product_compiles_for_tpu_v5e_without_a_float_kernel():
   assert "quantized_matmul_tpu" in lowered.as_text()
   compiled = lowered.compile()
   assert compiled.out_info.shape == (8, n) and compiled.out_info.dtype == jnp.float32
+  assert "bitcast-convert" not in compiled.as_text()  # no copy of the scales
   # XLA's own product holds a bfloat16 copy of the kernel (117 MB); the
   # kernel's temporaries are at most the regrouped float32 scales (2 x 7.3 MB).
   assert compiled.memory_analysis().temp_size_in_bytes <= 2 * n * (k // 32) * 4
+
+
+@needs_libtpu
+def test_a_model_placed_on_tpu_holds_its_scales_as_bits():
+  # What `aot` compiles: Llama-3-8B's int4 shapes placed on a v5e chip.
+  from paged_jax import aot
+  from paged_jax.engine import weights
+
+  model = aot.ShapeOnlyModel.named("llama-3-8b", quantization="int4")
+  _, params = model.abstract_params(aot.jax_mesh(aot.topology_devices("v5e:1x1"), (1, 1)))
+  dtypes = {
+    (path.rsplit("/", 1)[-1], str(leaf.dtype))
+    for path, leaf in weights.flat_weights(params).items()
+    if "/kernel/" in path
+  }
+  assert dtypes == {("values", "uint8"), ("scales", "int16"), ("minimums", "int16")}
 
 
 @needs_libtpu
@@ -304,7 +327,7 @@ def test_split_product_compiles_for_tpu_v5e_on_each_device(split, n, k):
 
 
 SHARDED_SCRIPT = """
-import jax, numpy as np
+import itertools, jax, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from pallas_kernels.quantized_matmul import quantized_matmul_reference, sharded
 from tests.test_kernels_quantized_matmul import random_weight
@@ -313,22 +336,23 @@ for bits, group_size, k in ((4, 32, 1024), (8, 64, 512)):
   x = jax.numpy.asarray(np.random.default_rng(7).standard_normal((5, k)), jax.numpy.float32)
   values, scales, mins = random_weight(256, k, bits, group_size, True, seed=8)
   want = quantized_matmul_reference(x, values, scales, mins, bits=bits, group_size=group_size)
-  for spec in (P("model", None), P(None, "model")):
+  for spec, kernel in itertools.product((P("model", None), P(None, "model")), ("tpu", "gpu")):
     put = lambda a: jax.device_put(a, NamedSharding(mesh, spec))
     got = sharded.quantized_matmul_sharded(
       x, put(values), put(scales), put(mins), bits=bits, group_size=group_size,
-      mesh=mesh, values_spec=spec, interpret=True,
+      mesh=mesh, values_spec=spec, kernel=kernel, interpret=True,
     )
-    assert np.all(np.isfinite(got)), (bits, spec)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-3, err_msg=str((bits, spec)))
+    assert np.all(np.isfinite(got)), (bits, spec, kernel)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-3, err_msg=str((bits, spec, kernel)))
 print("ok")
 """
 
 
 @pytest.mark.slow
 def test_split_product_on_two_devices_equals_one():
-  # 2 CPU devices, the kernel in interpret mode on each device's shard
-  # (column split: its outputs; row split: its inputs, summed). One K step
+  # 2 CPU devices, the TPU and GPU kernels in interpret mode on each
+  # device's shard (column split: its outputs; row split: its inputs,
+  # summed). One TPU K step
   # per device: TPU interpret mode under shard_map on several CPU devices
   # hangs on grids of several K steps (seen on JAX 0.10.2), a limit of the
   # interpreter (one device runs such grids, test_kernel_matches_reference).
@@ -344,3 +368,35 @@ def test_split_product_on_two_devices_equals_one():
     timeout=600,
   )
   assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+# Float16 scales stored as their int16 bits (`QuantizedWeight.place`) where
+# the TPU kernel serves the weight: Mosaic loads them as they are, and XLA
+# writes no copy of a bitcast per call.
+@pytest.mark.parametrize(
+  "platform,method,n,stored",
+  [
+    ("tpu", "int4", 256, "int16"),
+    ("tpu", "int4", 100, "float16"),  # a shape the kernel does not tile stays on XLA
+    ("tpu", "int8", 256, "float32"),  # per channel: XLA, float32 scales
+    ("cuda", "int4", 256, "float16"),
+    ("cpu", "int4", 256, "float16"),
+  ],
+)
+def test_place_stores_float16_scales_as_bits_where_the_tpu_kernel_serves(
+  platform, method, n, stored
+):
+  rng = np.random.default_rng(11)
+  weight = quantized.quantize(rng.standard_normal((n, 256)).astype(np.float32), method)
+  before = np.asarray(weight.dequantize())
+  x = jnp.asarray(rng.standard_normal((8, 256)), jnp.float32)
+  products = [weight.matmul(x[:rows], jnp.float32) for rows in (1, 8) if stored == "int16"]
+  with kernel_choice.target_platform(platform):
+    weight.place(None, jax.sharding.PartitionSpec(), jnp.bfloat16)
+  assert weight.placement is None
+  assert weight.scales.dtype == stored
+  assert weight.minimums is None or weight.minimums.dtype == stored
+  if stored == "int16":  # the XLA paths (this CPU) read the bits as the float16 they hold
+    np.testing.assert_array_equal(weight.dequantize(), before)
+    for rows, want in zip((1, 8), products, strict=True):
+      np.testing.assert_array_equal(weight.matmul(x[:rows], jnp.float32), want)

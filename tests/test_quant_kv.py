@@ -315,7 +315,7 @@ def test_the_engine_serves_from_an_int8_cache():
   )
   # One decode loop (`decode_row_buckets=()`): packed rows are tested in test_engine.
   llm = pj.LLM(load_tiny(), ByteTokenizer(), cfg, kv_cache_dtype=jnp.int8, decode_row_buckets=())
-  kv = llm.engine.cache.kv
+  kv = llm.engine.cache_manager.kv
   assert kv.k[0].dtype == jnp.int8 and kv.k_scale[0].dtype == jnp.float32
   (out,) = llm.generate("LOVE, n. ", pj.SamplingParams(max_tokens=12))
   assert len(out.outputs[0].token_ids) == 12

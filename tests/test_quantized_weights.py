@@ -274,6 +274,27 @@ def test_new_weights_for_a_quantized_model_are_quantized_alike():
     weights.replace(nnx.state(model), signed)
 
 
+def test_new_weights_reach_scales_stored_as_float16_bits():
+  """On TPU a placed kernel holds float16 scales as int16 bits
+  (`QuantizedWeight.place`); new float scales go there as the bits of
+  their float16."""
+  from paged_jax.engine import weights
+
+  model = quantized.quantize_model(models.load_tiny(), "int4")
+  kernel = "blocks/0/mlp/up_proj/kernel"
+  placed = dict(quantized.quantizable_linears(model))[kernel.removesuffix("/kernel")].kernel
+  placed.scales = nnx.Param(quantized.float16_bits(placed.scales[...]))
+  new = weights.flat_weights(quantized.quantize_model(models.load_tiny(), "int4"))
+  scales = new[f"{kernel}/scales"]
+  new[f"{kernel}/scales"] = scales.astype(jnp.float32)  # a trainer's float32 is taken too
+  got = weights.flat_weights(weights.replace(nnx.state(model), new))
+  assert got[f"{kernel}/scales"].dtype == jnp.int16
+  np.testing.assert_array_equal(
+    np.asarray(got[f"{kernel}/scales"]), np.asarray(scales).view(np.int16)
+  )
+  assert got[f"{kernel}/minimums"].dtype == jnp.float16
+
+
 # The engine and several devices (slow: each compiles its own programs).
 
 

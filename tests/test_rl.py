@@ -58,7 +58,7 @@ def _tokens(llm, prompt=PROMPT, params=GREEDY):
 
 
 def _hits(llm) -> int:
-  return int(np.asarray(llm.engine.cache.state.num_hits).sum())
+  return int(np.asarray(llm.engine.cache_manager.state.num_hits).sum())
 
 
 # update_weights.
@@ -144,7 +144,7 @@ def test_update_weights_refuses_while_requests_run_unless_told_to_abort(llm):
 # Sleep and wake.
 def test_sleep_frees_the_pages_and_waking_serves_the_same_without_compiling(llm):
   expected = _tokens(llm, params=SAMPLED)
-  kv_bytes = sum(a.nbytes for a in jax.tree.leaves(llm.engine.cache.kv))
+  kv_bytes = sum(a.nbytes for a in jax.tree.leaves(llm.engine.cache_manager.kv))
   for cycle in range(2):
     with compile_guard.count_compiles() as compiles:
       before, source = memory.bytes_in_use()
@@ -164,7 +164,7 @@ def test_sleep_level_2_also_frees_the_weights_and_wake_restores_them(llm):
   expected = _tokens(llm)
   llm.update_weights(nnx.state(_model(0)))  # the engine's own arrays
   weight_bytes = sum(a.nbytes for a in jax.tree.leaves(llm.engine.runner.params))
-  kv_bytes = sum(a.nbytes for a in jax.tree.leaves(llm.engine.cache.kv))
+  kv_bytes = sum(a.nbytes for a in jax.tree.leaves(llm.engine.cache_manager.kv))
   before, source = memory.bytes_in_use()
   freed = llm.sleep(level=2)
   after, _ = memory.bytes_in_use()

@@ -38,7 +38,7 @@ def unwritten_hit_copies(
   Args:
     before, after: one shard's manager state before and after the step's
       `append_slots`.
-    seq_ids: int32[B] the step's local slots, -1 where no row runs.
+    seq_ids: int32[B] the step's sequence ids, -1 where no row runs.
     cow: that call's copy-on-write plan (its destinations are new blocks,
       not hits).
     span: static; the blocks looked at per row, the last one's and those

@@ -117,7 +117,7 @@ class BeamMoves(flax.struct.PyTreeNode):
   fork_parents, fork_children: int32 `[S * 2 W_max]` pairs for `fork_each`
     (-1 padding): beams that fork into a free slot of their group.
   dropped: bool `[S]`, beam rows to free (no child, or their group ended).
-  seq_ids, last_token, num_generated: the rows' new values (beam rows only;
+  slots, last_token, num_generated: the rows' new values (beam rows only;
     other rows keep theirs).
   finished: bool `[S]`, leaders whose group finished in this step.
   """
@@ -125,7 +125,7 @@ class BeamMoves(flax.struct.PyTreeNode):
   fork_parents: jax.Array
   fork_children: jax.Array
   dropped: jax.Array
-  seq_ids: jax.Array
+  slots: jax.Array
   last_token: jax.Array
   num_generated: jax.Array
   finished: jax.Array
@@ -163,7 +163,7 @@ def step(
   running: jax.Array,
   stop_ids: jax.Array,
   limit: jax.Array,
-  seq_ids: jax.Array,
+  slots: jax.Array,
   last_token: jax.Array,
   num_generated: jax.Array,
 ) -> tuple[Beams, BeamMoves]:
@@ -175,7 +175,7 @@ def step(
     running: bool `[S]`, rows that ran this step.
     stop_ids: int32 `[S, E]`, stop tokens (read at leaders), -1 padding.
     limit: int32 `[S]`, tokens to generate at most (read at leaders).
-    seq_ids, last_token, num_generated: the rows' current values.
+    slots, last_token, num_generated: the rows' current values.
 
   Returns:
     The new beam state and the moves to carry out.
@@ -278,7 +278,7 @@ def step(
     fork_parents=jnp.where(forks, parent, -1).reshape(-1),
     fork_children=jnp.where(forks, child, -1).reshape(-1),
     dropped=dropped,
-    seq_ids=put(jnp.where(dropped, -1, seq_ids), child),
+    slots=put(jnp.where(dropped, -1, slots), child),
     last_token=put(last_token, token),
     num_generated=put(num_generated, lengths),
     finished=finished,

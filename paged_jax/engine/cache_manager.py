@@ -67,7 +67,7 @@ def _with_unwritten_hits(plan, before, after, shard: int, slots: np.ndarray):
     before, after: the manager states (every shard) before and after the
       swap-in.
     shard: the data shard swapped in.
-    slots: its local slots swapped in.
+    slots: its sequence ids swapped in.
 
   Returns:
     The plan with those pairs after its own, one per GPU block.
@@ -159,14 +159,14 @@ class CacheManager:
     return range(shard * per_shard, (shard + 1) * per_shard)
 
   def _local(self, slots) -> tuple[int, np.ndarray]:
-    """`(shard, local slots)` of global slots that share one shard."""
+    """`(shard, sequence ids)` of global slots that share one shard."""
     shards, local = np.divmod(np.asarray(slots, np.int32), self.cfg.max_seqs)
     if np.unique(shards).size > 1:
       raise ValueError(f"slots {list(slots)} span several data shards")
     return int(shards.flat[0]), local.astype(np.int32)
 
   def _group(self, slots, values=None) -> tuple[int, np.ndarray, np.ndarray | None]:
-    """`(shard, local slots, values)` of a group's slots, padded to
+    """`(shard, sequence ids, values)` of a group's slots, padded to
     `max_seqs` entries (-1 slots, 0 values), so that every manager call over
     a group compiles once whatever its size."""
     shard, local = self._local(slots)
@@ -230,13 +230,13 @@ class CacheManager:
     raise RuntimeError(f"{what} failed: {status.name}{detail}")
 
   def _update(self, op, slots, *args):
-    """`op(state, local slots, *args)` on the shard of `slots`."""
+    """`op(state, sequence ids, *args)` on the shard of `slots`."""
     shard, local = self._local(slots)
     self.state, result = _on_shard(op, self.state, shard, local, *args)
     return shard, result
 
   def _update_group(self, op, slots, values=None):
-    """`op(state, local slots[, values])` on a group's padded slots."""
+    """`op(state, sequence ids[, values])` on a group's padded slots."""
     shard, local, values = self._group(slots, values)
     args = (local,) if values is None else (local, values)
     self.state, result = _on_shard(op, self.state, shard, *args)

@@ -15,7 +15,7 @@ class EngineStateError(RuntimeError):
 
 class EngineLifecycle:
   """The weights, sleep and wake part of `LLMEngine` (a mixin: it runs on
-  the engine's `runner`, `cache`, `_groups` and `sleep_level`, and calls its
+  the engine's `runner`, `cache_manager`, `_groups` and `sleep_level`, and calls its
   `abort_request`)."""
 
   def update_weights(self, new_weights, *, abort_running: bool = False, check_finite=True) -> None:
@@ -59,7 +59,7 @@ class EngineLifecycle:
       EngineStateError: while requests are unfinished.
     """
     self._idle_or_abort("reset_prefix_cache", False)
-    self.cache.reset()
+    self.cache_manager.reset()
 
   def _idle_or_abort(self, what: str, abort_running: bool) -> None:
     """Aborts every unfinished request if `abort_running`; else raises
@@ -98,7 +98,7 @@ class EngineLifecycle:
     if self.sleep_level:
       raise EngineStateError(f"sleep: already asleep at level {self.sleep_level}")
     self._idle_or_abort("sleep", False)
-    freed = self.cache.release_pages()
+    freed = self.cache_manager.release_pages()
     if level == 2:
       freed += sum(leaf.nbytes for leaf in jax.tree.leaves(self.runner.params))
       self.runner.offload_weights()
@@ -113,7 +113,7 @@ class EngineLifecycle:
       return
     if self.sleep_level == 2:
       self.runner.reload_weights()
-    self.cache.restore_pages()
+    self.cache_manager.restore_pages()
     self.sleep_level = 0
 
   def _refuse_asleep(self, what: str) -> None:

@@ -195,7 +195,7 @@ class LLMEngine(EngineRounds, EngineLifecycle):
     self.num_decode_steps = num_decode_steps
     self.async_scheduling = async_scheduling
     self.max_logprobs = max_logprobs
-    self.cache = CacheManager(
+    self.cache_manager = CacheManager(
       cache_config,
       model.config,
       kv_cache_dtype=kv_cache_dtype,
@@ -206,7 +206,7 @@ class LLMEngine(EngineRounds, EngineLifecycle):
     )
     self.runner = ModelRunner(
       model,
-      self.cache,
+      self.cache_manager,
       mesh=mesh,
       num_logprobs=max_logprobs,
       stop_width=MAX_STOP_TOKENS,
@@ -233,7 +233,7 @@ class LLMEngine(EngineRounds, EngineLifecycle):
     self.processor = OutputProcessor(tokenizer)
     self.schedulers = [
       Scheduler(
-        self.cache,
+        self.cache_manager,
         max_num_seqs,
         max_num_batched_tokens,
         preemption_mode,
@@ -241,9 +241,9 @@ class LLMEngine(EngineRounds, EngineLifecycle):
         shard,
         self._automaton_room,
       )
-      for shard in range(self.cache.num_shards)
+      for shard in range(self.cache_manager.num_shards)
     ]
-    self._loads = np.zeros(self.cache.num_shards, np.int64)
+    self._loads = np.zeros(self.cache_manager.num_shards, np.int64)
     self._key = jax.random.key(seed) if key is None else key
     self._groups: dict[str, SequenceGroup] = {}
     self._pending: list[RequestOutput] = []
@@ -280,7 +280,7 @@ class LLMEngine(EngineRounds, EngineLifecycle):
     move fixed-capacity plans; a request's PRNG keys come from a few small
     host-side programs.
     """
-    runner, shards, steps = self.runner, self.cache.num_shards, self.num_decode_steps
+    runner, shards, steps = self.runner, self.cache_manager.num_shards, self.num_decode_steps
     width = runner.prefill_width
     if self.speculative is None:
       prompts = [
@@ -322,7 +322,7 @@ class LLMEngine(EngineRounds, EngineLifecycle):
       lambda r=r: runner.warm_up_decode(steps, r, self.async_scheduling)
       for r in runner.decode_buckets()
     ]
-    launches += [self.cache.warm_up, self._warm_up_request_keys]
+    launches += [self.cache_manager.warm_up, self._warm_up_request_keys]
     start = time.perf_counter()
     with compile_guard.count_compiles() as compiles:
       for launch in tqdm(launches, desc="warm-up", unit="program", leave=False):
@@ -348,8 +348,8 @@ class LLMEngine(EngineRounds, EngineLifecycle):
       max_num_seqs=self.schedulers[0].max_num_seqs,
       num_prompt_tokens=num_prompt_tokens,
       params=params,
-      max_chunk=self.cache.max_chunk,
-      lookahead=self.cache.lookahead,
+      max_chunk=self.cache_manager.max_chunk,
+      lookahead=self.cache_manager.lookahead,
     )
 
   def _automaton_room(self, automaton) -> bool:
@@ -450,15 +450,15 @@ class LLMEngine(EngineRounds, EngineLifecycle):
   def state(self):
     """The block manager's state (for `pj.check_invariants` and queries) of
     an engine with one data shard; see `shard_state`."""
-    if self.cache.num_shards > 1:
+    if self.cache_manager.num_shards > 1:
       raise ValueError(
-        f"the engine has {self.cache.num_shards} data shards: use engine.shard_state(shard)"
+        f"the engine has {self.cache_manager.num_shards} data shards: use engine.shard_state(shard)"
       )
-    return self.cache.shard_state(0)
+    return self.cache_manager.shard_state(0)
 
   def shard_state(self, shard: int):
     """The block manager's state of data shard `shard`."""
-    return self.cache.shard_state(shard)
+    return self.cache_manager.shard_state(shard)
 
   @property
   def running_ahead(self) -> bool:
@@ -469,7 +469,10 @@ class LLMEngine(EngineRounds, EngineLifecycle):
 
   def num_free_gpu_blocks(self) -> int:
     """Free GPU blocks of all data shards."""
-    return sum(self.cache.num_free_gpu_blocks(shard) for shard in range(self.cache.num_shards))
+    return sum(
+      self.cache_manager.num_free_gpu_blocks(shard)
+      for shard in range(self.cache_manager.num_shards)
+    )
 
   @property
   def stats(self) -> GenerationStats:
@@ -487,9 +490,9 @@ class LLMEngine(EngineRounds, EngineLifecycle):
       loop_launches_ahead=counters["loop_launches_ahead"],
       peak_blocks=counters["peak_blocks"],
       kv_slot_utilization=counters["utilization_sum"] / max(counters["decode_steps"], 1),
-      prefix_cache_hit_rate=self.cache.prefix_cache_hit_rate(),
+      prefix_cache_hit_rate=self.cache_manager.prefix_cache_hit_rate(),
       cow_copies=counters["cow_copies"],
       preemptions=sum(s.num_preemptions for s in self.schedulers),
-      swaps=self.cache.num_swapped_blocks,
+      swaps=self.cache_manager.num_swapped_blocks,
       **{name: counters[name] for name in counters if name.startswith("spec_decode_")},
     )

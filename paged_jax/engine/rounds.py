@@ -15,7 +15,7 @@ from paged_jax.engine.sequence import SequenceGroup
 
 class EngineRounds:
   """The stepping part of `LLMEngine` (a mixin: it runs on the engine's
-  `schedulers`, `runner`, `cache`, `processor`, speculation settings and
+  `schedulers`, `runner`, `cache_manager`, `processor`, speculation settings and
   request bookkeeping, and finishes groups with its `_finish` and
   `_retire`)."""
 
@@ -50,9 +50,9 @@ class EngineRounds:
       for group in out.failed:
         self._finish(group, "error")
       for plan in out.swap_out:
-        self.cache.move_out(plan)
+        self.cache_manager.move_out(plan)
       for plan in out.swap_in:
-        self.cache.move_in(plan)
+        self.cache_manager.move_in(plan)
       self.runner.table.apply(out.rows)
     touched: dict[str, SequenceGroup] = {}
     chunks = [chunk for out in rounds for chunk in out.chunks]

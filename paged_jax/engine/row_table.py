@@ -56,7 +56,7 @@ class RowTable:
 
   Attributes:
     sampling: `RowParams` `[S]`, each slot's sampling parameters.
-    seq_ids: int32 `[S]`, the slot where it decodes, -1 where not.
+    slots: int32 `[S]`, the slot where it decodes, -1 where not.
     last_token: int32 `[S]`, the token it decodes from.
     num_generated: int32 `[S]`, tokens it drew.
     limit: int32 `[S]`, tokens it may draw.
@@ -74,7 +74,7 @@ class RowTable:
       stop_ids=np.full((num_slots, stop_width), -1, np.int32),
       processed=np.zeros(num_slots, bool),
     )
-    self.seq_ids = np.full(num_slots, -1, np.int32)
+    self.slots = np.full(num_slots, -1, np.int32)
     self.last_token = np.zeros(num_slots, np.int32)
     self.num_generated = np.zeros(num_slots, np.int32)
     self.limit = np.zeros(num_slots, np.int32)
@@ -85,7 +85,7 @@ class RowTable:
     """Carries out the scheduler's row changes, in their order (see
     `RowChanges`)."""
     stopped = np.asarray(changes.stop, np.int64)
-    self.seq_ids[stopped] = -1
+    self.slots[stopped] = -1
     for slots in changes.clear_beams:
       self.beams = programs.clear_beams(self.beams, self.group_slots(slots))
       self.in_beam_group[slots] = False
@@ -102,10 +102,10 @@ class RowTable:
       self.beams = programs.start_beams(self.beams, self.group_slots(slots), width, length_penalty)
       self.in_beam_group[slots] = True
     for slot, last_token, num_generated in changes.start:
-      self.seq_ids[slot] = slot
+      self.slots[slot] = slot
       self.last_token[slot], self.num_generated[slot] = last_token, num_generated
     resumed = np.asarray(changes.resume, np.int64)
-    self.seq_ids[resumed] = resumed
+    self.slots[resumed] = resumed
 
   def group_slots(self, slots) -> np.ndarray:
     """A beam group's slots padded with -1 to the group capacity (one
@@ -115,7 +115,7 @@ class RowTable:
     return padded
 
   def has_running_rows(self) -> bool:
-    return bool(np.any(self.seq_ids >= 0))
+    return bool(np.any(self.slots >= 0))
 
   def finished_beams(self) -> dict[int, list]:
     """The hypotheses of each beam group that finished, by leader slot:
@@ -130,28 +130,28 @@ class RowTable:
       for leader in leaders
     }
 
-  def slots_of(self, rows) -> np.ndarray:
-    """The slots of a launch's `rows`: themselves, or every slot for None."""
-    return np.arange(self.seq_ids.shape[0]) if rows is None else rows
+  def slots_of(self, row_slots) -> np.ndarray:
+    """The slots of a launch's `row_slots`: themselves, or every slot for None."""
+    return np.arange(self.slots.shape[0]) if row_slots is None else row_slots
 
-  def row_params(self, rows) -> RowParams:
-    """The sampling parameters of a launch's `rows` (see `slots_of`)."""
+  def row_params(self, row_slots) -> RowParams:
+    """The sampling parameters of a launch's `row_slots` (see `slots_of`)."""
     return (
       self.sampling
-      if rows is None
-      else jax.tree.map(lambda a: a[np.maximum(rows, 0)], self.sampling)
+      if row_slots is None
+      else jax.tree.map(lambda a: a[np.maximum(row_slots, 0)], self.sampling)
     )
 
-  def row_constraints(self, rows, constraints) -> tuple[int, list]:
+  def row_constraints(self, row_slots, constraints) -> tuple[int, list]:
     """The launch's row count and its `(row, automaton, state)` triples from
     `(slot, automaton, state)` ones of the running slots."""
-    slots = self.slots_of(rows)
-    row_of = np.full(self.seq_ids.shape[0], -1)
+    slots = self.slots_of(row_slots)
+    row_of = np.full(self.slots.shape[0], -1)
     row_of[slots[slots >= 0]] = np.flatnonzero(slots >= 0)
     return slots.shape[0], [
       (row_of[slot], automaton, state)
       for slot, automaton, state in constraints
-      if row_of[slot] >= 0 and self.seq_ids[slot] >= 0
+      if row_of[slot] >= 0 and self.slots[slot] >= 0
     ]
 
   def take(self, slots: np.ndarray, loop) -> tuple[np.ndarray, np.ndarray]:
@@ -159,13 +159,13 @@ class RowTable:
     carry `loop`; returns `(counts, finished)` per slot: the tokens each
     drew, and the slots that finished on the device."""
     before = self.num_generated.copy()
-    running = self.seq_ids >= 0
+    running = self.slots >= 0
     live = slots >= 0
     ran = slots[live]
-    self.seq_ids[ran] = np.asarray(loop.seq_ids)[live]
+    self.slots[ran] = np.asarray(loop.slots)[live]
     self.last_token[ran] = np.asarray(loop.last_token)[live]
     self.num_generated[ran] = np.asarray(loop.num_generated)[live]
-    return self.num_generated - before, running & (self.seq_ids < 0)
+    return self.num_generated - before, running & (self.slots < 0)
 
 
 def new_row(group: SequenceGroup, seq: Sequence, slot: int, greedy: bool) -> NewRow:

@@ -5,7 +5,7 @@ While the host reads back one decode launch (and builds its outputs), the
 next one, on the same rows, already runs on the device from the first
 one's outputs (`programs.continue_decoding`). `RunAhead` is that part of
 the model runner; it uses the runner's `_launch_decode`, `_launch_steps`,
-`_take_step_results`, `decode_buckets`, `table`, `cache` and `counters`.
+`_take_step_results`, `decode_buckets`, `table`, `cache_manager` and `counters`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class AheadLaunch:
 
   Attributes:
     loop: its output carry (device arrays, maybe not computed yet).
-    rows: its rows (see `ModelRunner._decode_rows`).
+    row_slots: its rows' slots (see `ModelRunner._decode_row_slots`).
     table: the automata of its constrained rows, or None.
     max_steps: the steps it runs at most.
     ran_out_before: bool `[D]`, the shards whose blocks the launch before it
@@ -35,7 +35,7 @@ class AheadLaunch:
   """
 
   loop: programs.DecodeLoop
-  rows: np.ndarray | None
+  row_slots: np.ndarray | None
   table: object
   max_steps: int
   ran_out_before: np.ndarray | None = None
@@ -46,17 +46,17 @@ class RunAhead:
 
   ahead: AheadLaunch | None = None  # dispatched, not yet read back
 
-  def _run_ahead(self, loop: programs.DecodeLoop, rows, table) -> None:
+  def _run_ahead(self, loop: programs.DecodeLoop, row_slots, table) -> None:
     """Dispatches the launch that continues `loop` (dispatched, maybe not
     computed) on its rows, for `take_ahead`."""
     steps = self._launch_steps(loop.draws.tokens.shape[1])
-    launch = self._launch_decode(self._continued(loop, steps), rows, False, table)
-    self.ahead = AheadLaunch(launch, rows, table, steps)
+    launch = self._launch_decode(self._continued(loop, steps), row_slots, False, table)
+    self.ahead = AheadLaunch(launch, row_slots, table, steps)
     self.counters["loop_launches_ahead"] += 1
 
   def _continued(self, loop: programs.DecodeLoop, steps: int) -> programs.DecodeLoop:
     """The carry of a launch that continues `loop` for `steps` steps at most."""
-    max_steps = jax.device_put(np.int32(steps), self.cache.replicated)
+    max_steps = jax.device_put(np.int32(steps), self.cache_manager.replicated)
     return programs.continue_decoding(loop, max_steps)
 
   def _launched(self, result: DecodeResult) -> None:
@@ -82,8 +82,8 @@ class RunAhead:
     """
     ahead, self.ahead = self.ahead, None
     if run_ahead:
-      self._run_ahead(ahead.loop, ahead.rows, ahead.table)
-    result = self._take_step_results(ahead.rows, ahead.loop)
+      self._run_ahead(ahead.loop, ahead.row_slots, ahead.table)
+    result = self._take_step_results(ahead.row_slots, ahead.loop)
     result.out_of_blocks &= ~ahead.ran_out_before
     self._launched(result)
     return result
@@ -92,15 +92,17 @@ class RunAhead:
     """Whether the rows of the launch running ahead still fill its row
     bucket once it is done (see `_rows_still_fill`)."""
     ahead = self.ahead
-    return self._rows_still_fill(ahead.rows, ahead.max_steps)
+    return self._rows_still_fill(ahead.row_slots, ahead.max_steps)
 
-  def _rows_still_fill(self, rows, num_steps: int) -> bool:
+  def _rows_still_fill(self, row_slots, num_steps: int) -> bool:
     """Whether some running slots are left running by their token limits
     after `num_steps` more tokens each, and still need the row bucket of
-    `rows` (every slot when None): a launch dispatched ahead on those rows
+    `row_slots` (every slot when None): a launch dispatched ahead on those rows
     pads no more than a launch packed after reading this one back. Rows
     that stop on a stop token are not foreseen."""
-    running = (self.table.seq_ids >= 0) & (self.table.limit - self.table.num_generated > num_steps)
-    packed = pack_decode_rows(running.reshape(self.cache.num_shards, -1), self.decode_buckets())
-    bucket = lambda r: self.table.seq_ids.shape[0] if r is None else r.shape[0]
-    return bool(running.any()) and bucket(packed) == bucket(rows)
+    running = (self.table.slots >= 0) & (self.table.limit - self.table.num_generated > num_steps)
+    packed = pack_decode_rows(
+      running.reshape(self.cache_manager.num_shards, -1), self.decode_buckets()
+    )
+    bucket = lambda r: self.table.slots.shape[0] if r is None else r.shape[0]
+    return bool(running.any()) and bucket(packed) == bucket(row_slots)

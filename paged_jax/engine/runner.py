@@ -39,7 +39,7 @@ class ModelRunner(RunAhead):
 
   Args:
     model: an NNX model following `paged_jax.engine.ModelProtocol`.
-    cache: the cache manager whose states and pages the programs use.
+    cache_manager: the `CacheManager` whose states and pages the programs use.
     num_logprobs: top log-probabilities computed per token (static).
     stop_width: stop-token ids per row (static).
     mesh: the mesh the model's weights are split over, or None.
@@ -57,7 +57,7 @@ class ModelRunner(RunAhead):
     speculative: a `SpeculativeConfig`: every decode step speculates (no
       beam groups then); None: none does.
     draft_model: the draft model of a "draft_model" config (its K/V layers
-      follow the model's in `cache`), or None.
+      follow the model's in `cache_manager.kv`), or None.
     automaton_capacity: the `structured.TableCapacity` every launch's
       automaton table is packed to, constrained rows or not, so that each
       program compiles once; None: launches without constrained rows take
@@ -67,7 +67,7 @@ class ModelRunner(RunAhead):
   def __init__(
     self,
     model,
-    cache: CacheManager,
+    cache_manager: CacheManager,
     *,
     num_logprobs: int = 0,
     stop_width: int = 4,
@@ -82,29 +82,33 @@ class ModelRunner(RunAhead):
     draft_model=None,
     automaton_capacity: structured.TableCapacity | None = None,
   ):
-    self.cache = cache
+    self.cache_manager = cache_manager
     self.automaton_capacity = automaton_capacity
     self.speculative = speculative
     self.draft = {}  # the draft model's graphdef and params, as the programs take them
     if draft_model is not None:
-      if mesh is not None:
-        draft_model = sharding.shard_model(draft_model, mesh)
+      draft_model = placed(draft_model, mesh)
       graphdef, params = nnx.split(draft_model)
       self.draft = dict(draft_graphdef=programs.HashedGraph(graphdef), draft_params=params)
     self.prefill_width, self.max_prefill_rows = prefill_width, max_prefill_rows
     self.max_prefill_tokens = max_prefill_tokens
-    self.max_decode_rows = cache.cfg.max_seqs if max_decode_rows is None else max_decode_rows
+    self.max_decode_rows = (
+      cache_manager.cfg.max_seqs if max_decode_rows is None else max_decode_rows
+    )
     self.decode_row_buckets = decode_row_buckets
-    if mesh is not None:
-      model = sharding.shard_model(model, mesh)
+    model = placed(model, mesh)
     graphdef, params = nnx.split(model)
     # Committed to where they are, as `update_weights` and `wake_up` place
     # weights: the programs see the same argument kinds (no new compile).
     self.params = jax.device_put(params, jax.tree.map(lambda a: a.sharding, params))
     self.graphdef = programs.HashedGraph(graphdef)
     self.vocab_size = model.config.vocab_size
-    beams = beam.Beams.create(cache.num_slots, max_beam_width, cache.cfg.max_tokens_per_seq)
-    self.table = RowTable(cache.num_slots, stop_width, jax.device_put(beams, cache.replicated))
+    beams = beam.Beams.create(
+      cache_manager.num_slots, max_beam_width, cache_manager.cfg.max_tokens_per_seq
+    )
+    self.table = RowTable(
+      cache_manager.num_slots, stop_width, jax.device_put(beams, cache_manager.replicated)
+    )
     self.max_beam_width = max_beam_width
     self.num_logprobs = num_logprobs
     self.ahead: AheadLaunch | None = None  # dispatched, not yet read back
@@ -163,7 +167,7 @@ class ModelRunner(RunAhead):
     for row, automaton, state in constraints:
       states[row] = packed.initial_state(automaton) + state
     if self._placed_table[0] is not packed:  # placed once per table, not per launch
-      self._placed_table = (packed, jax.device_put(packed.table, self.cache.replicated))
+      self._placed_table = (packed, jax.device_put(packed.table, self.cache_manager.replicated))
     return self._placed_table[1], states
 
   def prefill(self, chunks, samples, constraints=()) -> tuple[Draw, list]:
@@ -199,8 +203,8 @@ class ModelRunner(RunAhead):
   def _pack_prompts(self, chunks, samples):
     """`(packed chunks, last_token_of, sample slots)` of a launch with
     prompt chunks (see `prefill`): one draw per slot, whatever the samples."""
-    cache = self.cache
-    num_shards, per_shard = cache.num_shards, cache.cfg.max_seqs
+    cache_manager = self.cache_manager
+    num_shards, per_shard = cache_manager.num_shards, cache_manager.cfg.max_seqs
     packed = pack_prefill(chunks, self.prefill_width, num_shards, per_shard, self.prefill_buckets())
     self.counters["prefill_positions"] += packed.tokens.size
     num_draws = num_shards * per_shard
@@ -214,12 +218,12 @@ class ModelRunner(RunAhead):
   def _launch_prefill(
     self, packed: PackedPrefill, last_token_of, samples, table=None, draw_states=None
   ):
-    cache = self.cache
-    (draw, scores), kv = programs.prefill(
+    cache_manager = self.cache_manager
+    (draw, scores), kv = programs.prefill_step(
       self.graphdef,
       self.params,
-      cache.kv,
-      cache.state,
+      cache_manager.kv,
+      cache_manager.state,
       *packed.arrays(),
       last_token_of,
       jax.tree.map(lambda a: a[samples], self.table.sampling),
@@ -228,29 +232,31 @@ class ModelRunner(RunAhead):
       draw_states,
       **self.draft,
     )
-    cache.take_launch(kv)
+    cache_manager.take_launch(kv)
     return draw, scores
 
   def decode_buckets(self) -> list[int]:
     """Every row count (per data shard) a decode launch can have, ascending
     (see `packing.decode_buckets`)."""
-    return decode_buckets(self.cache.cfg.max_seqs, self.max_decode_rows, self.decode_row_buckets)
+    return decode_buckets(
+      self.cache_manager.cfg.max_seqs, self.max_decode_rows, self.decode_row_buckets
+    )
 
   def ragged_rows(self) -> int:
     """The decode rows (per data shard) of every ragged step: the smallest
     decode bucket that holds `max_decode_rows`, so that the step's shape
     follows its prompt tokens alone (one program per prompt bucket)."""
-    per_shard = self.cache.cfg.max_seqs
+    per_shard = self.cache_manager.cfg.max_seqs
     return next(b for b in self.decode_buckets() if b >= min(self.max_decode_rows, per_shard))
 
-  def _ragged_step_rows(self) -> np.ndarray | None:
+  def _ragged_row_slots(self) -> np.ndarray | None:
     """The slots of a ragged step's rows: the running ones packed into
     `ragged_rows` per shard, or every slot (None) while a beam group runs
     or when more rows run."""
     if np.any(self.table.in_beam_group):
       return None
-    running = (self.table.seq_ids >= 0).reshape(self.cache.num_shards, -1)
-    return pack_decode_rows(running, sorted({self.ragged_rows(), self.cache.cfg.max_seqs}))
+    running = (self.table.slots >= 0).reshape(self.cache_manager.num_shards, -1)
+    return pack_decode_rows(running, sorted({self.ragged_rows(), self.cache_manager.cfg.max_seqs}))
 
   def decode_kinds(self) -> list:
     """The kinds of decode launch: the `speculative` config (speculating
@@ -261,15 +267,15 @@ class ModelRunner(RunAhead):
 
   def next_decode_rows(self) -> int:
     """The rows (over every data shard) the next decode launch runs."""
-    rows = self._decode_rows()
-    return self.table.seq_ids.shape[0] if rows is None else rows.shape[0]
+    row_slots = self._decode_row_slots()
+    return self.table.slots.shape[0] if row_slots is None else row_slots.shape[0]
 
-  def _decode_rows(self) -> np.ndarray | None:
+  def _decode_row_slots(self) -> np.ndarray | None:
     """The slots of the next decode launch's rows (see `pack_decode_rows`);
     None for every slot in order, while a beam group runs."""
     if np.any(self.table.in_beam_group):
       return None
-    running = (self.table.seq_ids >= 0).reshape(self.cache.num_shards, -1)
+    running = (self.table.slots >= 0).reshape(self.cache_manager.num_shards, -1)
     return pack_decode_rows(running, self.decode_buckets())
 
   def _refuse_while_decoding(self) -> None:
@@ -285,8 +291,8 @@ class ModelRunner(RunAhead):
       RuntimeError: if a row decodes.
     """
     self._refuse_while_decoding()
-    no_draws = np.zeros(self.cache.num_slots, np.int32)
-    packed = PackedPrefill.empty(self.cache.num_shards, shape, self.prefill_width)
+    no_draws = np.zeros(self.cache_manager.num_slots, np.int32)
+    packed = PackedPrefill.empty(self.cache_manager.num_shards, shape, self.prefill_width)
     self._launch_prefill(packed, no_draws, no_draws, *self._unconstrained(no_draws.size))
 
   def warm_up_decode(self, num_steps: int, rows_per_shard: int, run_ahead: bool = False) -> None:
@@ -301,13 +307,13 @@ class ModelRunner(RunAhead):
       RuntimeError: if a row decodes.
     """
     self._refuse_while_decoding()
-    rows = self._idle_rows(rows_per_shard)
+    row_slots = self._idle_row_slots(rows_per_shard)
     table, _ = self._unconstrained(0)
     for speculating in self.decode_kinds():
-      loop = self.decode_carry(num_steps, rows, speculating=speculating)
-      loop = self._launch_decode(loop, rows, False, table, speculating)
+      loop = self.decode_carry(num_steps, row_slots, speculating=speculating)
+      loop = self._launch_decode(loop, row_slots, False, table, speculating)
     if run_ahead:  # a launch on a continued carry: its arrays are the loop's outputs
-      loop = self._launch_decode(self._continued(loop, 1), rows, False, table)
+      loop = self._launch_decode(self._continued(loop, 1), row_slots, False, table)
     if loop.beams is not None:
       no_group = self.table.group_slots([])  # starting and forgetting a group (results dropped)
       programs.start_beams(self.table.beams, no_group, 1, 1.0)
@@ -320,20 +326,20 @@ class ModelRunner(RunAhead):
     table, states = self._automata(num_rows, ())
     return table, None if table is None else states
 
-  def _idle_rows(self, rows_per_shard: int) -> np.ndarray | None:
+  def _idle_row_slots(self, rows_per_shard: int) -> np.ndarray | None:
     """The rows of a warm-up launch: `rows_per_shard` rows per shard that
-    run no slot, or None for every slot (see `_decode_rows`)."""
-    if rows_per_shard == self.cache.cfg.max_seqs:
+    run no slot, or None for every slot (see `_decode_row_slots`)."""
+    if rows_per_shard == self.cache_manager.cfg.max_seqs:
       return None
-    return np.full(self.cache.num_shards * rows_per_shard, -1, np.int32)
+    return np.full(self.cache_manager.num_shards * rows_per_shard, -1, np.int32)
 
   def _launch_decode(
-    self, carry, rows, stop_on_finish: bool, table=None, speculating=None
+    self, carry, row_slots, stop_on_finish: bool, table=None, speculating=None
   ) -> programs.DecodeLoop:
     loop = programs.decode_loop(
       self.graphdef,
       self.params,
-      self.table.row_params(rows),
+      self.table.row_params(row_slots),
       carry,
       jnp.array(stop_on_finish),
       table,
@@ -346,26 +352,26 @@ class ModelRunner(RunAhead):
   def _keep(self, loop: programs.DecodeLoop) -> None:
     """Takes a dispatched launch's pages, manager state and beams (maybe
     not computed yet) as the ones the next launch starts from."""
-    self.cache.take_launch(loop.kv, loop.state)
+    self.cache_manager.take_launch(loop.kv, loop.state)
     if loop.beams is not None:
       self.table.beams = loop.beams
 
   def decode_carry(
     self,
     num_steps: int,
-    rows,
+    row_slots,
     automaton_state=None,
     histories=(),
     speculating=None,
     max_steps: int | None = None,
   ) -> programs.DecodeLoop:
-    """The decode loop's carry for a launch on the slots `rows` (see
-    `_decode_rows`) with draws for `num_steps` steps, of which it runs at
+    """The decode loop's carry for a launch on the slots `row_slots` (see
+    `_decode_row_slots`) with draws for `num_steps` steps, of which it runs at
     most `max_steps` (default all; a traced value: no new compile), the
     rows' automata in `automaton_state` (table states; None:
     unconstrained), and with `speculating` (a `SpeculativeConfig`) the
     rows' tokens in `histories` (`(slot, token ids)` pairs)."""
-    slots = self.table.slots_of(rows)
+    slots = self.table.slots_of(row_slots)
     take = lambda a: a[np.maximum(slots, 0)]
     num_rows, k = slots.shape[0], self.num_logprobs
     if automaton_state is None:
@@ -381,7 +387,7 @@ class ModelRunner(RunAhead):
     # (`programs.continue_decoding`) runs the same program.
     rows_carry = jax.device_put(
       dict(
-        seq_ids=np.where(slots >= 0, take(self.table.seq_ids), -1).astype(np.int32),
+        slots=np.where(slots >= 0, take(self.table.slots), -1).astype(np.int32),
         last_token=take(self.table.last_token),
         num_generated=take(self.table.num_generated),
         limit=take(self.table.limit),
@@ -390,22 +396,25 @@ class ModelRunner(RunAhead):
         max_steps=np.int32(num_steps if max_steps is None else max_steps),
         step=np.int32(0),
         rows_run=np.int32(0),
-        out_of_blocks=np.zeros(self.cache.num_shards, bool),
+        out_of_blocks=np.zeros(self.cache_manager.num_shards, bool),
         finished_any=np.array(False),
         cow_copies=np.int32(0),
         peak_blocks=np.int32(0),
         utilization_sum=np.float32(0.0),
       ),
-      self.cache.replicated,
+      self.cache_manager.replicated,
     )
     return programs.DecodeLoop(
-      state=self.cache.state,
-      kv=self.cache.kv,
-      beams=self.table.beams if rows is None and self.speculative is None else None,
+      state=self.cache_manager.state,
+      kv=self.cache_manager.kv,
+      beams=self.table.beams if row_slots is None and self.speculative is None else None,
       spec=None
       if speculating is None
       else speculation_carry(
-        slots, histories, speculating.num_speculative_tokens, self.cache.cfg.max_tokens_per_seq
+        slots,
+        histories,
+        speculating.num_speculative_tokens,
+        self.cache_manager.cfg.max_tokens_per_seq,
       ),
       **rows_carry,
     )
@@ -443,13 +452,13 @@ class ModelRunner(RunAhead):
     """
     speculating = self.speculative if speculate else None
     steps = self._launch_steps(num_steps)
-    rows = self._decode_rows()
-    table, automaton_state = self._automata(*self.table.row_constraints(rows, constraints))
-    loop = self.decode_carry(num_steps, rows, automaton_state, histories, speculating, steps)
-    loop = self._launch_decode(loop, rows, stop_on_finish, table, speculating)
-    if run_ahead and self._rows_still_fill(rows, steps):
-      self._run_ahead(loop, rows, table)
-    result = self._take_step_results(rows, loop)
+    row_slots = self._decode_row_slots()
+    table, automaton_state = self._automata(*self.table.row_constraints(row_slots, constraints))
+    loop = self.decode_carry(num_steps, row_slots, automaton_state, histories, speculating, steps)
+    loop = self._launch_decode(loop, row_slots, stop_on_finish, table, speculating)
+    if run_ahead and self._rows_still_fill(row_slots, steps):
+      self._run_ahead(loop, row_slots, table)
+    result = self._take_step_results(row_slots, loop)
     self._launched(result)
     return result
 
@@ -461,11 +470,11 @@ class ModelRunner(RunAhead):
     self._next_steps = min(2 * steps, num_steps)
     return steps
 
-  def _take_step_results(self, rows, loop) -> DecodeResult:
-    """Takes the carry of a launch on `rows` (see `_decode_rows`; a decode
+  def _take_step_results(self, row_slots, loop) -> DecodeResult:
+    """Takes the carry of a launch on `row_slots` (see `_decode_row_slots`; a decode
     loop, or a ragged step) back into the pages, the beams and the slots'
     state, and returns what it did per slot."""
-    slots = self.table.slots_of(rows)
+    slots = self.table.slots_of(row_slots)
     counts, finished = self.table.take(slots, loop)
     to_slots = lambda a: per_slot(np.asarray(a), slots, counts.shape[0])
     counters = self.counters
@@ -511,28 +520,35 @@ class ModelRunner(RunAhead):
       step's `DecodeResult` (per slot).
     """
     packed, last_token_of, sample_slots = self._pack_prompts(chunks, samples)
-    rows = self._ragged_step_rows()
-    num_rows, triples = self.table.row_constraints(rows, row_constraints)
+    row_slots = self._ragged_row_slots()
+    num_rows, triples = self.table.row_constraints(row_slots, row_constraints)
     num_draws = last_token_of.shape[0]
     drawing = [(num_rows + sample, automaton, state) for sample, automaton, state in constraints]
     table, states = self._automata(num_rows + num_draws, triples + drawing)
-    loop = self.decode_carry(num_steps, rows, states[:num_rows])
+    loop = self.decode_carry(num_steps, row_slots, states[:num_rows])
     draw_states = None if table is None else states[num_rows:]
     loop, draw, scores = self._launch_ragged_step(
-      loop, rows, packed, last_token_of, sample_slots, table, draw_states
+      loop, row_slots, packed, last_token_of, sample_slots, table, draw_states
     )
-    result = self._take_step_results(rows, loop)
+    result = self._take_step_results(row_slots, loop)
     self._next_steps = 1
     draws, scores = prompt_outputs(chunks, packed, len(samples), draw, scores)
     return draws, scores, result
 
   def _launch_ragged_step(
-    self, loop, rows, packed: PackedPrefill, last_token_of, samples, table=None, draw_states=None
+    self,
+    loop,
+    row_slots,
+    packed: PackedPrefill,
+    last_token_of,
+    samples,
+    table=None,
+    draw_states=None,
   ):
     loop, draw, scores = programs.ragged_step(
       self.graphdef,
       self.params,
-      self.table.row_params(rows),
+      self.table.row_params(row_slots),
       loop,
       *packed.arrays(),
       last_token_of,
@@ -552,14 +568,23 @@ class ModelRunner(RunAhead):
       RuntimeError: if a row decodes.
     """
     self._refuse_while_decoding()
-    rows = self._idle_rows(self.ragged_rows())
-    no_draws = np.zeros(self.cache.num_slots, np.int32)
-    packed = PackedPrefill.empty(self.cache.num_shards, shape, self.prefill_width)
-    loop = self.decode_carry(num_steps, rows)
+    row_slots = self._idle_row_slots(self.ragged_rows())
+    no_draws = np.zeros(self.cache_manager.num_slots, np.int32)
+    packed = PackedPrefill.empty(self.cache_manager.num_shards, shape, self.prefill_width)
+    loop = self.decode_carry(num_steps, row_slots)
     self._launch_ragged_step(
-      loop, rows, packed, no_draws, no_draws, *self._unconstrained(no_draws.size)
+      loop, row_slots, packed, no_draws, no_draws, *self._unconstrained(no_draws.size)
     )
 
 
 def _num_speculative(speculating) -> int:
   return 0 if speculating is None else speculating.num_speculative_tokens
+
+
+def placed(model, mesh):
+  """`model` with its parameters on `mesh` (`sharding.shard_model`), or, with
+  no mesh, a copy of it sharing its arrays with its quantized kernels readied
+  for the default device (`sharding.place_quantized`)."""
+  if mesh is not None:
+    return sharding.shard_model(model, mesh)
+  return sharding.place_quantized(nnx.clone(model), None)

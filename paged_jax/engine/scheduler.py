@@ -68,7 +68,8 @@ class Scheduler:
   """Decides what runs on one data shard; the engine executes it.
 
   Args:
-    cache: the cache manager whose states the decisions read and change.
+    cache_manager: the `CacheManager` whose states the decisions read and
+      change.
     max_num_seqs: sequences that run at once at most.
     max_num_batched_tokens: tokens one round runs through the model at most.
     preemption_mode: "recompute" or "swap". Groups of several sequences are
@@ -83,7 +84,7 @@ class Scheduler:
 
   def __init__(
     self,
-    cache: CacheManager,
+    cache_manager: CacheManager,
     max_num_seqs: int,
     max_num_batched_tokens: int,
     preemption_mode: str,
@@ -91,7 +92,7 @@ class Scheduler:
     shard: int = 0,
     automaton_room=None,
   ):
-    self.cache = cache
+    self.cache_manager = cache_manager
     self.shard = shard
     self.automaton_room = automaton_room
     self.max_num_seqs = max_num_seqs
@@ -101,7 +102,7 @@ class Scheduler:
     self.waiting: collections.deque[SequenceGroup] = collections.deque()
     self.running: list[SequenceGroup] = []
     self.swapped: collections.deque[SequenceGroup] = collections.deque()
-    self.free_slots = list(cache.shard_slots(shard))
+    self.free_slots = list(cache_manager.shard_slots(shard))
     self.num_preemptions = 0
     self.prefill_tokens = 0
     self._stalled = False  # a prompt chunk found too few free blocks this round
@@ -132,7 +133,7 @@ class Scheduler:
 
   def _free(self, group: SequenceGroup, slots) -> None:
     """Frees the blocks of `slots`; their rows stop."""
-    self.cache.free(slots, group.request_id)
+    self.cache_manager.free(slots, group.request_id)
     self._next.rows.stop += list(slots)
 
   def remove(self, group: SequenceGroup) -> None:
@@ -162,7 +163,7 @@ class Scheduler:
   def _held(self, group: SequenceGroup) -> list[int]:
     """The slots whose block tables the group holds."""
     if group.beam:
-      return self.cache.held(group.beam_slots)
+      return self.cache_manager.held(group.beam_slots)
     return [s.slot for s in group.seqs if s.allocated]
 
   def _num_decoding(self) -> int:
@@ -170,10 +171,12 @@ class Scheduler:
     count = 0
     for group in self.running:
       if group.beam:
-        if group.beam_slots and group.seqs[0].prefill is None:
-          count += len(self.cache.held(group.beam_slots))
+        if group.beam_slots and group.seqs[0].tokens_to_prefill is None:
+          count += len(self.cache_manager.held(group.beam_slots))
       else:
-        count += sum(s.slot >= 0 and s.prefill is None and bool(s.token_ids) for s in group.live())
+        count += sum(
+          s.slot >= 0 and s.tokens_to_prefill is None and bool(s.token_ids) for s in group.live()
+        )
     return count
 
   # One round.
@@ -218,14 +221,14 @@ class Scheduler:
     prompt = len(group.prompt_token_ids)
     lengths = None if group.fresh else [prompt + len(s.token_ids) - 1 for s in live]
     reason = admission_error(
-      self.cache.cfg,
+      self.cache_manager.cfg,
       max_len=self.max_len,
       max_num_seqs=self.max_num_seqs,
       num_prompt_tokens=prompt,
       params=group.params,
       resident_lengths=lengths,
-      max_chunk=self.cache.max_chunk,
-      lookahead=self.cache.lookahead,
+      max_chunk=self.cache_manager.max_chunk,
+      lookahead=self.cache_manager.lookahead,
     )
     if reason is not None:
       return AllocStatus.NEVER, reason
@@ -237,9 +240,10 @@ class Scheduler:
     if group.automaton is not None and room is not None and not room(group.automaton):
       return AllocStatus.LATER, None
     if group.fresh:
-      return self.cache.can_allocate(prompt, self.shard), None
-    free = self.cache.num_free_gpu_blocks(self.shard) - self.cache.cfg.watermark_blocks
-    fits = resident_blocks(self.cache.cfg, prompt, lengths, self.cache.max_chunk) <= free
+      return self.cache_manager.can_allocate(prompt, self.shard), None
+    cache_manager = self.cache_manager
+    free = cache_manager.num_free_gpu_blocks(self.shard) - cache_manager.cfg.watermark_blocks
+    fits = resident_blocks(cache_manager.cfg, prompt, lengths, cache_manager.max_chunk) <= free
     return (AllocStatus.OK if fits else AllocStatus.LATER), None
 
   def _admit(self, group: SequenceGroup) -> None:
@@ -253,12 +257,12 @@ class Scheduler:
       self._next.rows.new_rows.append(new_row(group, seq, slot, greedy=False))
     if group.fresh:
       leader = live[0]
-      leader.prefill = group.prompt_token_ids
+      leader.tokens_to_prefill = group.prompt_token_ids
       leader.num_computed = self._allocate(leader, group.request_id)
       _score_whole_prompt(group, leader)
     else:
       for seq in live:
-        seq.prefill = np.concatenate(
+        seq.tokens_to_prefill = np.concatenate(
           [group.prompt_token_ids, np.asarray(seq.token_ids[:-1], np.int32)]
         )
         seq.num_computed = self._allocate(seq, group.request_id)
@@ -275,17 +279,19 @@ class Scheduler:
     self._next.rows.new_beams.append((slots, group.params.n, group.params.length_penalty))
     group.beam_slots = slots
     leader.slot = slots[0]
-    leader.prefill = group.prompt_token_ids[:-1]
+    leader.tokens_to_prefill = group.prompt_token_ids[:-1]
     leader.num_computed = self._allocate(leader, group.request_id)
     _score_whole_prompt(group, leader)
     self.running.append(group)
 
   def _allocate(self, seq: Sequence, request_id: str) -> int:
-    """Allocates the blocks of `seq.prefill`, or none yet on a cache that
+    """Allocates the blocks of `seq.tokens_to_prefill`, or none yet on a cache that
     frees the blocks outside its window (each chunk appends its tokens, see
     `_plan_chunks`); returns the tokens already computed."""
-    tokens = seq.prefill if self.cache.max_chunk is None else seq.prefill[:0]
-    return self.cache.allocate(seq.slot, tokens, request_id)
+    tokens = seq.tokens_to_prefill
+    if self.cache_manager.max_chunk is not None:
+      tokens = tokens[:0]
+    return self.cache_manager.allocate(seq.slot, tokens, request_id)
 
   def _skip_prefixes_written_now(self, group: SequenceGroup, chunks: list[PrefillChunk]) -> None:
     """Starts a just-admitted group's prefill after the full blocks it
@@ -299,20 +305,23 @@ class Scheduler:
     group that scores its prompt runs all of it.
     """
     if (
-      not self.cache.cfg.enable_prefix_caching
+      not self.cache_manager.cfg.enable_prefix_caching
       or group.params.prompt_logprobs is not None
-      or self.cache.max_chunk is not None  # a windowed cache appends every prompt from 0
+      or self.cache_manager.max_chunk is not None  # a windowed cache appends every prompt from 0
     ):
       return
-    block_size = self.cache.cfg.block_size
+    block_size = self.cache_manager.cfg.block_size
     for seq in group.live():
-      if seq.prefill is None:
+      if seq.tokens_to_prefill is None:
         continue
       shared = max(
-        (_common_prefix(seq.prefill, c.seq.prefill[: c.start + c.tokens.size]) for c in chunks),
+        (
+          _common_prefix(seq.tokens_to_prefill, c.seq.tokens_to_prefill[: c.start + c.tokens.size])
+          for c in chunks
+        ),
         default=0,
       )
-      most = (seq.prefill.size - 1) // block_size * block_size
+      most = (seq.tokens_to_prefill.size - 1) // block_size * block_size
       seq.num_computed = max(seq.num_computed, min(shared // block_size * block_size, most))
 
   def _plan_chunks(self, group: SequenceGroup, budget: int, out: SchedulerOutput) -> int:
@@ -322,24 +331,24 @@ class Scheduler:
     that frees the blocks outside its window, a chunk has at most
     `max_chunk` tokens and appends them now; a sequence whose chunk finds
     too few free blocks waits (`_stalled`)."""
-    max_chunk = self.cache.max_chunk
+    max_chunk = self.cache_manager.max_chunk
     for seq in group.live():
-      if seq.prefill is None or budget <= 0:
+      if seq.tokens_to_prefill is None or budget <= 0:
         continue
       start = seq.num_computed
-      count = min(seq.prefill.size - start, budget, max_chunk or budget)
-      if max_chunk is not None and not self.cache.append_chunk(
-        seq.slot, seq.prefill[start : start + count], group.request_id
+      count = min(seq.tokens_to_prefill.size - start, budget, max_chunk or budget)
+      if max_chunk is not None and not self.cache_manager.append_chunk(
+        seq.slot, seq.tokens_to_prefill[start : start + count], group.request_id
       ):
         self._stalled = True
         continue
       seq.num_computed = start + count
-      chunk = PrefillChunk(group, seq, seq.prefill[start : start + count], start)
+      chunk = PrefillChunk(group, seq, seq.tokens_to_prefill[start : start + count], start)
       if group.params.prompt_logprobs is not None and group.fresh:
         chunk.write_from = seq.cached_prefix
         following = np.append(group.prompt_token_ids[1:], -1).astype(np.int32)
         chunk.next_tokens = following[start : start + count]
-      if seq.num_computed == seq.prefill.size:
+      if seq.num_computed == seq.tokens_to_prefill.size:
         if group.beam:  # the prompt's last token starts the first beam step
           self._next.rows.start.append((seq.slot, int(group.prompt_token_ids[-1]), 0))
         elif not group.fresh:
@@ -360,11 +369,11 @@ class Scheduler:
       slots = self._held(group)
       if (
         self.num_running_seqs() + len(group.live()) > self.max_num_seqs
-        or self.cache.can_swap_in(slots) != AllocStatus.OK
+        or self.cache_manager.can_swap_in(slots) != AllocStatus.OK
       ):
         return
       self.swapped.popleft()
-      out.swap_in.append(self.cache.swap_in(slots, group.request_id))
+      out.swap_in.append(self.cache_manager.swap_in(slots, group.request_id))
       if group.beam:
         self._next.rows.resume += slots
       else:
@@ -396,8 +405,8 @@ class Scheduler:
         return
       raise RuntimeError(
         f"request {candidates[0].request_id!r} ran out of GPU blocks with nothing else "
-        f"running ({self.cache.num_free_gpu_blocks(self.shard)} free of "
-        f"{self.cache.cfg.num_gpu_blocks})"
+        f"running ({self.cache_manager.num_free_gpu_blocks(self.shard)} free of "
+        f"{self.cache_manager.cfg.num_gpu_blocks})"
       )
     group = max(candidates, key=lambda g: g.arrival)
     self.running.remove(group)
@@ -405,27 +414,27 @@ class Scheduler:
     out.preempted.append(group)
     live = group.live()
     slots = self._held(group)
-    decoding = all(s.prefill is None for s in live)
+    decoding = all(s.tokens_to_prefill is None for s in live)
     # As in vLLM, a group of several sequences is swapped whatever the mode
     # (prefilled again, its sequences would share no blocks), unless the
     # host pool has no room; beams always are (their state is on the device).
     swap = self.preemption_mode == "swap" or len(live) > 1 or group.beam
-    if swap and decoding and self.cache.can_swap_out(slots):
-      out.swap_out.append(self.cache.swap_out(slots, group.request_id))
+    if swap and decoding and self.cache_manager.can_swap_out(slots):
+      out.swap_out.append(self.cache_manager.swap_out(slots, group.request_id))
       self._next.rows.stop += slots
       _enqueue(self.swapped, group)
       return
     if group.beam and decoding:
       raise RuntimeError(
         f"beam-search request {group.request_id!r} must be preempted but "
-        f"the host pool ({self.cache.cfg.num_cpu_blocks} CPU blocks) cannot "
+        f"the host pool ({self.cache_manager.cfg.num_cpu_blocks} CPU blocks) cannot "
         "hold its beams; give the cache more num_cpu_blocks"
       )
     if slots:
       self._free(group, slots)
     self._release_group(group)
     for seq in live:
-      seq.prefill, seq.num_computed = None, 0
+      seq.tokens_to_prefill, seq.num_computed = None, 0
     _enqueue(self.waiting, group)
 
   # Results.
@@ -439,17 +448,19 @@ class Scheduler:
     """
     changes = RowChanges()
     chunks = out.chunks
-    self.cache.mark_computed([c.seq.slot for c in chunks], [c.seq.num_computed for c in chunks])
+    self.cache_manager.mark_computed(
+      [c.seq.slot for c in chunks], [c.seq.num_computed for c in chunks]
+    )
     for chunk in chunks:
       seq, request_id = chunk.seq, chunk.group.request_id
-      if seq.num_computed < seq.prefill.size:
+      if seq.num_computed < seq.tokens_to_prefill.size:
         continue
-      seq.prefill = None
+      seq.tokens_to_prefill = None
       for child in chunk.samples[1:]:
-        self.cache.fork(seq.slot, child.slot, request_id)
+        self.cache_manager.fork(seq.slot, child.slot, request_id)
       for sample in chunk.samples:
         if sample.finished:
-          self.cache.free([sample.slot], request_id)
+          self.cache_manager.free([sample.slot], request_id)
           self._release(sample)
         else:
           changes.start.append((sample.slot, sample.token_ids[-1], 1))
@@ -512,6 +523,7 @@ class Scheduler:
     decided = since.preempted or since.failed or since.swap_out or since.swap_in
     changed = any(getattr(rows, field.name) for field in dataclasses.fields(rows))
     prompts_left = any(
-      group.beam or any(seq.prefill is not None for seq in group.live()) for group in self.running
+      group.beam or any(seq.tokens_to_prefill is not None for seq in group.live())
+      for group in self.running
     )
     return not (self.waiting or self.swapped or decided or changed or prompts_left)

@@ -60,9 +60,10 @@ class Sequence:
     detokenized: its text (with a tokenizer).
     sent_text, sent_tokens: characters and tokens already streamed (delta
       outputs).
-    prefill: tokens to put in the cache on admission, None once they are.
-    num_computed: tokens of `prefill` planned into the cache so far.
-    cached_prefix: tokens of `prefill` whose K/V the cache already holds
+    tokens_to_prefill: tokens to put in the cache on admission (the prompt,
+      or prompt and output after a recomputation), None once they are.
+    num_computed: tokens of `tokens_to_prefill` planned into the cache so far.
+    cached_prefix: tokens of `tokens_to_prefill` whose K/V the cache already holds
       (prefix-cache hits) but that run through prefill again for their
       prompt log-probabilities; prefill does not write them.
     automaton_state: with structured outputs, the state of the group's
@@ -81,7 +82,7 @@ class Sequence:
   detokenized: Detokenized = dataclasses.field(default_factory=Detokenized)
   sent_text: int = 0
   sent_tokens: int = 0
-  prefill: np.ndarray | None = None
+  tokens_to_prefill: np.ndarray | None = None
   num_computed: int = 0
   cached_prefix: int = 0
   automaton_state: int = 0
@@ -93,7 +94,7 @@ class Sequence:
   @property
   def allocated(self) -> bool:
     """Whether the sequence holds a table in its slot."""
-    return self.slot >= 0 and (self.prefill is not None or bool(self.token_ids))
+    return self.slot >= 0 and (self.tokens_to_prefill is not None or bool(self.token_ids))
 
 
 @dataclasses.dataclass

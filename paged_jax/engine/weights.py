@@ -86,13 +86,27 @@ def check_structure(engine: dict, given: dict) -> None:
     if shape != like.shape:
       raise WeightsMismatchError(f"weight {path!r} has shape {shape}, the model {like.shape}")
     dtype = jnp.result_type(given[path])
+    if _float16_bits(like, dtype):
+      continue
     if jnp.issubdtype(like.dtype, jnp.integer) and dtype != like.dtype:
       raise WeightsMismatchError(f"weight {path!r} is {dtype}, the model's {like.dtype}")
+
+
+def _float16_bits(like, dtype) -> bool:
+  """Whether a leaf of `dtype` goes to an engine leaf `like` that holds
+  float16 as its int16 bits (a quantized kernel's scales laid out for the
+  TPU kernel: `paged_jax.models.quantized`)."""
+  return like.dtype == jnp.int16 and jnp.issubdtype(dtype, jnp.floating)
 
 
 @functools.partial(jax.jit, static_argnums=1)
 def _cast(x, dtype):
   return x.astype(dtype)
+
+
+@jax.jit
+def _float16_as_bits(x):
+  return jax.lax.bitcast_convert_type(x.astype(jnp.float16), jnp.int16)
 
 
 @jax.jit
@@ -107,10 +121,12 @@ def _all_finite(leaves) -> jax.Array:
 
 
 def _like(x, like: jax.Array) -> jax.Array:
-  """`x` in the dtype of `like` (cast where it lies), then on its sharding
-  (no copy if it is there)."""
+  """`x` in the dtype of `like` (cast where it lies; float to float16's bits
+  for an int16 leaf), then on its sharding (no copy if it is there)."""
   if not isinstance(x, jax.Array):
     x = jnp.asarray(x)
+  if _float16_bits(like, x.dtype):
+    x = _float16_as_bits(x)
   if x.dtype != like.dtype:
     x = _cast(x, like.dtype)
   return jax.device_put(x, like.sharding)  # committed there, as the engine's are

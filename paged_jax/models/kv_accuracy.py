@@ -107,13 +107,13 @@ def _evaluate(graphdef, state, kv, prefill_len, num_tokens, text, prompts, promp
 
   def forward(kv, inputs, positions):
     safe = jnp.maximum(positions, 0)
-    slots = jnp.where(
+    slot_mapping = jnp.where(
       positions >= 0,
       tables[jnp.arange(batch)[:, None], safe // kv.block_size] * kv.block_size
       + safe % kv.block_size,
       -1,
     )
-    cache = PagedCache(kv=kv, block_tables=tables, slot_mapping=slots)
+    cache = PagedCache(kv=kv, block_tables=tables, slot_mapping=slot_mapping)
     logits, cache = nnx.merge(graphdef, state)(inputs, positions, cache)
     return jax.nn.log_softmax(logits.astype(jnp.float32)), cache.kv
 

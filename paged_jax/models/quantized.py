@@ -8,11 +8,16 @@ holds, for `groups = in / group_size` groups of consecutive inputs per row:
   its low nibble and input `c + in / 2` in its high one, so that each
   nibble holds a contiguous half of the row; see `matvec` for why);
 * `scales`: `[out, groups]`, float16 where that is exact, else float32;
+  once placed on TPU devices whose kernel serves the weight
+  (`QuantizedWeight.place`), float16 is stored as its bits, int16 (the
+  kernel's layout: Mosaic takes no float16 argument on v5e, and XLA:TPU
+  would copy a bitcast on every call);
 * `minimums`: `[out, groups]` like `scales`, or None.
 
 Weight `(r, c)` is `ints[r, c] * scales[r, g] + minimums[r, g]` (`ints` the
-unpacked values) with `g = c // group_size`, computed in float32. A
-per-channel scale is one group spanning the whole row (`group_size == in`).
+unpacked values, int16 scales and minimums read as the float16 they hold)
+with `g = c // group_size`, computed in float32. A per-channel scale is one
+group spanning the whole row (`group_size == in`).
 
 Formats, by source:
 
@@ -55,7 +60,7 @@ class QuantizedWeight(nnx.Module):
 
   Attributes:
     values: int8 `[out, in]` or packed uint8 `[out, in / 2]`.
-    scales: float `[out, in / group_size]`.
+    scales: float `[out, in / group_size]`, or int16 holding float16's bits.
     minimums: like `scales`, or None.
     bits: 8 or 4.
     group_size: inputs per scale.
@@ -78,10 +83,28 @@ class QuantizedWeight(nnx.Module):
     self.group_size = group_size
     self.placement = None  # (mesh, values' PartitionSpec) once split over devices
 
-  def place(self, mesh, values_spec) -> None:
-    """Records that the arrays are split over `mesh` as `values_spec` says
-    (`sharding.shard_model` does), so the TPU kernel runs on each device."""
-    self.placement = None if mesh.size == 1 else (mesh, values_spec)
+  def place(self, mesh, values_spec, dtype) -> None:
+    """Readies the weight for the devices of `mesh` (None: one device of the
+    kernel platform) and products in `dtype` (`sharding.place_quantized`
+    does): records that the arrays are split as `values_spec` says, so a
+    kernel runs on each device, and where the TPU kernel serves the weight
+    stores float16 scales and minimums as their int16 bits."""
+    self.placement = None if mesh is None or mesh.size == 1 else (mesh, values_spec)
+    platform = kernel_choice.kernel_platform() if mesh is None else mesh.devices.flat[0].platform
+    with kernel_choice.target_platform(platform):
+      out, in_features = self.shape
+      kernel = kernel_choice.select_quantized_matmul(
+        out_features=out,
+        in_features=in_features,
+        bits=self.bits,
+        group_size=self.group_size,
+        dtype=dtype,
+      )
+    if kernel is not None and kernel[0] == "tpu":
+      # get_value: the array, or its shape in a model made by nnx.eval_shape.
+      self.scales = nnx.Param(float16_bits(self.scales.get_value()))
+      if self.minimums is not None:
+        self.minimums = nnx.Param(float16_bits(self.minimums.get_value()))
 
   @property
   def shape(self) -> tuple[int, int]:
@@ -109,6 +132,16 @@ class QuantizedWeight(nnx.Module):
       dtype,
       placement=self.placement,
     )
+
+
+def float16_bits(per_group):
+  """float16 `per_group` (an array, or a shape under `nnx.eval_shape`) as its
+  int16 bits; other dtypes as they are."""
+  if per_group.dtype != jnp.float16:
+    return per_group
+  if isinstance(per_group, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct(per_group.shape, jnp.int16, sharding=per_group.sharding)
+  return jax.lax.bitcast_convert_type(per_group, jnp.int16)
 
 
 def check_group_size(group_size: int, in_features: int, name: str = "the weight") -> None:
@@ -144,7 +177,8 @@ def per_input(per_group: jax.Array, group_size: int) -> jax.Array:
   """float32 `[out, in]`: each input's entry of a `[out, groups]` array (a
   broadcast, which XLA fuses into its consumer)."""
   out, groups = per_group.shape
-  spread = jnp.broadcast_to(per_group.astype(jnp.float32)[..., None], (out, groups, group_size))
+  per_group = quantized_matmul.float_groups(per_group).astype(jnp.float32)
+  spread = jnp.broadcast_to(per_group[..., None], (out, groups, group_size))
   return spread.reshape(out, groups * group_size)
 
 
@@ -153,9 +187,10 @@ def dequantize(values, scales, minimums, bits: int, group_size: int) -> jax.Arra
   ints = unpack_int4(values) if bits == 4 else values
   out, in_features = ints.shape
   grouped = ints.reshape(out, in_features // group_size, group_size).astype(jnp.float32)
-  weight = grouped * scales.astype(jnp.float32)[..., None]
+  as_float = lambda a: quantized_matmul.float_groups(a).astype(jnp.float32)[..., None]
+  weight = grouped * as_float(scales)
   if minimums is not None:
-    weight = weight + minimums.astype(jnp.float32)[..., None]
+    weight = weight + as_float(minimums)
   return weight.reshape(out, in_features)
 
 
@@ -167,8 +202,9 @@ def matmul(
   On CPU, a few rows (a decode step; `kernel_choice.select_quantized_matmul`)
   run the C++ kernel (`pallas_kernels.quantized_matmul.cpu`), which computes
   each weight in registers from the bytes, in float32 (not rounded to
-  `dtype`, as `matvec`). On TPU the Mosaic kernel (`pallas_kernels.quantized_matmul`, chosen by
-  `kernel_choice.select_quantized_matmul`) dequantizes in VMEM what the
+  `dtype`, as `matvec`). On TPU the Mosaic kernel and on a GPU the Triton kernel
+  (`pallas_kernels.quantized_matmul`, chosen by
+  `kernel_choice.select_quantized_matmul`) dequantize on chip what the
   forms below would write to HBM: the several-row product's numbers, at
   every row count; with `placement` `(mesh, values_spec)` (weights split
   over devices) on each device under `shard_map`. Elsewhere:
@@ -206,16 +242,17 @@ def matmul(
       group_size=group_size,
       mesh=mesh,
       values_spec=values_spec,
+      kernel=kernel[0],
     )
   if kernel is not None:
-    return quantized_matmul.quantized_matmul(
-      x, values, scales, minimums, bits=bits, group_size=group_size
-    )
+    product = quantized_matmul.quantized_matmul
+    product = product if kernel[0] == "tpu" else quantized_matmul.gpu.quantized_matmul
+    return product(x, values, scales, minimums, bits=bits, group_size=group_size)
   if math.prod(x.shape[:-1]) == 1:
     return matvec(x.astype(jnp.float32), values, scales, minimums, bits, group_size)
   if bits == 8 and minimums is None and scales.shape[1] == 1:
     y = layers.dot_transposed(x, values.astype(dtype))
-    return y * scales[:, 0].astype(jnp.float32)
+    return y * quantized_matmul.float_groups(scales)[:, 0].astype(jnp.float32)
   weight = dequantize(values, scales, minimums, bits, group_size).astype(dtype)
   return layers.dot_transposed(x, weight)
 
@@ -234,7 +271,8 @@ def matvec(x, values, scales, minimums, bits: int, group_size: int) -> jax.Array
   """
   dot = lambda x, weight: jnp.dot(x, weight.T, preferred_element_type=jnp.float32)
   if bits == 8 and minimums is None and scales.shape[1] == 1:
-    return dot(x, values.astype(jnp.float32)) * scales[:, 0].astype(jnp.float32)
+    scale = quantized_matmul.float_groups(scales)[:, 0].astype(jnp.float32)
+    return dot(x, values.astype(jnp.float32)) * scale
   if bits == 8:
     return dot(x, dequantize(values, scales, minimums, bits, group_size))
   half = values.shape[1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 BLOCK_SIZES = (512, 256, 128)  # lane tiles: Mosaic's blocks are multiples of 128
@@ -35,7 +36,8 @@ def check_args(x, values, scales, minimums, *, bits: int, group_size: int) -> No
   Args:
     x: float `[..., in]`.
     values: int8 `[out, in]` (`bits` 8) or packed uint8 `[out, in / 2]` (4).
-    scales: float `[out, in / group_size]`.
+    scales: float `[out, in / group_size]`, or int16 holding float16's
+      bits (`float_groups`).
     minimums: like `scales`, or None.
     bits: 8 or 4.
     group_size: inputs per scale, dividing `in`.
@@ -60,10 +62,22 @@ def check_args(x, values, scales, minimums, *, bits: int, group_size: int) -> No
     raise ValueError(f"group_size {group_size} does not divide the input dimension {in_features}")
   groups = (out, in_features // group_size)
   for name, array in (("scales", scales), ("minimums", minimums)):
-    if array is not None and tuple(array.shape) != groups:
+    if array is None:
+      continue
+    if tuple(array.shape) != groups:
       raise ValueError(
         f"{name} must be [out, in / group_size] = {list(groups)}, got {list(array.shape)}"
       )
+    if not jnp.issubdtype(array.dtype, jnp.floating) and array.dtype != jnp.int16:
+      raise ValueError(f"{name} must be float or int16 (float16's bits), got {array.dtype}")
+
+
+def float_groups(per_group) -> jax.Array:
+  """A scales or minimums array as float: int16 (float16's bits, the layout
+  the TPU kernel loads without a copy) as the float16 it holds, float as it is."""
+  if per_group.dtype == jnp.int16:
+    return jax.lax.bitcast_convert_type(per_group, jnp.float16)
+  return per_group
 
 
 def tiles(

@@ -67,7 +67,8 @@ def quantized_matmul(
     x: float32 or bfloat16 `[..., in]`, at most `MAX_ROWS` rows.
     values: int8 `[out, in]` (`bits` 8) or packed uint8 `[out, in / 2]` (4).
     scales: float `[out, in / group_size]` (float16 and float32 as they
-      are, other dtypes converted to float32).
+      are, int16 as the float16 bits it holds, other dtypes converted to
+      float32).
     minimums: like `scales`, or None.
     bits: 8 or 4.
     group_size: inputs per scale.
@@ -111,7 +112,9 @@ def quantized_matmul(
 
 
 def _as_served(per_group) -> jax.Array:
-  """Scales or minimums in a dtype the kernel reads: float16 or float32."""
+  """Scales or minimums in a dtype the kernel reads: float16 (int16 bits
+  read as the float16 they hold) or float32."""
+  per_group = common.float_groups(per_group)
   if per_group.dtype in GROUP_DTYPES:
     return per_group
   return per_group.astype(jnp.float32)

@@ -19,9 +19,9 @@ def dequantize_reference(values, scales, minimums, *, bits: int, group_size: int
   ints = jnp.concatenate([values & 0x0F, values >> 4], axis=-1) if bits == 4 else values
   out, in_features = ints.shape
   grouped = ints.reshape(out, in_features // group_size, group_size).astype(jnp.float32)
-  weight = grouped * scales.astype(jnp.float32)[..., None]
+  weight = grouped * common.float_groups(scales).astype(jnp.float32)[..., None]
   if minimums is not None:
-    weight = weight + minimums.astype(jnp.float32)[..., None]
+    weight = weight + common.float_groups(minimums).astype(jnp.float32)[..., None]
   return weight.reshape(out, in_features)
 
 
@@ -34,7 +34,7 @@ def quantized_matmul_reference(
   Args:
     x: float `[..., in]`.
     values: int8 `[out, in]` (`bits` 8) or packed uint8 `[out, in / 2]` (4).
-    scales: float `[out, in / group_size]`.
+    scales: float `[out, in / group_size]`, or int16 holding float16's bits.
     minimums: like `scales`, or None.
     bits: 8 or 4.
     group_size: inputs per scale.

@@ -1,6 +1,6 @@
-"""The TPU product in a program whose weights are split over devices.
+"""The TPU or GPU product in a program whose weights are split over devices.
 
-XLA cannot split a Mosaic kernel by itself (and `custom_partitioning` does
+XLA cannot split a Pallas kernel by itself (and `custom_partitioning` does
 not reach libtpu: jax-ml/jax#38196), so `quantized_matmul_sharded` runs the
 kernel on each device's shards under `jax.shard_map`, given how the values
 are split (`values_spec`, a `PartitionSpec` of the mesh):
@@ -27,7 +27,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.quantized_matmul import common, reference, tpu
+from pallas_kernels.quantized_matmul import common, gpu, reference, tpu
+
+# kernel: (why it cannot serve a product, the product)
+KERNELS = {
+  "tpu": (common.refusal, tpu.quantized_matmul),
+  "gpu": (gpu.refusal, gpu.quantized_matmul),
+}
 
 
 def quantized_matmul_sharded(
@@ -40,22 +46,26 @@ def quantized_matmul_sharded(
   group_size: int,
   mesh: jax.sharding.Mesh,
   values_spec: P,
+  kernel: str = "tpu",
   interpret: bool = False,
 ) -> jax.Array:
-  """`tpu.quantized_matmul` on each device of `mesh`.
+  """`kernel`'s `quantized_matmul` on each device of `mesh`.
 
   Args:
-    x: float32 or bfloat16 `[..., in]`.
+    x: float `[..., in]` of a dtype the kernel computes in.
     values, scales, minimums, bits, group_size: as `tpu.quantized_matmul`.
     mesh: the devices the weights are on.
     values_spec: how `values` is split over `mesh`: `P(rows, columns)`,
       each a mesh axis (or axes) or None.
-    interpret: run the kernel in TPU interpret mode, e.g. on CPU.
+    kernel: "tpu" (Mosaic) or "gpu" (Triton).
+    interpret: run the kernel in its interpret mode, e.g. on CPU.
 
   Returns:
     float32 `[..., out]`.
   """
   common.check_args(x, values, scales, minimums, bits=bits, group_size=group_size)
+  if kernel not in KERNELS:
+    raise ValueError(f"kernel must be one of {tuple(KERNELS)}, got {kernel!r}")
   rows_axis, columns_axis = tuple(values_spec) + (None,) * (2 - len(values_spec))
   shards = _size(mesh, columns_axis)
   lead, k = x.shape[:-1], x.shape[-1]
@@ -68,6 +78,7 @@ def quantized_matmul_sharded(
     group_size=group_size,
     columns_axis=columns_axis,
     shards=shards,
+    kernel=kernel,
     interpret=interpret,
   )
   # Under jit, which moves arrays split otherwise (the scales of a row
@@ -88,24 +99,29 @@ def _size(mesh, axis) -> int:
 
 
 def _device_product(
-  x, values, scales, minimums=None, *, bits, group_size, columns_axis, shards, interpret
+  x, values, scales, minimums=None, *, bits, group_size, columns_axis, shards, kernel, interpret
 ):
   """One device's product: its output rows, or its part of a sum over inputs."""
+  product = functools.partial(
+    local_product, bits=bits, group_size=group_size, kernel=kernel, interpret=interpret
+  )
   if shards == 1:
-    return local_product(x, values, scales, minimums, bits, group_size, interpret)
+    return product(x, values, scales, minimums)
   shard = jax.lax.axis_index(columns_axis)
   x, scales, minimums = shard_inputs(
     x, scales, minimums, shard, values.shape[1], bits=bits, group_size=group_size
   )
-  partial = local_product(x, values, scales, minimums, bits, group_size, interpret)
-  return jax.lax.psum(partial, columns_axis)
+  return jax.lax.psum(product(x, values, scales, minimums), columns_axis)
 
 
-def local_product(x, values, scales, minimums, bits: int, group_size: int, interpret=False):
-  """The kernel where it tiles these arrays, else the reference (XLA)."""
+def local_product(
+  x, values, scales, minimums, *, bits: int, group_size: int, kernel="tpu", interpret=False
+):
+  """`kernel`'s product where it tiles these arrays, else the reference (XLA)."""
   n, k = values.shape[0], x.shape[-1]
-  if common.refusal(x.shape[0], n, k, bits=bits, group_size=group_size, dtype=x.dtype) is None:
-    return tpu.quantized_matmul(
+  refusal, product = KERNELS[kernel]
+  if refusal(x.shape[0], n, k, bits=bits, group_size=group_size, dtype=x.dtype) is None:
+    return product(
       x, values, scales, minimums, bits=bits, group_size=group_size, interpret=interpret
     )
   return reference.quantized_matmul_reference(

@@ -55,7 +55,8 @@ def quantized_matmul(
     x: float32 or bfloat16 `[..., in]`; the weights are rounded to its dtype.
     values: int8 `[out, in]` (`bits` 8) or packed uint8 `[out, in / 2]` (4,
       row halves: byte `c` holds input `c` low and `c + in / 2` high).
-    scales: float `[out, in / group_size]`.
+    scales: float `[out, in / group_size]`, or int16 holding float16's
+      bits (loaded as they are; float16 is bitcast to them first).
     minimums: like `scales`, or None.
     bits: 8 or 4.
     group_size: inputs per scale; a multiple of 8 dividing a K tile.
@@ -116,9 +117,12 @@ def quantized_matmul(
 
 
 def _loadable(per_group) -> jax.Array:
-  """`per_group` as the kernel takes it: float16 as its bits (int16: Mosaic
-  takes no float16 argument on v5e; XLA:TPU writes this bitcast as a copy),
-  float32 as it is, else float32."""
+  """`per_group` as the kernel takes it: float16's bits (int16: Mosaic takes
+  no float16 argument on v5e) as they are, float16 as its bits (XLA:TPU
+  writes this bitcast as a copy per call, which a weight stored as its bits
+  avoids: `paged_jax.models.quantized`), float32 as it is, else float32."""
+  if per_group.dtype == jnp.int16:
+    return per_group
   if per_group.dtype == jnp.float16:
     return jax.lax.bitcast_convert_type(per_group, jnp.int16)
   return per_group.astype(jnp.float32)

@@ -7,7 +7,7 @@
 - `decode`: `decode_loop` (decode steps in one `lax.while_loop`),
   `continue_decoding` (async scheduling's next launch), the beam programs.
 - `prompt`: `ragged_step` (a step's prompt chunks with one decode step of
-  the running rows) and `prefill` (prompt chunks alone, for speculation).
+  the running rows) and `prefill_step` (prompt chunks alone, for speculation).
 - `speculating`: the speculating decode step and the draft model's calls.
 
 This package re-exports what the runner and the tools launch.
@@ -20,8 +20,13 @@ from paged_jax.engine.programs.decode import (
   decode_loop,
   start_beams,
 )
-from paged_jax.engine.programs.prompt import PromptScores, prefill, ragged_step, score_next_tokens
-from paged_jax.engine.programs.step import copy_for_append, slots_of
+from paged_jax.engine.programs.prompt import (
+  PromptScores,
+  prefill_step,
+  ragged_step,
+  score_next_tokens,
+)
+from paged_jax.engine.programs.step import copy_for_append, slot_mapping_of
 
 __all__ = [
   "DecodeLoop",
@@ -32,9 +37,9 @@ __all__ = [
   "continue_decoding",
   "copy_for_append",
   "decode_loop",
-  "prefill",
+  "prefill_step",
   "ragged_step",
   "score_next_tokens",
-  "slots_of",
+  "slot_mapping_of",
   "start_beams",
 ]

@@ -4,8 +4,8 @@
 the manager states, the pages, the launch's draws and counters);
 `Speculation` is what a speculating loop adds per row. `HashedGraph` makes
 a model's graphdef a cheap static jit argument. `per_shard` and
-`pairs_per_shard` turn the rows' global slots into each data shard's local
-ones, `by_shard` and `flat` reshape row arrays between `[R]` and
+`pairs_per_shard` turn the rows' global slots into each data shard's
+sequence ids, `by_shard` and `flat` reshape row arrays between `[R]` and
 `[D, R / D]`.
 """
 
@@ -29,13 +29,13 @@ class DecodeLoop:
   """Carry of the decode loop.
 
   Rows are running sequences, `R / D` per data shard: row `r` decodes
-  global slot `seq_ids[r]`, a slot of shard `r // (R / D)`. With `beams`,
-  rows are every slot in order (`seq_ids[r]` is `r` or -1).
+  global slot `slots[r]`, a slot of shard `r // (R / D)`. With `beams`,
+  rows are every slot in order (`slots[r]` is `r` or -1).
   """
 
   state: BlockManagerState  # one per data shard (leading axis)
   kv: KVCache
-  seq_ids: jax.Array  # int32[R], -1 where not running
+  slots: jax.Array  # int32[R], -1 where not running
   last_token: jax.Array  # int32[R], sampled, not yet in the cache
   num_generated: jax.Array  # int32[R], tokens sampled so far
   limit: jax.Array  # int32[R], tokens to sample at most
@@ -112,19 +112,19 @@ def flat(per_shard_rows: jax.Array) -> jax.Array:
   return per_shard_rows.reshape(-1, *per_shard_rows.shape[2:])
 
 
-def local_slots(loop: DecodeLoop) -> jax.Array:
-  """The loop's rows as each shard's local slots `[D, R/D]` (see `per_shard`)."""
-  return per_shard(loop.seq_ids, loop.out_of_blocks.shape[0], loop.state.cfg.max_seqs)
+def shard_seq_ids(loop: DecodeLoop) -> jax.Array:
+  """The loop's rows as each shard's sequence ids `[D, R/D]` (see `per_shard`)."""
+  return per_shard(loop.slots, loop.out_of_blocks.shape[0], loop.state.cfg.max_seqs)
 
 
 def per_shard(ids: jax.Array, num_shards: int, slots_per_shard: int) -> jax.Array:
-  """Rows' global slots `[R]` (-1: none) as each shard's local slots
+  """Rows' global slots `[R]` (-1: none) as each shard's sequence ids
   `[D, R/D]` (row `r` holds a slot of shard `r // (R/D)`)."""
   return jnp.where(ids >= 0, ids % slots_per_shard, -1).reshape(num_shards, -1)
 
 
 def pairs_per_shard(ids: jax.Array, num_shards: int, per: int) -> jax.Array:
-  """Global slots `[K]` as local slots `[D, K]`, -1 outside each shard."""
+  """Global slots `[K]` as sequence ids `[D, K]`, -1 outside each shard."""
   shard = jnp.where(ids >= 0, ids // per, -1)
   mine = shard[None, :] == jnp.arange(num_shards)[:, None]
   return jnp.where(mine, ids % per, -1)

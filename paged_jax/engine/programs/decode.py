@@ -36,8 +36,8 @@ from paged_jax.engine.programs.carry import (
   DecodeLoop,
   by_shard,
   flat,
-  local_slots,
   pairs_per_shard,
+  shard_seq_ids,
 )
 from paged_jax.engine.programs.speculating import append_pending, speculative_step
 from paged_jax.engine.programs.step import (
@@ -58,7 +58,7 @@ from paged_jax.sampling import (
 def decode_step(
   graphdef,
   params_state,
-  rows: RowParams,
+  row_params: RowParams,
   table: structured.AutomatonTable | None,
   loop: DecodeLoop,
 ) -> DecodeLoop:
@@ -72,7 +72,7 @@ def decode_step(
   one (None, no constrained row runs), nothing is masked.
   """
   state, plan = append_last_tokens(loop)
-  advance = lambda _: advance_rows(graphdef, params_state, rows, table, loop, state, plan)[0]
+  advance = lambda _: advance_rows(graphdef, params_state, row_params, table, loop, state, plan)[0]
   return unless_out_of_blocks(loop, plan, advance)
 
 
@@ -86,7 +86,7 @@ def _call_model(model, tokens, positions, cache, kv):
 def advance_rows(
   graphdef,
   params_state,
-  rows: RowParams,
+  row_params: RowParams,
   table: structured.AutomatonTable | None,
   loop: DecodeLoop,
   state: BlockManagerState,
@@ -101,8 +101,8 @@ def advance_rows(
   cfg = loop.state.cfg
   bm = BlockSpaceManager(cfg)
   num_shards = loop.out_of_blocks.shape[0]
-  running = loop.seq_ids >= 0
-  local = local_slots(loop)
+  running = loop.slots >= 0
+  local = shard_seq_ids(loop)
   kv = copy_for_append(loop.kv, loop.state, state, local, plan, 1)
   num_tokens = flat(on_every_shard(bm.get_num_tokens)(state, local))
   slot_mapping = on_every_shard(functools.partial(bm.get_slot_mapping, width=1))(
@@ -119,7 +119,7 @@ def advance_rows(
   logits, cache, extra = call_model(model, loop.last_token[:, None], positions, cache, kv)
   num_logprobs = loop.draws.top_ids.shape[-1]
   mask = None if table is None else structured.allowed_mask(table, loop.automaton_state)
-  draw = sample_rows(logits[:, 0], rows, loop.num_generated, num_logprobs, mask)
+  draw = sample_rows(logits[:, 0], row_params, loop.num_generated, num_logprobs, mask)
   column = jnp.where(running, loop.step, loop.draws.tokens.shape[1])
   draws = jax.tree.map(
     lambda out, new: out.at[jnp.arange(out.shape[0]), column].set(new, mode="drop"),
@@ -128,10 +128,10 @@ def advance_rows(
   )
   sampled = running if loop.beams is None else running & (loop.beams.leader < 0)
   num_generated = loop.num_generated + sampled
-  done = sampled & ((num_generated >= loop.limit) | is_stop(draw.tokens, rows.stop_ids))
+  done = sampled & ((num_generated >= loop.limit) | is_stop(draw.tokens, row_params.stop_ids))
   automaton_state, dead = step_automata(table, loop.automaton_state, sampled, draw.tokens)
   done = done | dead
-  seq_ids = jnp.where(done, -1, loop.seq_ids)
+  slots = jnp.where(done, -1, loop.slots)
   last_token = jnp.where(sampled, draw.tokens, loop.last_token)
   s, per = running.shape[0], cfg.max_seqs
   num_pairs = 0 if loop.beams is None else s * 2 * loop.beams.hyp_len.shape[1]
@@ -141,9 +141,9 @@ def advance_rows(
       loop.beams,
       jax.nn.log_softmax(logits[:, 0].astype(jnp.float32)),
       running,
-      rows.stop_ids,
+      row_params.stop_ids,
       loop.limit,
-      seq_ids,
+      slots,
       last_token,
       num_generated,
     )
@@ -162,7 +162,7 @@ def advance_rows(
         fork_parents=jnp.full(num_pairs, -1),
         fork_children=jnp.full(num_pairs, -1),
         dropped=jnp.zeros(s, bool),
-        seq_ids=seq_ids,
+        slots=slots,
         last_token=last_token,
         num_generated=num_generated,
         finished=jnp.zeros(s, bool),
@@ -180,10 +180,10 @@ def advance_rows(
     forked,
     plan,
     num_tokens,
-    free=jnp.where(done | moves.dropped, loop.seq_ids, -1),
+    free=jnp.where(done | moves.dropped, loop.slots, -1),
     finished=jnp.any(done) | jnp.any(moves.finished),
     kv=cache.kv,
-    seq_ids=moves.seq_ids,
+    slots=moves.slots,
     last_token=moves.last_token,
     num_generated=moves.num_generated,
     beams=beams,
@@ -196,7 +196,7 @@ def advance_rows(
 def decode_loop(
   graphdef,
   params_state,
-  rows: RowParams,
+  row_params: RowParams,
   loop: DecodeLoop,
   stop_on_finish,
   table: structured.AutomatonTable | None = None,
@@ -217,18 +217,18 @@ def decode_loop(
 
   def keep_going(loop):
     return (
-      jnp.any(loop.seq_ids >= 0)
+      jnp.any(loop.slots >= 0)
       & ~jnp.any(loop.out_of_blocks)
       & (loop.step < jnp.minimum(num_steps, loop.max_steps))
       & ~(stop_on_finish & loop.finished_any)
     )
 
   if speculating is None:
-    step = functools.partial(decode_step, graphdef, params_state, rows, table)
+    step = functools.partial(decode_step, graphdef, params_state, row_params, table)
   else:
     draft = None if draft_graphdef is None else (draft_graphdef, draft_params)
     step = functools.partial(
-      speculative_step, graphdef, params_state, rows, table, speculating, draft
+      speculative_step, graphdef, params_state, row_params, table, speculating, draft
     )
   loop = jax.lax.while_loop(keep_going, step, loop)
   if speculating is not None:
@@ -240,7 +240,7 @@ def decode_loop(
 # A continued launch's carry: the rows' state carries on, the launch's
 # draws and counters start afresh.
 _CARRIED = (
-  "seq_ids",
+  "slots",
   "last_token",
   "num_generated",
   "limit",

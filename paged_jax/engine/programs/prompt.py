@@ -1,11 +1,11 @@
-"""The programs with prompt work: `ragged_step` and `prefill`.
+"""The programs with prompt work: `ragged_step` and `prefill_step`.
 
 `ragged_step` is one engine step with prompt work: the step's prompt
 chunks and one decode step of every running row, packed on one token axis
 and run through the model together. It draws each row's next token and the
 first token of the sequences whose prompt the chunks complete.
 
-`prefill` runs prompt chunks alone, each data shard's packed into one token
+`prefill_step` runs prompt chunks alone, each data shard's packed into one token
 axis, for a speculating engine. Both compile once per shape (tokens and
 tiles are bucketed).
 """
@@ -25,7 +25,7 @@ from paged_jax.config import Status
 from paged_jax.engine.programs.carry import DecodeLoop
 from paged_jax.engine.programs.decode import advance_rows
 from paged_jax.engine.programs.speculating import draft_call
-from paged_jax.engine.programs.step import append_last_tokens, slots_of
+from paged_jax.engine.programs.step import append_last_tokens, slot_mapping_of
 from paged_jax.paged_cache import paged_cache, take_tiles, tile_token_index, untile
 from paged_jax.sampling import (
   RowParams,
@@ -64,7 +64,7 @@ def score_next_tokens(logits, next_tokens, num_logprobs: int) -> PromptScores:
 @functools.partial(
   jax.jit, static_argnums=(0, 12), static_argnames=("draft_graphdef",), donate_argnums=(2,)
 )
-def prefill(
+def prefill_step(
   graphdef,
   params_state,
   kv,
@@ -76,7 +76,7 @@ def prefill(
   write_from,
   next_tokens,
   last_token_of,
-  rows,
+  row_params,
   num_logprobs,
   table=None,
   draw_states=None,
@@ -94,7 +94,7 @@ def prefill(
   slots in their shard (-1: no tile). A tile's positions before
   `write_from[tile]` already hold their K/V in the cache and are not
   written again. Draw `i` samples from the token at `last_token_of[i]` (an
-  index into the `D * T` tokens) with the sampling parameters `rows[i]`,
+  index into the `D * T` tokens) with the sampling parameters `row_params[i]`,
   masked by `table`'s automaton state `draw_states[i]` when there is a
   `table`. Where a token has `next_tokens` (>= 0), it also scores them (see
   `score_next_tokens`; the vocabulary-wide work runs only when some token
@@ -104,11 +104,13 @@ def prefill(
   (`draft_graphdef`, `draft_params`), the chunks also run through it,
   writing its layers of the cache.
   """
-  tables, slots = _prompt_tables_and_slots(states, positions, tiles, tile_slots, write_from)
+  tables, slot_mapping = _prompt_tables_and_slot_mapping(
+    states, positions, tiles, tile_slots, write_from
+  )
   cache = paged_cache(
     kv=kv,
     block_tables=tables,
-    slot_mapping=slots,
+    slot_mapping=slot_mapping,
     cache_sliding_window=states.cfg.sliding_window,
     query_tiles=tiles,
   )
@@ -118,7 +120,7 @@ def prefill(
   last_logits = logits_of(hidden.reshape(-1, hidden.shape[-1])[last_token_of])
   index = jnp.zeros(last_token_of.shape, jnp.int32)
   mask = None if table is None else structured.allowed_mask(table, draw_states)
-  draw = sample_rows(last_logits, rows, index, num_logprobs, mask)
+  draw = sample_rows(last_logits, row_params, index, num_logprobs, mask)
   scores = _scores_if_asked(logits_of, hidden, next_tokens, num_logprobs)
   kv = cache.kv
   if draft_graphdef is not None:
@@ -129,7 +131,7 @@ def prefill(
       tokens,
       positions,
       tables,
-      slots,
+      slot_mapping,
       states.cfg.sliding_window,
       logits=False,
       query_tiles=tiles,
@@ -137,16 +139,18 @@ def prefill(
   return sharding.replicate((draw, scores), kv), kv
 
 
-def _prompt_tables_and_slots(states, positions, tiles, tile_slots, write_from):
-  """A packed prompt call's block table per tile and cache slot per token
-  (-1 where a token's K/V is written already, or padding); see `prefill`."""
+def _prompt_tables_and_slot_mapping(states, positions, tiles, tile_slots, write_from):
+  """A packed prompt call's block table per tile and slot mapping per token
+  (-1 where a token's K/V is written already, or padding); see `prefill_step`."""
   tables = on_every_shard(manager.get_block_tables)(states, tile_slots)
   tables = tables.reshape(-1, tables.shape[-1])
   flat = tile_token_index(tiles, *positions.shape)
   tile_positions = take_tiles(positions, flat, -1)
   written = jnp.where(tile_positions >= write_from[:, None], tile_positions, -1)
-  slots = untile(slots_of(tables, written, states.cfg.block_size), flat, positions.shape, -1)
-  return tables, slots
+  slot_mapping = untile(
+    slot_mapping_of(tables, written, states.cfg.block_size), flat, positions.shape, -1
+  )
+  return tables, slot_mapping
 
 
 def _hidden_states(model, args):
@@ -176,7 +180,7 @@ def _scores_if_asked(logits_of, hidden, next_tokens, num_logprobs: int) -> Promp
 def ragged_step(
   graphdef,
   params_state,
-  rows: RowParams,
+  row_params: RowParams,
   loop: DecodeLoop,
   tokens,
   positions,
@@ -196,7 +200,7 @@ def ragged_step(
 
   Each data shard's token axis holds its prompt chunks packed (`tokens`,
   `positions` `[D, T]`: every chunk has its own length and first position,
-  attended in `tiles` through its sequence's block table; as in `prefill`),
+  attended in `tiles` through its sequence's block table; as in `prefill_step`),
   then its decode rows' last tokens, one query each (attended by the decode
   kernel through the row's table, see `PagedCache.decode_tables`): the
   model's weights are read once for the whole step. The rows' step is
@@ -209,14 +213,14 @@ def ragged_step(
 
   Returns:
     `(loop after the step, draws, prompt scores)` as `decode_loop` and
-    `prefill` return them.
+    `prefill_step` return them.
   """
   state, plan = append_last_tokens(loop)
   out_of_blocks = plan.status != Status.OK
   blocked = jnp.any(out_of_blocks)
   state = jax.tree.map(lambda new, old: jnp.where(blocked, old, new), state, loop.state)
   plan = plan.replace(count=jnp.where(blocked, 0, plan.count))
-  prompt_tables, prompt_slots = _prompt_tables_and_slots(
+  prompt_tables, prompt_slot_mapping = _prompt_tables_and_slot_mapping(
     state, positions, tiles, tile_slots, write_from
   )
   num_shards, num_prompt_tokens = tokens.shape
@@ -228,7 +232,7 @@ def ragged_step(
     ragged = paged_cache(
       kv=cache.kv,
       block_tables=prompt_tables,
-      slot_mapping=after_prompt(prompt_slots, cache.slot_mapping),
+      slot_mapping=after_prompt(prompt_slot_mapping, cache.slot_mapping),
       cache_sliding_window=cache.cache_sliding_window,
       query_tiles=tiles,
       decode_tables=cache.block_tables,
@@ -247,12 +251,12 @@ def ragged_step(
     scores = _scores_if_asked(logits_of, prompt_hidden, next_tokens, num_logprobs)
     return logits[:num_rows, None], ragged, (logits[num_rows:], scores)
 
-  decoding = loop.replace(seq_ids=jnp.where(blocked, -1, loop.seq_ids))
+  decoding = loop.replace(slots=jnp.where(blocked, -1, loop.slots))
   stepped, (sample_logits, scores) = advance_rows(
-    graphdef, params_state, rows, table, decoding, state, plan, call_model
+    graphdef, params_state, row_params, table, decoding, state, plan, call_model
   )
   stepped = stepped.replace(
-    seq_ids=jnp.where(blocked, loop.seq_ids, stepped.seq_ids), out_of_blocks=out_of_blocks
+    slots=jnp.where(blocked, loop.slots, stepped.slots), out_of_blocks=out_of_blocks
   )
   index = jnp.zeros(last_token_of.shape, jnp.int32)
   mask = None if table is None else structured.allowed_mask(table, draw_states)

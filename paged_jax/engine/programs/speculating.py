@@ -16,11 +16,11 @@ from paged_jax import sharding, structured
 from paged_jax.block_manager.manager import BlockSpaceManager
 from paged_jax.block_manager.state import on_every_shard
 from paged_jax.engine import speculative
-from paged_jax.engine.programs.carry import DecodeLoop, by_shard, flat, local_slots
+from paged_jax.engine.programs.carry import DecodeLoop, by_shard, flat, shard_seq_ids
 from paged_jax.engine.programs.step import (
   copy_for_append,
   finish_step,
-  slots_of,
+  slot_mapping_of,
   step_automata,
   unless_out_of_blocks,
 )
@@ -39,7 +39,7 @@ from paged_jax.sampling import (
 def speculative_step(
   graphdef,
   params_state,
-  rows: RowParams,
+  row_params: RowParams,
   table: structured.AutomatonTable | None,
   config: speculative.SpeculativeConfig,
   draft,
@@ -61,10 +61,10 @@ def speculative_step(
   bm = BlockSpaceManager(cfg)
   spec, k = loop.spec, config.num_speculative_tokens
   num_shards = loop.out_of_blocks.shape[0]
-  num_rows = loop.seq_ids.shape[0]
+  num_rows = loop.slots.shape[0]
   row_ids = jnp.arange(num_rows)
-  running = loop.seq_ids >= 0
-  local = local_slots(loop)
+  running = loop.slots >= 0
+  local = shard_seq_ids(loop)
   new_tokens = jnp.concatenate([spec.pending, spec.pending[:, :1]], axis=1)
   new_tokens = new_tokens.at[row_ids, spec.num_pending].set(loop.last_token)
   num_new = jnp.where(running, spec.num_pending + 1, 0)
@@ -81,7 +81,7 @@ def speculative_step(
         spec.history, spec.history_len, k, config.prompt_lookup_min, config.prompt_lookup_max
       )
     else:
-      drafts, draft_dists, kv = _draft_proposals(draft, rows, loop, kv, tables, num_tokens, k)
+      drafts, draft_dists, kv = _draft_proposals(draft, row_params, loop, kv, tables, num_tokens, k)
       count = jnp.full(num_rows, k, jnp.int32)
     room = jnp.maximum(loop.limit - loop.num_generated - 1, 0)
     count = jnp.where(
@@ -94,22 +94,22 @@ def speculative_step(
     cache = paged_cache(
       kv=kv,
       block_tables=tables,
-      slot_mapping=slots_of(tables, positions, cfg.block_size),
+      slot_mapping=slot_mapping_of(tables, positions, cfg.block_size),
       cache_sliding_window=cfg.sliding_window,
     )
     model = graphdef.merge(params_state)
     logits, cache = model(
       sharding.split_rows(tokens, kv), sharding.split_rows(positions, kv), cache
     )
-    draw = _draw_every_position(logits, rows, loop, table, loop.draws.top_ids.shape[-1])
+    draw = _draw_every_position(logits, row_params, loop, table, loop.draws.top_ids.shape[-1])
     accepted = speculative.leading_true(
       (drafts == draw.tokens[:, :k]) & (offsets[None, :k] < count[:, None])
     )
     if draft is not None:  # sampled rows: the rule for a draft distribution
       accepted, draw = _accept_sampled_drafts(
-        logits, rows, loop, drafts, draft_dists, count, accepted, draw
+        logits, row_params, loop, drafts, draft_dists, count, accepted, draw
       )
-    stops = jnp.any(draw.tokens[..., None] == rows.stop_ids[:, None, :], axis=-1)
+    stops = jnp.any(draw.tokens[..., None] == row_params.stop_ids[:, None, :], axis=-1)
     first_stop = jnp.where(jnp.any(stops, axis=1), jnp.argmax(stops, axis=1), k + 1)
     num_emitted = jnp.where(running, jnp.minimum(accepted + 1, first_stop + 1), 0)
     num_generated = loop.num_generated + num_emitted
@@ -132,10 +132,10 @@ def speculative_step(
       state,
       plan,
       num_tokens,
-      free=jnp.where(done, loop.seq_ids, -1),
+      free=jnp.where(done, loop.slots, -1),
       finished=jnp.any(done),
       kv=cache.kv,
-      seq_ids=jnp.where(done, -1, loop.seq_ids),
+      slots=jnp.where(done, -1, loop.slots),
       last_token=jnp.where(running, draw.tokens[row_ids, last], loop.last_token),
       num_generated=num_generated,
       automaton_state=automaton_state,
@@ -153,20 +153,20 @@ def speculative_step(
   return unless_out_of_blocks(loop, plan, advance)
 
 
-def _accept_sampled_drafts(logits, rows, loop, drafts, draft_dists, count, accepted, draw):
+def _accept_sampled_drafts(logits, row_params, loop, drafts, draft_dists, count, accepted, draw):
   """Greedy rows keep `accepted` and `draw` (point-mass proposals); sampled
   rows take `speculative.accept_sampled`'s drafts and tokens, with the
   target's log-probabilities of those."""
   num_rows, width, vocab = logits.shape
   every = lambda a: jnp.repeat(a, width, axis=0)
   flat_logits = logits.reshape(-1, vocab)
-  target = jax.nn.softmax(sampling_logits(flat_logits, jax.tree.map(every, rows)), axis=-1)
+  target = jax.nn.softmax(sampling_logits(flat_logits, jax.tree.map(every, row_params)), axis=-1)
   index = loop.num_generated[:, None] + jnp.arange(width)[None, :]
-  keys = row_keys(jax.tree.map(every, rows), index.ravel()).reshape(num_rows, width)
+  keys = row_keys(jax.tree.map(every, row_params), index.ravel()).reshape(num_rows, width)
   sampled_accepted, tokens = speculative.accept_sampled(
     target.reshape(num_rows, width, vocab), draft_dists, drafts, count, keys
   )
-  greedy = rows.temperature <= 0.0
+  greedy = row_params.temperature <= 0.0
   tokens = jnp.where(greedy[:, None], draw.tokens, tokens)
   logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   return jnp.where(greedy, accepted, sampled_accepted), draw.replace(
@@ -174,7 +174,9 @@ def _accept_sampled_drafts(logits, rows, loop, drafts, draft_dists, count, accep
   )
 
 
-def _draw_every_position(logits, rows: RowParams, loop: DecodeLoop, table, num_logprobs) -> Draw:
+def _draw_every_position(
+  logits, row_params: RowParams, loop: DecodeLoop, table, num_logprobs
+) -> Draw:
   """The target's draw after every query position `[R, k + 1]`: position
   `i` of a row is its output token `num_generated + i` (keyed so), masked by
   the row's automaton at position 0 (a constrained row proposes nothing)."""
@@ -186,7 +188,7 @@ def _draw_every_position(logits, rows: RowParams, loop: DecodeLoop, table, num_l
     mask = jnp.ones((num_rows, width, vocab), bool).at[:, 0].set(first).reshape(-1, vocab)
   index = (loop.num_generated[:, None] + jnp.arange(width)[None, :]).ravel()
   draw = sample_rows(
-    logits.reshape(-1, vocab), jax.tree.map(every, rows), index, num_logprobs, mask
+    logits.reshape(-1, vocab), jax.tree.map(every, row_params), index, num_logprobs, mask
   )
   return jax.tree.map(lambda a: a.reshape(num_rows, width, *a.shape[1:]), draw)
 
@@ -198,7 +200,7 @@ def append_pending(loop: DecodeLoop) -> DecodeLoop:
   cfg, spec = loop.state.cfg, loop.spec
   bm = BlockSpaceManager(cfg)
   num_shards = loop.out_of_blocks.shape[0]
-  local = local_slots(loop)
+  local = shard_seq_ids(loop)
   state, plan = on_every_shard(bm.append_slots)(
     loop.state, local, by_shard(spec.pending, num_shards), by_shard(spec.num_pending, num_shards)
   )
@@ -209,7 +211,16 @@ def append_pending(loop: DecodeLoop) -> DecodeLoop:
 
 
 def draft_call(
-  draft, kv, first_layer, tokens, positions, tables, slots, window, logits=True, query_tiles=None
+  draft,
+  kv,
+  first_layer,
+  tokens,
+  positions,
+  tables,
+  slot_mapping,
+  window,
+  logits=True,
+  query_tiles=None,
 ):
   """The draft model's forward over its layers of `kv` (from `first_layer`
   on): `(logits or, without `logits`, hidden states where the model has
@@ -219,7 +230,7 @@ def draft_call(
   cache = paged_cache(
     kv=kv.layers(first_layer),
     block_tables=tables,
-    slot_mapping=slots,
+    slot_mapping=slot_mapping,
     cache_sliding_window=window,
     query_tiles=query_tiles,
   )
@@ -231,17 +242,17 @@ def draft_call(
   return out, kv.with_layers(first_layer, cache.kv)
 
 
-def _draft_draw(logits, rows: RowParams, index):
+def _draft_draw(logits, row_params: RowParams, index):
   """A draft model's token per row (its argmax for greedy rows, else drawn
   from its sampling distribution with the token's key salted) and that
   distribution, float32 `[rows, vocab]`."""
-  processed = sampling_logits(logits, rows)
-  drawn = categorical_rows(row_keys(rows, index, salt=3), processed)
-  tokens = jnp.where(rows.temperature <= 0.0, greedy_tokens(logits), drawn)
+  processed = sampling_logits(logits, row_params)
+  drawn = categorical_rows(row_keys(row_params, index, salt=3), processed)
+  tokens = jnp.where(row_params.temperature <= 0.0, greedy_tokens(logits), drawn)
   return tokens.astype(jnp.int32), jax.nn.softmax(processed, axis=-1)
 
 
-def _draft_proposals(draft, rows: RowParams, loop: DecodeLoop, kv, tables, num_tokens, k):
+def _draft_proposals(draft, row_params: RowParams, loop: DecodeLoop, kv, tables, num_tokens, k):
   """`k` tokens per row from the draft model, the distributions they were
   drawn from (`[R, k]`, float32 `[R, k, vocab]`), and the cache with the
   draft's K/V.
@@ -256,22 +267,19 @@ def _draft_proposals(draft, rows: RowParams, loop: DecodeLoop, kv, tables, num_t
   cfg, history = loop.state.cfg, loop.spec.history
   graph, params = draft
   first_layer = len(kv.k) - graph.merge(params).config.num_layers
-  call = lambda kv, tokens, positions: draft_call(
-    draft,
-    kv,
-    first_layer,
-    tokens,
-    positions,
-    tables,
-    slots_of(tables, positions, cfg.block_size),
-    cfg.sliding_window,
-  )
-  running = loop.seq_ids >= 0
+
+  def call(kv, tokens, positions):
+    mapping = slot_mapping_of(tables, positions, cfg.block_size)
+    return draft_call(
+      draft, kv, first_layer, tokens, positions, tables, mapping, cfg.sliding_window
+    )
+
+  running = loop.slots >= 0
   recent = num_tokens[:, None] - (k + 1) + jnp.arange(k + 1)[None, :]
   positions = jnp.where(running[:, None] & (recent >= 0), recent, -1)
   tokens = jnp.take_along_axis(history, jnp.clip(recent, 0, history.shape[1] - 1), axis=1)
   logits, kv = call(kv, tokens, positions)
-  token, probs = _draft_draw(logits[:, -1], rows, loop.num_generated)
+  token, probs = _draft_draw(logits[:, -1], row_params, loop.num_generated)
   tokens = jnp.zeros((token.shape[0], k), jnp.int32).at[:, 0].set(token)
   dists = jnp.zeros((*probs.shape[:1], k, probs.shape[1]), jnp.float32).at[:, 0].set(probs)
 
@@ -279,7 +287,7 @@ def _draft_proposals(draft, rows: RowParams, loop: DecodeLoop, kv, tables, num_t
     tokens, dists, kv = carry
     positions = jnp.where(running, num_tokens - 1 + j, -1)[:, None]
     logits, kv = call(kv, jax.lax.dynamic_slice_in_dim(tokens, j - 1, 1, axis=1), positions)
-    token, probs = _draft_draw(logits[:, 0], rows, loop.num_generated + j)
+    token, probs = _draft_draw(logits[:, 0], row_params, loop.num_generated + j)
     return tokens.at[:, j].set(token), dists.at[:, j].set(probs), kv
 
   return jax.lax.fori_loop(1, k, propose, (tokens, dists, kv))

@@ -2,8 +2,8 @@
 and ragged steps.
 
 Before the model call, `append_last_tokens` appends the rows' tokens and
-`copy_for_append` carries out the resulting page copies; `slots_of` maps
-positions to cache slots through block tables. After the draws,
+`copy_for_append` carries out the resulting page copies; `slot_mapping_of` maps
+positions to their `slot_mapping` through block tables. After the draws,
 `step_automata` advances the constrained rows' automata and
 `finish_step` does the bookkeeping every step ends with: free the rows
 that finished and count the step.
@@ -22,17 +22,17 @@ from paged_jax.block_manager.manager import BlockSpaceManager
 from paged_jax.block_manager.plans import unwritten_hit_copies
 from paged_jax.block_manager.state import CopyPlan, on_every_shard
 from paged_jax.config import Status
-from paged_jax.engine.programs.carry import DecodeLoop, by_shard, local_slots, per_shard
+from paged_jax.engine.programs.carry import DecodeLoop, by_shard, per_shard, shard_seq_ids
 from paged_jax.kv_cache import KVCache
 
 
 def append_last_tokens(loop: DecodeLoop):
   """`append_slots` of every running row's last token, on every shard."""
   num_shards = loop.out_of_blocks.shape[0]
-  running = loop.seq_ids >= 0
+  running = loop.slots >= 0
   return on_every_shard(BlockSpaceManager(loop.state.cfg).append_slots)(
     loop.state,
-    local_slots(loop),
+    shard_seq_ids(loop),
     by_shard(loop.last_token[:, None], num_shards),
     by_shard(running.astype(jnp.int32), num_shards),
   )
@@ -63,7 +63,7 @@ def finish_step(loop: DecodeLoop, state, plan: CopyPlan, num_tokens, free, finis
   ends with: `state` with the global slots `free` (-1: none) freed, the
   step and its rows counted with `plan`'s copies, the blocks in use and
   the `num_tokens` they hold, `finished` (a row finished) noted, and the
-  rows' new fields `rows` (`kv`, `seq_ids`, `last_token`, ...)."""
+  rows' new fields `rows` (`kv`, `slots`, `last_token`, ...)."""
   cfg = state.cfg
   bm = BlockSpaceManager(cfg)
   used = cfg.num_gpu_blocks - on_every_shard(bm.num_free_gpu_blocks)(state)
@@ -74,7 +74,7 @@ def finish_step(loop: DecodeLoop, state, plan: CopyPlan, num_tokens, free, finis
   return loop.replace(
     state=freed,
     step=loop.step + 1,
-    rows_run=loop.rows_run + jnp.sum(loop.seq_ids >= 0),
+    rows_run=loop.rows_run + jnp.sum(loop.slots >= 0),
     finished_any=loop.finished_any | finished,
     cow_copies=loop.cow_copies + jnp.sum(plan.count),
     peak_blocks=jnp.maximum(loop.peak_blocks, jnp.max(used)),
@@ -83,8 +83,8 @@ def finish_step(loop: DecodeLoop, state, plan: CopyPlan, num_tokens, free, finis
   )
 
 
-def slots_of(tables: jax.Array, positions: jax.Array, block_size: int) -> jax.Array:
-  """The cache slot of each position `[rows, width]` (-1: none) through the
+def slot_mapping_of(tables: jax.Array, positions: jax.Array, block_size: int) -> jax.Array:
+  """The slot mapping of each position `[rows, width]` (-1: none) through the
   rows' block tables."""
   blocks = jnp.take_along_axis(tables, jnp.maximum(positions, 0) // block_size, axis=1)
   return jnp.where(
