@@ -88,14 +88,19 @@ def test_kernel_matches_reference(n, k, bits, group_size, minimums, rows, dtype,
     np.testing.assert_array_equal(np.asarray(plain), np.asarray(got))
 
 
-def test_leading_axes_and_bfloat16_scales():
+def test_leading_axes_and_scale_dtypes():
+  """bfloat16 scales are read as float32; int16 ones (a TPU placement's
+  float16 bits) as the float16 they hold."""
   values, scales, mins = random_weight(32, 128, 4, 32, True, seed=4)
   x = jnp.asarray(np.random.default_rng(5).standard_normal((2, 2, 128)), jnp.float32)
-  wide = (scales.astype(jnp.bfloat16), mins.astype(jnp.bfloat16))  # read as float32
+  wide = (scales.astype(jnp.bfloat16), mins.astype(jnp.bfloat16))
   got = product(x, values, *wide, 4, 32)
   want = quantized_matmul_reference(x, values, *wide, bits=4, group_size=32)
   assert got.shape == (2, 2, 32)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=1e-4)
+  bits = [jax.lax.bitcast_convert_type(a, jnp.int16) for a in (scales, mins)]
+  halves = product(x, values, scales, mins, 4, 32)
+  np.testing.assert_array_equal(np.asarray(product(x, values, *bits, 4, 32)), np.asarray(halves))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
