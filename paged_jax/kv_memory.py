@@ -121,6 +121,39 @@ def num_gpu_blocks_for_memory(
   return blocks
 
 
+def num_gpu_blocks_for_budget(
+  budget_bytes: int, block_bytes: int, *, min_blocks: int = 1, max_tokens: int | None = None
+) -> int:
+  """Device blocks that a KV byte budget holds, like vLLM's ``kv_cache_memory_bytes``.
+
+  Args:
+    budget_bytes: bytes of KV pages per device.
+    block_bytes: bytes one block takes on a device (``bytes_per_block(...)``,
+      of the KV heads that device stores).
+    min_blocks: the fewest blocks that serve one sequence.
+    max_tokens: that sequence's length, for the error message.
+
+  Returns:
+    ``budget_bytes // block_bytes``.
+
+  Raises:
+    ValueError: naming the numbers, for a budget that is not a positive
+      int or that holds fewer than ``min_blocks`` blocks.
+  """
+  if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 1:
+    raise ValueError(f"kv_cache_memory_bytes must be a positive int, got {budget_bytes!r}")
+  if block_bytes < 1 or min_blocks < 1:
+    raise ValueError(f"need block_bytes >= 1 and min_blocks >= 1, got {block_bytes}, {min_blocks}")
+  blocks = budget_bytes // block_bytes
+  if blocks < min_blocks:
+    raise ValueError(
+      f"kv_cache_memory_bytes={budget_bytes} holds {blocks} blocks of {block_bytes} bytes, "
+      f"but one sequence{'' if max_tokens is None else f' of {max_tokens} tokens'} needs "
+      f"{min_blocks} ({min_blocks * block_bytes} bytes)"
+    )
+  return blocks
+
+
 def num_cpu_blocks_for_swap_space(swap_space_gib: float, block_bytes: int) -> int:
   """Host blocks that fit ``swap_space_gib`` GiB, like vLLM's swap_space.
 

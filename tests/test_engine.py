@@ -591,6 +591,38 @@ def test_bad_engine_arguments_and_requests_raise(model):
     pj.LLMEngine(model, TOKENIZER, CFG, async_scheduling=True, speculative_config=ngram)
 
 
+def test_kv_cache_memory_bytes_sizes_the_blocks_and_bad_budgets_name_the_numbers(model):
+  block = pj.bytes_per_block(
+    block_size=4, num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32"
+  )
+  unsized = dataclasses.replace(CFG, num_gpu_blocks=pj.CacheConfig.num_gpu_blocks)
+  engine = pj.LLMEngine(model, TOKENIZER, unsized, kv_cache_memory_bytes=20 * block + block // 2)
+  assert engine.cfg.num_gpu_blocks == engine.num_free_gpu_blocks() == 20
+  assert engine.cache.kv.nbytes == 20 * block
+  half = pj.LLM(model, None, unsized, kv_cache_memory_bytes=20 * block, kv_cache_dtype="bfloat16")
+  assert half.engine.cfg.num_gpu_blocks == 40  # the pages' dtype sizes the blocks
+  same = dataclasses.replace(CFG, num_gpu_blocks=20)  # a block count equal to the budget's
+  assert pj.LLMEngine(model, None, same, kv_cache_memory_bytes=20 * block).cfg == same
+  for budget in (0, -block, 2.0e9, True):
+    with pytest.raises(
+      ValueError, match=f"kv_cache_memory_bytes must be a positive int, got {budget}"
+    ):
+      pj.LLMEngine(model, None, unsized, kv_cache_memory_bytes=budget)
+  # A sequence of 64 tokens (the model's positions) takes 16 blocks of 4.
+  with pytest.raises(
+    ValueError,
+    match=rf"kv_cache_memory_bytes={15 * block} holds 15 blocks of {block} bytes, but one sequence "
+    rf"of 64 tokens needs 16 \({16 * block} bytes\)",
+  ):
+    pj.LLMEngine(model, None, unsized, kv_cache_memory_bytes=15 * block)
+  with pytest.raises(
+    ValueError,
+    match=rf"kv_cache_memory_bytes={20 * block} holds 20 GPU blocks of {block} bytes, but "
+    r"cache_config.num_gpu_blocks is 14: give one of them",
+  ):
+    pj.LLMEngine(model, None, CFG, kv_cache_memory_bytes=20 * block)
+
+
 class _Config:
   num_layers, num_kv_heads, head_dim = 1, 1, 8
   vocab_size, max_seq_len, dtype = 258, 64, "float32"

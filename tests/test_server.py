@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 import httpx
 import jax
@@ -463,6 +464,12 @@ def test_api_key_is_needed_except_for_health_and_metrics(tiny):
     (["--preemption-mode", "swap"], "--preemption-mode swap needs --swap-space > 0"),
     (["--max-logprobs", "-1"], "--max-logprobs must be >= 0"),
     (["--num-gpu-blocks-override", "0"], "--num-gpu-blocks-override: must be >= 1"),
+    (["--kv-cache-memory-bytes", "0"], "--kv-cache-memory-bytes: must be >= 1"),
+    (
+      ["--kv-cache-memory-bytes", "4096", "--num-gpu-blocks-override", "8"],
+      "--kv-cache-memory-bytes 4096 and --num-gpu-blocks-override 8 both size the KV cache",
+    ),
+    (["--kv-cache-memory-bytes", "100"], "kv_cache_memory_bytes=100 holds 0 blocks of"),
     (["--num-scheduler-steps", "0"], "--num-scheduler-steps: must be >= 1"),
     (["--speculative-config", "{ngram}"], "--speculative-config: not JSON"),
     (["--speculative-config", "[1]"], "--speculative-config: a JSON object is needed"),
@@ -477,17 +484,26 @@ def test_bad_serve_options_exit_before_listening(argv, message, capsys):
   assert message in str(exit_info.value.code) + capsys.readouterr().err
 
 
-def test_num_scheduler_steps_and_async_scheduling_set_the_engines_options(monkeypatch):
+def test_scheduler_steps_async_scheduling_and_kv_budget_set_the_engines_options(monkeypatch):
   from paged_jax.__main__ import _parser
 
   built = {}
-  monkeypatch.setattr(pj, "LLMEngine", lambda *args, **kwargs: built.update(kwargs))
+
+  def engine(model, tokenizer, cache_config, **kwargs):
+    built.update(kwargs)
+    return types.SimpleNamespace(cfg=cache_config)
+
+  monkeypatch.setattr(pj, "LLMEngine", engine)
   args = _parser().parse_args(["serve", "--model", "tiny", "--num-scheduler-steps", "2"])
   cli.engine_builder(args)()
   assert built["num_decode_steps"] == 2
   assert built["async_scheduling"] is False
-  cli.engine_builder(_parser().parse_args(["serve", "--model", "tiny", "--async-scheduling"]))()
+  assert built["kv_cache_memory_bytes"] is None
+  argv = ["serve", "--model", "tiny", "--async-scheduling", "--kv-cache-memory-bytes", "65536"]
+  # The server leaves the block count at its default for the engine to size.
+  assert cli.engine_builder(_parser().parse_args(argv))().num_gpu_blocks == 1024
   assert built["async_scheduling"] is True
+  assert built["kv_cache_memory_bytes"] == 65536
 
 
 def test_a_draft_model_flag_loads_the_draft_as_the_model_flag_does():

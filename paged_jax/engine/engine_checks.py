@@ -1,13 +1,20 @@
 """`LLMEngine`'s checks of its configuration: speculation the cache can
-hold, the most prompt tokens per round under a window, and how many model
-programs one engine compiles."""
+hold, the most prompt tokens per round under a window, how many model
+programs one engine compiles, and the blocks a KV byte budget holds."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax.numpy as jnp
+
+from paged_jax import sharding
 from paged_jax.config import CacheConfig
+from paged_jax.engine.admission import blocks_held
 from paged_jax.engine.protocol import check_model
 from paged_jax.engine.runner import ModelRunner
 from paged_jax.engine.scheduler import PREEMPTION_MODES
+from paged_jax.kv_memory import bytes_per_block, num_gpu_blocks_for_budget
 from paged_jax.paged_cache import window_chunk
 
 # The most model programs (prompt shapes and decode loops) one engine
@@ -130,3 +137,60 @@ def check_limits(
     )
   if preemption_mode not in PREEMPTION_MODES:
     raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
+
+
+def kv_block_bytes(block_size: int, model_configs, dtype, model_shards: int = 1) -> int:
+  """Bytes one block number takes on one device: every layer's K and V of
+  each of `model_configs` (a draft's pages share the blocks), of the KV
+  heads one of `model_shards` tensor-parallel devices stores."""
+  return sum(
+    bytes_per_block(
+      block_size=block_size,
+      num_layers=c.num_layers,
+      num_kv_heads=sharding.stored_kv_heads(c.num_kv_heads, model_shards) // model_shards,
+      head_dim=c.head_dim,
+      dtype=jnp.dtype(dtype),
+    )
+    for c in model_configs
+  )
+
+
+def sized_for_budget(
+  cfg: CacheConfig,
+  budget_bytes: int,
+  model_configs,
+  *,
+  kv_cache_dtype=None,
+  model_shards: int = 1,
+  max_chunk: int | None = None,
+) -> CacheConfig:
+  """`cfg` with as many GPU blocks as `budget_bytes` per device hold
+  (`LLMEngine`'s `kv_cache_memory_bytes`).
+
+  Args:
+    cfg: the cache asked for; its `num_gpu_blocks` must be left at the
+      default or equal what the budget holds.
+    budget_bytes: bytes of KV pages per device.
+    model_configs: the model's config, and a draft model's after it.
+    kv_cache_dtype: the pages' dtype; None for the model's.
+    model_shards: tensor-parallel devices (the mesh's "model" axis).
+    max_chunk: see `admission.blocks_held`.
+
+  Raises:
+    ValueError: naming the numbers, for a budget that is not a positive int,
+      that holds no sequence of the longest length (the models' and the
+      block table's), or that conflicts with `cfg.num_gpu_blocks`.
+  """
+  dtype = model_configs[0].dtype if kv_cache_dtype is None else kv_cache_dtype
+  block_bytes = kv_block_bytes(cfg.block_size, model_configs, dtype, model_shards)
+  max_len = min([c.max_seq_len for c in model_configs] + [cfg.max_tokens_per_seq])
+  need = blocks_held(cfg, max_len, max_chunk)
+  blocks = num_gpu_blocks_for_budget(budget_bytes, block_bytes, min_blocks=need, max_tokens=max_len)
+  default = CacheConfig.__dataclass_fields__["num_gpu_blocks"].default
+  if cfg.num_gpu_blocks not in (default, blocks):
+    raise ValueError(
+      f"kv_cache_memory_bytes={budget_bytes} holds {blocks} GPU blocks of {block_bytes} bytes, "
+      f"but cache_config.num_gpu_blocks is {cfg.num_gpu_blocks}: give one of them (leave "
+      f"num_gpu_blocks at its default, {default}, to size the cache from the budget)"
+    )
+  return dataclasses.replace(cfg, num_gpu_blocks=blocks)

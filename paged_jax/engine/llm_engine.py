@@ -56,6 +56,12 @@ class LLMEngine(EngineRounds, EngineLifecycle):
     preemption_mode: "recompute" or "swap", how a group is preempted when
       blocks run out.
     kv_cache_dtype: dtype of the KV pages; None for the model's.
+    kv_cache_memory_bytes: bytes of KV pages per device (vLLM's option of
+      that name): the cache gets as many GPU blocks as they hold, of the
+      model's layers (and a draft model's) and of the KV heads one device
+      stores, instead of `cache_config.num_gpu_blocks`, which must then be
+      left at its default (or equal that count). The budget must hold one
+      sequence of the longest length. None: `cache_config`'s blocks.
     mesh: a ``("data", "model")`` mesh: the model's weights and the KV
       pages are split over "model" (tensor parallel), and every data shard
       has a cache of `cache_config`'s size, its own manager state,
@@ -128,6 +134,7 @@ class LLMEngine(EngineRounds, EngineLifecycle):
     max_num_batched_tokens: int = 512,
     preemption_mode: str = "recompute",
     kv_cache_dtype=None,
+    kv_cache_memory_bytes: int | None = None,
     mesh=None,
     num_decode_steps: int = 8,
     max_logprobs: int = 5,
@@ -175,6 +182,15 @@ class LLMEngine(EngineRounds, EngineLifecycle):
         "from the tokens the host read back"
       )
     max_chunk = engine_checks.max_chunk(cache_config, model.config)
+    if kv_cache_memory_bytes is not None:
+      cache_config = engine_checks.sized_for_budget(
+        cache_config,
+        kv_cache_memory_bytes,
+        [model.config] + ([] if draft is None else [draft.config]),
+        kv_cache_dtype=kv_cache_dtype,
+        model_shards=1 if mesh is None else mesh.shape["model"],
+        max_chunk=max_chunk,
+      )
     if self.speculative is not None:
       engine_checks.check_speculation(self.speculative, cache_config, max_chunk, draft)
     self.draft = draft

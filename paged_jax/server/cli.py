@@ -112,6 +112,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
   serve.add_argument("--block-size", type=positive, default=16)
   serve.add_argument("--num-gpu-blocks-override", type=positive, default=None)
   serve.add_argument(
+    "--kv-cache-memory-bytes",
+    type=positive,
+    default=None,
+    help="bytes of KV blocks per device, instead of what --gpu-memory-utilization (or on CPU "
+    "--cpu-kv-cache-space) leaves (not with --num-gpu-blocks-override)",
+  )
+  serve.add_argument(
     "--gpu-memory-utilization",
     type=_fraction,
     default=0.9,
@@ -231,6 +238,8 @@ def _num_gpu_blocks(args, model, block_bytes: int, max_model_len: int) -> int:
 
   if args.num_gpu_blocks_override is not None:
     return args.num_gpu_blocks_override
+  if args.kv_cache_memory_bytes is not None:  # the engine sizes the cache from it
+    return pj.CacheConfig.num_gpu_blocks
   try:
     memory = pj.device_memory_bytes()
   except ValueError:
@@ -248,10 +257,9 @@ def engine_builder(args):
   from paged_jax.server.engine_thread import BuiltEngine
 
   def build() -> BuiltEngine:
-    import jax.numpy as jnp
-
     import paged_jax as pj
     from paged_jax import sharding
+    from paged_jax.engine import engine_checks
 
     model, tokenizer = _load(args)
     config = model.config
@@ -260,17 +268,18 @@ def engine_builder(args):
     tp, dp = args.tensor_parallel_size, args.data_parallel_size
     speculative_config = _with_draft(args)
     draft = (speculative_config or {}).get("model")
-    block_bytes = sum(  # a draft's pages share the blocks
-      pj.bytes_per_block(
-        block_size=args.block_size,
-        num_layers=c.num_layers,
-        num_kv_heads=sharding.stored_kv_heads(c.num_kv_heads, tp) // tp,
-        head_dim=c.head_dim,
-        dtype=jnp.dtype(kv_dtype or config.dtype),
-      )
-      for c in (config, *([] if draft is None else [draft.config]))
+    block_bytes = engine_checks.kv_block_bytes(  # a draft's pages share the blocks
+      args.block_size,
+      [config] + ([] if draft is None else [draft.config]),
+      kv_dtype or config.dtype,
+      tp,
     )
     num_cpu_blocks = pj.num_cpu_blocks_for_swap_space(args.swap_space, block_bytes)
+    if args.kv_cache_memory_bytes is not None and args.num_gpu_blocks_override is not None:
+      raise ValueError(
+        f"--kv-cache-memory-bytes {args.kv_cache_memory_bytes} and --num-gpu-blocks-override "
+        f"{args.num_gpu_blocks_override} both size the KV cache: give one"
+      )
     if args.preemption_mode == "swap" and num_cpu_blocks == 0:
       raise ValueError("--preemption-mode swap needs --swap-space > 0")
     cache_config = pj.CacheConfig(
@@ -290,6 +299,7 @@ def engine_builder(args):
       num_decode_steps=args.num_scheduler_steps,
       preemption_mode=args.preemption_mode,
       kv_cache_dtype=kv_dtype,
+      kv_cache_memory_bytes=args.kv_cache_memory_bytes,
       mesh=mesh,
       max_logprobs=args.max_logprobs,
       max_beam_width=MAX_BEAM_WIDTH,
@@ -299,7 +309,7 @@ def engine_builder(args):
       warmup=True,
       seed=args.seed,
     )
-    return BuiltEngine(engine, model, cache_config, num_data_shards=dp)
+    return BuiltEngine(engine, model, engine.cfg, num_data_shards=dp)
 
   return build
 
