@@ -18,6 +18,10 @@ would, a prompt appended in chunks, then decode steps, and the blocks each
 type's table holds at the end are counted (and checked against the
 arithmetic of `blocks_held`).
 
+The "engine" columns count what `LLMEngine(hybrid_kv_cache=True)` holds:
+its sliding types keep `window + chunk - 1` positions for prompt chunks of
+half the window.
+
   python benchmarks/hybrid_memory.py [--tokens 8192 32768] [--block-size 16]
 """
 
@@ -116,11 +120,13 @@ def _ops(cfg):
   return manager, jit_op(manager.allocate), jit_op(manager.append_slots)
 
 
-def manager_blocks(windows: tuple, num_tokens: int, block_size: int) -> dict[int | None, int]:
+def manager_blocks(
+  windows: tuple, num_tokens: int, block_size: int, chunk: int = PROMPT_CHUNK
+) -> dict[int | None, int]:
   """Blocks each attention type's table holds after serving one sequence of `num_tokens`.
 
   The sequence is allocated empty, its first `num_tokens - DECODE_STEPS`
-  tokens appended in chunks of `PROMPT_CHUNK`, then the rest one token a
+  tokens appended in chunks of `chunk`, then the rest one token a
   step, on a `HybridCacheConfig` whose layers have `windows` (None: global).
 
   Returns:
@@ -139,10 +145,8 @@ def manager_blocks(windows: tuple, num_tokens: int, block_size: int) -> dict[int
   manager, allocate, append = _ops(cfg)
   state, result = allocate(manager.init(), np.array([0], np.int32), np.zeros(1, np.int32), 0)
   prompt = num_tokens - DECODE_STEPS
-  chunks = [PROMPT_CHUNK] * (prompt // PROMPT_CHUNK) + [prompt % PROMPT_CHUNK] * bool(
-    prompt % PROMPT_CHUNK
-  )
-  steps = [(count, PROMPT_CHUNK) for count in chunks] + [(1, 1)] * DECODE_STEPS
+  chunks = [chunk] * (prompt // chunk) + [prompt % chunk] * bool(prompt % chunk)
+  steps = [(count, chunk) for count in chunks] + [(1, 1)] * DECODE_STEPS
   for count, width in steps:
     tokens = np.ones((1, width), np.int32)
     state, result = append(state, np.array([0], np.int32), tokens, np.array([count], np.int32))
@@ -152,14 +156,25 @@ def manager_blocks(windows: tuple, num_tokens: int, block_size: int) -> dict[int
 
 
 def measured_bytes_per_sequence(
-  shape: HybridShape, num_tokens: int, *, block_size: int, hybrid: bool, dtype_bytes: int = 2
+  shape: HybridShape,
+  num_tokens: int,
+  *,
+  block_size: int,
+  hybrid: bool,
+  dtype_bytes: int = 2,
+  engine: bool = False,
 ) -> int:
-  """`kv_bytes_per_sequence` from the real manager's block counts (the same design choice)."""
+  """`kv_bytes_per_sequence` from the real manager's block counts (the same
+  design choice); with `engine`, on the hybrid cache `LLMEngine(...,
+  hybrid_kv_cache=True)` builds: prompt chunks of half the window, and a
+  sliding type that keeps `window + chunk - 1` positions."""
+  chunk = shape.sliding_window // 2 if engine else PROMPT_CHUNK
+  window = shape.sliding_window + (chunk - 1 if engine else 0)
   layers = [
-    None if (layer + 1) % shape.pattern == 0 or not hybrid else shape.sliding_window
+    None if (layer + 1) % shape.pattern == 0 or not hybrid else window
     for layer in range(shape.num_layers)
   ]
-  held = manager_blocks(tuple(layers), num_tokens, block_size)
+  held = manager_blocks(tuple(layers), num_tokens, block_size, chunk)
   block_bytes = 2 * shape.num_kv_heads * block_size * shape.head_dim * dtype_bytes
   return sum(held[window] for window in layers) * block_bytes
 
@@ -176,7 +191,7 @@ def main() -> None:
     )
     print(
       f"{'model':<12} {'layers':>6} {'global':>6} {'kv x dim':>9} {'window':>6} "
-      f"{'every block':>12} {'hybrid':>9} {'saved':>6}"
+      f"{'every block':>12} {'hybrid':>9} {'saved':>6} {'engine':>9} {'saved':>6}"
     )
     ratios = []
     for shape in GEMMA3:
@@ -189,11 +204,15 @@ def main() -> None:
           shape, tokens, block_size=args.block_size, hybrid=windowed
         )
         assert measured == arithmetic, (shape.name, windowed, measured, arithmetic)
+      engine = measured_bytes_per_sequence(
+        shape, tokens, block_size=args.block_size, hybrid=True, engine=True
+      )
       ratios.append(kept / hybrid)
       print(
         f"{shape.name:<12} {shape.num_layers:>6} {shape.num_global_layers:>6} "
         f"{shape.num_kv_heads:>4} x {shape.head_dim:<3} {shape.sliding_window:>6} "
-        f"{kept / 2**30:>10.2f} GiB {hybrid / 2**30:>5.2f} GiB {kept / hybrid:>5.1f}x"
+        f"{kept / 2**30:>10.2f} GiB {hybrid / 2**30:>5.2f} GiB {kept / hybrid:>5.1f}x "
+        f"{engine / 2**30:>5.2f} GiB {kept / engine:>5.1f}x"
       )
     print(
       f"\nsummary: hybrid tables hold {min(ratios):.1f}x to {max(ratios):.1f}x less KV cache "

@@ -143,8 +143,9 @@ def _parser() -> argparse.ArgumentParser:
   aot.add_argument(
     "--variant",
     action="append",
-    choices=list(aot_tool.VARIANTS),
-    help="engine variants to compile (repeatable; default: all)",
+    choices=[*aot_tool.VARIANTS, *aot_tool.OPTIONAL_VARIANTS],
+    help="engine variants to compile (repeatable; default: all but the optional "
+    f"{', '.join(aot_tool.OPTIONAL_VARIANTS)})",
   )
   aot.add_argument(
     "--program",
@@ -173,7 +174,8 @@ def run_aot(args, parser) -> int:
       model, _ = load_model(
         args.model, dtype=args.dtype, max_seq_len=256, quantization=args.quantization
       )
-    variants = {v: aot_tool.VARIANTS[v] for v in args.variant or aot_tool.VARIANTS}
+    known = aot_tool.VARIANTS | aot_tool.OPTIONAL_VARIANTS
+    variants = {v: known[v] for v in args.variant or aot_tool.VARIANTS}
     report = aot_tool.compile_engine_programs(
       model, args.topology, args.tensor_parallel_size, variants, args.program
     )

@@ -17,7 +17,8 @@ the model's graph, its parameters as sharded `jax.ShapeDtypeStruct`s
 
 The set compiled is warm-up's set for each engine variant of `VARIANTS`
 (plain, int8 and fp8 pages, async scheduling's carries, n-gram
-speculation with its prefill apart); beams are part of every variant's
+speculation with its prefill apart; on request, `OPTIONAL_VARIANTS`' hybrid
+tables, one block table per attention type); beams are part of every variant's
 every-slot decode loop, and every program carries the engine's automaton
 table (structured outputs; `pj.TableCapacity.for_vocabulary` of the
 model's vocabulary). Swaps are left out (no host pages: `num_cpu_blocks`
@@ -90,6 +91,9 @@ VARIANTS = {
   "async scheduling": dict(async_scheduling=True),
   "speculation": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
 }
+# Variants compiled only when asked for (`--variant`): one block table per
+# attention type (for a model with several; one chip, tensor parallel 1).
+OPTIONAL_VARIANTS = {"hybrid tables": dict(hybrid_kv_cache=True)}
 
 
 def require_libtpu() -> None:
@@ -212,7 +216,7 @@ class ShapeOnlyModel:
     from paged_jax.models.quantized import quantize_loaded
 
     config = self.config
-    kinds = None if config.layer_types is None else tuple(dict.fromkeys(config.layer_types))
+    kinds = None if config.layer_types is None else kv_kinds(config)
     small = dataclasses.replace(
       config,
       num_layers=1 if kinds is None else len(kinds),
@@ -239,11 +243,34 @@ class ShapeOnlyModel:
 
   def with_layers(self, kv):
     """The cache `kv` of the stand-in with every per-layer page and scale
-    array repeated for this model's layers (their shapes are the same)."""
-    layers = self.config.num_layers
-    grow = lambda pages: None if pages is None else (pages[0],) * layers
-    fields = ("k", "v", "k_host", "v_host", "k_scale", "v_scale", "k_scale_host", "v_scale_host")
-    return kv.replace(**{name: grow(getattr(kv, name)) for name in fields})
+    array repeated for this model's layers (their shapes are the same); a
+    hybrid cache's each type's for this model's layers of that type."""
+    from paged_jax.hybrid_kv import HybridKVCache
+
+    if isinstance(kv, HybridKVCache):
+      return self._hybrid_with_layers(kv)
+    return _grown(kv, self.config.num_layers)
+
+  def _hybrid_with_layers(self, kv):
+    """A stand-in's `HybridKVCache` (one layer per kind) with this model's
+    layers: each layer's type is the stand-in's of its kind."""
+    stand_in = dict(zip(kv_kinds(self.config), kv.cfg.layer_windows))
+    windows = tuple(stand_in[kind] for kind in self.config.layer_types)
+    cfg = dataclasses.replace(kv.cfg, layer_windows=windows)
+    types = tuple(_grown(c, windows.count(w)) for c, w in zip(kv.types, cfg.windows))
+    return kv.replace(cfg=cfg, types=types)
+
+
+def kv_kinds(config) -> tuple:
+  """The distinct layer kinds of `config`, in order (the stand-in's layers)."""
+  return tuple(dict.fromkeys(config.layer_types))
+
+
+def _grown(kv, layers: int):
+  """`kv` with every per-layer array repeated for `layers` layers."""
+  grow = lambda pages: None if pages is None else (pages[0],) * layers
+  fields = ("k", "v", "k_host", "v_host", "k_scale", "v_scale", "k_scale_host", "v_scale_host")
+  return kv.replace(**{name: grow(getattr(kv, name)) for name in fields})
 
 
 def abstract_params(model, mesh):
@@ -434,17 +461,19 @@ def _on_tpu(launch: Launch, mesh, swap: dict, model):
   to its layers."""
   import jax
 
+  from paged_jax.hybrid_kv import HybridKVCache
   from paged_jax.kv_cache import KVCache
 
   shape_only = isinstance(model, ShapeOnlyModel)
+  caches = (KVCache, HybridKVCache)
 
   def leaf(x):
     if id(x) in swap:
       return swap[id(x)]
-    return model.with_layers(x) if shape_only and isinstance(x, KVCache) else x
+    return model.with_layers(x) if shape_only and isinstance(x, caches) else x
 
   tree = jax.tree.map(
-    leaf, (launch.args, launch.kwargs), is_leaf=lambda x: id(x) in swap or isinstance(x, KVCache)
+    leaf, (launch.args, launch.kwargs), is_leaf=lambda x: id(x) in swap or isinstance(x, caches)
   )
   return abstract(tree, mesh)
 

@@ -57,6 +57,11 @@ class HybridKVCache:
     return self.types[group].pages(index)
 
   @property
+  def mesh(self):
+    """None: a hybrid cache lives on one device."""
+    return None
+
+  @property
   def nbytes(self) -> int:
     """Device bytes of every type's pages."""
     return sum(kv.nbytes for kv in self.types)

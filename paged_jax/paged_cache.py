@@ -15,8 +15,9 @@ feature. A `CacheConfig` with a window of `W` frees the blocks that leave
 it; that cache serves layers whose windows are at most `W`, and a sequence
 appends at most `W - w + 1` tokens per call (`window_chunk`), so that no
 query reads a freed block (see `PagedCache.attend`).
-The planned design, one block table per attention type, is in
-docs/semantics.md ("Sliding windows and hybrid models").
+On a hybrid cache (`paged_jax.hybrid_kv`, one block table per attention
+type) `HybridPagedCache` runs each layer as a `PagedCache` on its type's
+pages, tables and slots, whose manager window is that type's.
 
 On a cache split over a mesh (`KVCache.create(..., mesh=mesh)`),
 `ShardedPagedCache` runs the same writes and attention on every device, on
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 
 from paged_jax import sharding
 from paged_jax.attention import paged_attention, paged_prefill_attention
+from paged_jax.hybrid_kv import HybridKVCache
 from paged_jax.kv_cache import KVCache, write_kv
 
 
@@ -283,19 +285,59 @@ class ShardedPagedCache(PagedCache):
     return out, self.replace(kv=self.kv.with_device_part(written))
 
 
+@flax.struct.dataclass
+class HybridPagedCache:
+  """The backend of one model call on a hybrid cache (one block table per
+  attention type, `paged_jax.hybrid_kv`): `block_tables`, `slot_mapping`
+  and `decode_tables` hold one entry per type, as `PagedCache`'s fields;
+  a layer attends as a `PagedCache` on its type's pages and entries, whose
+  manager window is the type's (`HybridKVCache.cfg.windows`)."""
+
+  kv: HybridKVCache
+  block_tables: tuple
+  slot_mapping: tuple
+  query_tiles: jax.Array | None = None
+  decode_tables: tuple | None = None
+
+  def attend(self, layer: int, q, k, v, positions, **options) -> tuple[jax.Array, HybridPagedCache]:
+    """See `PagedCache.attend`: layer `layer` on its type's pages and tables."""
+    group, index = self.kv.locate(layer)
+    one = PagedCache(
+      kv=self.kv.types[group],
+      block_tables=self.block_tables[group],
+      slot_mapping=self.slot_mapping[group],
+      cache_sliding_window=self.kv.cfg.windows[group],
+      query_tiles=self.query_tiles,
+      decode_tables=None if self.decode_tables is None else self.decode_tables[group],
+    )
+    out, one = one.attend(index, q, k, v, positions, **options)
+    types = self.kv.types[:group] + (one.kv,) + self.kv.types[group + 1 :]
+    return out, self.replace(kv=self.kv.replace(types=types))
+
+
 def paged_cache(
-  kv: KVCache,
-  block_tables: jax.Array,
-  slot_mapping: jax.Array,
+  kv,
+  block_tables,
+  slot_mapping,
   cache_sliding_window=None,
   query_tiles=None,
   decode_tables=None,
-) -> PagedCache:
+) -> PagedCache | HybridPagedCache:
   """The paged backend of one model call: per device when `kv` is on a mesh
   (rows grouped by data shard, `rows / data` each; so are a packed call's
   tiles and decode tables); `cache_sliding_window` is the `CacheConfig`'s
   window, `query_tiles` a packed call's tiles and `decode_tables` a ragged
-  call's (see `PagedCache`)."""
+  call's (see `PagedCache`). On a `HybridKVCache` (one device), a
+  `HybridPagedCache`: tables, slots and decode tables hold one entry per
+  type, and each type's window is its own."""
+  if isinstance(kv, HybridKVCache):
+    return HybridPagedCache(
+      kv=kv,
+      block_tables=tuple(block_tables),
+      slot_mapping=tuple(slot_mapping),
+      query_tiles=query_tiles,
+      decode_tables=None if decode_tables is None else tuple(decode_tables),
+    )
   cls = PagedCache if kv.mesh is None else ShardedPagedCache
   return cls(
     kv=kv,

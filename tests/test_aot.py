@@ -98,6 +98,21 @@ def test_a_stand_in_cache_grows_to_the_models_layers():
   assert kv.k[31].shape == (8, 4, 16, 128)
 
 
+def test_a_stand_in_hybrid_cache_grows_to_the_models_layers_of_each_type():
+  import paged_jax as pj
+  from paged_jax.block_manager.hybrid import HybridCacheConfig
+  from paged_jax.hybrid_kv import HybridKVCache
+
+  model = aot.ShapeOnlyModel.named("gemma-3-4b")  # 29 sliding layers, 5 global ones
+  cfg = pj.CacheConfig(block_size=16, num_gpu_blocks=4, num_cpu_blocks=0, max_seqs=1)
+  stand_in = HybridCacheConfig(cfg, (1535, None), gpu_blocks=(4, 2))  # the stand-in's 2 layers
+  kv = model.with_layers(HybridKVCache.create(stand_in, 4, 256, "bfloat16"))
+  assert kv.cfg.layer_windows == ((1535,) * 5 + (None,)) * 5 + (1535,) * 4
+  assert (len(kv.types[0].k), len(kv.types[1].k)) == (5, 29)
+  assert kv.types[0].k[4].shape == (4, 4, 16, 256) and kv.types[1].k[28].shape == (4, 2, 16, 256)
+  assert kv.locate(33) == (1, 28) and kv.locate(29) == (0, 4)
+
+
 def test_the_cli_without_libtpu_says_how_to_install(monkeypatch, capsys):
   from paged_jax.__main__ import main
 

@@ -598,7 +598,7 @@ def test_kv_cache_memory_bytes_sizes_the_blocks_and_bad_budgets_name_the_numbers
   unsized = dataclasses.replace(CFG, num_gpu_blocks=pj.CacheConfig.num_gpu_blocks)
   engine = pj.LLMEngine(model, TOKENIZER, unsized, kv_cache_memory_bytes=20 * block + block // 2)
   assert engine.cfg.num_gpu_blocks == engine.num_free_gpu_blocks() == 20
-  assert engine.cache.kv.nbytes == 20 * block
+  assert engine.cache_manager.kv.nbytes == 20 * block
   half = pj.LLM(model, None, unsized, kv_cache_memory_bytes=20 * block, kv_cache_dtype="bfloat16")
   assert half.engine.cfg.num_gpu_blocks == 40  # the pages' dtype sizes the blocks
   same = dataclasses.replace(CFG, num_gpu_blocks=20)  # a block count equal to the budget's

@@ -96,6 +96,22 @@ class HybridCacheConfig:
       object.__setattr__(self, name, counts)
 
   @property
+  def block_size(self) -> int:
+    return self.cache.block_size
+
+  @property
+  def max_seqs(self) -> int:
+    return self.cache.max_seqs
+
+  @property
+  def max_tokens_per_seq(self) -> int:
+    return self.cache.max_tokens_per_seq
+
+  @property
+  def enable_prefix_caching(self) -> bool:
+    return self.cache.enable_prefix_caching
+
+  @property
   def windows(self) -> tuple:
     """The attention types, in type order (`attention_types`)."""
     return attention_types(self.layer_windows)

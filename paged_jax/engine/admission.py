@@ -112,3 +112,23 @@ def admission_error(
         f"prefilled again, the cache has {admittable} above the watermark"
       )
   return None
+
+
+def type_admission_error(type_configs, **kwargs) -> str | None:
+  """`admission_error` in every attention type's pool (`type_configs`:
+  `(name, CacheConfig)` pairs, `CacheManager.type_configs`), the first
+  answer that is not None, naming its type on a hybrid cache."""
+  for name, cfg in type_configs:
+    reason = admission_error(cfg, **kwargs)
+    if reason is not None:
+      return reason if name is None else f"in the {name} type's pool: {reason}"
+  return None
+
+
+def resident_fits(type_configs, free_blocks, num_prompt_tokens: int, lengths, max_chunk) -> bool:
+  """Whether a group's sequences of `lengths` tokens, admitted again after a
+  recompute preemption, fit every type's free blocks above its watermark."""
+  return all(
+    resident_blocks(cfg, num_prompt_tokens, lengths, max_chunk) <= free - cfg.watermark_blocks
+    for (_, cfg), free in zip(type_configs, free_blocks)
+  )

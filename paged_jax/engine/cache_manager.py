@@ -18,11 +18,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax import kv_swap, sharding
-from paged_jax.block_manager import manager
+from paged_jax import hybrid_kv, kv_swap, sharding
+from paged_jax.block_manager import hybrid, manager
+from paged_jax.block_manager.hybrid import (
+  HybridBlockSpaceManager,
+  HybridCacheConfig,
+  HybridState,
+  init_hybrid_states,
+)
 from paged_jax.block_manager.manager import BlockSpaceManager
 from paged_jax.block_manager.state import EMPTY, BlockManagerState, init_states
 from paged_jax.config import AllocStatus, CacheConfig, Status
+from paged_jax.hybrid_kv import HybridKVCache
 from paged_jax.kv_cache import KVCache
 
 
@@ -41,8 +48,46 @@ def _read_shard(op, states, shard, *args):
   return op(jax.tree.map(lambda a: a[shard], states), *args)
 
 
+def _ops(state):
+  """The block manager's functions for `state` (plain or hybrid)."""
+  return hybrid if isinstance(state, HybridState) else manager
+
+
+def _types(state) -> tuple:
+  """Each attention type's plain state (one for a plain cache)."""
+  return state.groups if isinstance(state, HybridState) else (state,)
+
+
+def _answer(answer):
+  """An `AllocStatus` answer, without the type a hybrid cache names."""
+  return answer[0] if isinstance(answer, tuple) else answer
+
+
 def _mark_computed(state, seq_ids, num_computed_tokens):
-  return manager.mark_blocks_as_computed(state, seq_ids, num_computed_tokens), None
+  return _ops(state).mark_blocks_as_computed(state, seq_ids, num_computed_tokens), None
+
+
+def _can_allocate(state, num_tokens):
+  return _answer(_ops(state).can_allocate(state, num_tokens))
+
+
+def _can_swap_in(state, seq_ids):
+  return _answer(_ops(state).can_swap_in(state, seq_ids))
+
+
+def _free_gpu_blocks(state):
+  """int32[types]: each type's free GPU blocks."""
+  return jnp.stack([manager.num_free_gpu_blocks(s) for s in _types(state)])
+
+
+def _free_cpu_blocks(state):
+  return jnp.stack([manager.num_free_cpu_blocks(s) for s in _types(state)])
+
+
+def _computed_blocks(state, seq_ids):
+  """The blocks of `seq_ids` that every type has computed."""
+  counts = [manager.get_common_computed_block_ids(s, seq_ids)[1] for s in _types(state)]
+  return jnp.min(jnp.stack(counts))
 
 
 @functools.cache
@@ -55,7 +100,12 @@ def _zeros_program(specs: tuple):
   return program
 
 
-_hit_counts = jax.jit(lambda states: (jnp.sum(states.num_hits), jnp.sum(states.num_lookups)))
+_hit_counts = jax.jit(
+  lambda states: (
+    sum(jnp.sum(s.num_hits) for s in _types(states)),
+    sum(jnp.sum(s.num_lookups) for s in _types(states)),
+  )
+)
 
 
 def _with_unwritten_hits(plan, before, after, shard: int, slots: np.ndarray):
@@ -107,6 +157,10 @@ class CacheManager:
       and swaps move both); None for none.
     lookahead: slots each decode step reserves past a sequence's tokens
       (`num_speculative_tokens`; what a sequence holds at most counts them).
+    hybrid: a hybrid cache (one block table and pool per attention type,
+      `HybridCacheConfig` over `cfg`; one device, no draft model), whose
+      states are `HybridState`s and pages a `HybridKVCache`; None for one
+      table. `cfg.num_gpu_blocks` then counts every type's blocks.
   """
 
   def __init__(
@@ -119,16 +173,25 @@ class CacheManager:
     max_chunk: int | None = None,
     draft_config=None,
     lookahead: int = 0,
+    hybrid: HybridCacheConfig | None = None,
   ):
     self.cfg = cfg
+    self.hybrid = hybrid
     self.max_chunk = max_chunk
     self.lookahead = lookahead
-    self.bm = BlockSpaceManager(cfg)
+    self.bm = BlockSpaceManager(cfg) if hybrid is None else HybridBlockSpaceManager(hybrid)
     dtype = jnp.dtype(model_config.dtype if kv_cache_dtype is None else kv_cache_dtype)
     pages = lambda mc: KVCache.create(
       cfg, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype=dtype, mesh=mesh
     )
-    self.kv = pages(model_config)
+    if hybrid is not None:
+      if mesh is not None or draft_config is not None:
+        raise ValueError("a hybrid cache runs on one device, without a draft model")
+      self.kv = HybridKVCache.create(
+        hybrid, model_config.num_kv_heads, model_config.head_dim, dtype
+      )
+    else:
+      self.kv = pages(model_config)
     if draft_config is not None:  # its layers after the model's, in the same blocks
       self.kv = self.kv.stacked(pages(draft_config))
     # The pages' kinds as made (programs hand back arrays whose shardings
@@ -137,13 +200,14 @@ class CacheManager:
     self._page_specs = tuple((a.shape, a.dtype, a.sharding) for a in leaves)
     if mesh is None:
       self.num_shards = 1
-      self.replicated = self.kv.k[0].sharding
+      self.replicated = jax.tree.leaves(self.kv)[0].sharding
     else:
       self.num_shards = mesh.shape["data"]
       self.replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     # The states live where the pages do, so that every jitted call sees
     # the same input shardings before and after its first run (one compile).
-    self.state = jax.device_put(init_states(cfg, self.num_shards), self.replicated)
+    states = init_states(cfg, self.num_shards) if hybrid is None else init_hybrid_states(hybrid, 1)
+    self.state = jax.device_put(states, self.replicated)
     self._empty_state = jax.device_get(self.state)  # on the host, for `reset`
     self.num_swapped_blocks = 0
 
@@ -178,31 +242,45 @@ class CacheManager:
     padded_values[: local.size] = values
     return shard, padded, padded_values
 
-  def shard_state(self, shard: int) -> BlockManagerState:
+  def shard_state(self, shard: int) -> BlockManagerState | HybridState:
     """The manager state of data shard `shard`."""
     return jax.tree.map(lambda a: a[shard], self.state)
 
+  @property
+  def type_configs(self) -> list[tuple[str | None, CacheConfig]]:
+    """`(name, config)` of each attention type's pool: one unnamed for a
+    cache with one table; on a hybrid cache each type's, named."""
+    if self.hybrid is None:
+      return [(None, self.cfg)]
+    h = self.hybrid
+    return [(h.type_name(g), h.group_config(g)) for g in range(h.num_groups)]
+
+  def free_blocks_per_type(self, shard: int = 0) -> list[int]:
+    """Each type's free GPU blocks on `shard` (one entry without types)."""
+    return np.asarray(_read_shard(_free_gpu_blocks, self.state, shard)).tolist()
+
   # Queries.
   def can_allocate(self, num_tokens: int, shard: int = 0) -> AllocStatus:
-    return AllocStatus(int(_read_shard(manager.can_allocate, self.state, shard, num_tokens)))
+    return AllocStatus(int(_read_shard(_can_allocate, self.state, shard, num_tokens)))
 
   def num_free_gpu_blocks(self, shard: int = 0) -> int:
-    return int(_read_shard(BlockSpaceManager.num_free_gpu_blocks, self.state, shard))
+    """Free GPU blocks on `shard`, of every type."""
+    return sum(self.free_blocks_per_type(shard))
 
   def num_free_cpu_blocks(self, shard: int = 0) -> int:
-    return int(_read_shard(BlockSpaceManager.num_free_cpu_blocks, self.state, shard))
+    return int(np.sum(np.asarray(_read_shard(_free_cpu_blocks, self.state, shard))))
 
   def can_swap_out(self, slots) -> bool:
     shard, local, _ = self._group(slots)
-    return bool(_read_shard(manager.can_swap_out, self.state, shard, local))
+    return bool(_read_shard(_ops(self.state).can_swap_out, self.state, shard, local))
 
   def can_swap_in(self, slots) -> AllocStatus:
     shard, local, _ = self._group(slots)
-    return AllocStatus(int(_read_shard(manager.can_swap_in, self.state, shard, local)))
+    return AllocStatus(int(_read_shard(_can_swap_in, self.state, shard, local)))
 
   def held(self, slots) -> list[int]:
     """The slots among `slots` that hold a block table (on either device)."""
-    device = np.asarray(self.state.device).reshape(-1)
+    device = np.asarray(_types(self.state)[0].device).reshape(-1)
     return [s for s in slots if device[s] != EMPTY]
 
   def prefix_cache_hit_rate(self) -> float:
@@ -248,16 +326,14 @@ class CacheManager:
     prefill wrote)."""
     padded = np.zeros(self.cfg.max_tokens_per_seq, np.int32)
     padded[: tokens.size] = tokens
-    shard, result = self._update(manager.allocate, [slot], padded, tokens.size)
+    shard, result = self._update(_ops(self.state).allocate, [slot], padded, tokens.size)
     self._check(
       result,
       f"allocate of {tokens.size} tokens of request {request_id!r} into seq {slot}",
       shard,
       needed=self.cfg.blocks_for(tokens.size),
     )
-    _, computed_blocks = _read_shard(
-      manager.get_common_computed_block_ids, self.state, shard, self._local([slot])[1]
-    )
+    computed_blocks = _read_shard(_computed_blocks, self.state, shard, self._local([slot])[1])
     return int(computed_blocks) * self.cfg.block_size
 
   def append_chunk(self, slot: int, tokens: np.ndarray, request_id: str) -> bool:
@@ -274,13 +350,14 @@ class CacheManager:
       decides); True once appended.
     """
     shard, local = self._local([slot])
-    before = int(np.asarray(self.state.num_tokens)[shard, local[0]])
+    before = int(np.asarray(_types(self.state)[0].num_tokens)[shard, local[0]])
     needed = self.cfg.blocks_for(before + tokens.size) - self.cfg.blocks_for(before)
-    if needed > self.num_free_gpu_blocks(shard):
+    if needed > min(self.free_blocks_per_type(shard)):  # every type takes them first
       return False
     padded = np.zeros((1, self.max_chunk), np.int32)
     padded[0, : tokens.size] = tokens
-    _, plan = self._update(manager.append_slots, [slot], padded, np.array([tokens.size], np.int32))
+    append = _ops(self.state).append_slots
+    _, plan = self._update(append, [slot], padded, np.array([tokens.size], np.int32))
     if self.cfg.enable_prefix_caching and Status(int(plan.status)) == Status.OUT_OF_BLOCKS:
       return False  # a failed call changes nothing
     self._check(plan, f"append of a {tokens.size}-token chunk of request {request_id!r}", shard)
@@ -298,20 +375,23 @@ class CacheManager:
 
   def fork(self, parent: int, child: int, request_id: str) -> None:
     shard, (local_parent, local_child) = self._local([parent, child])
-    self.state, result = _on_shard(manager.fork, self.state, shard, local_parent, local_child)
+    fork = _ops(self.state).fork
+    self.state, result = _on_shard(fork, self.state, shard, local_parent, local_child)
     self._check(result, f"fork of request {request_id!r}'s seq {parent} into seq {child}", shard)
 
   def free(self, slots, request_id: str) -> None:
     """Frees the sequences in `slots` of one shard (on the device or
     swapped out)."""
-    shard, result = self._update_group(manager.free, slots)
+    shard, result = self._update_group(_ops(self.state).free, slots)
     self._check(result, f"free of request {request_id!r}'s seqs {list(slots)}", shard)
 
   def swap_out(self, slots, request_id: str):
     """Moves the tables of `slots` to the host pool; returns the plan of
     page copies for `move_out`."""
-    shard, plan = self._update_group(BlockSpaceManager.swap_out, slots)
+    shard, plan = self._update_group(_ops(self.state).swap_out, slots)
     self._check(plan, f"swap out of request {request_id!r}'s seqs {list(slots)}", shard)
+    if self.hybrid is not None:  # one shard
+      return plan
     return sharding.shard_plan(plan, shard, self.cfg.num_gpu_blocks, self.cfg.num_cpu_blocks)
 
   def swap_in(self, slots, request_id: str):
@@ -325,13 +405,15 @@ class CacheManager:
     """
     shard, local = self._local(slots)
     before = self.state
-    shard, plan = self._update_group(BlockSpaceManager.swap_in, slots)
+    shard, plan = self._update_group(_ops(self.state).swap_in, slots)
     self._check(plan, f"swap in of request {request_id!r}'s seqs {list(slots)}", shard)
+    if self.hybrid is not None:  # one shard
+      return _with_unwritten_hits_per_type(plan, before, self.state, shard, local)
     if self.cfg.enable_prefix_caching:
       plan = _with_unwritten_hits(plan, before, self.state, shard, local)
     return sharding.shard_plan(plan, shard, self.cfg.num_cpu_blocks, self.cfg.num_gpu_blocks)
 
-  def take_launch(self, kv: KVCache, state: BlockManagerState | None = None) -> None:
+  def take_launch(self, kv: KVCache | HybridKVCache, state=None) -> None:
     """Takes the pages and, if it changed them, the manager states that a
     launch of the model runner handed back (maybe not computed yet) as the
     ones the next operation starts from; the launch took the old ones
@@ -342,20 +424,31 @@ class CacheManager:
 
   def move_out(self, plan) -> None:
     """Copies the pages of a `swap_out` plan from the device to the host."""
-    self.kv = kv_swap.swap_out(self.kv, plan)
-    self.num_swapped_blocks += int(plan.count)
+    if self.hybrid is None:
+      self.kv = kv_swap.swap_out(self.kv, plan)
+    else:
+      self.kv = hybrid_kv.swap_out(self.kv, plan)
+    self.num_swapped_blocks += _plan_count(plan)
 
   def move_in(self, plan) -> None:
     """Copies the pages of a `swap_in` plan from the host to the device."""
-    self.kv = kv_swap.swap_in(self.kv, plan)
-    self.num_swapped_blocks += int(plan.count)
+    if self.hybrid is None:
+      self.kv = kv_swap.swap_in(self.kv, plan)
+    else:
+      self.kv = hybrid_kv.swap_in(self.kv, plan)
+    self.num_swapped_blocks += _plan_count(plan)
 
   # Sleep and new weights.
   def reset(self) -> None:
     """Empties every manager state (no sequence may hold blocks): the prefix
     cache forgets every block; the hit counters are kept. Nothing compiles."""
     empty = jax.device_put(self._empty_state, self.replicated)
-    self.state = empty.replace(num_lookups=self.state.num_lookups, num_hits=self.state.num_hits)
+    kept = lambda new, old: new.replace(num_lookups=old.num_lookups, num_hits=old.num_hits)
+    if self.hybrid is None:
+      self.state = kept(empty, self.state)
+    else:
+      groups = tuple(map(kept, empty.groups, self.state.groups))
+      self.state = empty.replace(groups=groups)
 
   def release_pages(self) -> int:
     """Deletes the KV pages' arrays (device and host pages); returns their
@@ -385,35 +478,59 @@ class CacheManager:
     no_group[:] = -1
     tokens = np.zeros(self.cfg.max_tokens_per_seq, np.int32)
     no_seq = np.int32(-1)
+    ops = _ops(self.state)
     for op, args in (
-      (manager.allocate, (one, tokens, 0)),
+      (ops.allocate, (one, tokens, 0)),
       (_mark_computed, (no_group, no_values)),
-      (manager.fork, (no_seq, no_seq)),
-      (manager.free, (no_group,)),
+      (ops.fork, (no_seq, no_seq)),
+      (ops.free, (no_group,)),
     ):
       _on_shard(op, self.state, shard, *args)
     if self.max_chunk is not None:
       chunk = np.zeros((1, self.max_chunk), np.int32)
-      _on_shard(manager.append_slots, self.state, shard, one, chunk, np.zeros(1, np.int32))
+      _on_shard(ops.append_slots, self.state, shard, one, chunk, np.zeros(1, np.int32))
     for op, args in (
-      (manager.can_allocate, (0,)),
-      (BlockSpaceManager.num_free_gpu_blocks, ()),
-      (BlockSpaceManager.num_free_cpu_blocks, ()),
-      (manager.can_swap_out, (no_group,)),
-      (manager.can_swap_in, (no_group,)),
-      (manager.get_common_computed_block_ids, (one,)),
+      (_can_allocate, (0,)),
+      (_free_gpu_blocks, ()),
+      (_free_cpu_blocks, ()),
+      (ops.can_swap_out, (no_group,)),
+      (_can_swap_in, (no_group,)),
+      (_computed_blocks, (one,)),
     ):
       _read_shard(op, self.state, shard, *args)
     _hit_counts(self.state)
     if not self.cfg.num_cpu_blocks:  # nothing is ever swapped
       return
+    if self.hybrid is not None:
+      _, plan = _on_shard(ops.swap_out, self.state, shard, no_group)
+      self.move_out(plan)
+      _, plan = _on_shard(ops.swap_in, self.state, shard, no_group)
+      self.move_in(_with_unwritten_hits_per_type(plan, self.state, self.state, shard, one[:0]))
+      return
     sizes = (self.cfg.num_gpu_blocks, self.cfg.num_cpu_blocks)
     for op, move, (src, dst) in (
-      (BlockSpaceManager.swap_out, kv_swap.swap_out, sizes),
-      (BlockSpaceManager.swap_in, kv_swap.swap_in, sizes[::-1]),
+      (manager.swap_out, kv_swap.swap_out, sizes),
+      (manager.swap_in, kv_swap.swap_in, sizes[::-1]),
     ):
       _, plan = _on_shard(op, self.state, shard, no_group)
-      if op is BlockSpaceManager.swap_in and self.cfg.enable_prefix_caching:
+      if op is manager.swap_in and self.cfg.enable_prefix_caching:
         # As `swap_in` hands it on: its arrays are new ones (no slot: no pair).
         plan = _with_unwritten_hits(plan, self.state, self.state, shard, np.zeros(0, np.int64))
       self.kv = move(self.kv, sharding.shard_plan(plan, shard, src, dst))
+
+
+def _plan_count(plan) -> int:
+  """The pages a swap plan moves, of every type (a `HybridResult`)."""
+  return sum(int(p.count) for p in getattr(plan, "results", (plan,)))
+
+
+def _with_unwritten_hits_per_type(result, before, after, shard: int, slots: np.ndarray):
+  """A hybrid swap-in's `HybridResult` with `_with_unwritten_hits` in each
+  type's plan (with prefix caching)."""
+  if not before.cfg.enable_prefix_caching:
+    return result
+  plans = tuple(
+    _with_unwritten_hits(p, b, a, shard, slots)
+    for p, b, a in zip(result.results, before.groups, after.groups)
+  )
+  return result.replace(results=plans)

@@ -9,6 +9,12 @@ import dataclasses
 import jax.numpy as jnp
 
 from paged_jax import sharding
+from paged_jax.block_manager.hybrid import (
+  HybridCacheConfig,
+  attention_types,
+  blocks_per_sequence,
+  gpu_blocks_for_budget,
+)
 from paged_jax.config import CacheConfig
 from paged_jax.engine.admission import blocks_held
 from paged_jax.engine.protocol import check_model
@@ -194,3 +200,90 @@ def sized_for_budget(
       f"num_gpu_blocks at its default, {default}, to size the cache from the budget)"
     )
   return dataclasses.replace(cfg, num_gpu_blocks=blocks)
+
+
+def hybrid_cache(
+  cfg: CacheConfig, model_config, *, budget_bytes: int | None = None, kv_cache_dtype=None
+) -> tuple[HybridCacheConfig, CacheConfig, int | None]:
+  """The hybrid cache of `LLMEngine(hybrid_kv_cache=True)`: one block table
+  and pool per attention type of the model's layers.
+
+  A sliding type of window `w` keeps the blocks of its last `w + c - 1`
+  positions, for prompt chunks of `c` tokens (half the smallest window):
+  a chunk's first token still sees its whole window. Each type's pool has
+  `cfg.num_gpu_blocks` blocks, or with `budget_bytes` (bytes of KV pages)
+  its share of the budget by the bytes one sequence of the longest length
+  holds in it (`hybrid.gpu_blocks_for_budget`).
+
+  Returns:
+    (the hybrid config, `cfg` with `num_gpu_blocks` counting every type's
+    blocks, the chunk `c`: None when no layer slides).
+
+  Raises:
+    ValueError: for a cache with a `sliding_window`, a model config without
+      `layer_window`, or a budget that is not a positive int, that gives a
+      type fewer blocks than one longest sequence holds there, or that
+      conflicts with `cfg.num_gpu_blocks`.
+  """
+  if cfg.sliding_window is not None:
+    raise ValueError(
+      f"hybrid_kv_cache: cache_config.sliding_window must be None (got {cfg.sliding_window}); "
+      f"each attention type's window comes from the model's layers"
+    )
+  layer_window = getattr(model_config, "layer_window", None)
+  if layer_window is None:
+    raise ValueError("hybrid_kv_cache: the model's config has no layer_window(layer)")
+  windows = [layer_window(layer) for layer in range(model_config.num_layers)]
+  sliding = [w for w in windows if w is not None]
+  chunk = max(1, min(sliding) // 2) if sliding else None
+  kept = tuple(None if w is None else w + chunk - 1 for w in windows)
+  types = attention_types(kept)
+  if budget_bytes is None:
+    gpu_blocks = (cfg.num_gpu_blocks,) * len(types)
+  else:
+    gpu_blocks = _type_blocks_for_budget(
+      cfg, model_config, kept, budget_bytes, kv_cache_dtype, chunk
+    )
+  hybrid = HybridCacheConfig(cfg, kept, gpu_blocks=gpu_blocks)
+  return hybrid, dataclasses.replace(cfg, num_gpu_blocks=sum(gpu_blocks)), chunk
+
+
+def _type_blocks_for_budget(cfg, model_config, kept, budget_bytes, kv_cache_dtype, chunk) -> tuple:
+  """Each type's GPU blocks from one byte budget (see `hybrid_cache`)."""
+  if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 1:
+    raise ValueError(f"kv_cache_memory_bytes must be a positive int, got {budget_bytes!r}")
+  dtype = model_config.dtype if kv_cache_dtype is None else kv_cache_dtype
+  layer_bytes = bytes_per_block(
+    block_size=cfg.block_size,
+    num_layers=1,
+    num_kv_heads=model_config.num_kv_heads,
+    head_dim=model_config.head_dim,
+    dtype=jnp.dtype(dtype),
+  )
+  max_len = min(model_config.max_seq_len, cfg.max_tokens_per_seq)
+  extra = cfg.blocks_for(chunk or 1)
+  types = attention_types(kept)
+  need = [blocks_per_sequence(w, max_len, cfg.block_size, extra) for w in types]
+  per_sequence = sum(kept.count(w) * n for w, n in zip(types, need)) * layer_bytes
+  held = ", ".join(f"{n} blocks in each of {kept.count(w)} layers" for w, n in zip(types, need))
+  if budget_bytes < per_sequence:
+    raise ValueError(
+      f"kv_cache_memory_bytes={budget_bytes} holds no sequence of {max_len} tokens: it needs "
+      f"{per_sequence} bytes ({held}; {layer_bytes} bytes per block and layer)"
+    )
+  blocks = gpu_blocks_for_budget(
+    kept,
+    block_size=cfg.block_size,
+    layer_block_bytes=layer_bytes,
+    budget_bytes=budget_bytes,
+    max_tokens=max_len,
+    extra_blocks=extra,
+  )
+  default = CacheConfig.__dataclass_fields__["num_gpu_blocks"].default
+  if cfg.num_gpu_blocks != default:
+    raise ValueError(
+      f"kv_cache_memory_bytes={budget_bytes} sizes each type's pool ({blocks} GPU blocks), but "
+      f"cache_config.num_gpu_blocks is {cfg.num_gpu_blocks}: give one of them (leave "
+      f"num_gpu_blocks at its default, {default}, to size the cache from the budget)"
+    )
+  return blocks

@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from paged_jax import compilation_cache, compile_guard, sharding, structured
 from paged_jax.config import CacheConfig
 from paged_jax.engine import engine_checks, speculative
-from paged_jax.engine.admission import admission_error
+from paged_jax.engine.admission import type_admission_error
 from paged_jax.engine.cache_manager import CacheManager
 from paged_jax.engine.input_processor import MAX_STOP_TOKENS, InputProcessor
 from paged_jax.engine.lifecycle import EngineLifecycle
@@ -62,6 +62,15 @@ class LLMEngine(EngineRounds, EngineLifecycle):
       stores, instead of `cache_config.num_gpu_blocks`, which must then be
       left at its default (or equal that count). The budget must hold one
       sequence of the longest length. None: `cache_config`'s blocks.
+    hybrid_kv_cache: one block table and pool per attention type of the
+      model's layers (`paged_jax.block_manager.hybrid`, docs/engine.md):
+      a sliding layer's pages hold only its window (and one prompt chunk),
+      so a model such as Gemma 2 or 3 holds several times more long
+      sequences. Prompts run in chunks of half the smallest window. Every
+      type's pool has `cache_config.num_gpu_blocks` blocks, or its share of
+      `kv_cache_memory_bytes`; `engine.cfg.num_gpu_blocks` counts them all.
+      One device, no speculation. False (default): one table, every block
+      kept for every layer (each sliding layer masks its window).
     mesh: a ``("data", "model")`` mesh: the model's weights and the KV
       pages are split over "model" (tensor parallel), and every data shard
       has a cache of `cache_config`'s size, its own manager state,
@@ -135,6 +144,7 @@ class LLMEngine(EngineRounds, EngineLifecycle):
     preemption_mode: str = "recompute",
     kv_cache_dtype=None,
     kv_cache_memory_bytes: int | None = None,
+    hybrid_kv_cache: bool = False,
     mesh=None,
     num_decode_steps: int = 8,
     max_logprobs: int = 5,
@@ -181,8 +191,19 @@ class LLMEngine(EngineRounds, EngineLifecycle):
         "async_scheduling does not work with speculative_config: a speculating launch starts "
         "from the tokens the host read back"
       )
-    max_chunk = engine_checks.max_chunk(cache_config, model.config)
-    if kv_cache_memory_bytes is not None:
+    hybrid = None
+    if hybrid_kv_cache:
+      if mesh is not None or self.speculative is not None:
+        raise ValueError("hybrid_kv_cache runs on one device, without speculative_config")
+      hybrid, cache_config, max_chunk = engine_checks.hybrid_cache(
+        cache_config,
+        model.config,
+        budget_bytes=kv_cache_memory_bytes,
+        kv_cache_dtype=kv_cache_dtype,
+      )
+    else:
+      max_chunk = engine_checks.max_chunk(cache_config, model.config)
+    if not hybrid_kv_cache and kv_cache_memory_bytes is not None:
       cache_config = engine_checks.sized_for_budget(
         cache_config,
         kv_cache_memory_bytes,
@@ -219,6 +240,7 @@ class LLMEngine(EngineRounds, EngineLifecycle):
       max_chunk=max_chunk,
       draft_config=None if draft is None else draft.config,
       lookahead=0 if self.speculative is None else self.speculative.num_speculative_tokens,
+      hybrid=hybrid,
     )
     self.runner = ModelRunner(
       model,
@@ -358,8 +380,8 @@ class LLMEngine(EngineRounds, EngineLifecycle):
   def admission_error(self, num_prompt_tokens: int, params: SamplingParams) -> str | None:
     """Why a prompt of this length with `params` can never be served, or
     None (see `paged_jax.engine.admission.admission_error`)."""
-    return admission_error(
-      self.cfg,
+    return type_admission_error(
+      self.cache_manager.type_configs,
       max_len=self._max_len(),
       max_num_seqs=self.schedulers[0].max_num_seqs,
       num_prompt_tokens=num_prompt_tokens,
@@ -484,7 +506,7 @@ class LLMEngine(EngineRounds, EngineLifecycle):
     return self.runner.ahead is not None
 
   def num_free_gpu_blocks(self) -> int:
-    """Free GPU blocks of all data shards."""
+    """Free GPU blocks of all data shards (of every type, on a hybrid cache)."""
     return sum(
       self.cache_manager.num_free_gpu_blocks(shard)
       for shard in range(self.cache_manager.num_shards)

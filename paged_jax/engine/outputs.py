@@ -113,7 +113,8 @@ class GenerationStats:
     loop_launches: times the host entered the compiled loop.
     loop_launches_ahead: of those, launches dispatched before the one they
       continue was read back (`LLMEngine(async_scheduling=True)`).
-    peak_blocks: most GPU blocks in use at once.
+    peak_blocks: most GPU blocks in use at once (of every attention type, on
+      a hybrid cache).
     kv_slot_utilization: mean over decode steps of tokens held by running
       sequences per allocated KV slot. Above 1 when sequences share blocks
       (forked samples, prefix-cache hits): each holder counts the tokens.

@@ -29,7 +29,7 @@ import dataclasses
 import numpy as np
 
 from paged_jax.config import AllocStatus
-from paged_jax.engine.admission import admission_error, resident_blocks
+from paged_jax.engine.admission import resident_fits, type_admission_error
 from paged_jax.engine.cache_manager import CacheManager
 from paged_jax.engine.row_table import new_row
 from paged_jax.engine.scheduler_output import (
@@ -220,8 +220,8 @@ class Scheduler:
     live = group.live()
     prompt = len(group.prompt_token_ids)
     lengths = None if group.fresh else [prompt + len(s.token_ids) - 1 for s in live]
-    reason = admission_error(
-      self.cache_manager.cfg,
+    reason = type_admission_error(
+      self.cache_manager.type_configs,
       max_len=self.max_len,
       max_num_seqs=self.max_num_seqs,
       num_prompt_tokens=prompt,
@@ -242,8 +242,8 @@ class Scheduler:
     if group.fresh:
       return self.cache_manager.can_allocate(prompt, self.shard), None
     cache_manager = self.cache_manager
-    free = cache_manager.num_free_gpu_blocks(self.shard) - cache_manager.cfg.watermark_blocks
-    fits = resident_blocks(cache_manager.cfg, prompt, lengths, cache_manager.max_chunk) <= free
+    free = cache_manager.free_blocks_per_type(self.shard)
+    fits = resident_fits(cache_manager.type_configs, free, prompt, lengths, cache_manager.max_chunk)
     return (AllocStatus.OK if fits else AllocStatus.LATER), None
 
   def _admit(self, group: SequenceGroup) -> None:

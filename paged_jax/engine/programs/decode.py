@@ -29,7 +29,6 @@ import jax
 import jax.numpy as jnp
 
 from paged_jax import sharding, structured
-from paged_jax.block_manager.manager import BlockSpaceManager
 from paged_jax.block_manager.state import BlockManagerState, CopyPlan, on_every_shard
 from paged_jax.engine import beam, speculative
 from paged_jax.engine.programs.carry import (
@@ -44,6 +43,7 @@ from paged_jax.engine.programs.step import (
   append_last_tokens,
   copy_for_append,
   finish_step,
+  ops,
   step_automata,
   unless_out_of_blocks,
 )
@@ -99,7 +99,7 @@ def advance_rows(
   the rows' tokens `[R, 1]` through the model: `(logits [R, 1, vocab],
   cache, extra)`. Returns `(loop, extra)`."""
   cfg = loop.state.cfg
-  bm = BlockSpaceManager(cfg)
+  bm = ops(state)
   num_shards = loop.out_of_blocks.shape[0]
   running = loop.slots >= 0
   local = shard_seq_ids(loop)
@@ -110,9 +110,9 @@ def advance_rows(
   )
   cache = paged_cache(
     kv=kv,
-    block_tables=flat(on_every_shard(bm.get_block_tables)(state, local)),
-    slot_mapping=flat(slot_mapping),
-    cache_sliding_window=cfg.sliding_window,
+    block_tables=jax.tree.map(flat, on_every_shard(bm.get_block_tables)(state, local)),
+    slot_mapping=jax.tree.map(flat, slot_mapping),
+    cache_sliding_window=getattr(cfg, "sliding_window", None),
   )
   positions = jnp.where(running, num_tokens - 1, -1)[:, None]
   model = graphdef.merge(params_state)

@@ -19,13 +19,17 @@ import jax
 import jax.numpy as jnp
 
 from paged_jax import sharding, structured
-from paged_jax.block_manager import manager
 from paged_jax.block_manager.state import on_every_shard
 from paged_jax.config import Status
 from paged_jax.engine.programs.carry import DecodeLoop
 from paged_jax.engine.programs.decode import advance_rows
 from paged_jax.engine.programs.speculating import draft_call
-from paged_jax.engine.programs.step import append_last_tokens, slot_mapping_of
+from paged_jax.engine.programs.step import (
+  append_last_tokens,
+  ops,
+  slot_mapping_of,
+  without_copies,
+)
 from paged_jax.paged_cache import paged_cache, take_tiles, tile_token_index, untile
 from paged_jax.sampling import (
   RowParams,
@@ -142,13 +146,14 @@ def prefill_step(
 def _prompt_tables_and_slot_mapping(states, positions, tiles, tile_slots, write_from):
   """A packed prompt call's block table per tile and slot mapping per token
   (-1 where a token's K/V is written already, or padding); see `prefill_step`."""
-  tables = on_every_shard(manager.get_block_tables)(states, tile_slots)
-  tables = tables.reshape(-1, tables.shape[-1])
+  tables = on_every_shard(ops(states).get_block_tables)(states, tile_slots)
+  tables = jax.tree.map(lambda t: t.reshape(-1, t.shape[-1]), tables)
   flat = tile_token_index(tiles, *positions.shape)
   tile_positions = take_tiles(positions, flat, -1)
   written = jnp.where(tile_positions >= write_from[:, None], tile_positions, -1)
-  slot_mapping = untile(
-    slot_mapping_of(tables, written, states.cfg.block_size), flat, positions.shape, -1
+  slot_mapping = jax.tree.map(  # one table and mapping per type on a hybrid cache
+    lambda t: untile(slot_mapping_of(t, written, states.cfg.block_size), flat, positions.shape, -1),
+    tables,
   )
   return tables, slot_mapping
 
@@ -219,7 +224,7 @@ def ragged_step(
   out_of_blocks = plan.status != Status.OK
   blocked = jnp.any(out_of_blocks)
   state = jax.tree.map(lambda new, old: jnp.where(blocked, old, new), state, loop.state)
-  plan = plan.replace(count=jnp.where(blocked, 0, plan.count))
+  plan = without_copies(plan, blocked)
   prompt_tables, prompt_slot_mapping = _prompt_tables_and_slot_mapping(
     state, positions, tiles, tile_slots, write_from
   )
@@ -232,8 +237,8 @@ def ragged_step(
     ragged = paged_cache(
       kv=cache.kv,
       block_tables=prompt_tables,
-      slot_mapping=after_prompt(prompt_slot_mapping, cache.slot_mapping),
-      cache_sliding_window=cache.cache_sliding_window,
+      slot_mapping=jax.tree.map(after_prompt, prompt_slot_mapping, cache.slot_mapping),
+      cache_sliding_window=getattr(cache, "cache_sliding_window", None),
       query_tiles=tiles,
       decode_tables=cache.block_tables,
     )
