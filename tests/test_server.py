@@ -504,6 +504,22 @@ def test_scheduler_steps_async_scheduling_and_kv_budget_set_the_engines_options(
   assert cli.engine_builder(_parser().parse_args(argv))().num_gpu_blocks == 1024
   assert built["async_scheduling"] is True
   assert built["kv_cache_memory_bytes"] == 65536
+  assert built["hybrid_kv_cache"] is False
+  # A hybrid cache gets the memory the blocks would take, split by the engine.
+  argv = ["serve", "--model", "tiny", "--hybrid-kv-cache", "--num-gpu-blocks-override", "8"]
+  cli.engine_builder(_parser().parse_args(argv))()
+  assert built["hybrid_kv_cache"] is True and built["kv_cache_memory_bytes"] is None
+  args = _parser().parse_args(["serve", "--model", "tiny", "--hybrid-kv-cache"])
+  cli.engine_builder(args)()
+  config = load_tiny().config
+  block = pj.bytes_per_block(
+    block_size=16,
+    num_layers=config.num_layers,
+    num_kv_heads=config.num_kv_heads,
+    head_dim=config.head_dim,
+    dtype=config.dtype,
+  )
+  assert built["kv_cache_memory_bytes"] == cli._num_gpu_blocks(args, None, block, 128) * block
 
 
 def test_a_draft_model_flag_loads_the_draft_as_the_model_flag_does():

@@ -135,6 +135,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     "--swap-space", type=_non_negative, default=0.0, help="GiB of host memory for swapped blocks"
   )
   serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+  serve.add_argument(
+    "--hybrid-kv-cache",
+    action="store_true",
+    help="one block table and pool per attention type (the engine's hybrid_kv_cache: a "
+    "sliding layer holds only its window); the KV memory split between the types; one device",
+  )
   serve.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
   serve.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), default="auto")
   serve.add_argument("--tensor-parallel-size", "-tp", type=positive, default=1)
@@ -282,9 +288,14 @@ def engine_builder(args):
       )
     if args.preemption_mode == "swap" and num_cpu_blocks == 0:
       raise ValueError("--preemption-mode swap needs --swap-space > 0")
+    num_gpu_blocks = _num_gpu_blocks(args, model, block_bytes, max_model_len)
+    budget = args.kv_cache_memory_bytes
+    if args.hybrid_kv_cache and budget is None and args.num_gpu_blocks_override is None:
+      # The memory those blocks take, split between the attention types.
+      budget, num_gpu_blocks = num_gpu_blocks * block_bytes, pj.CacheConfig.num_gpu_blocks
     cache_config = pj.CacheConfig(
       block_size=args.block_size,
-      num_gpu_blocks=_num_gpu_blocks(args, model, block_bytes, max_model_len),
+      num_gpu_blocks=num_gpu_blocks,
       num_cpu_blocks=num_cpu_blocks,
       max_seqs=args.max_num_seqs,
       max_blocks_per_seq=math.ceil(max_model_len / args.block_size),
@@ -299,7 +310,8 @@ def engine_builder(args):
       num_decode_steps=args.num_scheduler_steps,
       preemption_mode=args.preemption_mode,
       kv_cache_dtype=kv_dtype,
-      kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+      kv_cache_memory_bytes=budget,
+      hybrid_kv_cache=args.hybrid_kv_cache,
       mesh=mesh,
       max_logprobs=args.max_logprobs,
       max_beam_width=MAX_BEAM_WIDTH,
