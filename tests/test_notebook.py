@@ -74,6 +74,7 @@ def test_engine_notebook_runs(monkeypatch):
   assert images == 1
 
 
+@pytest.mark.slow  # 32 s; CI checks the engine's training-loop calls in tests/test_rl.py
 def test_rl_grpo_notebook_learns(monkeypatch):
   monkeypatch.setenv("GRPO_STEPS", "12")
   text, images = _run("rl_grpo.ipynb", monkeypatch)
