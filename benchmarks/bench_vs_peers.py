@@ -393,7 +393,7 @@ def vllm_cpu_env(python: str, all_cores: bool = True) -> dict:
   env = dict(os.environ)
   if not all_cores:
     return env
-  venv = pathlib.Path(python).resolve().parents[1]
+  venv = pathlib.Path(python).absolute().parents[1]  # not resolve(): its python links out
   found = {
     "tcmalloc": sorted(pathlib.Path("/usr/lib").glob("*/libtcmalloc_minimal.so.4")),
     "libiomp5": sorted(venv.glob("lib/**/libiomp5.so")),
