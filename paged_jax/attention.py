@@ -1,12 +1,11 @@
 """Paged attention entry points: `paged_attention` (one query per sequence)
 and `paged_prefill_attention` (several), each running the kernel that
 `paged_jax.kernel_choice` picks for ``impl`` on the kernel platform: a
-Pallas kernel of the backend, on CPU a C++ decode kernel, or XLA (the
-chunked implementation, which reads only the table chunks the longest
-context reaches, or the reference, which gathers every sequence's whole
-table). Prefill attention
-takes ``"auto"``, ``"pallas"`` (the Mosaic kernel; on CPU in TPU interpret
-mode) or ``"reference"``.
+Pallas kernel of the backend, on CPU a C++ kernel, or XLA (the chunked
+implementation, which reads only the table chunks the longest context
+reaches, or the reference, which gathers every sequence's whole table).
+Prefill attention takes ``"auto"``, ``"pallas"`` (the Mosaic kernel; on CPU
+in TPU interpret mode), ``"cpu"`` (the C++ kernel) or ``"reference"``.
 
 Outside jit (concrete block tables and lengths) the tables are checked on the
 host first, so an out-of-range block gives a ValueError that names it.
@@ -138,8 +137,8 @@ def paged_prefill_attention(
     sliding_window: keys visible to a query (itself included), or None.
     k_scales: scales of quantized pages, as in ``paged_attention``.
     v_scales: same as ``k_scales``, for ``v_pages``.
-    impl: ``"auto"``, ``"pallas"`` or ``"reference"`` (see the module
-      docstring).
+    impl: ``"auto"``, ``"pallas"``, ``"cpu"`` or ``"reference"`` (see the
+      module docstring).
 
   Returns:
     ``[batch, num_queries, num_q_heads, head_dim]`` in ``q.dtype``.
@@ -173,8 +172,11 @@ def paged_prefill_attention(
     block_size=k_pages.shape[2],
     head_dim=k_pages.shape[3],
     kv_dtype=k_pages.dtype,
+    quantized=k_scales is not None,
   )
   if kernel is None:
     return chunked.paged_prefill_attention_chunked(*args, **options)
+  if kernel[0] == "cpu":
+    return cpu.paged_prefill_attention(*args, **options)
   _, interpret = kernel
   return tpu_prefill.paged_prefill_attention(*args, **options, interpret=interpret)

@@ -8,20 +8,21 @@
   9.0 and newer (Hopper, Blackwell) the Mosaic GPU kernel when this JAX has
   Mosaic GPU and it serves the page dtype and tiles, else the Pallas (Triton)
   kernel while this JAX ships it and its tiles fit (power-of-two block size
-  and head_dim), as on older and ROCm GPUs. On CPU, decode attention runs
-  the C++ kernel (`pallas_kernels.paged_attention.cpu`, called through
-  `jax.ffi`, built at first use) for bfloat16 pages (float32 ones only with
-  ``impl="cpu"``: a float32 decode step measured slower with it), unless no
-  compiler builds it, the pages are quantized, or `use_cpu_kernel(False)`
-  (or ``PAGED_JAX_CPU_KERNEL=0``) turns it off; everything else there runs
-  the chunked XLA implementation, which reads only the table chunks the
-  longest context reaches. On a GPU, and on CPU, the choice and its reason
+  and head_dim), as on older and ROCm GPUs. On CPU, attention runs the C++
+  kernels (`pallas_kernels.paged_attention.cpu`, called through `jax.ffi`,
+  built at first use): prefill for float32 and bfloat16 pages, decode for
+  bfloat16 ones (float32 ones only with ``impl="cpu"``: a float32 decode
+  step measured slower with it), unless no compiler builds them, the pages
+  are quantized, or `use_cpu_kernel(False)` (or ``PAGED_JAX_CPU_KERNEL=0``)
+  turns them off; everything else there runs the chunked XLA
+  implementation, which reads only the table chunks the longest context
+  reaches. On a GPU, and on CPU, the choice and its reason
   are logged once (logger ``paged_jax``).
 * ``"pallas"``: the backend's kernel (the one ``"auto"`` prefers); on CPU the
   Triton kernel in interpret mode.
 * ``"mosaic_gpu"``, ``"triton"``: that GPU kernel (decode attention only);
   on CPU in its interpret mode.
-* ``"cpu"``: the C++ kernel (decode attention only; CPU backend only).
+* ``"cpu"``: the C++ kernel (decode and prefill attention; CPU backend only).
 * ``"reference"``: the XLA reference.
 
 `select_attention_kernel`, `select_prefill_kernel` and `select_kernel`
@@ -52,6 +53,7 @@ logger = logging.getLogger("paged_jax")
 
 IMPLS = ("auto", "pallas", "reference")
 ATTENTION_IMPLS = IMPLS + ("mosaic_gpu", "triton", "cpu")
+PREFILL_IMPLS = IMPLS + ("cpu",)
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 _TARGET_PLATFORM = contextvars.ContextVar("target_platform", default=None)
 CPU_KERNELS = ("attention", "quantized_matmul")
@@ -110,34 +112,52 @@ def kernel_platform() -> str:
 
 
 def select_prefill_kernel(
-  impl: str, *, dtype, num_queries: int, group: int, block_size: int, head_dim: int, kv_dtype=None
+  impl: str,
+  *,
+  dtype,
+  num_queries: int,
+  group: int,
+  block_size: int,
+  head_dim: int,
+  kv_dtype=None,
+  quantized: bool = False,
 ):
   """Resolves ``impl`` of ``paged_prefill_attention`` for the kernel platform.
 
   Args:
-    impl: one of ``IMPLS``.
+    impl: one of ``PREFILL_IMPLS``.
     dtype: dtype of the queries.
     num_queries: query tokens per sequence (a tile's width).
     group: query heads per KV head.
     block_size: tokens per page.
     head_dim: size of a head.
     kv_dtype: dtype of the pages; None for ``dtype``.
+    quantized: whether the pages come with scales (int8 / fp8).
 
   Returns:
     None for XLA (the reference, or the chunked implementation), else
-    ``("tpu", interpret)``. On TPU, ``"auto"`` logs its choice once, and why
-    not the kernel when it cannot serve the dtype or shapes.
+    ``("tpu", interpret)`` or ``("cpu", False)``. On TPU and CPU, ``"auto"``
+    logs its choice once, and why not the kernel when it cannot serve the
+    call. On CPU it runs the C++ kernel for float32 and bfloat16 pages (both
+    measured faster than the chunked path, unlike decode's float32) unless
+    it is switched off (`use_cpu_kernel`) or cannot be built.
 
   Raises:
-    ValueError: for an unknown ``impl``.
+    ValueError: for an unknown ``impl``, or ``"cpu"`` off the CPU backend.
   """
-  if impl not in IMPLS:
-    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+  if impl not in PREFILL_IMPLS:
+    raise ValueError(f"impl must be one of {PREFILL_IMPLS}, got {impl!r}")
   platform = kernel_platform()
   if impl == "reference":
     return None
   if impl == "pallas":
     return "tpu", platform != "tpu"
+  if impl == "cpu":
+    if platform != "cpu":
+      raise ValueError(f"impl='cpu' (the C++ kernel) runs on the cpu backend only, not {platform}")
+    return "cpu", False
+  if platform == "cpu":
+    return _cpu_prefill_kernel(dtype, kv_dtype or dtype, quantized)
   if platform != "tpu":
     return None
   reason = tpu_prefill.refusal(dtype, num_queries, group, block_size, head_dim, kv_dtype)
@@ -147,6 +167,16 @@ def select_prefill_kernel(
     f"heads per KV head, block_size {block_size}, head_dim {head_dim}): {choice}"
   )
   return None if reason else ("tpu", False)
+
+
+def _cpu_prefill_kernel(dtype, kv_dtype, quantized: bool) -> tuple[str, bool] | None:
+  """``"auto"``'s prefill choice on CPU, logged once."""
+  if not cpu_kernel_enabled():
+    return None
+  reason = cpu.refusal(dtype, kv_dtype, quantized) or cpu.unavailable_reason()
+  choice = "C++ kernel" if reason is None else f"chunked XLA (C++ kernel: {reason})"
+  _log_once(f"prefill attention on cpu ({jnp.dtype(dtype).name}): {choice}")
+  return None if reason else ("cpu", False)
 
 
 def select_kernel(impl: str, *, tile_sizes: tuple[int, ...] = ()):
@@ -448,6 +478,7 @@ def describe_kernels(
     block_size=block_size,
     head_dim=head_dim,
     kv_dtype=jnp.int8 if quantized else dtype,
+    quantized=quantized,
   )
   write = select_kernel("auto", tile_sizes=(head_dim,))
   copy = select_kernel("auto", tile_sizes=(block_size, head_dim))

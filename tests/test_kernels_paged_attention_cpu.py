@@ -1,6 +1,7 @@
-"""The C++ paged decode attention of the CPU backend (`pallas_kernels/
-paged_attention/cpu.py`) against the XLA reference, its build, and the
-choice that runs it (`paged_jax.kernel_choice`).
+"""The C++ paged decode and prefill attention of the CPU backend
+(`pallas_kernels/paged_attention/cpu.py`) against the XLA reference and a
+float64 model, their build, and the choice that runs them
+(`paged_jax.kernel_choice`).
 
 Every case poisons the bytes no query may read with NaN, as in
 tests/test_kernels_paged_attention.py, whose inputs these reuse. The
@@ -24,6 +25,7 @@ from tests.test_kernels_paged_attention import (
   assert_close,
   attend,
   check_nan_read_inside_the_context_propagates,
+  dense_attention,
   good_args,
   make_inputs,
   reference_attention,
@@ -34,6 +36,7 @@ pytestmark = pytest.mark.skipif(
 )
 OPTIONS = ("sm_scale", "soft_cap", "sliding_window")
 kernel = jax.jit(cpu.paged_attention, static_argnames=OPTIONS)
+prefill_kernel = jax.jit(cpu.paged_prefill_attention, static_argnames=OPTIONS)
 
 # SmolLM2's heads (9 query, 3 KV: a group of 3) at head sizes 64 and 128
 # (compiled for their size) and 8 and 80 (any size), both dtypes, every
@@ -65,6 +68,60 @@ def test_kernel_matches_reference_on_poisoned_cache(case):
   assert out.shape == q.shape and out.dtype == q.dtype
   assert_close(out, expected, case.dtype)
   assert not np.asarray(out, np.float32)[lengths == 0].any()
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_prefill_kernel_matches_float64_model_on_poisoned_cache(case):
+  """Ragged new tokens per sequence (a full tile, a few, one, none): each
+  attends causally up to its own position; padding tokens give zeros."""
+  num_queries = 7
+  q, clean, poisoned, tables, lengths = make_inputs(case, seed=21, num_queries=num_queries)
+  wanted = np.array([num_queries, 3, 1, 0, 5, 2][: case.batch])
+  query_lens = np.minimum(lengths, wanted).astype(np.int32)
+  offsets = np.arange(num_queries)[None, :]
+  query_pos = np.where(offsets < query_lens[:, None], (lengths - query_lens)[:, None] + offsets, -1)
+  q = np.where(query_pos[..., None, None] >= 0, q, np.nan).astype(q.dtype)  # padding unread
+  out = attend(prefill_kernel, q, poisoned, tables, lengths, query_lens, **case.options)
+  assert out.shape == q.shape and out.dtype == q.dtype
+  assert_close(out, dense_attention(q, clean, tables, lengths, query_pos, case), case.dtype)
+  assert not np.asarray(out, np.float32)[query_pos < 0].any()
+
+
+def test_prefill_auto_runs_the_kernel_on_cpu_in_both_dtypes(monkeypatch):
+  calls = []
+  real = cpu.paged_prefill_attention
+  monkeypatch.setattr(
+    cpu, "paged_prefill_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+  )
+  for case in CASES[:2]:  # bfloat16, float32
+    q, _, poisoned, tables, lengths = make_inputs(case, seed=22, num_queries=4)
+    query_lens = np.minimum(lengths, 4).astype(np.int32)
+    attend(attention.paged_prefill_attention, q, poisoned, tables, lengths, query_lens)
+  assert len(calls) == 2
+  with kernel_choice.use_cpu_kernel(False):
+    attend(attention.paged_prefill_attention, q, poisoned, tables, lengths, query_lens)
+  assert len(calls) == 2
+
+
+def test_prefill_kernel_refuses_quantized_pages_and_bad_query_lens():
+  args = good_args()
+  q = args.pop("q")[:, None]
+  query_lens = jnp.ones(args["lengths"].shape, jnp.int32)
+  scales = jnp.ones((2, 10, 8), jnp.float32)
+  int8 = dict(
+    args, k_pages=args["k_pages"].astype(jnp.int8), v_pages=args["v_pages"].astype(jnp.int8)
+  )
+  with pytest.raises(ValueError, match="paged_prefill_attention_cpu: it takes no quantized pages"):
+    cpu.paged_prefill_attention(q, **int8, query_lens=query_lens, k_scales=scales, v_scales=scales)
+  with pytest.raises(ValueError, match="paged_prefill_attention_cpu: query_lens must be int32"):
+    cpu.paged_prefill_attention(q, **args, query_lens=query_lens.astype(jnp.float32))
+  choice = kernel_choice.select_prefill_kernel(
+    "auto", dtype=jnp.bfloat16, num_queries=8, group=2, block_size=8, head_dim=64,
+    kv_dtype=jnp.int8, quantized=True,
+  )  # fmt: skip
+  assert choice is None  # the chunked XLA implementation serves them
+  with kernel_choice.target_platform("tpu"), pytest.raises(ValueError, match="cpu backend only"):
+    attention.paged_prefill_attention(q, **args, query_lens=query_lens, impl="cpu")
 
 
 def test_attention_auto_runs_the_kernel_on_cpu(monkeypatch):

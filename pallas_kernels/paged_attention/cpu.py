@@ -1,9 +1,11 @@
-"""Paged decode attention on CPU as a C++ kernel called through `jax.ffi`.
+"""Paged decode and prefill attention on CPU as C++ kernels called through `jax.ffi`.
 
-XLA:CPU runs the XLA implementations' page gathers slowly; this kernel reads
-each sequence's keys and values page by page through its block table, in
-place, and shares the (sequence, KV head) pairs between the calling thread
-and XLA's intra-op thread pool (`cpu_decode.cc`).
+XLA:CPU runs the XLA implementations' page gathers slowly, and the chunked
+prefill path computes every tile of a bucket over whole chunks of keys,
+padding included; these kernels read each token's keys and values page by
+page through its block table, in place, only as far as the token sees, and
+share the (token, KV head) pairs between the calling thread and XLA's
+intra-op thread pool (`cpu_attention.cc`).
 
 `pallas_kernels.cpu_build` builds it at first use with the system C++
 compiler and caches the library; `unavailable_reason` says why the kernel
@@ -27,12 +29,21 @@ from pallas_kernels.cpu_build import find_compiler
 from pallas_kernels.paged_attention import common
 
 TARGET = "paged_jax_paged_decode_attention_cpu"
+PREFILL_TARGET = "paged_jax_paged_prefill_attention_cpu"
 LIBRARY = cpu_build.Library(
-  Path(__file__).with_name("cpu_decode.cc"), ((TARGET, "PagedDecodeAttentionCpu"),)
+  Path(__file__).with_name("cpu_attention.cc"),
+  ((TARGET, "PagedDecodeAttentionCpu"), (PREFILL_TARGET, "PagedPrefillAttentionCpu")),
 )
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _NAME = "paged_attention_cpu"
-__all__ = ["find_compiler", "paged_attention", "refusal", "unavailable_reason"]
+_PREFILL_NAME = "paged_prefill_attention_cpu"
+__all__ = [
+  "find_compiler",
+  "paged_attention",
+  "paged_prefill_attention",
+  "refusal",
+  "unavailable_reason",
+]
 
 
 def unavailable_reason() -> str | None:
@@ -87,18 +98,79 @@ def paged_attention(
     q, k_pages, v_pages, block_tables, lengths, k_scales=k_scales, v_scales=v_scales, kernel=_NAME
   )
   common.check_attention_options(sm_scale, soft_cap, sliding_window)
-  reason = refusal(q.dtype, k_pages.dtype, k_scales is not None)
-  if reason:
-    raise ValueError(f"{_NAME}: {reason}")
-  reason = unavailable_reason()
-  if reason:
-    raise RuntimeError(f"{_NAME}: {reason}")
+  _check_servable(_NAME, q, k_pages, k_scales)
   call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
   return call(
     q,
     *map(_as_stored, (k_pages, v_pages)),
     jnp.asarray(block_tables, jnp.int32),
     jnp.asarray(lengths, jnp.int32),
+    **_attributes(q, sm_scale, soft_cap, sliding_window),
+  )
+
+
+def paged_prefill_attention(
+  q,
+  k_pages,
+  v_pages,
+  block_tables,
+  lengths,
+  query_lens,
+  *,
+  sm_scale: float | None = None,
+  soft_cap: float | None = None,
+  sliding_window: int | None = None,
+  k_scales=None,
+  v_scales=None,
+):
+  """Causal attention of new tokens to their paged context, as
+  `reference.paged_prefill_attention_reference` (same arguments and
+  result), by the C++ kernel: a token's keys are read only up to its own
+  position, and padding tokens (from ``query_lens``) cost nothing.
+
+  Raises:
+    ValueError, RuntimeError: as `paged_attention`.
+  """
+  common.check_attention_args(
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    lengths,
+    query_rank=4,
+    k_scales=k_scales,
+    v_scales=v_scales,
+    kernel=_PREFILL_NAME,
+  )
+  common.check_attention_options(sm_scale, soft_cap, sliding_window)
+  common.check_query_lens(query_lens, lengths, kernel=_PREFILL_NAME)
+  _check_servable(_PREFILL_NAME, q, k_pages, k_scales)
+  call = jax.ffi.ffi_call(
+    PREFILL_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential"
+  )
+  return call(
+    q,
+    *map(_as_stored, (k_pages, v_pages)),
+    jnp.asarray(block_tables, jnp.int32),
+    jnp.asarray(lengths, jnp.int32),
+    jnp.asarray(query_lens, jnp.int32),
+    **_attributes(q, sm_scale, soft_cap, sliding_window),
+  )
+
+
+def _check_servable(name: str, q, k_pages, k_scales) -> None:
+  """Raises what `paged_attention` documents when the kernel cannot serve the call."""
+  reason = refusal(q.dtype, k_pages.dtype, k_scales is not None)
+  if reason:
+    raise ValueError(f"{name}: {reason}")
+  reason = unavailable_reason()
+  if reason:
+    raise RuntimeError(f"{name}: {reason}")
+
+
+def _attributes(q, sm_scale, soft_cap, sliding_window) -> dict:
+  """The kernels' FFI attributes."""
+  return dict(
     scale=np.float32(common.default_sm_scale(q.shape[-1], sm_scale)),
     soft_cap=np.float32(soft_cap or 0.0),
     sliding_window=np.int64(sliding_window or 0),

@@ -1,22 +1,28 @@
-// Paged decode attention for XLA:CPU, called through JAX's FFI
-// (pallas_kernels/paged_attention/cpu.py builds and registers it).
+// Paged attention for XLA:CPU, called through JAX's FFI
+// (pallas_kernels/paged_attention/cpu.py builds and registers it): decode
+// (one query token per sequence) and prefill (several new tokens per
+// sequence, causal: a prompt chunk or a ragged step's tile).
 //
-// One query token per sequence, grouped-query heads. A work item is one
-// sequence and one KV head: its keys are read page by page through the block
-// table, straight from the cache (nothing is gathered into a copy), the
-// logits of the group's query heads go to a scratch row, then a softmax and
-// the weighted sum of the values. Items are shared between the calling
-// thread and the tasks it schedules on XLA's intra-op thread pool.
+// Grouped-query heads. A work item is one query token and one KV head: its
+// keys are read page by page through the block table, straight from the cache
+// (nothing is gathered into a copy), the logits of the group's query heads go
+// to a scratch row, then a softmax and the weighted sum of the values. A
+// prefill token's items follow each other, so a tile's pages stay in the
+// cache between its tokens. Items are shared between the calling thread and
+// the tasks it schedules on XLA's intra-op thread pool.
 //
 // Semantics are those of the XLA reference: a key is visible when its
-// position is below the length (and inside the sliding window), and its
-// table entry holds a block; a row with no visible key gives zeros. Pages
-// are float32 or bfloat16 (bits read as uint16); sums run in float32.
+// position is below the query's context length (the sequence's length for a
+// decode token; its own position + 1 for a prefill token) and inside the
+// sliding window, and its table entry holds a block; a token with no visible
+// key gives zeros. Pages are float32 or bfloat16 (bits read as uint16); sums
+// run in float32.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "cpu_simd.h"
@@ -115,16 +121,16 @@ struct Options {
   int64_t sliding_window;  // 0: none
 };
 
-// Attention of sequence `row`'s query heads of KV head `head`. `D` is the
-// head size when known at compile time (its loops then unroll into
-// registers), else 0 and the shapes' head_dim serves.
+// Attention of one token's query heads of KV head `head` (`q_rows`, the
+// group's `[group, d]` queries; `out_rows` likewise) to the `length` first
+// positions of the sequence whose block table is `table`. `D` is the head
+// size when known at compile time (its loops then unroll into registers),
+// else 0 and the shapes' head_dim serves.
 template <typename T, int64_t D>
-void AttendItem(const Shapes& s, const Options& o, const T* q, const T* k, const T* v,
-                const int32_t* tables, const int32_t* lengths, T* out, int64_t row,
-                int64_t head, std::vector<float>& scratch) {
+void AttendItem(const Shapes& s, const Options& o, const T* q_rows, const T* k, const T* v,
+                const int32_t* table, int64_t length, T* out_rows, int64_t head,
+                std::vector<float>& scratch) {
   const int64_t d = D > 0 ? D : s.head_dim, group = s.group(), bs = s.block_size;
-  T* out_rows = out + (row * s.num_q_heads + head * group) * d;
-  int64_t length = lengths[row];
   int64_t first = o.sliding_window > 0 ? std::max<int64_t>(0, length - o.sliding_window) : 0;
   length = std::min<int64_t>(length, s.max_blocks * bs);  // no key past the table
   int64_t count = length - first;
@@ -140,9 +146,7 @@ void AttendItem(const Shapes& s, const Options& o, const T* q, const T* k, const
   float* sums = queries + group * d;
   float* totals = sums + group * d;
   float* logits = totals + group;
-  const T* q_rows = q + (row * s.num_q_heads + head * group) * d;
   for (int64_t i = 0; i < group * d; ++i) queries[i] = Widen(q_rows[i]) * o.scale;
-  const int32_t* table = tables + row * s.max_blocks;
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
   auto page = [&](const T* pages, int64_t block) -> const T* {
@@ -219,19 +223,80 @@ void AttendItem(const Shapes& s, const Options& o, const T* q, const T* k, const
   }
 }
 
-// Items (row, KV head) shared by the calling thread and the pool's threads.
+template <typename T>
+auto AttendFor(int64_t head_dim) {
+  return head_dim == 64 ? AttendItem<T, 64>
+         : head_dim == 128 ? AttendItem<T, 128>
+         : head_dim == 256 ? AttendItem<T, 256>
+                           : AttendItem<T, 0>;
+}
+
+// Decode: items (row, KV head) shared by the calling thread and the pool's
+// threads.
 template <typename T>
 void AttendAll(const Shapes& s, const Options& o, const T* q, const T* k, const T* v,
                const int32_t* tables, const int32_t* lengths, T* out, ffi::ThreadPool pool) {
-  auto attend = s.head_dim == 64 ? AttendItem<T, 64>
-                : s.head_dim == 128 ? AttendItem<T, 128>
-                : s.head_dim == 256 ? AttendItem<T, 256>
-                                     : AttendItem<T, 0>;
+  auto attend = AttendFor<T>(s.head_dim);
   std::vector<float> scratch;  // each thread's own copy
   paged_jax::ShareItems(pool, s.batch * s.num_kv_heads, [=](int64_t item) mutable {
-    attend(s, o, q, k, v, tables, lengths, out, item / s.num_kv_heads, item % s.num_kv_heads,
+    int64_t row = item / s.num_kv_heads, head = item % s.num_kv_heads;
+    int64_t offset = (row * s.num_q_heads + head * s.group()) * s.head_dim;
+    attend(s, o, q + offset, k, v, tables + row * s.max_blocks, lengths[row], out + offset, head,
            scratch);
   });
+}
+
+// Prefill: items (sequence, KV head, query token), the tokens of one
+// sequence and head in a row. Token `i` of sequence `b` is at position
+// `lengths[b] - query_lens[b] + i`; tokens from `query_lens[b]` on are
+// padding and give zeros.
+template <typename T>
+void AttendQueries(const Shapes& s, int64_t num_queries, const Options& o, const T* q,
+                   const T* k, const T* v, const int32_t* tables, const int32_t* lengths,
+                   const int32_t* query_lens, T* out, ffi::ThreadPool pool) {
+  auto attend = AttendFor<T>(s.head_dim);
+  std::vector<float> scratch;  // each thread's own copy
+  int64_t items = s.batch * s.num_kv_heads * num_queries;
+  paged_jax::ShareItems(pool, items, [=](int64_t item) mutable {
+    int64_t token = item % num_queries, head = item / num_queries % s.num_kv_heads;
+    int64_t row = item / (num_queries * s.num_kv_heads);
+    int64_t offset = ((row * num_queries + token) * s.num_q_heads + head * s.group()) * s.head_dim;
+    int64_t new_tokens = std::max<int32_t>(query_lens[row], 0);
+    int64_t length = token < new_tokens ? lengths[row] - new_tokens + token + 1 : 0;
+    attend(s, o, q + offset, k, v, tables + row * s.max_blocks, length, out + offset, head,
+           scratch);
+  });
+}
+
+// Runs `attend(q, k, v, out)` on the buffers as float32 or bfloat16 bits,
+// once their dtypes are checked: pages of the queries' dtype (bfloat16 pages
+// may come as their bits, uint16, as the CPU cache stores them).
+template <typename Attend>
+ffi::Error WithTypedBuffers(const char* name, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
+                            ffi::AnyBuffer v_pages, ffi::Result<ffi::AnyBuffer>& out,
+                            Attend attend) {
+  auto dtype = q.element_type();
+  auto page_dtype_ok = [&](ffi::DataType page) {
+    return page == dtype || (dtype == ffi::DataType::BF16 && page == ffi::DataType::U16);
+  };
+  if (!page_dtype_ok(k_pages.element_type()) || !page_dtype_ok(v_pages.element_type()) ||
+      out->element_type() != dtype) {
+    return ffi::Error::InvalidArgument(std::string(name) + ": mixed dtypes");
+  }
+  if (dtype == ffi::DataType::F32) {
+    attend(static_cast<const float*>(q.untyped_data()),
+           static_cast<const float*>(k_pages.untyped_data()),
+           static_cast<const float*>(v_pages.untyped_data()),
+           static_cast<float*>(out->untyped_data()));
+  } else if (dtype == ffi::DataType::BF16) {
+    attend(static_cast<const uint16_t*>(q.untyped_data()),
+           static_cast<const uint16_t*>(k_pages.untyped_data()),
+           static_cast<const uint16_t*>(v_pages.untyped_data()),
+           static_cast<uint16_t*>(out->untyped_data()));
+  } else {
+    return ffi::Error::InvalidArgument(std::string(name) + ": float32 or bfloat16 only");
+  }
+  return ffi::Error::Success();
 }
 
 ffi::Error PagedDecodeAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
@@ -248,32 +313,39 @@ ffi::Error PagedDecodeAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
   if (k_dims[3] != s.head_dim || s.num_q_heads % s.num_kv_heads != 0 || t_dims[0] != s.batch) {
     return ffi::Error::InvalidArgument("paged decode attention: inconsistent shapes");
   }
-  auto dtype = q.element_type();
-  // bfloat16 pages may come as their bits (uint16), as the CPU cache stores them.
-  auto page_dtype_ok = [&](ffi::DataType page) {
-    return page == dtype || (dtype == ffi::DataType::BF16 && page == ffi::DataType::U16);
-  };
-  if (!page_dtype_ok(k_pages.element_type()) || !page_dtype_ok(v_pages.element_type()) ||
-      out->element_type() != dtype) {
-    return ffi::Error::InvalidArgument("paged decode attention: mixed dtypes");
+  Options o{scale, soft_cap, sliding_window};
+  const int32_t* tables = block_tables.typed_data();
+  const int32_t* lens = lengths.typed_data();
+  return WithTypedBuffers("paged decode attention", q, k_pages, v_pages, out,
+                          [&](auto q, auto k, auto v, auto out) {
+                            AttendAll(s, o, q, k, v, tables, lens, out, pool);
+                          });
+}
+
+ffi::Error PagedPrefillAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
+                                 ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> block_tables,
+                                 ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> query_lens,
+                                 ffi::Result<ffi::AnyBuffer> out, float scale, float soft_cap,
+                                 int64_t sliding_window) {
+  auto q_dims = q.dimensions();
+  auto k_dims = k_pages.dimensions();
+  auto t_dims = block_tables.dimensions();
+  if (q_dims.size() != 4 || k_dims.size() != 4 || t_dims.size() != 2) {
+    return ffi::Error::InvalidArgument("paged prefill attention: bad ranks");
+  }
+  Shapes s{q_dims[0], q_dims[2], q_dims[3], k_dims[0], k_dims[1], k_dims[2], t_dims[1]};
+  if (k_dims[3] != s.head_dim || s.num_q_heads % s.num_kv_heads != 0 || t_dims[0] != s.batch) {
+    return ffi::Error::InvalidArgument("paged prefill attention: inconsistent shapes");
   }
   Options o{scale, soft_cap, sliding_window};
   const int32_t* tables = block_tables.typed_data();
   const int32_t* lens = lengths.typed_data();
-  if (dtype == ffi::DataType::F32) {
-    AttendAll(s, o, static_cast<const float*>(q.untyped_data()),
-              static_cast<const float*>(k_pages.untyped_data()),
-              static_cast<const float*>(v_pages.untyped_data()), tables, lens,
-              static_cast<float*>(out->untyped_data()), pool);
-  } else if (dtype == ffi::DataType::BF16) {
-    AttendAll(s, o, static_cast<const uint16_t*>(q.untyped_data()),
-              static_cast<const uint16_t*>(k_pages.untyped_data()),
-              static_cast<const uint16_t*>(v_pages.untyped_data()), tables, lens,
-              static_cast<uint16_t*>(out->untyped_data()), pool);
-  } else {
-    return ffi::Error::InvalidArgument("paged decode attention: float32 or bfloat16 only");
-  }
-  return ffi::Error::Success();
+  const int32_t* new_tokens = query_lens.typed_data();
+  return WithTypedBuffers("paged prefill attention", q, k_pages, v_pages, out,
+                          [&](auto q, auto k, auto v, auto out) {
+                            AttendQueries(s, q_dims[1], o, q, k, v, tables, lens, new_tokens,
+                                          out, pool);
+                          });
 }
 
 }  // namespace
@@ -284,6 +356,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedDecodeAttentionCpu, PagedDecodeAttention,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("sliding_window"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedPrefillAttentionCpu, PagedPrefillAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
