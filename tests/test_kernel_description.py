@@ -17,13 +17,17 @@ def test_cpu_runs_the_cpp_kernel_or_xla_and_names_interpret_mode(monkeypatch, re
   monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
   monkeypatch.setattr(cpu, "unavailable_reason", lambda: reason)
   assert kernel_choice.describe_kernels(**SHAPE) == (
-    f"backend cpu: decode attention = {decode}, prefill attention = chunked XLA, "
+    f"backend cpu: decode attention = {decode}, prefill attention = {decode}, "
     "write_kv = XLA, copy_blocks = XLA; the Pallas kernels run on cpu only in interpret mode "
     "(impl='pallas')"
   )
   with kernel_choice.use_cpu_kernel(False):
-    assert "decode attention = chunked XLA" in kernel_choice.describe_kernels(**SHAPE)
-  assert "decode attention = chunked XLA" in kernel_choice.describe_kernels(**SHAPE, quantized=True)
+    assert "decode attention = chunked XLA, prefill attention = chunked XLA" in (
+      kernel_choice.describe_kernels(**SHAPE)
+    )
+  assert "decode attention = chunked XLA, prefill attention = chunked XLA" in (
+    kernel_choice.describe_kernels(**SHAPE, quantized=True)
+  )
 
 
 def test_tpu_runs_mosaic(monkeypatch):

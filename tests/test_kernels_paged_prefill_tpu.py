@@ -348,7 +348,9 @@ SELECT = dict(dtype=jnp.bfloat16, num_queries=32, group=4, block_size=16, head_d
     ),
     ("tpu", "pallas", {}, ("tpu", False), None),
     ("tpu", "reference", {}, None, None),
-    ("cpu", "auto", {}, None, None),
+    ("cpu", "auto", {}, ("cpu", False), "C\\+\\+ kernel"),
+    ("cpu", "auto", dict(kv_dtype=jnp.int8, quantized=True), None, "chunked XLA .*quantized"),
+    ("cpu", "cpu", {}, ("cpu", False), None),
     ("cpu", "pallas", {}, ("tpu", True), None),
     ("cuda", "auto", {}, None, None),
   ],
@@ -361,7 +363,7 @@ def test_prefill_kernel_choice(caplog, platform, impl, overrides, expected, logg
   if logged is None:
     assert not messages
   else:
-    assert len(messages) == 1 and messages[0].startswith("prefill attention on tpu (")
+    assert len(messages) == 1 and messages[0].startswith(f"prefill attention on {platform} (")
     assert re.search(logged, messages[0]), messages[0]
 
 
