@@ -7,7 +7,8 @@ docs (`soak_serve.text_slices`: vLLM's random prompts can hold a NUL, which
 the server refuses), 64 output tokens with `--ignore-eos`, 48 requests,
 arriving at 4 requests/s and then all at once under 16 concurrent. It
 reports output tokens/s and TTFT, TPOT and inter-chunk latency (ITL) at
-p50/p99, one row per server and workload.
+p50/p99, one row per server and workload, and for paged_jax the programs
+compiled after warm-up so far (its `/metrics`), which should stay 0.
 
 `vllm bench serve` comes from a side venv with vLLM installed (`--vllm`, the
 venv's `vllm` command); it only sends requests, so any vLLM build serves.
@@ -22,7 +23,8 @@ tcmalloc and Intel OpenMP preloaded), with the same `--max-model-len`.
 
 Usage:
   python benchmarks/bench_http.py --vllm /venv/bin/vllm --tokenizer DIR \\
-    [--code before=/tree/of/old/commit after=.] [--dtypes bfloat16 float32] \\
+    [--code before=/tree/of/old/commit "after=.;--quantization none"] \\
+    [--dtypes bfloat16 float32] \\
     [--vllm-server /venv/bin/python --hf-dir DIR] [--max-model-len 512] [--json]
 """
 
@@ -32,6 +34,7 @@ import argparse
 import json
 import os
 import pathlib
+import shlex
 import sys
 import tempfile
 import time
@@ -67,8 +70,10 @@ def bench_serve(args, url: str, workload: list[str]) -> dict:
   return {field: measured.get(field) for field in BENCH_FIELDS}
 
 
-def run_server(args, label: str, dtype: str, server: Server) -> list[dict]:
-  """Every workload against a started `server`, which it stops."""
+def run_server(args, label: str, dtype: str, server: Server, paged_jax=True) -> list[dict]:
+  """Every workload against a started `server`, which it stops. A paged_jax
+  server's rows also count the programs it compiled after its warm-up, so
+  far (`compiles`; None for vLLM)."""
   start = time.perf_counter()
   rows = []
   try:
@@ -77,17 +82,20 @@ def run_server(args, label: str, dtype: str, server: Server) -> list[dict]:
     for name, workload in WORKLOADS.items():
       print(f"[{label} {dtype}] {name}", file=sys.stderr, flush=True)
       row = dict(server=label, dtype=dtype, workload=name, start_s=round(ready_s, 1))
-      rows.append(row | bench_serve(args, server.url, workload))
+      row |= bench_serve(args, server.url, workload)
+      rows.append(row | dict(compiles=server.compiles() if paged_jax else None))
   finally:
     server.kill()
   return rows
 
 
 def paged_jax_server(args, tree: str, dtype: str) -> Server:
-  """`python -m paged_jax serve` of the code in `tree`."""
+  """`python -m paged_jax serve` of the code in `tree` (`DIR`, or `DIR;FLAGS`
+  with flags for this tree's server only)."""
+  tree, _, tree_flags = tree.partition(";")
   env = dict(os.environ, PYTHONPATH=str(pathlib.Path(tree).resolve()))
   flags = ["--model", args.model, "--served-model-name", args.served_name, "--dtype", dtype]
-  flags += ["--max-model-len", str(args.max_model_len)]
+  flags += ["--max-model-len", str(args.max_model_len), *shlex.split(tree_flags)]
   return Server([*flags, *args.server_args], env=env)
 
 
@@ -106,15 +114,19 @@ def vllm_server(args, dtype: str) -> Server:
 
 def markdown(rows: list[dict]) -> str:
   """The rows as a Markdown table."""
-  header = "| server | dtype | workload | tok/s | TTFT p50/p99 (ms) | TPOT p50/p99 | ITL p50/p99 |"
-  lines = [header, "|---|---|---|---:|---:|---:|---:|"]
+  header = (
+    "| server | dtype | workload | tok/s | TTFT p50/p99 (ms) | TPOT p50/p99 | ITL p50/p99 "
+    "| compiled while serving |"
+  )
+  lines = [header, "|---|---|---|---:|---:|---:|---:|---:|"]
   pair = lambda row, a, b: f"{row[a]:,.0f} / {row[b]:,.0f}"
   for row in rows:
+    compiles = "" if row["compiles"] is None else row["compiles"]
     lines.append(
       f"| {row['server']} | {row['dtype']} | {row['workload']} | "
       f"{row['output_throughput']:.1f} | {pair(row, 'median_ttft_ms', 'p99_ttft_ms')} | "
       f"{pair(row, 'median_tpot_ms', 'p99_tpot_ms')} | "
-      f"{pair(row, 'median_itl_ms', 'p99_itl_ms')} |"
+      f"{pair(row, 'median_itl_ms', 'p99_itl_ms')} | {compiles} |"
     )
   return "\n".join(lines)
 
@@ -125,7 +137,12 @@ def parse_args(argv=None):
   parser.add_argument("--tokenizer", required=True, help="the model's HF tokenizer folder")
   parser.add_argument("--model", default="smollm2-135m-instruct")
   parser.add_argument("--served-name", default="smollm2")
-  parser.add_argument("--code", nargs="+", default=["paged_jax=."], help="LABEL=DIR trees")
+  parser.add_argument(
+    "--code",
+    nargs="+",
+    default=["paged_jax=."],
+    help="LABEL=DIR trees, or LABEL=DIR;FLAGS with serve flags for that tree only",
+  )
   parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
   parser.add_argument("--num-prompts", type=int, default=48)
   parser.add_argument("--seed", type=int, default=0)
@@ -150,7 +167,7 @@ def main(argv=None) -> None:
       for label, tree in (code.split("=", 1) for code in args.code):
         rows += run_server(args, label, dtype, paged_jax_server(args, tree, dtype))
       if args.vllm_server:
-        rows += run_server(args, "vLLM CPU", dtype, vllm_server(args, dtype))
+        rows += run_server(args, "vLLM CPU", dtype, vllm_server(args, dtype), paged_jax=False)
   print(markdown(rows))
   if args.json:
     print(json.dumps(rows))

@@ -57,6 +57,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
 import pathlib
 import random
 import re
@@ -209,7 +210,9 @@ PAGED_JAX_SERVE = (sys.executable, "-m", "paged_jax", "serve")
 
 class Server:
   """A server subprocess on a free port (in `env`, default this one's):
-  `program` (default `python -m paged_jax serve`) with `--port PORT` and `args`."""
+  `program` (default `python -m paged_jax serve`) with `--port PORT` and
+  `args`, in a session of its own, so that `kill` also stops the processes
+  it started (vLLM's engine core and workers)."""
 
   def __init__(self, args: list[str], env: dict | None = None, program=PAGED_JAX_SERVE):
     with socket.socket() as sock:
@@ -218,7 +221,9 @@ class Server:
     self.url = f"http://127.0.0.1:{self.port}"
     self.log = tempfile.NamedTemporaryFile("w+", suffix=".log")
     command = [*program, "--port", str(self.port), *args]
-    self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+    self.process = subprocess.Popen(
+      command, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
 
   def wait_healthy(self, timeout: float = 900) -> None:
     deadline = time.monotonic() + timeout
@@ -281,9 +286,10 @@ class Server:
     return samples
 
   def kill(self) -> None:
-    if self.process.poll() is None:
-      self.process.kill()
-      self.process.wait()
+    """Kills the server and every process of its session."""
+    with contextlib.suppress(ProcessLookupError):
+      os.killpg(self.process.pid, signal.SIGKILL)
+    self.process.wait()
 
 
 def outcome_counts(metrics: dict[str, float]) -> dict[str, int]:
