@@ -115,10 +115,8 @@ def test_speculation_on_a_hybrid_cache_sizes_its_types_and_refuses_what_no_type_
   model = _tiny(GEMMA, seed=0)
   # 5 proposals: a step's calls take 6 tokens, more than the prompt chunks
   # of 4, so the sliding type keeps 8 + 6 - 1 positions and prompts run in 6.
-  ngram = {"method": "ngram", "num_speculative_tokens": 5}
-  engine = pj.LLMEngine(model, None, _cfg(), hybrid_kv_cache=True, speculative_config=ngram)
-  assert engine.cache_manager.hybrid.layer_windows == (13, None)
-  assert engine.cache_manager.max_chunk == 6
+  hybrid, _, chunk, draft_windows = hybrid_cache(_cfg(), model.config, lookahead=5)
+  assert hybrid.layer_windows == (13, None) and chunk == 6 and draft_windows is None
   # A draft's layers sit after the target's in their types' pages, and count
   # in the budget: 512 bytes per block and layer of the target, 128 of the draft.
   draft = models.Llama(NARROW_DRAFT, rngs=nnx.Rngs(1))
