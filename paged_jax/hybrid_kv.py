@@ -5,9 +5,17 @@ Type `g` of a `HybridCacheConfig` owns the pages of its layers only
 type's slot mapping, read with its type's block table, copied by its type's
 copy-on-write plan and swapped by its type's swap plan. The block manager's
 `HybridResult` carries one plan per type; these functions route them.
+
+A speculative draft model's layers come after the target's (`stacked`):
+each draft layer's pages sit in the pages of the type it joins, after that
+type's target layers, in the same blocks, so the type's tables, copies and
+swaps serve both models. `layers(start)` is the view a second model's call
+takes (its layer 0 is layer `start`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import flax.struct
 import jax
@@ -25,6 +33,7 @@ class HybridKVCache:
 
   cfg: HybridCacheConfig = flax.struct.field(pytree_node=False)
   types: tuple
+  first_layer: int = flax.struct.field(pytree_node=False, default=0)
 
   @classmethod
   def create(
@@ -48,8 +57,42 @@ class HybridKVCache:
 
   def locate(self, layer: int) -> tuple[int, int]:
     """(the type of `layer`, its index among that type's layers); ValueError for a bad layer."""
+    layer = self.first_layer + layer
     group = self.cfg.layer_group(layer)
     return group, self.cfg.layer_windows[:layer].count(self.cfg.windows[group])
+
+  @property
+  def num_layers(self) -> int:
+    """The layers this cache (or view, see `layers`) holds."""
+    return len(self.cfg.layer_windows) - self.first_layer
+
+  def layers(self, start: int) -> HybridKVCache:
+    """The view of layers `start ..` only (its layer 0 is layer `start`):
+    a second model's pages in the same blocks (a draft model's)."""
+    return self.replace(first_layer=self.first_layer + start)
+
+  def with_layers(self, start: int, part: HybridKVCache) -> HybridKVCache:
+    """The cache with layers `start ..` from `part`, a `layers(start)` view
+    that a call wrote (it holds every layer's pages)."""
+    return part.replace(first_layer=self.first_layer)
+
+  def stacked(self, other: HybridKVCache) -> HybridKVCache:
+    """One cache of this cache's layers, then `other`'s: each of `other`'s
+    layers in the pages of its type here, after this cache's layers of
+    that type (the same blocks; each layer keeps its heads and head size).
+
+    Raises:
+      ValueError: naming a type of `other` that this cache lacks.
+    """
+    windows = self.cfg.windows
+    for window in other.cfg.windows:
+      self.cfg.group_of_window(window)  # raises for a type this cache lacks
+    types = tuple(
+      kv.stacked(other.types[other.cfg.windows.index(w)]) if w in other.cfg.windows else kv
+      for kv, w in zip(self.types, windows)
+    )
+    layer_windows = self.cfg.layer_windows + other.cfg.layer_windows
+    return self.replace(cfg=dataclasses.replace(self.cfg, layer_windows=layer_windows), types=types)
 
   def pages(self, layer: int) -> tuple[jax.Array, jax.Array]:
     """Layer `layer`'s K and V pages (those of its type's pool)."""

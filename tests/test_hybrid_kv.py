@@ -9,6 +9,7 @@ sliding one, although the sliding type holds only the blocks of its window.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -105,3 +106,27 @@ def test_a_layer_the_model_does_not_have_is_refused():
   assert cache.locate(2) == (1, 1)
   with pytest.raises(ValueError, match=r"layer 3: the model declares layers 0..2"):
     cache.pages(3)
+
+
+def test_a_drafts_layers_sit_in_their_types_pages_after_the_targets():
+  # A draft of a global layer and a window-3 one, with other heads and head size.
+  cache = hybrid_kv.HybridKVCache.create(CFG, KV_HEADS, DIM, np.float32)
+  draft_cfg = dataclasses.replace(CFG, layer_windows=(None, WINDOW))
+  both = cache.stacked(hybrid_kv.HybridKVCache.create(draft_cfg, 2, 8, np.float32))
+  assert both.num_layers == 5 and [c.num_layers for c in both.types] == [2, 3]
+  assert [both.locate(layer) for layer in range(5)] == [(1, 0), (0, 0), (1, 1), (0, 1), (1, 2)]
+  draft = both.layers(3)  # the view a draft's call takes: its layer 0 is layer 3
+  assert draft.num_layers == 2 and draft.locate(1) == (1, 2)
+  rng = np.random.default_rng(1)
+  k, v = rng.standard_normal((2, 1, 1, 2, 8)).astype(np.float32)
+  slots = (np.array([[5]], np.int32), np.array([[3]], np.int32))  # one slot per type
+  written = both.with_layers(3, hybrid_kv.write_kv(draft, 1, k, v, slots))
+  assert written.first_layer == 0 and written.num_layers == 5
+  k_pages, v_pages = written.pages(4)  # [heads, blocks, block_size, head_dim]
+  np.testing.assert_array_equal(k_pages[:, 1, 1], k[0, 0])
+  np.testing.assert_array_equal(v_pages[:, 1, 1], v[0, 0])
+  for layer in range(4):  # the other layers' pages stay zero
+    assert not np.any(written.pages(layer)[0])
+  narrower = dataclasses.replace(CFG, layer_windows=(2,), gpu_blocks=None, cpu_blocks=None)
+  with pytest.raises(ValueError, match="no layer declares the attention type sliding window 2"):
+    cache.stacked(hybrid_kv.HybridKVCache.create(narrower, 2, 8, np.float32))

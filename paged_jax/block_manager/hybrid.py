@@ -203,7 +203,7 @@ def gpu_blocks_for_budget(
   layer_windows,
   *,
   block_size: int,
-  layer_block_bytes: int,
+  layer_block_bytes,
   budget_bytes: int,
   max_tokens: int,
   extra_blocks: int = 0,
@@ -218,7 +218,8 @@ def gpu_blocks_for_budget(
     layer_windows: each layer's window, None for global attention.
     block_size: tokens per block.
     layer_block_bytes: bytes of one block of one layer (K and V;
-      `pj.bytes_per_block(num_layers=1, ...)`).
+      `pj.bytes_per_block(num_layers=1, ...)`): an int for every layer, or
+      one per layer (a speculative draft's layers may have other heads).
     budget_bytes: device bytes for every type's pages together.
     max_tokens: the longest sequence the split is made for.
     extra_blocks: blocks a sliding type holds past its window (see
@@ -232,7 +233,10 @@ def gpu_blocks_for_budget(
   """
   windows = tuple(layer_windows)
   types = attention_types(windows)
-  type_bytes = [windows.count(w) * layer_block_bytes for w in types]
+  per_layer = layer_block_bytes
+  if isinstance(per_layer, int):
+    per_layer = (per_layer,) * len(windows)
+  type_bytes = [sum(b for window, b in zip(windows, per_layer) if window == w) for w in types]
   need = [blocks_per_sequence(w, max_tokens, block_size, extra_blocks) for w in types]
   per_sequence = sum(n * b for n, b in zip(need, type_bytes))
   blocks = tuple(budget_bytes * n // per_sequence for n in need)  # (budget * n * b / per_seq) / b

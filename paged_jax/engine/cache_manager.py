@@ -12,6 +12,7 @@ and states (`take_launch`). It alone stores them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -24,6 +25,7 @@ from paged_jax.block_manager.hybrid import (
   HybridBlockSpaceManager,
   HybridCacheConfig,
   HybridState,
+  attention_types,
   init_hybrid_states,
 )
 from paged_jax.block_manager.manager import BlockSpaceManager
@@ -154,13 +156,17 @@ class CacheManager:
       None on a cache that keeps every block (prompts are allocated whole).
     draft_config: a speculative draft model's config: its K/V pages are
       layers after the model's in the same cache (one block table, copies
-      and swaps move both); None for none.
+      and swaps move both; on a hybrid cache, each layer's in the pages of
+      the type it joins, `draft_layer_windows`); None for none.
     lookahead: slots each decode step reserves past a sequence's tokens
       (`num_speculative_tokens`; what a sequence holds at most counts them).
     hybrid: a hybrid cache (one block table and pool per attention type,
-      `HybridCacheConfig` over `cfg`; one device, no draft model), whose
-      states are `HybridState`s and pages a `HybridKVCache`; None for one
-      table. `cfg.num_gpu_blocks` then counts every type's blocks.
+      `HybridCacheConfig` over `cfg`; one device), whose states are
+      `HybridState`s and pages a `HybridKVCache`; None for one table.
+      `cfg.num_gpu_blocks` then counts every type's blocks.
+    draft_layer_windows: on a hybrid cache with a draft, the window of the
+      type each draft layer joins (one of `hybrid.layer_windows`, see
+      `engine_checks.draft_layer_windows`).
   """
 
   def __init__(
@@ -174,6 +180,7 @@ class CacheManager:
     draft_config=None,
     lookahead: int = 0,
     hybrid: HybridCacheConfig | None = None,
+    draft_layer_windows: tuple | None = None,
   ):
     self.cfg = cfg
     self.hybrid = hybrid
@@ -185,15 +192,11 @@ class CacheManager:
       cfg, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype=dtype, mesh=mesh
     )
     if hybrid is not None:
-      if mesh is not None or draft_config is not None:
-        raise ValueError("a hybrid cache runs on one device, without a draft model")
-      self.kv = HybridKVCache.create(
-        hybrid, model_config.num_kv_heads, model_config.head_dim, dtype
-      )
+      self.kv = _hybrid_pages(hybrid, model_config, dtype, mesh, draft_config, draft_layer_windows)
     else:
       self.kv = pages(model_config)
-    if draft_config is not None:  # its layers after the model's, in the same blocks
-      self.kv = self.kv.stacked(pages(draft_config))
+      if draft_config is not None:  # its layers after the model's, in the same blocks
+        self.kv = self.kv.stacked(pages(draft_config))
     # The pages' kinds as made (programs hand back arrays whose shardings
     # may print alike but key their caches apart), for `restore_pages`.
     leaves, self._kv_tree = jax.tree.flatten(self.kv)
@@ -517,6 +520,35 @@ class CacheManager:
         # As `swap_in` hands it on: its arrays are new ones (no slot: no pair).
         plan = _with_unwritten_hits(plan, self.state, self.state, shard, np.zeros(0, np.int64))
       self.kv = move(self.kv, sharding.shard_plan(plan, shard, src, dst))
+
+
+def _hybrid_pages(hybrid, model_config, dtype, mesh, draft_config, draft_layer_windows):
+  """A hybrid cache's pages: the model's layers, then a draft's, each in its type's.
+
+  Raises:
+    ValueError: on a mesh, or for a draft without one window per layer.
+  """
+  if mesh is not None:
+    raise ValueError("a hybrid cache runs on one device: pass mesh=None")
+  kv = HybridKVCache.create(hybrid, model_config.num_kv_heads, model_config.head_dim, dtype)
+  if draft_config is None:
+    return kv
+  windows = tuple(draft_layer_windows or ())
+  if len(windows) != draft_config.num_layers:
+    raise ValueError(
+      f"draft_layer_windows must give each of the draft's {draft_config.num_layers} layers "
+      f"its type's window, got {draft_layer_windows!r}"
+    )
+  gpu, cpu = hybrid.gpu_blocks, hybrid.cpu_blocks
+  types = [hybrid.group_of_window(w) for w in attention_types(windows)]  # a type it lacks raises
+  draft_cfg = dataclasses.replace(
+    hybrid,
+    layer_windows=windows,
+    gpu_blocks=tuple(gpu[g] for g in types),
+    cpu_blocks=tuple(cpu[g] for g in types),
+  )
+  heads, head_dim = draft_config.num_kv_heads, draft_config.head_dim
+  return kv.stacked(HybridKVCache.create(draft_cfg, heads, head_dim, dtype))
 
 
 def _plan_count(plan) -> int:

@@ -203,78 +203,141 @@ def sized_for_budget(
 
 
 def hybrid_cache(
-  cfg: CacheConfig, model_config, *, budget_bytes: int | None = None, kv_cache_dtype=None
-) -> tuple[HybridCacheConfig, CacheConfig, int | None]:
+  cfg: CacheConfig,
+  model_config,
+  *,
+  budget_bytes: int | None = None,
+  kv_cache_dtype=None,
+  lookahead: int = 0,
+  draft_config=None,
+) -> tuple[HybridCacheConfig, CacheConfig, int | None, tuple | None]:
   """The hybrid cache of `LLMEngine(hybrid_kv_cache=True)`: one block table
   and pool per attention type of the model's layers.
 
   A sliding type of window `w` keeps the blocks of its last `w + c - 1`
-  positions, for prompt chunks of `c` tokens (half the smallest window):
-  a chunk's first token still sees its whole window. Each type's pool has
+  positions, for calls of `c` tokens per sequence: prompt chunks of half
+  the smallest window, or, while speculating with `lookahead` proposals,
+  at least `lookahead + 1` (a step's last token and proposals): a call's
+  first token still sees its whole window. A draft model's layers join
+  the target's types (`draft_layer_windows`). Each type's pool has
   `cfg.num_gpu_blocks` blocks, or with `budget_bytes` (bytes of KV pages)
   its share of the budget by the bytes one sequence of the longest length
-  holds in it (`hybrid.gpu_blocks_for_budget`).
+  holds in it, the draft's layers counted (`hybrid.gpu_blocks_for_budget`).
 
   Returns:
     (the hybrid config, `cfg` with `num_gpu_blocks` counting every type's
-    blocks, the chunk `c`: None when no layer slides).
+    blocks, the chunk `c`: None when no layer slides, the draft's layers'
+    windows as `HybridKVCache.stacked` takes them: None without a draft).
 
   Raises:
-    ValueError: for a cache with a `sliding_window`, a model config without
-      `layer_window`, or a budget that is not a positive int, that gives a
-      type fewer blocks than one longest sequence holds there, or that
-      conflicts with `cfg.num_gpu_blocks`.
+    ValueError: for a cache with a `sliding_window`, a model or draft config
+      without `layer_window`, a draft layer no type of the model serves, or
+      a budget that is not a positive int, that gives a type fewer blocks
+      than one longest sequence holds there, or that conflicts with
+      `cfg.num_gpu_blocks`.
   """
   if cfg.sliding_window is not None:
     raise ValueError(
       f"hybrid_kv_cache: cache_config.sliding_window must be None (got {cfg.sliding_window}); "
       f"each attention type's window comes from the model's layers"
     )
-  layer_window = getattr(model_config, "layer_window", None)
-  if layer_window is None:
-    raise ValueError("hybrid_kv_cache: the model's config has no layer_window(layer)")
-  windows = [layer_window(layer) for layer in range(model_config.num_layers)]
+  windows = _layer_windows(model_config, "the model's")
   sliding = [w for w in windows if w is not None]
-  chunk = max(1, min(sliding) // 2) if sliding else None
+  chunk = max(1, min(sliding) // 2, lookahead + 1) if sliding else None
   kept = tuple(None if w is None else w + chunk - 1 for w in windows)
+  draft_kept = None
+  if draft_config is not None:
+    draft_windows = draft_layer_windows(windows, _layer_windows(draft_config, "the draft model's"))
+    draft_kept = tuple(None if w is None else w + chunk - 1 for w in draft_windows)
   types = attention_types(kept)
   if budget_bytes is None:
     gpu_blocks = (cfg.num_gpu_blocks,) * len(types)
   else:
     gpu_blocks = _type_blocks_for_budget(
-      cfg, model_config, kept, budget_bytes, kv_cache_dtype, chunk
+      cfg, [model_config, draft_config], [kept, draft_kept], budget_bytes, kv_cache_dtype, chunk
     )
   hybrid = HybridCacheConfig(cfg, kept, gpu_blocks=gpu_blocks)
-  return hybrid, dataclasses.replace(cfg, num_gpu_blocks=sum(gpu_blocks)), chunk
+  return hybrid, dataclasses.replace(cfg, num_gpu_blocks=sum(gpu_blocks)), chunk, draft_kept
 
 
-def _type_blocks_for_budget(cfg, model_config, kept, budget_bytes, kv_cache_dtype, chunk) -> tuple:
-  """Each type's GPU blocks from one byte budget (see `hybrid_cache`)."""
+def _layer_windows(config, whose: str) -> list:
+  """Each layer's window (None: global) from `config.layer_window`."""
+  layer_window = getattr(config, "layer_window", None)
+  if layer_window is None:
+    raise ValueError(f"hybrid_kv_cache: {whose} config has no layer_window(layer)")
+  return [layer_window(layer) for layer in range(config.num_layers)]
+
+
+def draft_layer_windows(target_windows, draft_windows) -> tuple:
+  """The target window of the type each draft layer joins on a hybrid cache.
+
+  A draft layer joins the narrowest of the target's types that sees every
+  key it attends to: a layer with window `w` the type of the smallest
+  target window `>= w` (the global type if none), a global layer the
+  global type. It masks its own window there.
+
+  Args:
+    target_windows: each target layer's window, None for global attention.
+    draft_windows: each draft layer's.
+
+  Raises:
+    ValueError: naming the first draft layer no type serves (a window wider
+      than every target window, with no global type) and the model's types.
+  """
+  types = attention_types(target_windows)
+  joined = []
+  for layer, window in enumerate(draft_windows):
+    wide_enough = [w for w in types if w is not None and window is not None and w >= window]
+    if wide_enough:
+      joined.append(min(wide_enough))
+    elif None in types:
+      joined.append(None)
+    else:
+      seen = "the whole context" if window is None else f"a window of {window}"
+      names = ", ".join(f"sliding window {w}" for w in types)
+      raise ValueError(
+        f"hybrid_kv_cache: draft layer {layer} attends to {seen}, but no attention type of "
+        f"the model keeps that many keys (its types: {names}); use a draft whose windows are "
+        f"at most the model's, or hybrid_kv_cache=False"
+      )
+  return tuple(joined)
+
+
+def _type_blocks_for_budget(cfg, model_configs, layer_windows, budget_bytes, dtype, chunk) -> tuple:
+  """Each type's GPU blocks from one byte budget (see `hybrid_cache`):
+  `model_configs` and `layer_windows` hold the model's and the draft's
+  (None without a draft)."""
   if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 1:
     raise ValueError(f"kv_cache_memory_bytes must be a positive int, got {budget_bytes!r}")
-  dtype = model_config.dtype if kv_cache_dtype is None else kv_cache_dtype
-  layer_bytes = bytes_per_block(
-    block_size=cfg.block_size,
-    num_layers=1,
-    num_kv_heads=model_config.num_kv_heads,
-    head_dim=model_config.head_dim,
-    dtype=jnp.dtype(dtype),
-  )
-  max_len = min(model_config.max_seq_len, cfg.max_tokens_per_seq)
+  dtype = model_configs[0].dtype if dtype is None else dtype
+  kept, per_layer = (), ()
+  for config, windows in zip(model_configs, layer_windows):
+    if config is None:
+      continue
+    layer_bytes = bytes_per_block(
+      block_size=cfg.block_size,
+      num_layers=1,
+      num_kv_heads=config.num_kv_heads,
+      head_dim=config.head_dim,
+      dtype=jnp.dtype(dtype),
+    )
+    kept, per_layer = kept + windows, per_layer + (layer_bytes,) * len(windows)
+  max_len = min([c.max_seq_len for c in model_configs if c is not None] + [cfg.max_tokens_per_seq])
   extra = cfg.blocks_for(chunk or 1)
   types = attention_types(kept)
   need = [blocks_per_sequence(w, max_len, cfg.block_size, extra) for w in types]
-  per_sequence = sum(kept.count(w) * n for w, n in zip(types, need)) * layer_bytes
+  per_sequence = sum(n * b for w, b in zip(kept, per_layer) for t, n in zip(types, need) if t == w)
   held = ", ".join(f"{n} blocks in each of {kept.count(w)} layers" for w, n in zip(types, need))
+  sizes = " or ".join(str(b) for b in dict.fromkeys(per_layer))
   if budget_bytes < per_sequence:
     raise ValueError(
       f"kv_cache_memory_bytes={budget_bytes} holds no sequence of {max_len} tokens: it needs "
-      f"{per_sequence} bytes ({held}; {layer_bytes} bytes per block and layer)"
+      f"{per_sequence} bytes ({held}; {sizes} bytes per block and layer)"
     )
   blocks = gpu_blocks_for_budget(
     kept,
     block_size=cfg.block_size,
-    layer_block_bytes=layer_bytes,
+    layer_block_bytes=per_layer,
     budget_bytes=budget_bytes,
     max_tokens=max_len,
     extra_blocks=extra,

@@ -66,11 +66,13 @@ class LLMEngine(EngineRounds, EngineLifecycle):
       model's layers (`paged_jax.block_manager.hybrid`, docs/engine.md):
       a sliding layer's pages hold only its window (and one prompt chunk),
       so a model such as Gemma 2 or 3 holds several times more long
-      sequences. Prompts run in chunks of half the smallest window. Every
-      type's pool has `cache_config.num_gpu_blocks` blocks, or its share of
-      `kv_cache_memory_bytes`; `engine.cfg.num_gpu_blocks` counts them all.
-      One device, no speculation. False (default): one table, every block
-      kept for every layer (each sliding layer masks its window).
+      sequences. Prompts run in chunks of half the smallest window (while
+      speculating, at least `num_speculative_tokens + 1`). A draft model's
+      layers join the target's types (`engine_checks.draft_layer_windows`).
+      Every type's pool has `cache_config.num_gpu_blocks` blocks, or its
+      share of `kv_cache_memory_bytes`; `engine.cfg.num_gpu_blocks` counts
+      them all. One device (no mesh). False (default): one table, every
+      block kept for every layer (each sliding layer masks its window).
     mesh: a ``("data", "model")`` mesh: the model's weights and the KV
       pages are split over "model" (tensor parallel), and every data shard
       has a cache of `cache_config`'s size, its own manager state,
@@ -191,15 +193,18 @@ class LLMEngine(EngineRounds, EngineLifecycle):
         "async_scheduling does not work with speculative_config: a speculating launch starts "
         "from the tokens the host read back"
       )
-    hybrid = None
+    hybrid, draft_windows = None, None
+    lookahead = 0 if self.speculative is None else self.speculative.num_speculative_tokens
     if hybrid_kv_cache:
-      if mesh is not None or self.speculative is not None:
-        raise ValueError("hybrid_kv_cache runs on one device, without speculative_config")
-      hybrid, cache_config, max_chunk = engine_checks.hybrid_cache(
+      if mesh is not None:
+        raise ValueError("hybrid_kv_cache runs on one device: pass mesh=None")
+      hybrid, cache_config, max_chunk, draft_windows = engine_checks.hybrid_cache(
         cache_config,
         model.config,
         budget_bytes=kv_cache_memory_bytes,
         kv_cache_dtype=kv_cache_dtype,
+        lookahead=lookahead,
+        draft_config=None if draft is None else draft.config,
       )
     else:
       max_chunk = engine_checks.max_chunk(cache_config, model.config)
@@ -239,8 +244,9 @@ class LLMEngine(EngineRounds, EngineLifecycle):
       mesh=mesh,
       max_chunk=max_chunk,
       draft_config=None if draft is None else draft.config,
-      lookahead=0 if self.speculative is None else self.speculative.num_speculative_tokens,
+      lookahead=lookahead,
       hybrid=hybrid,
+      draft_layer_windows=draft_windows,
     )
     self.runner = ModelRunner(
       model,

@@ -111,11 +111,12 @@ def prefill_step(
   tables, slot_mapping = _prompt_tables_and_slot_mapping(
     states, positions, tiles, tile_slots, write_from
   )
+  window = getattr(states.cfg, "sliding_window", None)  # a hybrid cache's types have their own
   cache = paged_cache(
     kv=kv,
     block_tables=tables,
     slot_mapping=slot_mapping,
-    cache_sliding_window=states.cfg.sliding_window,
+    cache_sliding_window=window,
     query_tiles=tiles,
   )
   model = graphdef.merge(params_state)
@@ -136,7 +137,7 @@ def prefill_step(
       positions,
       tables,
       slot_mapping,
-      states.cfg.sliding_window,
+      window,
       logits=False,
       query_tiles=tiles,
     )

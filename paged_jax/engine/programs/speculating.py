@@ -3,6 +3,10 @@ prompt lookup or a draft model), the target runs once over them, and the
 row emits the accepted ones and one of the target's (see
 `paged_jax.engine.speculative` for the rules). Also the draft model's
 calls, which the prompt programs use to fill its layers of the cache.
+
+On a hybrid cache (one block table per attention type) the manager's
+calls, tables and slot mappings come one per type, and every layer of the
+target and the draft reads and writes through its type's.
 """
 
 from __future__ import annotations
@@ -13,13 +17,13 @@ import jax
 import jax.numpy as jnp
 
 from paged_jax import sharding, structured
-from paged_jax.block_manager.manager import BlockSpaceManager
 from paged_jax.block_manager.state import on_every_shard
 from paged_jax.engine import speculative
 from paged_jax.engine.programs.carry import DecodeLoop, by_shard, flat, shard_seq_ids
 from paged_jax.engine.programs.step import (
   copy_for_append,
   finish_step,
+  ops,
   slot_mapping_of,
   step_automata,
   unless_out_of_blocks,
@@ -58,7 +62,7 @@ def speculative_step(
   `append_slots`, which registers only them.
   """
   cfg = loop.state.cfg
-  bm = BlockSpaceManager(cfg)
+  bm = ops(loop.state)
   spec, k = loop.spec, config.num_speculative_tokens
   num_shards = loop.out_of_blocks.shape[0]
   num_rows = loop.slots.shape[0]
@@ -75,7 +79,7 @@ def speculative_step(
   def advance(_):
     kv = copy_for_append(loop.kv, loop.state, state, local, plan, k + 1)
     num_tokens = flat(on_every_shard(bm.get_num_tokens)(state, local))
-    tables = flat(on_every_shard(bm.get_block_tables)(state, local))
+    tables = jax.tree.map(flat, on_every_shard(bm.get_block_tables)(state, local))
     if draft is None:
       drafts, count = speculative.propose_ngram(
         spec.history, spec.history_len, k, config.prompt_lookup_min, config.prompt_lookup_max
@@ -94,8 +98,8 @@ def speculative_step(
     cache = paged_cache(
       kv=kv,
       block_tables=tables,
-      slot_mapping=slot_mapping_of(tables, positions, cfg.block_size),
-      cache_sliding_window=cfg.sliding_window,
+      slot_mapping=jax.tree.map(lambda t: slot_mapping_of(t, positions, cfg.block_size), tables),
+      cache_sliding_window=getattr(cfg, "sliding_window", None),
     )
     model = graphdef.merge(params_state)
     logits, cache = model(
@@ -197,8 +201,8 @@ def append_pending(loop: DecodeLoop) -> DecodeLoop:
   """Appends each row's pending accepted proposals to the manager (their
   K/V is in the cache already), so that between launches the manager holds
   every token but `last_token`, as without speculation."""
-  cfg, spec = loop.state.cfg, loop.spec
-  bm = BlockSpaceManager(cfg)
+  spec = loop.spec
+  bm = ops(loop.state)
   num_shards = loop.out_of_blocks.shape[0]
   local = shard_seq_ids(loop)
   state, plan = on_every_shard(bm.append_slots)(
@@ -224,7 +228,8 @@ def draft_call(
 ):
   """The draft model's forward over its layers of `kv` (from `first_layer`
   on): `(logits or, without `logits`, hidden states where the model has
-  them, the cache)`; `query_tiles` for a packed call (see `PagedCache`)."""
+  them, the cache)`; `query_tiles` for a packed call (see `PagedCache`).
+  On a hybrid cache `tables` and `slot_mapping` hold one entry per type."""
   graph, params = draft
   model = graph.merge(params)
   cache = paged_cache(
@@ -266,13 +271,12 @@ def _draft_proposals(draft, row_params: RowParams, loop: DecodeLoop, kv, tables,
   """
   cfg, history = loop.state.cfg, loop.spec.history
   graph, params = draft
-  first_layer = len(kv.k) - graph.merge(params).config.num_layers
+  first_layer = kv.num_layers - graph.merge(params).config.num_layers
 
   def call(kv, tokens, positions):
-    mapping = slot_mapping_of(tables, positions, cfg.block_size)
-    return draft_call(
-      draft, kv, first_layer, tokens, positions, tables, mapping, cfg.sliding_window
-    )
+    mapping = jax.tree.map(lambda t: slot_mapping_of(t, positions, cfg.block_size), tables)
+    window = getattr(cfg, "sliding_window", None)
+    return draft_call(draft, kv, first_layer, tokens, positions, tables, mapping, window)
 
   running = loop.slots >= 0
   recent = num_tokens[:, None] - (k + 1) + jnp.arange(k + 1)[None, :]
