@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 import paged_jax as pj
-from paged_jax.block_manager.hybrid import HybridCacheConfig
 from paged_jax.engine.admission import admission_error
 from paged_jax.engine.cache_manager import CacheManager
 from paged_jax.engine.scheduler import Scheduler
@@ -168,33 +167,3 @@ def test_prompts_that_stall_on_a_windowed_cache_preempt_the_latest():
     (["first"], ["second"]),
   ]
   assert cache.num_free_gpu_blocks() == 2  # "first": the blocks of positions 4 .. 11
-
-
-@pytest.mark.parametrize("gpu_blocks, admitted", [((30, 15), 3), ((12, 15), 2)])
-def test_a_hybrid_cache_admits_the_prompts_its_pools_can_finish(gpu_blocks, admitted):
-  """A hybrid cache (a global type; a sliding one keeping 11 positions,
-  prompts in chunks of 4) admits a prompt holding no block. Prompts of 24
-  tokens take 6 global blocks each and up to 5 sliding ones: a prompt is
-  admitted only when every pool holds it beside what the prompts already
-  admitted will still take (their blocks of the chunks appended so far
-  counted), so the admitted ones prefill to the end without stalling."""
-  hybrid = HybridCacheConfig(dataclasses.replace(CFG, max_blocks_per_seq=8), (11, None), gpu_blocks)
-  cache = CacheManager(
-    dataclasses.replace(CFG, num_gpu_blocks=sum(gpu_blocks)),
-    MODEL_CONFIG,
-    max_chunk=4,
-    hybrid=hybrid,
-  )
-  scheduler = Scheduler(cache, 4, 64, "recompute", max_len=32)
-  for i in range(4):
-    scheduler.add(_group(str(i), 24, arrival=i))
-  first = scheduler.schedule()
-  expected = [str(i) for i in range(admitted)]
-  assert [c.group.request_id for c in first.chunks] == expected  # a chunk of 4 each
-  assert [g.request_id for g in scheduler.waiting] == [str(i) for i in range(admitted, 4)]
-  scheduler.update(first)
-  for _ in range(5):  # the other 20 tokens of each prompt: nothing stalls, nothing else is admitted
-    out = scheduler.schedule()
-    assert [c.group.request_id for c in out.chunks] == expected
-    assert not out.preempted
-    scheduler.update(out)

@@ -27,16 +27,6 @@ def blocks_held(cfg: CacheConfig, num_tokens: int, max_chunk: int | None = None)
   return min(every, cfg.blocks_for(cfg.sliding_window) + 1 + cfg.blocks_for(max_chunk or 1))
 
 
-def blocks_held_after(cfg: CacheConfig, num_tokens: int) -> int:
-  """GPU blocks a sequence holds once `num_tokens` tokens were appended to
-  it: every block, or under a window those that hold one of its last
-  `sliding_window` positions."""
-  every = cfg.blocks_for(num_tokens)
-  if cfg.sliding_window is None:
-    return every
-  return every - max(0, num_tokens - cfg.sliding_window) // cfg.block_size
-
-
 def resident_blocks(
   cfg: CacheConfig, num_prompt_tokens: int, lengths, max_chunk: int | None = None
 ) -> int:
@@ -142,23 +132,3 @@ def resident_fits(type_configs, free_blocks, num_prompt_tokens: int, lengths, ma
     resident_blocks(cfg, num_prompt_tokens, lengths, max_chunk) <= free - cfg.watermark_blocks
     for (_, cfg), free in zip(type_configs, free_blocks)
   )
-
-
-def room_beside_prefills(
-  type_configs, free_blocks, num_prompt_tokens: int, prefilling, max_chunk
-) -> bool:
-  """Whether a prompt appended in chunks fits every type's free blocks above
-  its watermark beside the blocks that the prompts still in prefill will
-  still take (`prefilling`: `(tokens to prefill, tokens appended)` pairs).
-
-  A prompt appended in chunks is admitted holding no block; without this,
-  more prompts are admitted than the pools can finish, and each holds a
-  window's blocks in a sliding type while it waits for the rest."""
-  for (_, cfg), free in zip(type_configs, free_blocks):
-    pending = sum(
-      max(0, blocks_held(cfg, total, max_chunk) - blocks_held_after(cfg, done))
-      for total, done in prefilling
-    )
-    if blocks_held(cfg, num_prompt_tokens, max_chunk) + pending > free - cfg.watermark_blocks:
-      return False
-  return True

@@ -29,7 +29,7 @@ import dataclasses
 import numpy as np
 
 from paged_jax.config import AllocStatus
-from paged_jax.engine.admission import resident_fits, room_beside_prefills, type_admission_error
+from paged_jax.engine.admission import resident_fits, type_admission_error
 from paged_jax.engine.cache_manager import CacheManager
 from paged_jax.engine.row_table import new_row
 from paged_jax.engine.scheduler_output import (
@@ -240,35 +240,11 @@ class Scheduler:
     if group.automaton is not None and room is not None and not room(group.automaton):
       return AllocStatus.LATER, None
     if group.fresh:
-      status = self.cache_manager.can_allocate(prompt, self.shard)
-      if status == AllocStatus.OK and not self._room_beside_prefills(prompt):
-        status = AllocStatus.LATER
-      return status, None
+      return self.cache_manager.can_allocate(prompt, self.shard), None
     cache_manager = self.cache_manager
     free = cache_manager.free_blocks_per_type(self.shard)
     fits = resident_fits(cache_manager.type_configs, free, prompt, lengths, cache_manager.max_chunk)
     return (AllocStatus.OK if fits else AllocStatus.LATER), None
-
-  def _room_beside_prefills(self, num_prompt_tokens: int) -> bool:
-    """On a hybrid cache, whether a new prompt's blocks fit every type's
-    pool beside what the prompts still in prefill will take
-    (`admission.room_beside_prefills`)."""
-    cache_manager = self.cache_manager
-    if cache_manager.hybrid is None:
-      return True
-    prefilling = [
-      (seq.tokens_to_prefill.size, seq.num_computed)
-      for group in self.running
-      for seq in group.live()
-      if seq.tokens_to_prefill is not None
-    ]
-    return room_beside_prefills(
-      cache_manager.type_configs,
-      cache_manager.free_blocks_per_type(self.shard),
-      num_prompt_tokens,
-      prefilling,
-      cache_manager.max_chunk,
-    )
 
   def _admit(self, group: SequenceGroup) -> None:
     """Allocates a group's blocks; its prompt (or tokens) await prefill."""
