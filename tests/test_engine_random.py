@@ -177,7 +177,7 @@ LONG_REQUESTS = [
 @pytest.mark.parametrize(
   "preemption_mode, kv_cache_memory_bytes, first_seed, ahead",
   [
-    # 20 blocks in each type's pool: the global one runs out.
+    # 14 blocks in each type's pool: the global one runs out.
     pytest.param("recompute", None, 8000, False, id="recompute"),
     # The pools split 33,000 bytes by what a longest sequence holds in each
     # type (49 global blocks, 15 sliding ones): the sliding one runs out.
@@ -191,7 +191,7 @@ def test_random_traces_on_hybrid_tables(
   and beams; then every reproducible request (greedy, seeded, beams) and
   `LONG_REQUESTS` give the outputs the one-table engine gives them."""
   jax.clear_caches()
-  cfg = dataclasses.replace(ENGINE_CFG, num_gpu_blocks=20)
+  cfg = ENGINE_CFG
   if kv_cache_memory_bytes is not None:
     cfg = dataclasses.replace(cfg, num_gpu_blocks=pj.CacheConfig.num_gpu_blocks)
   engine = pj.LLMEngine(
