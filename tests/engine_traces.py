@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 import paged_jax as pj
-from paged_jax.block_manager import manager
+from paged_jax.block_manager import hybrid, manager
 from paged_jax.models import ByteTokenizer, tiny_corpus
 
 # Engine internals the checks read. Adapt these when the engine changes.
@@ -64,18 +64,42 @@ def slots_freed_at_the_next_step(engine: pj.LLMEngine) -> set[tuple[int, int]]:
   }
 
 
+def num_cpu_blocks(engine: pj.LLMEngine) -> int:
+  """CPU blocks of one shard (of every type, on a hybrid cache)."""
+  hybrid_cfg = engine.cache_manager.hybrid
+  return engine.cfg.num_cpu_blocks if hybrid_cfg is None else sum(hybrid_cfg.cpu_blocks)
+
+
+def num_free_cpu_blocks(engine: pj.LLMEngine, shard: int) -> int:
+  return engine.cache_manager.num_free_cpu_blocks(shard)
+
+
 # Checks.
 
 
+def _is_hybrid(state) -> bool:
+  return isinstance(state, hybrid.HybridState)
+
+
 @functools.cache
-def _jitted_block_tables():
-  return jax.jit(manager.get_block_tables)
+def _jitted_block_tables(hybrid_state: bool):
+  return jax.jit(hybrid.get_block_tables if hybrid_state else manager.get_block_tables)
 
 
-def block_tables(state: pj.BlockManagerState) -> np.ndarray:
-  """int32 `[max_seqs, max_blocks_per_seq]`: every slot's block table."""
+def block_tables(state) -> np.ndarray:
+  """int32 `[types, max_seqs, max_blocks_per_seq]`: every slot's block table
+  in each attention type (one type unless `state` is a hybrid cache's)."""
   slots = np.arange(state.cfg.max_seqs, dtype=np.int32)
-  return np.asarray(_jitted_block_tables()(state, slots))
+  tables = _jitted_block_tables(_is_hybrid(state))(state, slots)
+  return np.asarray(tables) if _is_hybrid(state) else np.asarray(tables)[None]
+
+
+def check_invariants(state) -> None:
+  """The manager's invariants (each type's, and that the types agree, on a hybrid cache)."""
+  if _is_hybrid(state):
+    hybrid.check_hybrid_invariants(state)
+  else:
+    pj.check_invariants(state)
 
 
 def check_blocks(engine: pj.LLMEngine) -> None:
@@ -89,11 +113,12 @@ def check_blocks(engine: pj.LLMEngine) -> None:
       owners[slot] = request_id
   for shard in range(num_data_shards(engine)):
     state = engine.shard_state(shard)
-    pj.check_invariants(state)
+    check_invariants(state)
     tables = block_tables(state)
-    for local in np.flatnonzero((tables >= 0).any(axis=1)):
+    for local in np.flatnonzero((tables >= 0).any(axis=(0, 2))):
+      held = [row[row >= 0].tolist() for row in tables[:, local]]
       assert (shard, int(local)) in owners, (
-        f"slot {local} of shard {shard} holds blocks {tables[local][tables[local] >= 0].tolist()}"
+        f"slot {local} of shard {shard} holds blocks {held} (per type)"
         " but no unfinished request holds the slot"
       )
 
@@ -107,12 +132,12 @@ def check_all_free(engine: pj.LLMEngine) -> None:
   assert engine.num_free_gpu_blocks() == shards * cfg.num_gpu_blocks, (
     f"{engine.num_free_gpu_blocks()} of {shards * cfg.num_gpu_blocks} GPU blocks free"
   )
-  bm = pj.BlockSpaceManager(cfg)
   for shard in range(shards):
     state = engine.shard_state(shard)
-    pj.check_invariants(state)
+    check_invariants(state)
     assert (block_tables(state) == -1).all(), f"shard {shard} still holds tables"
-    assert int(bm.num_free_cpu_blocks(state)) == cfg.num_cpu_blocks, f"shard {shard} CPU blocks"
+    free_cpu, cpu = num_free_cpu_blocks(engine, shard), num_cpu_blocks(engine)
+    assert free_cpu == cpu, f"shard {shard}: {free_cpu} of {cpu} CPU blocks free"
 
 
 # Requests.
@@ -355,9 +380,13 @@ def _serve_until_done(engine: pj.LLMEngine, ledger: Ledger, log: list, max_steps
   return steps
 
 
-def run_trace(engine: pj.LLMEngine, seed: int, shape: TraceShape, log: list) -> TraceResult:
+def run_trace(
+  engine: pj.LLMEngine, seed: int, shape: TraceShape, log: list, served_alone=None
+) -> TraceResult:
   """One random trace on `engine` (idle before and after), every check on
-  the way; `log` gets the calls made (to reproduce a failure).
+  the way; `log` gets the calls made (to reproduce a failure), and the list
+  `served_alone` (if given) `(prompt, params, final output)` of each request
+  that equalled itself served alone (for another engine to serve too).
 
   Raises:
     AssertionError: naming the first broken rule.
@@ -408,6 +437,8 @@ def run_trace(engine: pj.LLMEngine, seed: int, shape: TraceShape, log: list) -> 
     difference = same_outputs(final, alone.finals[request_id])
     assert difference is None, f"{request_id!r} differs from the request served alone: {difference}"
     result.compared += 1
+    if served_alone is not None:
+      served_alone.append((prompt, params, final))
   return result
 
 
@@ -416,14 +447,15 @@ def describe(log: list) -> str:
   return "\n".join(repr(call) for call in log)
 
 
-def run_traces(engine: pj.LLMEngine, seeds, shape: TraceShape) -> dict:
+def run_traces(engine: pj.LLMEngine, seeds, shape: TraceShape, served_alone=None) -> dict:
   """Runs a trace per seed; returns totals and the failures (the seed, the
-  broken rule and the calls made), without raising."""
+  broken rule and the calls made), without raising; `served_alone` as in
+  `run_trace`."""
   totals, failures = TraceResult(), []
   for seed in seeds:
     log = []
     try:
-      result = run_trace(engine, seed, shape, log)
+      result = run_trace(engine, seed, shape, log, served_alone)
     except AssertionError as error:
       failures.append(f"seed {seed}: {error}\ncalls:\n{describe(log)}")
       break  # the engine may be left in any state

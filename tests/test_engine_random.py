@@ -19,7 +19,11 @@ dispatched ahead (`async_scheduling`). Each engine warms up first, and the trace
 `compile_guard.no_compiles`: after warm-up, serving compiles nothing. The
 two-data-shard setup runs in the 8-device subprocess of
 tests/test_sharding.py (`test_random_traces_on_two_data_shards`), where its
-engine's programs are already compiled.
+engine's programs are already compiled. On per-type tables
+(`hybrid_kv_cache`, a Gemma-shaped model whose sliding layer sees 8 keys)
+the same checks run on every type's table, and each reproducible request
+must also give the one-table engine's outputs (`slow`: the hybrid engine
+compiles its own programs).
 
 CI runs one trace per setup with prefix caching on (the two setups without it
 compile their own programs and are `slow`, run by the full suite). For a
@@ -42,6 +46,7 @@ from flax import nnx
 import paged_jax as pj
 from paged_jax import compile_guard, models
 from tests import engine_traces
+from tests.test_families_windows import WINDOWED
 from tests.tiny_models import BYTE_LLAMA, ENGINE_CFG
 
 NUM_TRACES = int(os.environ.get("PAGED_JAX_RANDOM_TRACES", "1"))
@@ -125,3 +130,119 @@ def test_warmup_refuses_while_a_request_runs(model):
   while engine.has_unfinished_requests():
     engine.step()
   engine_traces.check_all_free(engine)
+
+
+# Per-type tables (`hybrid_kv_cache`): a Gemma-shaped model whose sliding
+# layer sees 8 keys (its type keeps 11 positions, prompts go in chunks of 4),
+# so the traces' sequences (up to 36 tokens) run far past the window.
+GEMMA_BYTES = dataclasses.replace(
+  BYTE_LLAMA, num_layers=2, num_kv_heads=2, num_q_heads=4, **WINDOWED["gemma_hybrid_window_8"]
+)
+
+
+@pytest.fixture(scope="module")
+def gemma():
+  return models.Llama(GEMMA_BYTES, rngs=nnx.Rngs(0))
+
+
+def serve_together(engine: pj.LLMEngine, requests) -> list:
+  """The finished outputs of `(prompt, params)` requests added at once."""
+  for i, (prompt, params) in enumerate(requests):
+    engine.add_request(str(i), prompt, params)
+  finals = {}
+  while engine.has_unfinished_requests():
+    finals.update((int(out.request_id), out) for out in engine.step() if out.finished)
+  return [finals[i] for i in range(len(requests))]
+
+
+def one_table_engine(model) -> pj.LLMEngine:
+  """`model` on one table that keeps every block for every layer (each
+  sliding layer masks its window), room for every sequence, no prefix
+  caching: what a hybrid engine must serve."""
+  cfg = dataclasses.replace(
+    ENGINE_CFG, num_gpu_blocks=ENGINE_CFG.max_seqs * 20, enable_prefix_caching=False
+  )
+  return pj.LLMEngine(model, engine_traces.TOKENIZER, cfg, num_decode_steps=4)
+
+
+# Requests that run four windows past the prompt: beams, parallel samples.
+LONG_REQUESTS = [
+  ("ABSURDITY, n.  A ", pj.SamplingParams(n=2, use_beam_search=True, max_tokens=20)),
+  ("ADMIRAL, n.", pj.SamplingParams(n=2, max_tokens=20, ignore_eos=True)),
+  ("ALONE, adj.  In ", pj.SamplingParams(n=2, max_tokens=20, seed=3, temperature=1.0)),
+]
+
+
+# Slow: each setup compiles its hybrid engine's programs (warm-up) and the
+# one-table engine's: 5 to 15 min a setup on 2 cores at load 4 to 17
+# (2026-12-05); the traces themselves take seconds.
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "preemption_mode, kv_cache_memory_bytes, first_seed, ahead",
+  [
+    # 14 blocks in each type's pool, as the setups above.
+    pytest.param("recompute", None, 8000, False, id="recompute"),
+    # The pools split 22,000 bytes by what a longest sequence holds in each
+    # type (32 global blocks, 10 sliding ones).
+    pytest.param("swap", 22_000, 9000, True, id="swap-budget-async"),
+  ],
+)
+def test_random_traces_on_hybrid_tables(
+  gemma, preemption_mode, kv_cache_memory_bytes, first_seed, ahead, capsys
+):
+  """The traces' checks on every type's table, with prefix caching, `n > 1`
+  and beams; then every reproducible request (greedy, seeded, beams) and
+  `LONG_REQUESTS` give the outputs the one-table engine gives them."""
+  jax.clear_caches()
+  cfg = ENGINE_CFG
+  if kv_cache_memory_bytes is not None:
+    cfg = dataclasses.replace(cfg, num_gpu_blocks=pj.CacheConfig.num_gpu_blocks)
+  engine = pj.LLMEngine(
+    gemma,
+    engine_traces.TOKENIZER,
+    cfg,
+    max_num_batched_tokens=8,
+    preemption_mode=preemption_mode,
+    kv_cache_memory_bytes=kv_cache_memory_bytes,
+    hybrid_kv_cache=True,
+    num_decode_steps=4,
+    async_scheduling=ahead,
+    warmup=True,
+  )
+  assert "warm-up: " in capsys.readouterr().err
+  seeds = range(first_seed, first_seed + NUM_TRACES)
+  engine_traces.check_all_free(engine)  # the warm-up changed nothing (compiles the checks)
+  served = []
+  with compile_guard.no_compiles(f"{preemption_mode} traces on hybrid tables after warm-up"):
+    summary = engine_traces.run_traces(engine, seeds, SHAPE, served)
+    launches_ahead = engine.stats.loop_launches_ahead
+    long_outputs = serve_together(engine, LONG_REQUESTS)
+    launches_ahead = engine.stats.loop_launches_ahead - launches_ahead
+  engine_traces.check_all_free(engine)
+  assert not summary["failures"], summary["failures"][0]
+  window = GEMMA_BYTES.sliding_window
+  reached = {
+    "compared": summary["compared"] > 0,
+    "aborted": summary["aborted"] > 0,
+    "preemptions": summary["preemptions"] > 0,
+    "prefix cache hits": summary["prefix_cache_hit_rate"] > 0,
+    "n > 1": any(params.n > 1 for _, params, _ in served),
+    "beams": any(params.use_beam_search for _, params, _ in served),
+    "past the window": any(
+      len(final.prompt_token_ids) + len(c.token_ids) > 2 * window
+      for _, _, final in served
+      for c in final.outputs
+    ),
+  }
+  if ahead:
+    reached["launches ahead"] = summary["loop_launches_ahead"] > 0 and launches_ahead > 0
+  missed = [path for path, hit in reached.items() if not hit]
+  assert not missed, f"the traces no longer reach {missed}: pick other seeds ({summary})"
+  requests = [(p, params) for p, params, _ in served] + LONG_REQUESTS
+  expected = serve_together(one_table_engine(gemma), requests)
+  got = [final for _, _, final in served] + long_outputs
+  for (prompt, params), final, want in zip(requests, got, expected):
+    too_long = len(final.prompt_token_ids) > GEMMA_BYTES.max_seq_len
+    assert (final.error is not None) == too_long, f"{prompt!r} {params}: {final.error}"
+    difference = engine_traces.same_outputs(final, want)
+    assert difference is None, f"{prompt!r} {params}: not the one-table engine's: {difference}"
