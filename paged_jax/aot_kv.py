@@ -98,22 +98,9 @@ def hybrid_pools(
   except ValueError as err:
     raise ValueError(f"{free_bytes} bytes of KV pages per chip: {err}") from err
   windows = [config.layer_window(layer) for layer in range(config.num_layers)]
-  kept_window = dict(zip(hybrid.layer_windows, windows))
-  extra = cache.blocks_for(chunk or 1)
-  types = []
-  for group, kept in enumerate(hybrid.windows):
-    layers = hybrid.layer_windows.count(kept)
-    types.append(
-      dict(
-        name="global" if kept is None else f"sliding window {kept_window[kept]}",
-        window=kept_window[kept],
-        tokens_kept=kept,
-        layers=layers,
-        gpu_blocks=hybrid.gpu_blocks[group],
-        bytes_per_block=layers * layer_bytes,
-        blocks_per_sequence=blocks_per_sequence(kept, SEQUENCE_TOKENS, block_size, extra),
-      )
-    )
+  chunk_blocks = cache.blocks_for(chunk or 1)  # taken before a sliding type frees any
+  need = lambda kept: blocks_per_sequence(kept, SEQUENCE_TOKENS, block_size, chunk_blocks)
+  types = [_pool(hybrid, group, windows, layer_bytes, need) for group in range(hybrid.num_groups)]
   return dict(
     kv_bytes_per_chip=free_bytes,
     types=types,
@@ -150,6 +137,23 @@ def kv_report(
       variant: hybrid_pools(model_config, free, dtype) for variant, dtype in hybrid.items()
     }
   return report
+
+
+def _pool(hybrid, group: int, windows: list, layer_bytes: int, need) -> dict:
+  """Type `group`'s entry of `hybrid_pools` (`windows`: the model's, per layer;
+  `need(tokens_kept)`: a sequence's most blocks there)."""
+  kept = hybrid.windows[group]
+  window = dict(zip(hybrid.layer_windows, windows))[kept]
+  layers = hybrid.layer_windows.count(kept)
+  return dict(
+    name="global" if kept is None else f"sliding window {window}",
+    window=window,
+    tokens_kept=kept,
+    layers=layers,
+    gpu_blocks=hybrid.gpu_blocks[group],
+    bytes_per_block=layers * layer_bytes,
+    blocks_per_sequence=need(kept),
+  )
 
 
 def describe_kv(report: dict) -> list[str]:
