@@ -22,6 +22,7 @@ import sys
 import time
 
 from paged_jax import aot as aot_tool
+from paged_jax.aot_kv import describe_kv
 from paged_jax.command_line import (
   add_quantization_argument,
   load_model,
@@ -192,10 +193,10 @@ def run_aot(args, parser) -> int:
   print(
     f"{args.topology}: {len(report['programs'])} programs; per chip "
     f"{report['weight_bytes_per_chip']} bytes of weights, "
-    f"{report['kv_block_bytes_per_chip']} bytes per KV block, "
-    f"{report['max_temp_bytes']} bytes of temporaries at most: {report['kv_blocks_per_chip']} "
-    f"KV blocks, {report['sequences_8k_per_chip']} sequences of 8k tokens"
+    f"{report['max_temp_bytes']} bytes of temporaries at most"
   )
+  for line in describe_kv(report):
+    print(line)
   return 0
 
 

@@ -34,12 +34,12 @@ import math
 import os
 import time
 
+from paged_jax.aot_kv import BLOCK_SIZE, SEQUENCE_TOKENS, kv_report
+
 INSTALL_HINT = 'pip install "jax[tpu]" (needs Python >= 3.12 and JAX >= 0.12, which bring libtpu)'
 # HBM per chip of the TPU generations the topology names start with.
 HBM_BYTES = {"v5e": 16 * 2**30, "v6e": 32 * 2**30}
 KNOWN_TOPOLOGIES = ("v5e:1x1", "v5e:2x2", "v5e:2x4", "v6e:1x1", "v6e:2x2", "v6e:2x4")
-SEQUENCE_TOKENS = 8192
-BLOCK_SIZE = 16
 # Shape-only models (`--model NAME`): the text configs of the published
 # checkpoints, in Hugging Face's `config.json` form (read by
 # `hf_checkpoint.config_from_hf`), without weights.
@@ -146,25 +146,6 @@ def check_mesh(num_q_heads: int, num_kv_heads: int, tp: int, num_devices: int) -
   if tp != num_devices:
     raise ValueError(f"--tensor-parallel-size {tp} must equal the topology's {num_devices} chips")
   sharding.check_heads(num_q_heads, num_kv_heads, tp)
-
-
-def kv_blocks_per_chip(hbm: int, weight_bytes: int, temp_bytes: int, block_bytes: int) -> int:
-  """KV blocks one chip holds: `(hbm - weight_bytes - temp_bytes) //
-  block_bytes`, all per chip (weights after the tensor-parallel split, the
-  largest temporaries of any program, one block's K and V pages and scales
-  over all layers).
-
-  Raises:
-    ValueError: naming the bytes when the weights and temporaries leave no
-      room for one block.
-  """
-  free = hbm - weight_bytes - temp_bytes
-  if free < block_bytes:
-    raise ValueError(
-      f"too large for the chip: {weight_bytes} bytes of weights and {temp_bytes} bytes of "
-      f"temporaries leave {free} of {hbm} bytes of HBM, less than one {block_bytes}-byte KV block"
-    )
-  return free // block_bytes
 
 
 class ShapeOnlyModel:
@@ -486,9 +467,10 @@ def compile_engine_programs(
   `topology`, or only its launches named in `programs` (e.g.
   `{"decode_loop"}`). `model` is a real model or a `ShapeOnlyModel`. Returns the
   report: each program's name, compile seconds, HBM bytes per chip and Mosaic
-  kernel calls (`tpu_custom_call`s in its text), the weights and one KV block
-  per chip, the largest temporaries, and `kv_blocks_per_chip` and the
-  8k-token sequences they hold.
+  kernel calls (`tpu_custom_call`s in its text), the weights per chip, the
+  largest temporaries, and what the HBM left holds (`aot_kv.kv_report`: one
+  table's KV blocks and 8k-token sequences for the variants with one table, a
+  hybrid variant's pools under `hybrid_kv`).
 
   Raises:
     RuntimeError: without libtpu (saying how to install it), or naming the
@@ -496,7 +478,7 @@ def compile_engine_programs(
     ValueError: also for `programs` that name no launch of warm-up.
     ValueError: for an unknown topology, a tensor-parallel size that does not
       match the chips or split the heads, or weights (and temporaries) that
-      leave no HBM for a KV block.
+      leave no HBM for a KV block (or a hybrid variant's one 8k-token sequence).
   """
   import jax
 
@@ -518,15 +500,18 @@ def compile_engine_programs(
   weights = per_chip_bytes(params)
   check_weights_fit(weights, hbm, topology, tp)
   host_model = model.stand_in() if shape_only else model
-  wanted, programs, seen, block_bytes, names = programs, [], set(), 0, set()
+  wanted, programs, seen, block_bytes, names, hybrid = programs, [], set(), 0, set(), {}
   for variant, kwargs in variants.items():
     engine = build_engine(host_model, tp, **kwargs)
     swap = {}
     if shape_only:
       swap = {id(engine.runner.graphdef): graph, id(engine.runner.params): params}
     kv = engine.cache_manager.kv
-    big_kv = abstract(model.with_layers(kv) if shape_only else kv, mesh)
-    block_bytes = max(block_bytes, per_chip_bytes(big_kv) // engine.cfg.num_gpu_blocks)
+    if engine.cache_manager.hybrid is not None:  # its pools come from the bytes left
+      hybrid[variant] = kwargs.get("kv_cache_dtype")
+    else:
+      big_kv = abstract(model.with_layers(kv) if shape_only else kv, mesh)
+      block_bytes = max(block_bytes, per_chip_bytes(big_kv) // engine.cfg.num_gpu_blocks)
     launches = []
     with capture(launches):
       engine.warmup()
@@ -563,14 +548,11 @@ def compile_engine_programs(
   if not programs:
     raise ValueError(f"no launch named {sorted(wanted)}; warm-up launches {sorted(names)}")
   temps = max(p["temp_bytes"] for p in programs)
-  blocks = kv_blocks_per_chip(hbm, weights, temps, block_bytes)
   return dict(
     topology=topology,
     tensor_parallel_size=tp,
     programs=programs,
     weight_bytes_per_chip=weights,
-    kv_block_bytes_per_chip=block_bytes,
     max_temp_bytes=temps,
-    kv_blocks_per_chip=blocks,
-    sequences_8k_per_chip=blocks // math.ceil(SEQUENCE_TOKENS / BLOCK_SIZE),
+    **kv_report(config, hbm, weights, temps, block_bytes, hybrid),
   )

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from paged_jax import aot
+from paged_jax import aot, aot_kv
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 needs_libtpu = pytest.mark.skipif(
@@ -31,9 +31,81 @@ def test_heads_not_divisible_by_the_mesh_names_both():
 
 
 def test_too_large_for_hbm_names_the_bytes():
-  assert aot.kv_blocks_per_chip(1000, 300, 100, 200) == 3
+  assert aot_kv.kv_blocks_per_chip(1000, 300, 100, 200) == 3
   with pytest.raises(ValueError, match="900 bytes of weights and 100 bytes of temporaries"):
-    aot.kv_blocks_per_chip(1000, 900, 100, 200)
+    aot_kv.kv_blocks_per_chip(1000, 900, 100, 200)
+  gemma = aot.ShapeOnlyModel.named("gemma-3-4b").config
+  with pytest.raises(ValueError, match="leave 0 of 1000 bytes of HBM, less than one KV page"):
+    aot_kv.kv_report(gemma, 1000, 900, 100, 0, {"hybrid tables": None})
+  with pytest.raises(
+    ValueError,
+    match=r"10000000 bytes of KV pages per chip: .*holds no sequence of 8192 tokens: it needs "
+    r"412942336 bytes \(512 blocks in each of 5 layers, 129 blocks in each of 29 layers",
+  ):
+    aot_kv.hybrid_pools(gemma, 10_000_000)
+
+
+# Gemma 3 4B on one v5e chip (benchmarks/RESULTS.md, "TPU compile of Gemma 3 4B
+# on per-type tables"): weights and the largest temporaries per chip.
+GEMMA_4B_ON_V5E = dict(hbm=16 * 2**30, weight_bytes=7_760_526_336, temp_bytes=232_051_712)
+
+
+def test_a_hybrid_variants_kv_line_splits_the_bytes_left_as_the_engine_does():
+  """The bytes a v5e chip has left after Gemma 3 4B's weights and
+  temporaries, split into a pool per attention type as
+  `LLMEngine(hybrid_kv_cache=True, kv_cache_memory_bytes=...)` splits them:
+  the cache those pools make fills the bytes, each pool holds the 8k-token
+  sequences reported, and every block kept gives the one-table line's."""
+  import jax
+  import jax.numpy as jnp
+
+  import paged_jax as pj
+  from paged_jax.block_manager.hybrid import HybridCacheConfig
+  from paged_jax.hybrid_kv import HybridKVCache
+
+  gemma = aot.ShapeOnlyModel.named("gemma-3-4b").config  # 29 sliding layers, 5 global
+  one_table = 34 * 65536  # 4 KV heads of 256, bfloat16, K and V, 16 tokens, every layer
+  report = aot_kv.kv_report(gemma, **GEMMA_4B_ON_V5E, block_bytes=one_table, hybrid={"h": None})
+  pools = report["hybrid_kv"]["h"]
+  free = pools["kv_bytes_per_chip"]
+  assert free == 16 * 2**30 - 7_760_526_336 - 232_051_712
+  (glob, sliding) = pools["types"]
+  assert (glob["name"], glob["layers"], glob["blocks_per_sequence"]) == ("global", 5, 512)
+  # Chunks of half the window: a sliding layer keeps 1024 + 512 - 1 positions,
+  # 96 blocks, one more, and a chunk's 32 before it frees any.
+  assert (sliding["name"], sliding["tokens_kept"], sliding["layers"]) == (
+    "sliding window 1024",
+    1535,
+    29,
+  )
+  assert sliding["blocks_per_sequence"] == 96 + 1 + 32
+  per_sequence = (5 * 512 + 29 * 129) * 65536
+  assert pools["sequences_8k_per_chip"] == free // per_sequence == 22
+  for pool in (glob, sliding):
+    assert 22 * pool["blocks_per_sequence"] <= pool["gpu_blocks"]
+  # The pages of the cache the engine builds on these pools fill the bytes left.
+  cache = pj.CacheConfig(block_size=16, num_cpu_blocks=0, max_blocks_per_seq=512)
+  windows = tuple(None if w is None else 1535 for w in map(gemma.layer_window, range(34)))
+  cfg = HybridCacheConfig(cache, windows, gpu_blocks=(glob["gpu_blocks"], sliding["gpu_blocks"]))
+  pages = jax.eval_shape(lambda: HybridKVCache.create(cfg, 4, 256, jnp.bfloat16))
+  nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pages))
+  assert nbytes == sum(p["gpu_blocks"] * p["bytes_per_block"] for p in (glob, sliding))
+  assert free - per_sequence < nbytes <= free
+  # Every block kept: one table's sequences in the same bytes.
+  assert pools["every_block_kept_sequences_8k_per_chip"] == report["sequences_8k_per_chip"] == 8
+  assert report["kv_blocks_per_chip"] == free // one_table
+  lines = aot_kv.describe_kv(report)
+  assert lines[0] == (
+    f"one table: {one_table} bytes per KV block: {free // one_table} KV blocks, "
+    "8 sequences of 8k tokens"
+  )
+  assert lines[1] == (
+    f"h: {free} bytes of KV pages per chip, a pool per type (global: {glob['gpu_blocks']} "
+    f"blocks, 512 per sequence; sliding window 1024: {sliding['gpu_blocks']} blocks, 129 per "
+    "sequence): 22 sequences of 8k tokens (8 with every block kept)"
+  )
+  only_hybrid = aot_kv.kv_report(gemma, **GEMMA_4B_ON_V5E, block_bytes=0, hybrid={"h": None})
+  assert "kv_blocks_per_chip" not in only_hybrid and only_hybrid["hybrid_kv"]["h"] == pools
 
 
 def test_weights_larger_than_a_chip_name_the_sizes():
@@ -177,11 +249,14 @@ def test_unknown_topology_names_it_and_known_ones():
     aot.topology_devices("v9z:3x3")
 
 
-def _run_tool(topology: str, tp: int, variants: list[str], model="tiny", timeout=900) -> dict:
+def _run_tool(
+  topology: str, tp: int, variants: list[str], model="tiny", timeout=900, programs=()
+) -> dict:
   # This process may hold libtpu already (the in-process tests).
   env = {**os.environ, "PYTHONPATH": os.getcwd(), "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
   args = ["--model", model, "--topology", topology, "--tensor-parallel-size", str(tp), "--json"]
   args += [a for v in variants for a in ("--variant", v)]
+  args += [a for p in programs for a in ("--program", p)]
   result = subprocess.run(
     [sys.executable, "-m", "paged_jax", "aot", *args],
     env=env,
@@ -240,6 +315,22 @@ def test_tiny_engine_compiles_every_variant_for_tpu(topology, tp):
 
 @needs_libtpu
 @pytest.mark.slow
+def test_the_tool_reports_a_hybrid_variants_pools():
+  """With the hybrid tables beside the plain engine, the report keeps the
+  one-table line and adds the pools; the tiny model's layers are all
+  global, so its one pool holds what one table does."""
+  report = _run_tool("v5e:1x1", 1, ["plain", "hybrid tables"], programs=["start_beams"])
+  pools = report["hybrid_kv"]["hybrid tables"]
+  free = 16 * 2**30 - report["weight_bytes_per_chip"] - report["max_temp_bytes"]
+  assert pools["kv_bytes_per_chip"] == free
+  (only,) = pools["types"]
+  assert only["name"] == "global" and only["gpu_blocks"] == report["kv_blocks_per_chip"]
+  assert only["bytes_per_block"] == report["kv_block_bytes_per_chip"]
+  assert pools["sequences_8k_per_chip"] == report["sequences_8k_per_chip"] > 0
+
+
+@needs_libtpu
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "model, topology, tp", [("llama-3-8b", "v5e:2x4", 8), ("gemma-3-4b", "v5e:1x1", 1)]
 )
@@ -271,3 +362,44 @@ def test_programs_that_name_no_launch_are_refused_naming_the_launches():
     aot.compile_engine_programs(
       pretrained.load_tiny(), "v5e:1x1", variants={"plain": {}}, programs={"decode"}
     )
+
+
+@pytest.mark.slow  # the hybrid manager's allocate and append compile: ~40 s on a loaded 2-core host
+def test_a_hybrid_variants_pools_serve_the_sequences_it_reports():
+  """The block manager on the pools of Gemma 3 4B's reported split serves
+  its 22 sequences of 8k tokens at once, as the engine appends them
+  (prompt chunks of 512 tokens, the first one short so no chunk starts on a
+  block), without running out, and no sequence holds more blocks in a type
+  than the split counted for it."""
+  import jax
+  import numpy as np
+
+  import paged_jax as pj
+  from paged_jax.block_manager.arguments import jit_op
+  from paged_jax.block_manager.hybrid import HybridBlockSpaceManager, HybridCacheConfig
+
+  gemma = aot.ShapeOnlyModel.named("gemma-3-4b").config
+  report = aot_kv.kv_report(gemma, **GEMMA_4B_ON_V5E, block_bytes=0, hybrid={"h": None})
+  pools = report["hybrid_kv"]["h"]
+  count = pools["sequences_8k_per_chip"]
+  kept = tuple(None if w is None else 1535 for w in map(gemma.layer_window, range(34)))
+  cache = pj.CacheConfig(
+    block_size=16, num_cpu_blocks=0, max_seqs=count, max_blocks_per_seq=512, watermark=0.0
+  )
+  blocks = tuple(t["gpu_blocks"] for t in pools["types"])
+  manager = HybridBlockSpaceManager(HybridCacheConfig(cache, kept, gpu_blocks=blocks))
+  allocate, append = jit_op(manager.allocate), jit_op(manager.append_slots)
+  seq_ids = np.arange(count, dtype=np.int32)
+  state = manager.init()
+  for seq_id in range(count):  # admitted empty, as the engine admits a prompt on these tables
+    state, result = allocate(state, np.array([seq_id], np.int32), np.zeros(1, np.int32), 0)
+    assert int(result.status) == int(pj.Status.OK)
+  most = np.zeros(2, int)
+  for width in [505] + [512] * 15 + [7]:  # 8,192 tokens
+    tokens = np.ones((count, 512), np.int32)
+    state, result = append(state, seq_ids, tokens, np.full(count, width, np.int32))
+    assert int(result.status) == int(pj.Status.OK), width
+    tables = jax.device_get(manager.get_block_tables(state, seq_ids))
+    most = np.maximum(most, [int((table >= 0).sum(axis=1).max()) for table in tables])
+  assert list(most) <= [t["blocks_per_sequence"] for t in pools["types"]]
+  assert most[0] == 512

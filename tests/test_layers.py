@@ -49,6 +49,7 @@ LAYERS = {
       "paged_jax.generate",
       "paged_jax.simulate",
       "paged_jax.aot",
+      "paged_jax.aot_kv",
       "paged_jax.server",
       "paged_jax.command_line",
       "paged_jax.__main__",
