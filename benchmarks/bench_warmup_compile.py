@@ -7,7 +7,10 @@ cache in a new empty directory, and reports:
 
 * the warm-up's wall seconds and the process's CPU seconds (user + sys, all
   threads) over it: CPU seconds change little with the machine's load;
-* each backend compile (name, argument shapes, seconds), largest first;
+* each warm-up launch's wall and CPU seconds (a model program's launch is
+  its compile, lowering and one run; the block manager's launch compiles
+  many small programs);
+* each backend compile (name, argument shapes, wall seconds), largest first;
 * then an offline workload on the warm engine (`--requests` prompts of
   `--prompt-len` tokens, `--max-tokens` each, greedy, EOS ignored): wall and
   CPU seconds, so a compile option's effect on run speed shows beside it.
@@ -29,6 +32,8 @@ import numpy as np
 import paged_jax as pj
 from paged_jax import compilation_cache, compile_guard
 from paged_jax.__main__ import _parser
+from paged_jax.engine.cache_manager import CacheManager
+from paged_jax.engine.runner import ModelRunner
 from paged_jax.server.cli import engine_builder
 
 
@@ -61,12 +66,34 @@ def timed_warmup(clocks: list[Clock], compiles: list):
   return warmup
 
 
+def timed_launches(launches: list) -> None:
+  """Times each warm-up launch into `launches` as `(name, Clock)`."""
+
+  def timed(cls, name):
+    original = getattr(cls, name)
+
+    def launch(self, *args, **kwargs):
+      with Clock() as clock:
+        original(self, *args, **kwargs)
+      launches.append((f"{name}{args}", clock))
+
+    setattr(cls, name, launch)
+
+  for cls, name in (
+    (ModelRunner, "warm_up_ragged_step"),
+    (ModelRunner, "warm_up_prefill"),
+    (ModelRunner, "warm_up_decode"),
+    (CacheManager, "warm_up"),
+  ):
+    timed(cls, name)
+
+
 def offline(engine, args) -> Clock:
   rng = np.random.default_rng(0)
   params = pj.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
   with Clock() as clock:
     for i in range(args.requests):
-      engine.add_request(str(i), rng.integers(100, 20000, args.prompt_len).tolist(), params)
+      engine.add_request(str(i), rng.integers(0, engine.runner.vocab_size, args.prompt_len).tolist(), params)
     while engine.has_unfinished_requests():
       engine.step()
   return clock
@@ -81,8 +108,9 @@ def main():
   args, serve_flags = parser.parse_known_args()
   serve_args = _parser().parse_args(["serve", *[f for f in serve_flags if f != "--"]])
   compilation_cache.enable(tempfile.mkdtemp(prefix="warmup-cache-"))
-  clocks, compiles = [], []
+  clocks, compiles, launches = [], [], []
   pj.LLMEngine.warmup = timed_warmup(clocks, compiles)
+  timed_launches(launches)
   with Clock() as build:
     engine = engine_builder(serve_args)().engine
   (warm,) = clocks
@@ -92,6 +120,8 @@ def main():
     f"{warm.cpu:.1f} s CPU ({len(compiles)} compiles, "
     f"{sum(c.seconds for c in compiles):.1f} s in backend compiles)"
   )
+  for name, clock in launches:
+    print(f"  {clock.wall:6.1f} s wall / {clock.cpu:5.1f} s CPU  {name}")
   for c in sorted(compiles, key=lambda c: -c.seconds)[: args.top]:
     print(f"  {c.seconds:6.1f} s  {c.name} {c.shapes[:160]}")
   with compile_guard.no_compiles("the offline workload"):

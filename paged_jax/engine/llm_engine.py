@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from paged_jax import compilation_cache, compile_guard, sharding, structured
 from paged_jax.config import CacheConfig
-from paged_jax.engine import engine_checks, precompile, speculative
+from paged_jax.engine import engine_checks, speculative
 from paged_jax.engine.admission import type_admission_error
 from paged_jax.engine.cache_manager import CacheManager
 from paged_jax.engine.input_processor import MAX_STOP_TOKENS, InputProcessor
@@ -360,14 +360,10 @@ class LLMEngine(EngineRounds, EngineLifecycle):
       lambda r=r: runner.warm_up_decode(steps, r, self.async_scheduling)
       for r in runner.decode_buckets()
     ]
+    launches += [self.cache_manager.warm_up, self._warm_up_request_keys]
     start = time.perf_counter()
     with compile_guard.count_compiles() as compiles:
-      # The largest programs first, so that the last to finish is a small one.
-      calls = [runner.calls.first_call(launch) for launch in reversed(launches)]
-      calls = [call for call in calls if call is not None]
-      with tqdm(total=len(calls), desc="warm-up", unit="program", leave=False) as bar:
-        precompile.compile_side_by_side(calls, precompile.compile_workers(), bar.update)
-      for launch in launches + [self.cache_manager.warm_up, self._warm_up_request_keys]:
+      for launch in tqdm(launches, desc="warm-up", unit="program", leave=False):
         launch()
     print(
       f"warm-up: {len(self.compiled_programs())} programs ({len(compiles)} compiles) in "

@@ -29,7 +29,6 @@ from paged_jax.engine.packing import (
   prompt_buckets,
   prompt_outputs,
 )
-from paged_jax.engine.precompile import ProgramCalls
 from paged_jax.engine.row_table import DecodeResult, RowTable, per_slot, speculation_carry
 from paged_jax.engine.run_ahead import AheadLaunch, RunAhead
 from paged_jax.sampling import Draw
@@ -112,7 +111,6 @@ class ModelRunner(RunAhead):
     )
     self.max_beam_width = max_beam_width
     self.num_logprobs = num_logprobs
-    self.calls = ProgramCalls()  # the model programs' calls (warm-up records them)
     self.ahead: AheadLaunch | None = None  # dispatched, not yet read back
     self._placed_table = (None, None)  # (PackedAutomata, its table on the cache's devices)
     self._next_steps = 1  # the next decode launch's steps (see `decode`)
@@ -221,8 +219,7 @@ class ModelRunner(RunAhead):
     self, packed: PackedPrefill, last_token_of, samples, table=None, draw_states=None
   ):
     cache_manager = self.cache_manager
-    (draw, scores), kv = self.calls(
-      programs.prefill_step,
+    (draw, scores), kv = programs.prefill_step(
       self.graphdef,
       self.params,
       cache_manager.kv,
@@ -339,8 +336,7 @@ class ModelRunner(RunAhead):
   def _launch_decode(
     self, carry, row_slots, stop_on_finish: bool, table=None, speculating=None
   ) -> programs.DecodeLoop:
-    loop = self.calls(
-      programs.decode_loop,
+    loop = programs.decode_loop(
       self.graphdef,
       self.params,
       self.table.row_params(row_slots),
@@ -549,8 +545,7 @@ class ModelRunner(RunAhead):
     table=None,
     draw_states=None,
   ):
-    loop, draw, scores = self.calls(
-      programs.ragged_step,
+    loop, draw, scores = programs.ragged_step(
       self.graphdef,
       self.params,
       self.table.row_params(row_slots),
