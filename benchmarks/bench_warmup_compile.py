@@ -93,7 +93,9 @@ def offline(engine, args) -> Clock:
   params = pj.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
   with Clock() as clock:
     for i in range(args.requests):
-      engine.add_request(str(i), rng.integers(0, engine.runner.vocab_size, args.prompt_len).tolist(), params)
+      engine.add_request(
+        str(i), rng.integers(0, engine.runner.vocab_size, args.prompt_len).tolist(), params
+      )
     while engine.has_unfinished_requests():
       engine.step()
   return clock
