@@ -6,7 +6,7 @@ defaults, plus any serve flags after `--`), with the persistent compilation
 cache in a new empty directory, and reports:
 
 * the warm-up's wall seconds and the process's CPU seconds (user + sys, all
-  threads) over it: CPU seconds change little with the machine's load;
+  threads) over it: CPU seconds move less with the machine's load;
 * each warm-up launch's wall and CPU seconds (a model program's launch is
   its compile, lowering and one run; the block manager's launch compiles
   many small programs);
