@@ -200,6 +200,73 @@ def test_an_arrival_joins_the_next_step(model):
   _all_blocks_free(engine)
 
 
+def _arrive_at_check(engine, monkeypatch, check: int) -> list:
+  """Makes a request arrive (`notify_arrival`) as the engine's decode
+  launches ask, before a step, for the `check`-th time (counted from 1):
+  that step runs no more. Returns the answers the launches get, in order."""
+  watch = engine.runner.arrival_watch
+  should_stop, answers = watch.should_stop, []
+
+  def ask():
+    if len(answers) + 1 == check:
+      engine.notify_arrival()
+    answers.append(should_stop())
+    return answers[-1]
+
+  monkeypatch.setattr(watch, "should_stop", ask)
+  return answers
+
+
+def test_an_arrival_ends_a_decode_launch_before_its_next_step(model, reference, monkeypatch):
+  # "3" alone: a ragged step draws token 1, launches of 1 and 2 steps draw
+  # 2..4; the next would run 4 steps, but a request arrives during its
+  # second step: it ends after 2 (tokens 5..6), and the next round prefills
+  # "1" with one step of "3". Outputs are those of the reference.
+  engine = _ragged_engine(model, budget=16)
+  assert engine.runner.arrival_watch is not None  # on by default on CPU
+  engine.add_request("3", _requests()[3][1], GREEDY)
+  drawn = [len(engine.step()[0].outputs[0].token_ids) for _ in range(3)]
+  assert drawn == [1, 2, 4]
+  answers = _arrive_at_check(engine, monkeypatch, 3)  # after step 2 began
+  steps = engine.stats.decode_steps
+  assert len(engine.step()[0].outputs[0].token_ids) == 6
+  assert answers == [False, False, True]  # asked before steps 1, 2 and 3
+  assert engine.stats.decode_steps == steps + 2
+  engine.add_request("1", _requests()[1][1], GREEDY)
+  outputs = {out.request_id: out for out in engine.step()}
+  assert {i: len(out.outputs[0].token_ids) for i, out in outputs.items()} == {"3": 7, "1": 1}
+  finals, _ = _serve(engine, [])
+  assert _tokens(finals) == {i: _tokens(reference)[i] for i in ("1", "3")}
+  _all_blocks_free(engine)
+
+
+def test_an_arrival_ends_a_launch_running_ahead_and_the_one_after_runs_no_step(
+  model, reference, monkeypatch
+):
+  # Async: launch 1 (1 step) is read back while launch 2 (2 steps) runs
+  # ahead; a request arrives during launch 2's first step, which ends it
+  # there. Launch 3, dispatched ahead before the request is added (as the
+  # server adds it after the step), runs no step; then "1" is prefilled.
+  engine = _async_engine(model)
+  engine.add_request("3", _requests()[3][1], GREEDY)
+  engine.step()  # the prompt, in a ragged step
+  answers = _arrive_at_check(engine, monkeypatch, 4)  # launch 1 asks twice
+  assert len(engine.step()[0].outputs[0].token_ids) == 2  # launch 1; launch 2 runs ahead
+  assert len(engine.step()[0].outputs[0].token_ids) == 3  # launch 2 ran one step
+  assert engine.stats.loop_launches_ahead == 2
+  engine.runner.ahead.loop.step.block_until_ready()
+  assert answers == [False, False, False, True, True]
+  engine.add_request("1", _requests()[1][1], GREEDY)
+  engine.step()  # reads launch 3 back
+  # The ragged step's decode step, launch 1's and launch 2's: launch 3 ran none.
+  assert engine.stats.decode_steps == 3 and not engine.running_ahead
+  outputs = {out.request_id: out for out in engine.step()}  # "1"'s prompt, one step of "3"
+  assert {i: len(out.outputs[0].token_ids) for i, out in outputs.items()} == {"3": 4, "1": 1}
+  finals, _ = _serve(engine, [])
+  assert _tokens(finals) == {i: _tokens(reference)[i] for i in ("1", "3")}
+  _all_blocks_free(engine)
+
+
 def _async_engine(model) -> pj.LLMEngine:
   """Dispatches the next decode launch before reading the last one back
   while the next round would only decode (`async_scheduling`)."""
@@ -265,6 +332,7 @@ def test_an_abort_or_a_request_while_a_launch_runs_ahead(model, reference):
   engine.step()  # its prompt, in a ragged step
   first = engine.step()  # launch 1 (1 step); launch 2 (2 steps) runs ahead
   assert len(first[0].outputs[0].token_ids) == 2 and engine.stats.loop_launches_ahead == 1
+  engine.runner.ahead.loop.step.block_until_ready()  # "1" arrives after launch 2's steps
   engine.add_request("1", dog, GREEDY)
   engine.abort_request("0")  # reads launch 2 back first: its outputs come next
   assert engine.stats.loop_launches == 2
