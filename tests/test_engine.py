@@ -14,6 +14,7 @@ from scipy import stats
 import paged_jax as pj
 from paged_jax import kernel_choice, models
 from paged_jax.block_manager import manager
+from paged_jax.engine import arrivals
 from paged_jax.engine.cache_manager import CacheManager
 from paged_jax.engine.packing import pack_decode_rows, pack_prefill, prompt_buckets
 from paged_jax.engine.scheduler_output import PrefillChunk
@@ -655,8 +656,21 @@ def test_bad_engine_arguments_and_requests_raise(model):
     pj.LLMEngine(model, TOKENIZER, CFG, max_num_batched_tokens=2048, prefill_width=1)
   with pytest.raises(ValueError, match="async_scheduling must be a bool"):
     pj.LLMEngine(model, TOKENIZER, CFG, async_scheduling=1)
+  with pytest.raises(ValueError, match="stop_decode_on_arrival must be a bool or None, got 1"):
+    pj.LLMEngine(model, TOKENIZER, CFG, stop_decode_on_arrival=1)
+  assert (
+    pj.LLMEngine(model, TOKENIZER, CFG, stop_decode_on_arrival=False).runner.arrival_watch is None
+  )
   with pytest.raises(ValueError, match="async_scheduling does not work with speculative"):
     pj.LLMEngine(model, TOKENIZER, CFG, async_scheduling=True, speculative_config=ngram)
+
+
+def test_the_arrival_check_is_on_by_default_on_cpu_in_one_process():
+  assert arrivals.check_arrivals(None, "cpu", 1)
+  assert not arrivals.check_arrivals(None, "cpu", 2)
+  assert not arrivals.check_arrivals(None, "tpu", 1) and arrivals.check_arrivals(True, "gpu", 1)
+  with pytest.raises(ValueError, match="needs one process, not 2"):
+    arrivals.check_arrivals(True, "cpu", 2)
 
 
 def test_kv_cache_memory_bytes_sizes_the_blocks_and_bad_budgets_name_the_numbers(model):
