@@ -18,11 +18,12 @@ the model's graph, its parameters as sharded `jax.ShapeDtypeStruct`s
 The set compiled is warm-up's set for each engine variant of `VARIANTS`
 (plain, int8 and fp8 pages, async scheduling's carries, n-gram
 speculation with its prefill apart; on request, `OPTIONAL_VARIANTS`' hybrid
-tables, one block table per attention type); beams are part of every variant's
-every-slot decode loop, and every program carries the engine's automaton
-table (structured outputs; `pj.TableCapacity.for_vocabulary` of the
-model's vocabulary). Swaps are left out (no host pages: `num_cpu_blocks`
-0).
+tables, one block table per attention type, and the decode loop's arrival
+check, a host callback per step that a TPU engine leaves off by default);
+beams are part of every variant's every-slot decode loop, and every
+program carries the engine's automaton table (structured outputs;
+`pj.TableCapacity.for_vocabulary` of the model's vocabulary). Swaps are
+left out (no host pages: `num_cpu_blocks` 0).
 """
 
 from __future__ import annotations
@@ -92,8 +93,12 @@ VARIANTS = {
   "speculation": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
 }
 # Variants compiled only when asked for (`--variant`): one block table per
-# attention type (for a model with several; one chip, tensor parallel 1).
-OPTIONAL_VARIANTS = {"hybrid tables": dict(hybrid_kv_cache=True)}
+# attention type (for a model with several; one chip, tensor parallel 1),
+# and the arrival check (`LLMEngine`'s `stop_decode_on_arrival`).
+OPTIONAL_VARIANTS = {
+  "hybrid tables": dict(hybrid_kv_cache=True),
+  "arrival check": dict(stop_decode_on_arrival=True),
+}
 
 
 def require_libtpu() -> None:
@@ -435,7 +440,8 @@ def check_weights_fit(weight_bytes: int, hbm: int, topology: str, tp: int) -> No
 
 def build_engine(model, tp: int, **kwargs):
   """A small engine on the host for capturing the programs (tensor-parallel
-  over `tp` host devices)."""
+  over `tp` host devices); without the arrival check unless `kwargs` ask,
+  as a TPU engine runs by default."""
   import paged_jax as pj
   from paged_jax import sharding
   from paged_jax.models.tokenizer import ByteTokenizer
@@ -450,6 +456,7 @@ def build_engine(model, tp: int, **kwargs):
     enable_prefix_caching=True,
   )
   mesh = sharding.make_mesh(model=tp) if tp > 1 else None
+  kwargs = dict(stop_decode_on_arrival=False) | kwargs
   return pj.LLMEngine(
     model, ByteTokenizer(), cfg, mesh=mesh, max_num_batched_tokens=64, num_decode_steps=2, **kwargs
   )
