@@ -105,7 +105,8 @@ class LLMEngine(EngineRounds, EngineLifecycle):
       strings, and the next `step` reads it back. A sequence that a stop
       string ends then draws one launch of tokens more, which are dropped
       (their blocks freed), and a request that arrives waits up to one
-      launch longer. Not with speculation. False (default): the host
+      launch longer (without `stop_decode_on_arrival`; with it, that
+      launch runs no step once one arrived). Not with speculation. False (default): the host
       reads every launch back before the next is dispatched.
     stop_decode_on_arrival: each step of a decode launch asks the host
       (one host callback) whether a request arrived since the round began
