@@ -665,12 +665,18 @@ def test_bad_engine_arguments_and_requests_raise(model):
     pj.LLMEngine(model, TOKENIZER, CFG, async_scheduling=True, speculative_config=ngram)
 
 
-def test_the_arrival_check_is_on_by_default_on_cpu_in_one_process():
+def test_the_arrival_check_is_on_by_default_on_cpu_and_asks_its_engines_watch():
   assert arrivals.check_arrivals(None, "cpu", 1)
   assert not arrivals.check_arrivals(None, "cpu", 2)
   assert not arrivals.check_arrivals(None, "tpu", 1) and arrivals.check_arrivals(True, "gpu", 1)
   with pytest.raises(ValueError, match="needs one process, not 2"):
     arrivals.check_arrivals(True, "cpu", 2)
+  watch = arrivals.ArrivalWatch()
+  asks = lambda watch_id: bool(arrivals._should_stop(np.int32(watch_id)))
+  watch.note()
+  assert asks(watch.id) and not asks(watch.id + 1)  # no other engine's, none gone
+  watch.clear()
+  assert not asks(watch.id)
 
 
 def test_kv_cache_memory_bytes_sizes_the_blocks_and_bad_budgets_name_the_numbers(model):

@@ -42,15 +42,12 @@ class ArrivalWatch:
   Attributes:
     operand: the engine's id as an int32 device scalar, the decode loop's
       argument (placed by `place`).
-    checks: how often its launches asked so far (before each step, and
-      once more when a launch ends for another reason).
   """
 
   def __init__(self, place=jax.device_put):
     self.id = next(_ids)
     self._arrived = threading.Event()
     self.operand = place(np.int32(self.id))
-    self.checks = 0
     _watches[self.id] = self
 
   def note(self) -> None:
@@ -62,7 +59,6 @@ class ArrivalWatch:
 
   def should_stop(self) -> bool:
     """Asked before each step of a launch: whether a request arrived."""
-    self.checks += 1
     return self._arrived.is_set()
 
 
