@@ -37,7 +37,7 @@ from paged_jax.models import load_pretrained
 MAX_SEQ_LEN = 256
 
 
-def engine(model, tokenizer, steps: int, arrival_check: bool | None = None) -> pj.LLM:
+def engine(model, tokenizer, steps: int, arrival_check: bool = False) -> pj.LLM:
   blocks = -(-MAX_SEQ_LEN // BLOCK_SIZE)
   cfg = pj.CacheConfig(
     block_size=BLOCK_SIZE,
@@ -85,7 +85,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--steps", type=int, nargs="+", default=[8, 2])
   parser.add_argument("--repeats", type=int, default=2)
-  parser.add_argument("--arrival-check", choices=["on", "off"], nargs="+", default=["on"])
+  parser.add_argument("--arrival-check", choices=["on", "off"], nargs="+", default=["off"])
   args = parser.parse_args()
   model, tokenizer = load_pretrained(MODEL, dtype="float32", max_seq_len=MAX_SEQ_LEN)[:2]
   shape = types.SimpleNamespace(quick=False, requests=32, rate=4.0, seed=0)

@@ -19,7 +19,7 @@ The set compiled is warm-up's set for each engine variant of `VARIANTS`
 (plain, int8 and fp8 pages, async scheduling's carries, n-gram
 speculation with its prefill apart; on request, `OPTIONAL_VARIANTS`' hybrid
 tables, one block table per attention type, and the decode loop's arrival
-check, a host callback per step that a TPU engine leaves off by default);
+check, a host callback per step that an engine leaves off by default);
 beams are part of every variant's every-slot decode loop, and every
 program carries the engine's automaton table (structured outputs;
 `pj.TableCapacity.for_vocabulary` of the model's vocabulary). Swaps are
@@ -440,8 +440,7 @@ def check_weights_fit(weight_bytes: int, hbm: int, topology: str, tp: int) -> No
 
 def build_engine(model, tp: int, **kwargs):
   """A small engine on the host for capturing the programs (tensor-parallel
-  over `tp` host devices); without the arrival check unless `kwargs` ask,
-  as a TPU engine runs by default."""
+  over `tp` host devices)."""
   import paged_jax as pj
   from paged_jax import sharding
   from paged_jax.models.tokenizer import ByteTokenizer
@@ -456,7 +455,6 @@ def build_engine(model, tp: int, **kwargs):
     enable_prefix_caching=True,
   )
   mesh = sharding.make_mesh(model=tp) if tp > 1 else None
-  kwargs = dict(stop_decode_on_arrival=False) | kwargs
   return pj.LLMEngine(
     model, ByteTokenizer(), cfg, mesh=mesh, max_num_batched_tokens=64, num_decode_steps=2, **kwargs
   )

@@ -12,7 +12,7 @@ from flax import nnx
 from scipy import stats
 
 import paged_jax as pj
-from paged_jax import kernel_choice, models
+from paged_jax import compile_guard, kernel_choice, models
 from paged_jax.block_manager import manager
 from paged_jax.engine import arrivals
 from paged_jax.engine.cache_manager import CacheManager
@@ -119,7 +119,7 @@ def test_outputs_do_not_depend_on_scheduling(model, reference, mode, budget, rev
   _all_blocks_free(engine)
 
 
-def _ragged_engine(model, max_num_seqs: int = 4, budget: int = 8) -> pj.LLMEngine:
+def _ragged_engine(model, max_num_seqs: int = 4, budget: int = 8, **kwargs) -> pj.LLMEngine:
   """An engine whose rounds with prompt work are ragged steps of at most
   `budget` tokens (prompt chunks and one decode token per running row)."""
   return pj.LLMEngine(
@@ -130,6 +130,7 @@ def _ragged_engine(model, max_num_seqs: int = 4, budget: int = 8) -> pj.LLMEngin
     max_num_batched_tokens=budget,
     num_decode_steps=4,
     decode_row_buckets=(4,),
+    **kwargs,
   )
 
 
@@ -223,8 +224,8 @@ def test_an_arrival_ends_a_decode_launch_before_its_next_step(model, reference, 
   # 2..4; the next would run 4 steps, but a request arrives during its
   # second step: it ends after 2 (tokens 5..6), and the next round prefills
   # "1" with one step of "3". Outputs are those of the reference.
-  engine = _ragged_engine(model, budget=16)
-  assert engine.runner.arrival_watch is not None  # on by default on CPU
+  # Its decode loop compiles apart (a host callback): a few seconds.
+  engine = _ragged_engine(model, budget=16, stop_decode_on_arrival=True)
   engine.add_request("3", _requests()[3][1], GREEDY)
   drawn = [len(engine.step()[0].outputs[0].token_ids) for _ in range(3)]
   assert drawn == [1, 2, 4]
@@ -241,6 +242,8 @@ def test_an_arrival_ends_a_decode_launch_before_its_next_step(model, reference, 
   _all_blocks_free(engine)
 
 
+# A warm-up of its own (decode loops with the check compile apart): `slow`.
+@pytest.mark.slow
 def test_an_arrival_ends_a_launch_running_ahead_and_the_one_after_runs_no_step(
   model, reference, monkeypatch
 ):
@@ -248,22 +251,33 @@ def test_an_arrival_ends_a_launch_running_ahead_and_the_one_after_runs_no_step(
   # ahead; a request arrives during launch 2's first step, which ends it
   # there. Launch 3, dispatched ahead before the request is added (as the
   # server adds it after the step), runs no step; then "1" is prefilled.
-  engine = _async_engine(model)
-  engine.add_request("3", _requests()[3][1], GREEDY)
-  engine.step()  # the prompt, in a ragged step
-  answers = _arrive_at_check(engine, monkeypatch, 4)  # launch 1 asks twice
-  assert len(engine.step()[0].outputs[0].token_ids) == 2  # launch 1; launch 2 runs ahead
-  assert len(engine.step()[0].outputs[0].token_ids) == 3  # launch 2 ran one step
-  assert engine.stats.loop_launches_ahead == 2
-  engine.runner.ahead.loop.step.block_until_ready()
-  assert answers == [False, False, False, True, True]
-  engine.add_request("1", _requests()[1][1], GREEDY)
-  engine.step()  # reads launch 3 back
-  # The ragged step's decode step, launch 1's and launch 2's: launch 3 ran none.
-  assert engine.stats.decode_steps == 3 and not engine.running_ahead
-  outputs = {out.request_id: out for out in engine.step()}  # "1"'s prompt, one step of "3"
-  assert {i: len(out.outputs[0].token_ids) for i, out in outputs.items()} == {"3": 4, "1": 1}
-  finals, _ = _serve(engine, [])
+  engine = pj.LLMEngine(
+    model,
+    TOKENIZER,
+    CFG,
+    num_decode_steps=4,
+    async_scheduling=True,
+    stop_decode_on_arrival=True,
+    warmup=True,
+  )
+  _all_blocks_free(engine)  # compiles the checks
+  pj.check_invariants(engine.state)
+  with compile_guard.no_compiles("arrivals during decoding after warm-up"):
+    engine.add_request("3", _requests()[3][1], GREEDY)
+    engine.step()  # the prompt, in a ragged step
+    answers = _arrive_at_check(engine, monkeypatch, 4)  # launch 1 asks twice
+    assert len(engine.step()[0].outputs[0].token_ids) == 2  # launch 1; launch 2 runs ahead
+    assert len(engine.step()[0].outputs[0].token_ids) == 3  # launch 2 ran one step
+    assert engine.stats.loop_launches_ahead == 2
+    engine.runner.ahead.loop.step.block_until_ready()
+    assert answers == [False, False, False, True, True]
+    engine.add_request("1", _requests()[1][1], GREEDY)
+    engine.step()  # reads launch 3 back
+    # The ragged step's decode step, launch 1's and launch 2's: launch 3 ran none.
+    assert engine.stats.decode_steps == 3 and not engine.running_ahead
+    outputs = {out.request_id: out for out in engine.step()}  # "1"'s prompt, one step of "3"
+    assert {i: len(out.outputs[0].token_ids) for i, out in outputs.items()} == {"3": 4, "1": 1}
+    finals, _ = _serve(engine, [])
   assert _tokens(finals) == {i: _tokens(reference)[i] for i in ("1", "3")}
   _all_blocks_free(engine)
 
@@ -333,7 +347,6 @@ def test_an_abort_or_a_request_while_a_launch_runs_ahead(model, reference):
   engine.step()  # its prompt, in a ragged step
   first = engine.step()  # launch 1 (1 step); launch 2 (2 steps) runs ahead
   assert len(first[0].outputs[0].token_ids) == 2 and engine.stats.loop_launches_ahead == 1
-  engine.runner.ahead.loop.step.block_until_ready()  # "1" arrives after launch 2's steps
   engine.add_request("1", dog, GREEDY)
   engine.abort_request("0")  # reads launch 2 back first: its outputs come next
   assert engine.stats.loop_launches == 2
@@ -656,21 +669,19 @@ def test_bad_engine_arguments_and_requests_raise(model):
     pj.LLMEngine(model, TOKENIZER, CFG, max_num_batched_tokens=2048, prefill_width=1)
   with pytest.raises(ValueError, match="async_scheduling must be a bool"):
     pj.LLMEngine(model, TOKENIZER, CFG, async_scheduling=1)
-  with pytest.raises(ValueError, match="stop_decode_on_arrival must be a bool or None, got 1"):
-    pj.LLMEngine(model, TOKENIZER, CFG, stop_decode_on_arrival=1)
+  with pytest.raises(ValueError, match="stop_decode_on_arrival must be a bool, got None"):
+    pj.LLMEngine(model, TOKENIZER, CFG, stop_decode_on_arrival=None)
   assert (
-    pj.LLMEngine(model, TOKENIZER, CFG, stop_decode_on_arrival=False).runner.arrival_watch is None
+    pj.LLMEngine(model, TOKENIZER, CFG).runner.arrival_watch is None  # off by default
   )
   with pytest.raises(ValueError, match="async_scheduling does not work with speculative"):
     pj.LLMEngine(model, TOKENIZER, CFG, async_scheduling=True, speculative_config=ngram)
 
 
-def test_the_arrival_check_is_on_by_default_on_cpu_and_asks_its_engines_watch():
-  assert arrivals.check_arrivals(None, "cpu", 1)
-  assert not arrivals.check_arrivals(None, "cpu", 2)
-  assert not arrivals.check_arrivals(None, "tpu", 1) and arrivals.check_arrivals(True, "gpu", 1)
+def test_the_arrival_check_needs_one_process_and_asks_its_engines_watch():
+  assert arrivals.check_arrivals(True, 1) and not arrivals.check_arrivals(False, 2)
   with pytest.raises(ValueError, match="needs one process, not 2"):
-    arrivals.check_arrivals(True, "cpu", 2)
+    arrivals.check_arrivals(True, 2)
   watch = arrivals.ArrivalWatch()
   asks = lambda watch_id: bool(arrivals._should_stop(np.int32(watch_id)))
   watch.note()

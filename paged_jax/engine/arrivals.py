@@ -10,10 +10,11 @@ The callback is a module-level function that takes the engine's id as an
 operand (`ArrivalWatch.operand`), so engines with the same shapes share one
 program, and the id finds the engine's watch here.
 
-The check costs a host round trip per step: cheap on CPU, where the device
-is the host; on an accelerator it stalls each step (see
-`LLMEngine`'s `stop_decode_on_arrival`). JAX writes no program with a host
-callback to its persistent compilation cache, so with the check on the
+The check is off by default (`LLMEngine`'s `stop_decode_on_arrival`): a
+host round trip per step stalls an accelerator; JAX launches a program
+with a host callback through its Python path, not its C++ fast path (a
+cost per launch: on CPU, a tiny model's decode step took 57% longer), and
+writes none to its persistent compilation cache, so with the check on the
 decode loops compile at every start.
 """
 
@@ -75,18 +76,15 @@ def arrived(watch_id: jax.Array) -> jax.Array:
   return io_callback(_should_stop, jax.ShapeDtypeStruct((), jnp.bool_), watch_id)
 
 
-def check_arrivals(option, platform: str, num_processes: int) -> bool:
-  """Whether an engine's decode launches check for arrivals: `option`, or
-  for None, on CPU in one process.
+def check_arrivals(option, num_processes: int) -> bool:
+  """`option`, whether an engine's decode launches check for arrivals.
 
   Raises:
-    ValueError: for an `option` that is not a bool or None, or True with
-      several processes (each would end its launches at its own step).
+    ValueError: for an `option` that is not a bool, or True with several
+      processes (each would end its launches at its own step).
   """
-  if option is None:
-    return platform == "cpu" and num_processes == 1
   if not isinstance(option, bool):
-    raise ValueError(f"stop_decode_on_arrival must be a bool or None, got {option!r}")
+    raise ValueError(f"stop_decode_on_arrival must be a bool, got {option!r}")
   if option and num_processes > 1:
     raise ValueError(
       f"stop_decode_on_arrival=True needs one process, not {num_processes}: each would end "

@@ -111,10 +111,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
   )
   serve.add_argument(
     "--stop-decode-on-arrival",
-    action=argparse.BooleanOptionalAction,
-    default=None,
+    action="store_true",
     help="end a decode launch before its next step when a request arrives (the engine's "
-    "stop_decode_on_arrival; default: on for CPU in one process)",
+    "stop_decode_on_arrival; a host callback per step)",
   )
   serve.add_argument("--block-size", type=positive, default=16)
   serve.add_argument("--num-gpu-blocks-override", type=positive, default=None)
