@@ -1,4 +1,4 @@
-"""Ending a decode launch at the step after a request arrives.
+"""Ending a decode launch before its next step when a request arrives.
 
 A decode-only round runs up to `num_decode_steps` steps in one on-device
 loop. With the arrival check on, the loop asks the host before each step,

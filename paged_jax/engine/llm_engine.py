@@ -106,8 +106,9 @@ class LLMEngine(EngineRounds, EngineLifecycle):
       string ends then draws one launch of tokens more, which are dropped
       (their blocks freed), and a request that arrives waits up to one
       launch longer (without `stop_decode_on_arrival`; with it, that
-      launch runs no step once one arrived). Not with speculation. False (default): the host
-      reads every launch back before the next is dispatched.
+      launch runs no step once one arrived). Not with speculation. False
+      (default): the host reads every launch back before the next is
+      dispatched.
     stop_decode_on_arrival: each step of a decode launch asks the host
       (one host callback) whether a request arrived since the round began
       (`add_request`, or `notify_arrival` from another thread); if one did,
@@ -255,8 +256,10 @@ class LLMEngine(EngineRounds, EngineLifecycle):
       lookahead=0 if self.speculative is None else self.speculative.num_speculative_tokens,
       hybrid=hybrid,
     )
-    replicated = self.cache_manager.replicated
-    watch = arrivals.check_arrivals(stop_decode_on_arrival, jax.process_count())
+    watch = None
+    if arrivals.check_arrivals(stop_decode_on_arrival, jax.process_count()):
+      replicated = self.cache_manager.replicated
+      watch = arrivals.ArrivalWatch(lambda a: jax.device_put(a, replicated))
     self.runner = ModelRunner(
       model,
       self.cache_manager,
@@ -272,9 +275,7 @@ class LLMEngine(EngineRounds, EngineLifecycle):
       speculative=self.speculative,
       draft_model=draft,
       automaton_capacity=automaton_capacity,
-      arrival_watch=arrivals.ArrivalWatch(lambda a: jax.device_put(a, replicated))
-      if watch
-      else None,
+      arrival_watch=watch,
     )
     engine_checks.check_program_count(self.runner, max_num_batched_tokens, max_num_seqs)
     self.inputs = InputProcessor(

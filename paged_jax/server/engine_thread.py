@@ -137,8 +137,8 @@ class EngineThread:
 
   def add(self, request_id: str, token_ids, params: SamplingParams, sink) -> None:
     """Queues a request; `sink` gets its `RequestOutput`s, or an exception.
-    The decode launch in flight ends after its current step
-    (`LLMEngine.notify_arrival`), so the request waits at most one step."""
+    With the engine's `stop_decode_on_arrival`, the decode launch in flight
+    ends before its next step (`LLMEngine.notify_arrival`)."""
     self._put(_Add(request_id, np.asarray(token_ids, np.int32), params, sink))
     self._notify_arrival()
 
