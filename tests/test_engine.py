@@ -219,12 +219,14 @@ def _arrive_at_check(engine, monkeypatch, check: int) -> list:
   return answers
 
 
+# Its decode loop compiles apart (a host callback): 29 s on the loaded 2-core
+# machine, `slow`.
+@pytest.mark.slow
 def test_an_arrival_ends_a_decode_launch_before_its_next_step(model, reference, monkeypatch):
   # "3" alone: a ragged step draws token 1, launches of 1 and 2 steps draw
   # 2..4; the next would run 4 steps, but a request arrives during its
   # second step: it ends after 2 (tokens 5..6), and the next round prefills
   # "1" with one step of "3". Outputs are those of the reference.
-  # Its decode loop compiles apart (a host callback): a few seconds.
   engine = _ragged_engine(model, budget=16, stop_decode_on_arrival=True)
   engine.add_request("3", _requests()[3][1], GREEDY)
   drawn = [len(engine.step()[0].outputs[0].token_ids) for _ in range(3)]
