@@ -21,6 +21,7 @@ import pathlib
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import jax
@@ -113,15 +114,19 @@ def online(model, cfg, prompts, max_tokens, arrivals, args):
   return serve_trace(make_engine(model, cfg, args), prompts, max_tokens, arrivals)
 
 
-def serve_trace(engine, prompts, max_tokens, arrivals) -> dict:
+def serve_trace(engine, prompts, max_tokens, arrivals, notify_arrivals: bool = False) -> dict:
   """Serves requests arriving at `arrivals` (seconds from the start) on an
   idle `engine`, stepping it as fast as it goes; returns the tokens, wall
   time, per-request TTFT and ITL (mean gap between a request's tokens after
   its first), the host's time per round and share of wall time, and the
-  engine's stats."""
+  engine's stats. Requests are added between steps; with `notify_arrivals`
+  a thread also tells the engine of each at its time (`notify_arrival`, as
+  the server's request handlers do), ending the decode launch in flight."""
   engine.timing.update(rounds=0, wall_s=0.0, device_s=0.0)
   first, last, counts = {}, {}, {}
   start = time.perf_counter()
+  if notify_arrivals:
+    threading.Thread(target=_notify_at, args=(engine, start, arrivals), daemon=True).start()
   next_request = 0
   while next_request < len(prompts) or engine.has_unfinished_requests():
     now = time.perf_counter() - start
@@ -156,6 +161,13 @@ def serve_trace(engine, prompts, max_tokens, arrivals) -> dict:
     host_share=host / timing["wall_s"],
     stats=engine.stats,
   )
+
+
+def _notify_at(engine, start: float, arrivals) -> None:
+  """Calls `engine.notify_arrival()` at each of `arrivals` (seconds after `start`)."""
+  for arrival in arrivals:
+    time.sleep(max(0.0, start + arrival - time.perf_counter()))
+    engine.notify_arrival()
 
 
 def offline(model, cfg, prompts, max_tokens, args, base):

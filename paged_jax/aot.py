@@ -18,11 +18,12 @@ the model's graph, its parameters as sharded `jax.ShapeDtypeStruct`s
 The set compiled is warm-up's set for each engine variant of `VARIANTS`
 (plain, int8 and fp8 pages, async scheduling's carries, n-gram
 speculation with its prefill apart; on request, `OPTIONAL_VARIANTS`' hybrid
-tables, one block table per attention type); beams are part of every variant's
-every-slot decode loop, and every program carries the engine's automaton
-table (structured outputs; `pj.TableCapacity.for_vocabulary` of the
-model's vocabulary). Swaps are left out (no host pages: `num_cpu_blocks`
-0).
+tables, one block table per attention type, and the decode loop's arrival
+check, a host callback per step that an engine leaves off by default);
+beams are part of every variant's every-slot decode loop, and every
+program carries the engine's automaton table (structured outputs;
+`pj.TableCapacity.for_vocabulary` of the model's vocabulary). Swaps are
+left out (no host pages: `num_cpu_blocks` 0).
 """
 
 from __future__ import annotations
@@ -92,8 +93,12 @@ VARIANTS = {
   "speculation": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
 }
 # Variants compiled only when asked for (`--variant`): one block table per
-# attention type (for a model with several; one chip, tensor parallel 1).
-OPTIONAL_VARIANTS = {"hybrid tables": dict(hybrid_kv_cache=True)}
+# attention type (for a model with several; one chip, tensor parallel 1),
+# and the arrival check (`LLMEngine`'s `stop_decode_on_arrival`).
+OPTIONAL_VARIANTS = {
+  "hybrid tables": dict(hybrid_kv_cache=True),
+  "arrival check": dict(stop_decode_on_arrival=True),
+}
 
 
 def require_libtpu() -> None:

@@ -12,8 +12,9 @@ from flax import nnx
 from scipy import stats
 
 import paged_jax as pj
-from paged_jax import kernel_choice, models
+from paged_jax import compile_guard, kernel_choice, models
 from paged_jax.block_manager import manager
+from paged_jax.engine import arrivals
 from paged_jax.engine.cache_manager import CacheManager
 from paged_jax.engine.packing import pack_decode_rows, pack_prefill, prompt_buckets
 from paged_jax.engine.scheduler_output import PrefillChunk
@@ -118,7 +119,7 @@ def test_outputs_do_not_depend_on_scheduling(model, reference, mode, budget, rev
   _all_blocks_free(engine)
 
 
-def _ragged_engine(model, max_num_seqs: int = 4, budget: int = 8) -> pj.LLMEngine:
+def _ragged_engine(model, max_num_seqs: int = 4, budget: int = 8, **kwargs) -> pj.LLMEngine:
   """An engine whose rounds with prompt work are ragged steps of at most
   `budget` tokens (prompt chunks and one decode token per running row)."""
   return pj.LLMEngine(
@@ -129,6 +130,7 @@ def _ragged_engine(model, max_num_seqs: int = 4, budget: int = 8) -> pj.LLMEngin
     max_num_batched_tokens=budget,
     num_decode_steps=4,
     decode_row_buckets=(4,),
+    **kwargs,
   )
 
 
@@ -197,6 +199,88 @@ def test_an_arrival_joins_the_next_step(model):
   assert len(outputs["b"].outputs[0].token_ids) == 2
   while engine.has_unfinished_requests():
     engine.step()
+  _all_blocks_free(engine)
+
+
+def _arrive_at_check(engine, monkeypatch, check: int) -> list:
+  """Makes a request arrive (`notify_arrival`) as the engine's decode
+  launches ask, before a step, for the `check`-th time (counted from 1):
+  that step runs no more. Returns the answers the launches get, in order."""
+  watch = engine.runner.arrival_watch
+  should_stop, answers = watch.should_stop, []
+
+  def ask():
+    if len(answers) + 1 == check:
+      engine.notify_arrival()
+    answers.append(should_stop())
+    return answers[-1]
+
+  monkeypatch.setattr(watch, "should_stop", ask)
+  return answers
+
+
+# Its decode loop compiles apart (a host callback): 29 s on the loaded 2-core
+# machine, `slow`.
+@pytest.mark.slow
+def test_an_arrival_ends_a_decode_launch_before_its_next_step(model, reference, monkeypatch):
+  # "3" alone: a ragged step draws token 1, launches of 1 and 2 steps draw
+  # 2..4; the next would run 4 steps, but a request arrives during its
+  # second step: it ends after 2 (tokens 5..6), and the next round prefills
+  # "1" with one step of "3". Outputs are those of the reference.
+  engine = _ragged_engine(model, budget=16, stop_decode_on_arrival=True)
+  engine.add_request("3", _requests()[3][1], GREEDY)
+  drawn = [len(engine.step()[0].outputs[0].token_ids) for _ in range(3)]
+  assert drawn == [1, 2, 4]
+  answers = _arrive_at_check(engine, monkeypatch, 3)  # after step 2 began
+  steps = engine.stats.decode_steps
+  assert len(engine.step()[0].outputs[0].token_ids) == 6
+  assert answers == [False, False, True]  # asked before steps 1, 2 and 3
+  assert engine.stats.decode_steps == steps + 2
+  engine.add_request("1", _requests()[1][1], GREEDY)
+  outputs = {out.request_id: out for out in engine.step()}
+  assert {i: len(out.outputs[0].token_ids) for i, out in outputs.items()} == {"3": 7, "1": 1}
+  finals, _ = _serve(engine, [])
+  assert _tokens(finals) == {i: _tokens(reference)[i] for i in ("1", "3")}
+  _all_blocks_free(engine)
+
+
+# A warm-up of its own (decode loops with the check compile apart): `slow`.
+@pytest.mark.slow
+def test_an_arrival_ends_a_launch_running_ahead_and_the_one_after_runs_no_step(
+  model, reference, monkeypatch
+):
+  # Async: launch 1 (1 step) is read back while launch 2 (2 steps) runs
+  # ahead; a request arrives during launch 2's first step, which ends it
+  # there. Launch 3, dispatched ahead before the request is added (as the
+  # server adds it after the step), runs no step; then "1" is prefilled.
+  engine = pj.LLMEngine(
+    model,
+    TOKENIZER,
+    CFG,
+    num_decode_steps=4,
+    async_scheduling=True,
+    stop_decode_on_arrival=True,
+    warmup=True,
+  )
+  _all_blocks_free(engine)  # compiles the checks
+  pj.check_invariants(engine.state)
+  with compile_guard.no_compiles("arrivals during decoding after warm-up"):
+    engine.add_request("3", _requests()[3][1], GREEDY)
+    engine.step()  # the prompt, in a ragged step
+    answers = _arrive_at_check(engine, monkeypatch, 4)  # launch 1 asks twice
+    assert len(engine.step()[0].outputs[0].token_ids) == 2  # launch 1; launch 2 runs ahead
+    assert len(engine.step()[0].outputs[0].token_ids) == 3  # launch 2 ran one step
+    assert engine.stats.loop_launches_ahead == 2
+    engine.runner.ahead.loop.step.block_until_ready()
+    assert answers == [False, False, False, True, True]
+    engine.add_request("1", _requests()[1][1], GREEDY)
+    engine.step()  # reads launch 3 back
+    # The ragged step's decode step, launch 1's and launch 2's: launch 3 ran none.
+    assert engine.stats.decode_steps == 3 and not engine.running_ahead
+    outputs = {out.request_id: out for out in engine.step()}  # "1"'s prompt, one step of "3"
+    assert {i: len(out.outputs[0].token_ids) for i, out in outputs.items()} == {"3": 4, "1": 1}
+    finals, _ = _serve(engine, [])
+  assert _tokens(finals) == {i: _tokens(reference)[i] for i in ("1", "3")}
   _all_blocks_free(engine)
 
 
@@ -587,8 +671,25 @@ def test_bad_engine_arguments_and_requests_raise(model):
     pj.LLMEngine(model, TOKENIZER, CFG, max_num_batched_tokens=2048, prefill_width=1)
   with pytest.raises(ValueError, match="async_scheduling must be a bool"):
     pj.LLMEngine(model, TOKENIZER, CFG, async_scheduling=1)
+  with pytest.raises(ValueError, match="stop_decode_on_arrival must be a bool, got None"):
+    pj.LLMEngine(model, TOKENIZER, CFG, stop_decode_on_arrival=None)
+  assert (
+    pj.LLMEngine(model, TOKENIZER, CFG).runner.arrival_watch is None  # off by default
+  )
   with pytest.raises(ValueError, match="async_scheduling does not work with speculative"):
     pj.LLMEngine(model, TOKENIZER, CFG, async_scheduling=True, speculative_config=ngram)
+
+
+def test_the_arrival_check_needs_one_process_and_asks_its_engines_watch():
+  assert arrivals.check_arrivals(True, 1) and not arrivals.check_arrivals(False, 2)
+  with pytest.raises(ValueError, match="needs one process, not 2"):
+    arrivals.check_arrivals(True, 2)
+  watch = arrivals.ArrivalWatch()
+  asks = lambda watch_id: bool(arrivals._should_stop(np.int32(watch_id)))
+  watch.note()
+  assert asks(watch.id) and not asks(watch.id + 1)  # no other engine's, none gone
+  watch.clear()
+  assert not asks(watch.id)
 
 
 def test_kv_cache_memory_bytes_sizes_the_blocks_and_bad_budgets_name_the_numbers(model):

@@ -160,7 +160,7 @@ def test_only_the_cache_manager_stores_pages_and_manager_states():
 # Inside the engine, bottom first; the parts of one rank import none of
 # each other.
 ENGINE_RANKS = [
-  ["outputs", "protocol", "sequence", "memory"],
+  ["outputs", "protocol", "sequence", "memory", "arrivals"],
   ["scheduler_output", "admission", "beam", "speculative", "weights"],
   ["programs"],
   ["cache_manager"],

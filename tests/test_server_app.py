@@ -416,8 +416,13 @@ class _CompilingEngine:
       spec_decode_num_accepted_tokens=0,
     )
     self.pending = {}
+    self.events = []
+
+  def notify_arrival(self):
+    self.events.append("arrival")
 
   def add_request(self, request_id, token_ids, params):
+    self.events.append(request_id)
     self.pending[request_id] = token_ids
 
   def abort_request(self, request_id):
@@ -445,7 +450,8 @@ def test_the_engine_thread_counts_and_logs_each_program_compiled_while_serving(c
 
   metrics = ServerMetrics("stub")
   cache_config = pj.CacheConfig(block_size=4, num_gpu_blocks=8, max_seqs=2, max_blocks_per_seq=4)
-  thread = EngineThread(lambda: BuiltEngine(_CompilingEngine(), None, cache_config), metrics)
+  engine = _CompilingEngine()
+  thread = EngineThread(lambda: BuiltEngine(engine, None, cache_config), metrics)
   compiled = lambda: metrics.registry.get_sample_value(
     "paged_jax:compiles_while_serving_total", {"model_name": "stub"}
   )
@@ -462,5 +468,7 @@ def test_the_engine_thread_counts_and_logs_each_program_compiled_while_serving(c
   finally:
     thread.stop()
   assert compiled() == 1
+  # Each request ended the launch in flight (`notify_arrival`) once queued.
+  assert engine.events.count("arrival") == 3
   [warning] = [r.getMessage() for r in caplog.records if "compiled while serving" in r.getMessage()]
   assert "int32[3]" in warning, warning

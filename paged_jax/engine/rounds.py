@@ -45,6 +45,8 @@ class EngineRounds:
 
   def _round(self) -> dict[str, SequenceGroup]:
     """A scheduling round (see `step`); returns the groups it touched."""
+    if self.runner.arrival_watch is not None:  # the schedulers see every request added
+      self.runner.arrival_watch.clear()
     rounds = [scheduler.schedule() for scheduler in self.schedulers]
     for out in rounds:
       for group in out.failed:

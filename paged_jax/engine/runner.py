@@ -62,6 +62,9 @@ class ModelRunner(RunAhead):
       automaton table is packed to, constrained rows or not, so that each
       program compiles once; None: launches without constrained rows take
       no table (and ones with them a power-of-two bucket).
+    arrival_watch: the `ArrivalWatch` whose flag ends a decode launch
+      after the step in which it is set (`paged_jax.engine.arrivals`), or
+      None: a launch runs its steps whatever arrives.
   """
 
   def __init__(
@@ -81,8 +84,10 @@ class ModelRunner(RunAhead):
     speculative=None,
     draft_model=None,
     automaton_capacity: structured.TableCapacity | None = None,
+    arrival_watch=None,
   ):
     self.cache_manager = cache_manager
+    self.arrival_watch = arrival_watch
     self.automaton_capacity = automaton_capacity
     self.speculative = speculative
     self.draft = {}  # the draft model's graphdef and params, as the programs take them
@@ -345,6 +350,7 @@ class ModelRunner(RunAhead):
       table,
       speculating,
       **(self.draft if speculating is not None else {}),
+      arrival_watch=None if self.arrival_watch is None else self.arrival_watch.operand,
     )
     self._keep(loop)
     return loop

@@ -109,6 +109,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     help="dispatch the next decode launch before reading the last one back, when the next "
     "round only decodes (the engine's async_scheduling)",
   )
+  serve.add_argument(
+    "--stop-decode-on-arrival",
+    action="store_true",
+    help="end a decode launch before its next step when a request arrives (the engine's "
+    "stop_decode_on_arrival; a host callback per step)",
+  )
   serve.add_argument("--block-size", type=positive, default=16)
   serve.add_argument("--num-gpu-blocks-override", type=positive, default=None)
   serve.add_argument(
@@ -317,6 +323,7 @@ def engine_builder(args):
       max_beam_width=MAX_BEAM_WIDTH,
       speculative_config=speculative_config,
       async_scheduling=args.async_scheduling,
+      stop_decode_on_arrival=args.stop_decode_on_arrival,
       automaton_capacity=args.automaton_capacity,
       warmup=True,
       seed=args.seed,

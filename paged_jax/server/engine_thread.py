@@ -136,8 +136,11 @@ class EngineThread:
       raise self._startup_error
 
   def add(self, request_id: str, token_ids, params: SamplingParams, sink) -> None:
-    """Queues a request; `sink` gets its `RequestOutput`s, or an exception."""
+    """Queues a request; `sink` gets its `RequestOutput`s, or an exception.
+    With the engine's `stop_decode_on_arrival`, the decode launch in flight
+    ends before its next step (`LLMEngine.notify_arrival`)."""
     self._put(_Add(request_id, np.asarray(token_ids, np.int32), params, sink))
+    self._notify_arrival()
 
   def abort(self, request_id: str) -> None:
     """Aborts a request (ignored if it finished); frees its blocks at once."""
@@ -147,6 +150,7 @@ class EngineThread:
   def score(self, token_ids, k: int, sink) -> None:
     """Queues a prompt-scoring job; `sink` gets `PromptLogprobs` or an exception."""
     self._put(_Score(np.asarray(token_ids, np.int32), k, sink))
+    self._notify_arrival()
 
   def admission_error(self, num_prompt_tokens: int, params: SamplingParams) -> str | None:
     """The engine's answer to "can this request ever be served" (None: yes),
@@ -168,6 +172,13 @@ class EngineThread:
   @property
   def running(self) -> bool:
     return self._ready.is_set() and not self._stopped.is_set()
+
+  def _notify_arrival(self) -> None:
+    """After a message is queued (never before: the launch it ends must
+    find it in the inbox)."""
+    engine = self.engine
+    if engine is not None:
+      engine.notify_arrival()
 
   def _put(self, message) -> None:
     if self._stopped.is_set():

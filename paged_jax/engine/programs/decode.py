@@ -10,8 +10,10 @@ rows' automata (`paged_jax.structured`) rides along: each step masks those
 rows' logits before sampling and advances their states in the carry, and
 a row whose state allows no token finishes; without one the step masks
 nothing. The loop hands control back early when a data shard's blocks run
-out (the scheduler preempts) or, if asked, when a row finishes (the
-scheduler admits more). A speculating loop's step is
+out (the scheduler preempts), if asked, when a row finishes (the
+scheduler admits more), and, with the engine's arrival check, before the
+first step after a request arrived (`paged_jax.engine.arrivals`). A
+speculating loop's step is
 `paged_jax.engine.programs.speculating`'s. `continue_decoding` is the carry
 of the launch that continues a dispatched one (async scheduling).
 
@@ -30,7 +32,7 @@ import jax.numpy as jnp
 
 from paged_jax import sharding, structured
 from paged_jax.block_manager.state import BlockManagerState, CopyPlan, on_every_shard
-from paged_jax.engine import beam, speculative
+from paged_jax.engine import arrivals, beam, speculative
 from paged_jax.engine.programs.carry import (
   DecodeLoop,
   by_shard,
@@ -203,10 +205,13 @@ def decode_loop(
   speculating: speculative.SpeculativeConfig | None = None,
   draft_graphdef=None,
   draft_params=None,
+  arrival_watch: jax.Array | None = None,
 ) -> DecodeLoop:
   """Decodes until no row runs, a shard runs out of blocks, the launch's
-  steps are done (`loop.max_steps`, at most the draws' columns), or (if
-  asked) a row finishes. `table` holds the automata
+  steps are done (`loop.max_steps`, at most the draws' columns), (if
+  asked) a row finishes, or (with an `arrival_watch`, an engine's id) a
+  request arrived at that engine: the loop asks before each step. `table`
+  holds the automata
   of the constrained rows (None when none runs; one compile per table
   bucket). With `speculating` (and `loop.spec`), each step is a
   speculating one (proposing with the draft model `draft_graphdef`,
@@ -216,12 +221,13 @@ def decode_loop(
   num_steps = loop.draws.tokens.shape[1] // per_step
 
   def keep_going(loop):
-    return (
+    going = (
       jnp.any(loop.slots >= 0)
       & ~jnp.any(loop.out_of_blocks)
       & (loop.step < jnp.minimum(num_steps, loop.max_steps))
       & ~(stop_on_finish & loop.finished_any)
     )
+    return going if arrival_watch is None else going & ~arrivals.arrived(arrival_watch)
 
   if speculating is None:
     step = functools.partial(decode_step, graphdef, params_state, row_params, table)
