@@ -92,7 +92,7 @@ def hybrid_pools(
   )
   every_block = config.num_layers * layer_bytes * cache.blocks_for(SEQUENCE_TOKENS)
   try:
-    hybrid, _, chunk = hybrid_cache(
+    hybrid, _, chunk, _ = hybrid_cache(
       cache, config, budget_bytes=free_bytes, kv_cache_dtype=kv_cache_dtype
     )
   except ValueError as err:
