@@ -10,10 +10,14 @@ each JAX to compare versions:
 
 from __future__ import annotations
 
-import time
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_cpu_prefill import best_time  # noqa: E402
 
 SHAPES = ((1536, 576), (576, 1536), (49152, 576))  # [N, K]: MLP up, MLP down, tied output
 FORMS = {
@@ -27,18 +31,6 @@ FORMS = {
 }
 
 
-def best_time(fn, *args, rounds=5, calls=200) -> float:
-  jax.block_until_ready(fn(*args))
-  best = float("inf")
-  for _ in range(rounds):
-    start = time.perf_counter()
-    for _ in range(calls):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    best = min(best, (time.perf_counter() - start) / calls)
-  return best
-
-
 def main():
   print(f"JAX {jax.__version__}")
   print("| dtype | w [N, K] | " + " | ".join(FORMS) + " |")
@@ -47,7 +39,7 @@ def main():
     for n, k in SHAPES:
       x = jax.random.normal(jax.random.PRNGKey(0), (1, k), dtype)
       w = jax.random.normal(jax.random.PRNGKey(1), (n, k), dtype)
-      times = [best_time(jax.jit(form), x, w) * 1e6 for form in FORMS.values()]
+      times = [best_time(jax.jit(form), x, w, calls=200) * 1e6 for form in FORMS.values()]
       cells = " | ".join(f"{t:,.0f} us" for t in times)
       print(f"| {jnp.dtype(dtype).name} | {n} x {k} | {cells} |")
 
