@@ -299,27 +299,41 @@ ffi::Error WithTypedBuffers(const char* name, ffi::AnyBuffer q, ffi::AnyBuffer k
   return ffi::Error::Success();
 }
 
+// The shapes of a call whose queries have `query_rank` axes (3: decode's
+// `[batch, heads, d]`; 4: prefill's `[batch, tokens, heads, d]`) into `s`,
+// or an error naming the kernel.
+ffi::Error ReadShapes(const char* name, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
+                      ffi::Buffer<ffi::S32> block_tables, size_t query_rank, Shapes& s) {
+  auto q_dims = q.dimensions();
+  auto k_dims = k_pages.dimensions();
+  auto t_dims = block_tables.dimensions();
+  if (q_dims.size() != query_rank || k_dims.size() != 4 || t_dims.size() != 2) {
+    return ffi::Error::InvalidArgument(std::string(name) + ": bad ranks");
+  }
+  size_t heads = query_rank - 2;
+  s = Shapes{q_dims[0], q_dims[heads], q_dims[heads + 1], k_dims[0], k_dims[1], k_dims[2],
+             t_dims[1]};
+  if (k_dims[3] != s.head_dim || s.num_q_heads % s.num_kv_heads != 0 || t_dims[0] != s.batch) {
+    return ffi::Error::InvalidArgument(std::string(name) + ": inconsistent shapes");
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error PagedDecodeAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
                                 ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> block_tables,
                                 ffi::Buffer<ffi::S32> lengths, ffi::Result<ffi::AnyBuffer> out,
                                 float scale, float soft_cap, int64_t sliding_window) {
-  auto q_dims = q.dimensions();
-  auto k_dims = k_pages.dimensions();
-  auto t_dims = block_tables.dimensions();
-  if (q_dims.size() != 3 || k_dims.size() != 4 || t_dims.size() != 2) {
-    return ffi::Error::InvalidArgument("paged decode attention: bad ranks");
-  }
-  Shapes s{q_dims[0], q_dims[1], q_dims[2], k_dims[0], k_dims[1], k_dims[2], t_dims[1]};
-  if (k_dims[3] != s.head_dim || s.num_q_heads % s.num_kv_heads != 0 || t_dims[0] != s.batch) {
-    return ffi::Error::InvalidArgument("paged decode attention: inconsistent shapes");
+  const char* name = "paged decode attention";
+  Shapes s{};
+  if (auto error = ReadShapes(name, q, k_pages, block_tables, 3, s); error.failure()) {
+    return error;
   }
   Options o{scale, soft_cap, sliding_window};
   const int32_t* tables = block_tables.typed_data();
   const int32_t* lens = lengths.typed_data();
-  return WithTypedBuffers("paged decode attention", q, k_pages, v_pages, out,
-                          [&](auto q, auto k, auto v, auto out) {
-                            AttendAll(s, o, q, k, v, tables, lens, out, pool);
-                          });
+  return WithTypedBuffers(name, q, k_pages, v_pages, out, [&](auto q, auto k, auto v, auto out) {
+    AttendAll(s, o, q, k, v, tables, lens, out, pool);
+  });
 }
 
 ffi::Error PagedPrefillAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
@@ -327,25 +341,19 @@ ffi::Error PagedPrefillAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::An
                                  ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> query_lens,
                                  ffi::Result<ffi::AnyBuffer> out, float scale, float soft_cap,
                                  int64_t sliding_window) {
-  auto q_dims = q.dimensions();
-  auto k_dims = k_pages.dimensions();
-  auto t_dims = block_tables.dimensions();
-  if (q_dims.size() != 4 || k_dims.size() != 4 || t_dims.size() != 2) {
-    return ffi::Error::InvalidArgument("paged prefill attention: bad ranks");
+  const char* name = "paged prefill attention";
+  Shapes s{};
+  if (auto error = ReadShapes(name, q, k_pages, block_tables, 4, s); error.failure()) {
+    return error;
   }
-  Shapes s{q_dims[0], q_dims[2], q_dims[3], k_dims[0], k_dims[1], k_dims[2], t_dims[1]};
-  if (k_dims[3] != s.head_dim || s.num_q_heads % s.num_kv_heads != 0 || t_dims[0] != s.batch) {
-    return ffi::Error::InvalidArgument("paged prefill attention: inconsistent shapes");
-  }
+  int64_t num_queries = q.dimensions()[1];
   Options o{scale, soft_cap, sliding_window};
   const int32_t* tables = block_tables.typed_data();
   const int32_t* lens = lengths.typed_data();
   const int32_t* new_tokens = query_lens.typed_data();
-  return WithTypedBuffers("paged prefill attention", q, k_pages, v_pages, out,
-                          [&](auto q, auto k, auto v, auto out) {
-                            AttendQueries(s, q_dims[1], o, q, k, v, tables, lens, new_tokens,
-                                          out, pool);
-                          });
+  return WithTypedBuffers(name, q, k_pages, v_pages, out, [&](auto q, auto k, auto v, auto out) {
+    AttendQueries(s, num_queries, o, q, k, v, tables, lens, new_tokens, out, pool);
+  });
 }
 
 }  // namespace
