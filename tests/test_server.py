@@ -338,26 +338,30 @@ def test_64_concurrent_streams_match_offline_greedy(tiny):
   assert asyncio.run(all_of_them()) == expected
 
 
-def test_disconnect_mid_stream_frees_every_block(tiny):
-  generated_before = tiny.metrics()["vllm:generation_tokens_total"]
-  body = dict(model="tiny", prompt="WAR, n. ", max_tokens=100, ignore_eos=True, stream=True)
+def test_disconnect_mid_stream_frees_every_block(smollm2):
+  # SmolLM2, not the tiny model: the tiny one's 120 tokens can all exist
+  # before a starved client's close reaches the server.
+  generated_before = smollm2.metrics()["vllm:generation_tokens_total"]
+  body = dict(
+    model="smollm2", prompt="Once upon a time", max_tokens=200, ignore_eos=True, stream=True
+  )
   with httpx.stream(
-    "POST", f"{tiny.base_url}/v1/completions", json=body, headers=tiny.headers, timeout=120
+    "POST", f"{smollm2.base_url}/v1/completions", json=body, timeout=120
   ) as response:
     first = next(line for line in response.iter_lines() if line.startswith("data:"))
   assert json.loads(first.removeprefix("data: "))["choices"][0]["finish_reason"] is None
   deadline = time.monotonic() + 60
   while time.monotonic() < deadline:
-    metrics = tiny.metrics()
+    metrics = smollm2.metrics()
     if metrics["vllm:num_requests_running"] == 0 and metrics["vllm:kv_cache_usage_perc"] == 0:
       break
     time.sleep(0.1)
   assert metrics["vllm:num_requests_running"] == 0
   assert metrics["vllm:num_requests_waiting"] == 0
   assert metrics["vllm:kv_cache_usage_perc"] == 0
-  assert metrics["paged_jax:num_free_gpu_blocks"] == metrics["paged_jax:num_gpu_blocks"] == 96
-  # Aborted after its first token and before its 100th.
-  assert 0 < metrics["vllm:generation_tokens_total"] - generated_before < 100
+  assert metrics["paged_jax:num_free_gpu_blocks"] == metrics["paged_jax:num_gpu_blocks"] == 40
+  # Aborted after its first token and before its 200th.
+  assert 0 < metrics["vllm:generation_tokens_total"] - generated_before < 200
 
 
 def test_metrics_have_vllms_names(tiny, tiny_client):
