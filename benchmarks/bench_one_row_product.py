@@ -1,7 +1,8 @@
 """One row times a weight `w [N, K]` (a decode step's projections at one
 sequence), in the forms XLA:CPU might run: `jnp.dot(x, w.T)` (the form
-`layers.dot_transposed` uses for one bfloat16 row), `lax.dot_general`
-contracting both last axes, and a float32 multiply and sum. SmolLM2's
+`layers.dot_transposed` uses for one bfloat16 row before JAX 0.12),
+`lax.dot_general` contracting both last axes, the same with the row padded
+to two (its form from JAX 0.12 on), and a float32 multiply and sum. SmolLM2's
 shapes; best of 5 rounds of 200 calls, microseconds per call. Run it under
 each JAX to compare versions:
 
@@ -25,6 +26,12 @@ FORMS = {
   "dot_general": lambda x, w: jax.lax.dot_general(
     x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
   ),
+  "padded to two rows": lambda x, w: jax.lax.dot_general(
+    jnp.concatenate([x, jnp.zeros_like(x)]),
+    w,
+    (((1,), (1,)), ((), ())),
+    preferred_element_type=jnp.float32,
+  )[:1],
   "float32 multiply and sum": lambda x, w: jnp.sum(
     x.astype(jnp.float32) * w.astype(jnp.float32), axis=-1
   )[None],

@@ -146,14 +146,17 @@ def test_padding_inside_a_row_changes_no_other_logits(small_model):
   )
 
 
+@pytest.mark.parametrize("one_row_pads", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("leading", [(1,), (1, 1), (3,), (2, 5)])
-def test_dot_transposed_is_x_times_w_transposed(dtype, leading):
-  # One row (bfloat16's own form) and several rows give the float32 product.
+def test_dot_transposed_is_x_times_w_transposed(dtype, leading, one_row_pads, monkeypatch):
+  # One row (bfloat16's own forms, each JAX version's) and several rows give
+  # the float32 product.
+  monkeypatch.setattr(layers, "_ONE_ROW_PADS", one_row_pads)
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.normal(size=(*leading, 24)), dtype)
   w = jnp.asarray(rng.normal(size=(40, 24)), dtype)
-  out = jax.jit(layers.dot_transposed)(x, w)
+  out = jax.jit(lambda x, w: layers.dot_transposed(x, w))(x, w)
   assert out.dtype == jnp.float32 and out.shape == (*leading, 40)
   expected = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
   np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)

@@ -67,6 +67,8 @@ class LinearRopeScaling:
 
 RopeScaling = Llama3RopeScaling | LinearRopeScaling
 ACTIVATIONS = ("silu", "gelu_tanh")
+# One bfloat16 row runs fastest padded to two rows from JAX 0.12 on (`dot_transposed`).
+_ONE_ROW_PADS = jax.__version_info__ >= (0, 12)
 
 
 def dot_transposed(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -76,13 +78,22 @@ def dot_transposed(x: jax.Array, w: jax.Array) -> jax.Array:
   Every backend computes the same product; the form is the one XLA:CPU runs
   fastest. Several rows go through one `dot_general` contracting both last
   axes (its bfloat16 matmul; a weight stored `[K, N]` is up to 2x slower
-  there, and 10x slower with a bfloat16 result). A single bfloat16 row is
-  `jnp.dot` with `w.T`, which XLA:CPU fuses into one loop over the weight's
-  rows (its other forms first convert the whole weight to float32: 15x
-  slower).
+  there, and 10x slower with a bfloat16 result). A single bfloat16 row
+  differs by JAX version: before 0.12 it is `jnp.dot` with `w.T`, which
+  XLA:CPU fuses into one loop over the weight's rows (the other forms first
+  convert the whole weight to float32: 15x slower); from 0.12 on, where that
+  loop is 10x slower, it is padded to two rows, which take the matmul
+  (benchmarks/bench_one_row_product.py).
   """
   if x.dtype == jnp.bfloat16 and math.prod(x.shape[:-1]) == 1:
-    return jnp.dot(x, w.T, preferred_element_type=jnp.float32)
+    if not _ONE_ROW_PADS:
+      return jnp.dot(x, w.T, preferred_element_type=jnp.float32)
+    rows = jnp.concatenate([x.reshape(1, -1), jnp.zeros_like(x.reshape(1, -1))])
+    return _dot_general(rows, w)[:1].reshape(*x.shape[:-1], w.shape[0])
+  return _dot_general(x, w)
+
+
+def _dot_general(x: jax.Array, w: jax.Array) -> jax.Array:
   contract = (((x.ndim - 1,), (1,)), ((), ()))
   return jax.lax.dot_general(x, w, contract, preferred_element_type=jnp.float32)
 
