@@ -16,7 +16,7 @@ from paged_jax import compile_guard, kernel_choice, models
 from paged_jax.block_manager import manager
 from paged_jax.engine import arrivals
 from paged_jax.engine.cache_manager import CacheManager
-from paged_jax.engine.packing import pack_decode_rows, pack_prefill, prompt_buckets
+from paged_jax.engine.packing import filled_budget, pack_decode_rows, pack_prefill, prompt_buckets
 from paged_jax.engine.scheduler_output import PrefillChunk
 from paged_jax.sampling import categorical_rows, greedy_tokens
 from pallas_kernels.paged_attention import cpu
@@ -489,6 +489,43 @@ def test_stats_count_the_prefill_and_decode_padding(model):
   assert (stats.decode_tokens, stats.decode_positions) == (3 * 2, 6 + 4 * 2)
   assert stats.decode_padding == pytest.approx(1 - 6 / 14)
   assert pj.GenerationStats().prefill_padding == pj.GenerationStats().decode_padding == 0.0
+
+
+@pytest.mark.parametrize(
+  "budget, demand, planned",
+  [
+    (512, 40, 512),  # fits the smallest bucket
+    (512, 64, 512),  # fills a bucket
+    (512, 250, 512),  # pads 6 of 256: at most an eighth
+    (512, 200, 128),  # would pad 56 of 256
+    (512, 300, 256),  # would pad 212 of 512
+    (492, 1000, 492),  # the budget pads 20 of 512
+    (400, 1000, 256),  # the budget would pad 112 of 512
+  ],
+)
+def test_a_round_fills_a_smaller_prompt_bucket_rather_than_pad_much(budget, demand, planned):
+  assert filled_budget(budget, demand, [64, 128, 256, 512]) == planned
+
+
+def test_a_cpu_engine_leaves_what_would_pad_a_bucket_to_the_next_round(model):
+  # Prompt buckets of 8, 16 and 32 tokens. "b"'s 20 tokens would pad 12 of
+  # 32, so its first ragged step (beside "a"'s decode row) runs 16 and the
+  # next the last 4 (in the 8-token bucket): 24 positions, not 32.
+  engine = pj.LLMEngine(model, TOKENIZER, CFG, prefill_width=4, max_num_batched_tokens=32)
+  assert engine.schedulers[0].token_buckets == [8, 16, 32]
+  engine.add_request("a", [65, 66, 67], GREEDY)
+  engine.step()
+  engine.add_request("b", list(range(70, 90)), GREEDY)
+  positions = []
+  for _ in range(2):
+    before = engine.stats.prefill_positions
+    engine.step()
+    positions.append(engine.stats.prefill_positions - before)
+  assert positions == [16, 8]
+  finals, _ = _serve(engine, [])
+  alone = pj.LLMEngine(model, TOKENIZER, CFG, num_decode_steps=4)
+  expected, _ = _serve(alone, [("b", list(range(70, 90)), GREEDY)])
+  assert _tokens(finals)["b"] == _tokens(expected)["b"]
 
 
 def test_decode_rows_pack_each_shards_decoding_slots_into_a_bucket():

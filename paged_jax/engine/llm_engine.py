@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from paged_jax import compilation_cache, compile_guard, sharding, structured
+from paged_jax import compilation_cache, compile_guard, kernel_choice, sharding, structured
 from paged_jax.config import CacheConfig
 from paged_jax.engine import arrivals, engine_checks, speculative
 from paged_jax.engine.admission import type_admission_error
@@ -294,6 +294,11 @@ class LLMEngine(EngineRounds, EngineLifecycle):
       automaton_capacity,
     )
     self.processor = OutputProcessor(tokenizer)
+    # On a CPU a padded prompt token costs what a real one does: rounds fill
+    # their prompt buckets (`packing.filled_budget`).
+    token_buckets = None
+    if kernel_choice.kernel_platform() == "cpu":
+      token_buckets = [tokens for tokens, _ in self.runner.prefill_buckets()]
     self.schedulers = [
       Scheduler(
         self.cache_manager,
@@ -303,6 +308,7 @@ class LLMEngine(EngineRounds, EngineLifecycle):
         self._max_len(),
         shard,
         self._automaton_room,
+        token_buckets,
       )
       for shard in range(self.cache_manager.num_shards)
     ]

@@ -114,6 +114,23 @@ def prompt_buckets(width: int, max_tokens: int, max_tiles: int) -> list[tuple[in
   return buckets
 
 
+def filled_budget(budget: int, demand: int, token_buckets) -> int:
+  """The prompt tokens a round plans, of `budget`, when `demand` could run.
+
+  A launch pads its prompt tokens up to the smallest of `token_buckets`
+  (ascending) that holds them, and on a CPU padding costs as much as a
+  token. So when `min(budget, demand)` would pad more than an eighth of its
+  bucket and fills a smaller bucket instead, the round plans that smaller
+  bucket and leaves the rest of the prompts to the next (their decoding
+  rows step meanwhile); otherwise it plans `budget`."""
+  tokens = min(budget, demand)
+  up = next((b for b in token_buckets if b >= tokens), None)
+  below = [b for b in token_buckets if b <= tokens]
+  if up is None or not below or 8 * (up - tokens) <= up:
+    return budget
+  return below[-1]
+
+
 def pack_decode_rows(running: np.ndarray, buckets: list[int]) -> np.ndarray | None:
   """The global slots each decode row runs, -1 for padding.
 

@@ -31,6 +31,7 @@ import numpy as np
 from paged_jax.config import AllocStatus
 from paged_jax.engine.admission import resident_fits, type_admission_error
 from paged_jax.engine.cache_manager import CacheManager
+from paged_jax.engine.packing import filled_budget
 from paged_jax.engine.row_table import new_row
 from paged_jax.engine.scheduler_output import (
   PrefillChunk,
@@ -80,6 +81,9 @@ class Scheduler:
     automaton_room: `automaton -> bool`, whether a structured output's
       automaton fits the launches' table beside the running ones (a group
       waits until it does); None: always.
+    token_buckets: the prompt token counts launches pad to, ascending: a
+      round then plans no more prompt tokens than `packing.filled_budget`
+      gives; None: the whole budget.
   """
 
   def __init__(
@@ -91,8 +95,10 @@ class Scheduler:
     max_len: int,
     shard: int = 0,
     automaton_room=None,
+    token_buckets=None,
   ):
     self.cache_manager = cache_manager
+    self.token_buckets = token_buckets
     self.shard = shard
     self.automaton_room = automaton_room
     self.max_num_seqs = max_num_seqs
@@ -188,6 +194,8 @@ class Scheduler:
     if not preempted:
       self._swap_in(out)
     budget = self.max_num_batched_tokens - self._num_decoding()
+    if self.token_buckets is not None:
+      budget = filled_budget(budget, self._prompt_demand(), self.token_buckets)
     for group in self.running:
       budget = self._plan_chunks(group, budget, out)
     # After a preemption the running groups decode before anything is
@@ -213,6 +221,18 @@ class Scheduler:
       self._preempt()  # only prompts run and none found its blocks: the next round frees some
     self._stalled = False
     return out
+
+  def _prompt_demand(self) -> int:
+    """The prompt tokens that could run now: the rest of the running groups'
+    prompts, and the waiting groups' (in full: hits in the prefix cache
+    make it less)."""
+    running = sum(
+      s.tokens_to_prefill.size - s.num_computed
+      for g in self.running
+      for s in g.live()
+      if s.tokens_to_prefill is not None
+    )
+    return running + sum(len(g.prompt_token_ids) for g in self.waiting)
 
   def _admissible(self, group: SequenceGroup) -> tuple[AllocStatus, str | None]:
     """Whether a waiting group can be admitted now, later or never (with
