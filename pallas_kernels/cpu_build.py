@@ -150,15 +150,21 @@ class Library:
     """Why the kernels cannot run here; None once they are built and
     registered (the first call builds them, once per process)."""
     with _REGISTER_LOCK:
-      return _register(self)
+      return _register(self)[1]
+
+  def function(self, symbol: str):
+    """A plain C function the library exports, through ctypes (after
+    `unavailable_reason` says None)."""
+    with _REGISTER_LOCK:
+      return getattr(_register(self)[0], symbol)
 
 
 @functools.cache
-def _register(library: Library) -> str | None:
+def _register(library: Library) -> tuple[ctypes.CDLL | None, str | None]:
   loaded, reason = library.load()
   if loaded is not None:
     for target, symbol in library.targets:
       jax.ffi.register_ffi_target(
         target, jax.ffi.pycapsule(getattr(loaded, symbol)), platform="cpu"
       )
-  return reason
+  return loaded, reason

@@ -2,6 +2,7 @@
 stop, stream, abort and fail the way users rely on."""
 
 import dataclasses
+import gc
 import types
 
 import jax
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.experimental import io_callback
 from scipy import stats
 
 import paged_jax as pj
@@ -205,7 +207,8 @@ def test_an_arrival_joins_the_next_step(model):
 def _arrive_at_check(engine, monkeypatch, check: int) -> list:
   """Makes a request arrive (`notify_arrival`) as the engine's decode
   launches ask, before a step, for the `check`-th time (counted from 1):
-  that step runs no more. Returns the answers the launches get, in order."""
+  that step runs no more. Returns the answers the launches get, in order
+  (the engine's watch must ask the host: `check` "callback")."""
   watch = engine.runner.arrival_watch
   should_stop, answers = watch.should_stop, []
 
@@ -227,6 +230,7 @@ def test_an_arrival_ends_a_decode_launch_before_its_next_step(model, reference, 
   # 2..4; the next would run 4 steps, but a request arrives during its
   # second step: it ends after 2 (tokens 5..6), and the next round prefills
   # "1" with one step of "3". Outputs are those of the reference.
+  monkeypatch.setattr(arrivals, "preferred_check", lambda: "callback")  # asks, to count
   engine = _ragged_engine(model, budget=16, stop_decode_on_arrival=True)
   engine.add_request("3", _requests()[3][1], GREEDY)
   drawn = [len(engine.step()[0].outputs[0].token_ids) for _ in range(3)]
@@ -253,6 +257,7 @@ def test_an_arrival_ends_a_launch_running_ahead_and_the_one_after_runs_no_step(
   # ahead; a request arrives during launch 2's first step, which ends it
   # there. Launch 3, dispatched ahead before the request is added (as the
   # server adds it after the step), runs no step; then "1" is prefilled.
+  monkeypatch.setattr(arrivals, "preferred_check", lambda: "callback")  # asks, to count
   engine = pj.LLMEngine(
     model,
     TOKENIZER,
@@ -717,11 +722,72 @@ def test_bad_engine_arguments_and_requests_raise(model):
     pj.LLMEngine(model, TOKENIZER, CFG, async_scheduling=True, speculative_config=ngram)
 
 
+def test_a_request_that_arrives_as_a_round_begins_ends_the_launch_before_its_first_step(
+  model, monkeypatch
+):
+  # The C++ flag (CPU's check): "3" draws its first token in a ragged step;
+  # a request arrives right after the next round clears the flag, so that
+  # round's launch (of 1 step) runs none; the round after runs the next
+  # launch of the ramp, 2 steps.
+  engine = _ragged_engine(model, budget=16, stop_decode_on_arrival=True)
+  watch = engine.runner.arrival_watch
+  assert watch.check == "flag"
+  engine.add_request("3", _requests()[3][1], GREEDY)
+  engine.step()
+  clear = watch.clear
+  monkeypatch.setattr(watch, "clear", lambda: (clear(), watch.note()))
+  steps = engine.stats.decode_steps
+  assert [len(out.outputs[0].token_ids) for out in engine.step()] in ([], [1])
+  assert engine.stats.decode_steps == steps
+  monkeypatch.setattr(watch, "clear", clear)
+  assert len(engine.step()[0].outputs[0].token_ids) == 3
+  assert engine.stats.decode_steps == steps + 2
+  while engine.has_unfinished_requests():
+    engine.step()
+  _all_blocks_free(engine)
+
+
+def test_the_cpu_flag_is_read_before_every_step_and_names_a_bad_id():
+  watch, other = arrivals.ArrivalWatch(), arrivals.ArrivalWatch()
+  assert watch.check == other.check == "flag" and watch.id != other.id
+  read = jax.jit(lambda watch_id: arrivals.arrived(watch_id, "flag", after=watch_id))
+  watch.note()
+  assert read(watch.operand) and not read(other.operand)
+  watch.clear()
+  assert not read(watch.operand)
+
+  def steps_until_arrival(watch_id):
+    def step(count):  # a request arrives during the fourth step
+      io_callback(lambda c: watch.note() if c == 3 else None, None, count, ordered=True)
+      return count + 1
+
+    going = lambda count: (count < 100) & ~arrivals.arrived(watch_id, "flag", after=count)
+    return jax.lax.while_loop(going, step, jnp.int32(0))
+
+  assert jax.jit(steps_until_arrival)(watch.operand) == 4
+  with pytest.raises(ValueError, match="arrival watch id out of range"):
+    read(jnp.int32(arrivals.MAX_WATCHES)).block_until_ready()
+
+
+def test_watch_ids_are_reused_once_their_engine_is_gone_and_run_out_with_a_clear_error(
+  monkeypatch,
+):
+  watch = arrivals.ArrivalWatch()
+  first = watch.id
+  assert first not in arrivals._free_ids
+  del watch
+  gc.collect()
+  assert first in arrivals._free_ids
+  monkeypatch.setattr(arrivals, "_free_ids", [])
+  with pytest.raises(RuntimeError, match="more than 4096 engines check for arrivals at once"):
+    arrivals.ArrivalWatch()
+
+
 def test_the_arrival_check_needs_one_process_and_asks_its_engines_watch():
   assert arrivals.check_arrivals(True, 1) and not arrivals.check_arrivals(False, 2)
   with pytest.raises(ValueError, match="needs one process, not 2"):
     arrivals.check_arrivals(True, 2)
-  watch = arrivals.ArrivalWatch()
+  watch = arrivals.ArrivalWatch(check="callback")
   asks = lambda watch_id: bool(arrivals._should_stop(np.int32(watch_id)))
   watch.note()
   assert asks(watch.id) and not asks(watch.id + 1)  # no other engine's, none gone

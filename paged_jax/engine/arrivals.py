@@ -1,35 +1,47 @@
 """Ending a decode launch before its next step when a request arrives.
 
 A decode-only round runs up to `num_decode_steps` steps in one on-device
-loop. With the arrival check on, the loop asks the host before each step,
-in one host callback, whether a request arrived since the round began; if
-one did, the loop ends there (after the step in flight when it arrived),
-and the next round admits the request. A launch dispatched ahead (async
-scheduling) asks too, so it runs no step once one arrived.
-The callback is a module-level function that takes the engine's id as an
-operand (`ArrivalWatch.operand`), so engines with the same shapes share one
-program, and the id finds the engine's watch here.
+loop. With the arrival check on, the loop reads the engine's arrival flag
+before each step; if a request arrived since the round began, the loop ends
+there (after the step in flight when it arrived), and the next round admits
+the request. A launch dispatched ahead (async scheduling) reads it too, so
+it runs no step once one arrived.
 
-The check is off by default (`LLMEngine`'s `stop_decode_on_arrival`): a
-host round trip per step stalls an accelerator; JAX launches a program
-with a host callback through its Python path, not its C++ fast path (a
-cost per launch: on CPU, a tiny model's decode step took 57% longer), and
-writes none to its persistent compilation cache, so with the check on the
-decode loops compile at every start.
+On CPU the flag lives in a small C++ library (`arrivals.cc`, built by
+`pallas_kernels.cpu_build`), which the loop reads through an FFI call: a
+few nanoseconds per step, and the program stays an ordinary one (JAX's fast
+launch path, the persistent compilation cache). Elsewhere, or where the
+library cannot be built, the loop asks the host in a host callback, which
+costs a host round trip per step (an accelerator stalls), launches through
+JAX's Python path (on CPU a tiny model's decode step took 57% longer) and
+keeps the program out of the persistent compilation cache. Either way the
+flag is found by the engine's id, a launch operand
+(`ArrivalWatch.operand`), so engines with the same shapes share one
+program.
 """
 
 from __future__ import annotations
 
-import itertools
+import ctypes
+import heapq
 import threading
 import weakref
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-_ids = itertools.count()
+from paged_jax import kernel_choice
+from pallas_kernels import cpu_build
+
+TARGET = "paged_jax_arrived_cpu"
+LIBRARY = cpu_build.Library(Path(__file__).with_name("arrivals.cc"), ((TARGET, "ArrivedCpu"),))
+MAX_WATCHES = 4096  # engines alive at once in a process (kWatches in arrivals.cc)
+
+_free_ids = list(range(MAX_WATCHES))  # a heap: the lowest free id goes first
+_ids_lock = threading.Lock()
 _watches: weakref.WeakValueDictionary[int, ArrivalWatch] = weakref.WeakValueDictionary()
 
 
@@ -43,37 +55,76 @@ class ArrivalWatch:
   Attributes:
     operand: the engine's id as an int32 device scalar, the decode loop's
       argument (placed by `place`).
+    check: how the loop reads the flag, ``"flag"`` (the C++ one) or
+      ``"callback"`` (a host callback); default `preferred_check()`.
   """
 
-  def __init__(self, place=jax.device_put):
-    self.id = next(_ids)
+  def __init__(self, place=jax.device_put, check: str | None = None):
+    with _ids_lock:
+      if not _free_ids:
+        raise RuntimeError(f"more than {MAX_WATCHES} engines check for arrivals at once")
+      self.id = heapq.heappop(_free_ids)
+    weakref.finalize(self, _release, self.id)
+    self.check = preferred_check() if check is None else check
+    self._set_flag = _flag_setter() if self.check == "flag" else None
     self._arrived = threading.Event()
     self.operand = place(np.int32(self.id))
     _watches[self.id] = self
+    self.clear()
 
   def note(self) -> None:
     """A request arrived: the launch in flight ends after its current step."""
     self._arrived.set()
+    if self._set_flag is not None:
+      self._set_flag(self.id, 1)
 
   def clear(self) -> None:
     self._arrived.clear()
+    if self._set_flag is not None:
+      self._set_flag(self.id, 0)
 
   def should_stop(self) -> bool:
     """Asked before each step of a launch: whether a request arrived."""
     return self._arrived.is_set()
 
 
-def _should_stop(watch_id: np.ndarray) -> np.ndarray:
-  """The host side of the check: the watch's answer (False for an engine
-  that is gone)."""
+def _release(watch_id: int) -> None:
+  with _ids_lock:
+    heapq.heappush(_free_ids, watch_id)
+
+
+def _flag_setter():
+  setter = LIBRARY.function("paged_jax_set_arrived")
+  setter.argtypes = (ctypes.c_int64, ctypes.c_int32)
+  setter.restype = None
+  return setter
+
+
+def _should_stop(watch_id: np.ndarray, after=None) -> np.ndarray:
+  """The host side of the callback: the watch's answer (False for an
+  engine that is gone)."""
   watch = _watches.get(int(watch_id))
   return np.bool_(watch is not None and watch.should_stop())
 
 
-def arrived(watch_id: jax.Array) -> jax.Array:
+def preferred_check() -> str:
+  """``"flag"`` where the C++ flag serves (CPU, the library built), else
+  ``"callback"``."""
+  if kernel_choice.kernel_platform() == "cpu" and LIBRARY.unavailable_reason() is None:
+    return "flag"
+  return "callback"
+
+
+def arrived(watch_id: jax.Array, check: str, after: jax.Array) -> jax.Array:
   """Whether the engine of `watch_id` (its `ArrivalWatch.operand`) saw a
-  request arrive since its round began: a traced bool, asked on the host."""
-  return io_callback(_should_stop, jax.ShapeDtypeStruct((), jnp.bool_), watch_id)
+  request arrive since its round began, once `after` (any array: its value
+  is not used) is computed: a traced bool, read from the C++ flag (`check`
+  ``"flag"``, in a program traced for CPU) or asked on the host (otherwise:
+  an ahead-of-time compile for TPU of a CPU engine's launches asks too)."""
+  result = jax.ShapeDtypeStruct((), jnp.bool_)
+  if check == "flag" and kernel_choice.kernel_platform() == "cpu":
+    return jax.ffi.ffi_call(TARGET, result)(watch_id, after)
+  return io_callback(_should_stop, result, watch_id, after)
 
 
 def check_arrivals(option, num_processes: int) -> bool:

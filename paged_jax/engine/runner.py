@@ -350,10 +350,15 @@ class ModelRunner(RunAhead):
       table,
       speculating,
       **(self.draft if speculating is not None else {}),
-      arrival_watch=None if self.arrival_watch is None else self.arrival_watch.operand,
+      **self._arrival_args(),
     )
     self._keep(loop)
     return loop
+
+  def _arrival_args(self) -> dict:
+    """The decode loop's arrival check: the engine's watch and how it is read."""
+    watch = self.arrival_watch
+    return {} if watch is None else dict(arrival_watch=watch.operand, arrival_check=watch.check)
 
   def _keep(self, loop: programs.DecodeLoop) -> None:
     """Takes a dispatched launch's pages, manager state and beams (maybe

@@ -113,7 +113,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     "--stop-decode-on-arrival",
     action="store_true",
     help="end a decode launch before its next step when a request arrives (the engine's "
-    "stop_decode_on_arrival; a host callback per step)",
+    "stop_decode_on_arrival; a C++ flag on CPU, a host callback elsewhere)",
   )
   serve.add_argument("--block-size", type=positive, default=16)
   serve.add_argument("--num-gpu-blocks-override", type=positive, default=None)

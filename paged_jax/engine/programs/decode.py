@@ -194,7 +194,9 @@ def advance_rows(
   ), extra
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6, 7), donate_argnums=(3,))
+@functools.partial(
+  jax.jit, static_argnums=(0, 6, 7), static_argnames=("arrival_check",), donate_argnums=(3,)
+)
 def decode_loop(
   graphdef,
   params_state,
@@ -206,11 +208,13 @@ def decode_loop(
   draft_graphdef=None,
   draft_params=None,
   arrival_watch: jax.Array | None = None,
+  arrival_check: str | None = None,
 ) -> DecodeLoop:
   """Decodes until no row runs, a shard runs out of blocks, the launch's
   steps are done (`loop.max_steps`, at most the draws' columns), (if
   asked) a row finishes, or (with an `arrival_watch`, an engine's id) a
-  request arrived at that engine: the loop asks before each step. `table`
+  request arrived at that engine: the loop reads its flag before each step,
+  as `arrival_check` says (see `arrivals.arrived`). `table`
   holds the automata
   of the constrained rows (None when none runs; one compile per table
   bucket). With `speculating` (and `loop.spec`), each step is a
@@ -221,13 +225,12 @@ def decode_loop(
   num_steps = loop.draws.tokens.shape[1] // per_step
 
   def keep_going(loop):
-    going = (
+    return (
       jnp.any(loop.slots >= 0)
       & ~jnp.any(loop.out_of_blocks)
       & (loop.step < jnp.minimum(num_steps, loop.max_steps))
       & ~(stop_on_finish & loop.finished_any)
     )
-    return going if arrival_watch is None else going & ~arrivals.arrived(arrival_watch)
 
   if speculating is None:
     step = functools.partial(decode_step, graphdef, params_state, row_params, table)
@@ -236,7 +239,20 @@ def decode_loop(
     step = functools.partial(
       speculative_step, graphdef, params_state, row_params, table, speculating, draft
     )
-  loop = jax.lax.while_loop(keep_going, step, loop)
+  if arrival_check is None:
+    loop = jax.lax.while_loop(keep_going, step, loop)
+  else:
+    # The flag is read before the first step, then at the end of each (the
+    # read waits for the step's `finished_any`), in the loop's body: XLA:CPU
+    # runs a loop whose condition makes an FFI call far slower.
+    arrived = lambda loop: arrivals.arrived(arrival_watch, arrival_check, after=loop.finished_any)
+
+    def step_and_read(carry):
+      loop = step(carry[0])
+      return loop, arrived(loop)
+
+    going = lambda carry: keep_going(carry[0]) & ~carry[1]
+    loop, _ = jax.lax.while_loop(going, step_and_read, (loop, arrived(loop)))
   if speculating is not None:
     loop = append_pending(loop)
   kv = loop.kv
