@@ -1,9 +1,10 @@
 """The arrival check's cost per decode step: offline decoding with and without it.
 
-Two engines of one configuration, one with `stop_decode_on_arrival` (a host
-callback before each decode step) and one without, serve the same offline
-batch (`--requests` prompts x `--tokens` tokens, greedy, all added up front,
-so no launch ends early), their runs alternating. Prints, per engine, the
+Two engines of one configuration, one with `stop_decode_on_arrival` (the
+flag read before each decode step: a C++ one on CPU) and one without,
+serve the same offline batch (`--requests` prompts x `--tokens` tokens,
+greedy, all added up front, so no launch ends early), their runs
+alternating. Prints, per engine, the
 median over `--repeats` warm runs of the wall time per decode step (the
 batch's time over its decode steps, prefill included) and the tokens/s,
 then the difference per step.
