@@ -195,7 +195,11 @@ def advance_rows(
 
 
 @functools.partial(
-  jax.jit, static_argnums=(0, 6, 7), static_argnames=("arrival_check",), donate_argnums=(3,)
+  jax.jit,
+  static_argnums=(0, 6, 7),
+  # Named too: given static_argnames, jit names no static_argnums for a keyword.
+  static_argnames=("graphdef", "speculating", "draft_graphdef", "arrival_check"),
+  donate_argnums=(3,),
 )
 def decode_loop(
   graphdef,
