@@ -512,6 +512,12 @@ def test_a_round_fills_a_smaller_prompt_bucket_rather_than_pad_much(budget, dema
   assert filled_budget(budget, demand, [64, 128, 256, 512]) == planned
 
 
+def test_an_engine_for_another_platform_plans_its_whole_budget(model):
+  with kernel_choice.target_platform("tpu"):
+    engine = pj.LLMEngine(model, TOKENIZER, CFG, prefill_width=4, max_num_batched_tokens=32)
+  assert engine.schedulers[0].token_buckets is None
+
+
 def test_a_cpu_engine_leaves_what_would_pad_a_bucket_to_the_next_round(model):
   # Prompt buckets of 8, 16 and 32 tokens. "b"'s 20 tokens would pad 12 of
   # 32, so its first ragged step (beside "a"'s decode row) runs 16 and the
@@ -767,6 +773,20 @@ def test_the_cpu_flag_is_read_before_every_step_and_names_a_bad_id():
   assert jax.jit(steps_until_arrival)(watch.operand) == 4
   with pytest.raises(ValueError, match="arrival watch id out of range"):
     read(jnp.int32(arrivals.MAX_WATCHES)).block_until_ready()
+
+
+def test_a_program_traced_for_another_platform_asks_the_host():
+  watch = arrivals.ArrivalWatch()
+  # A new function per trace: JAX caches traces by function.
+  traced = lambda: str(
+    jax.make_jaxpr(lambda watch_id: arrivals.arrived(watch_id, "flag", after=watch_id))(
+      watch.operand
+    )
+  )
+  assert "ffi_call" in traced()
+  with kernel_choice.target_platform("tpu"):
+    asked = traced()
+  assert "io_callback" in asked and "ffi_call" not in asked
 
 
 def test_watch_ids_are_reused_once_their_engine_is_gone_and_run_out_with_a_clear_error(
