@@ -18,8 +18,9 @@ the model's graph, its parameters as sharded `jax.ShapeDtypeStruct`s
 The set compiled is warm-up's set for each engine variant of `VARIANTS`
 (plain, int8 and fp8 pages, async scheduling's carries, n-gram
 speculation with its prefill apart; on request, `OPTIONAL_VARIANTS`' hybrid
-tables, one block table per attention type, and the decode loop's arrival
-check, a host callback per step that an engine leaves off by default);
+tables, one block table per attention type, the decode loop's arrival
+check, a host callback per step that an engine leaves off by default, and
+streamed decode steps, a host callback per step too);
 beams are part of every variant's every-slot decode loop, and every
 program carries the engine's automaton table (structured outputs;
 `pj.TableCapacity.for_vocabulary` of the model's vocabulary). Swaps are
@@ -94,10 +95,12 @@ VARIANTS = {
 }
 # Variants compiled only when asked for (`--variant`): one block table per
 # attention type (for a model with several; one chip, tensor parallel 1),
-# and the arrival check (`LLMEngine`'s `stop_decode_on_arrival`).
+# the arrival check (`LLMEngine`'s `stop_decode_on_arrival`) and streamed
+# decode steps (`stream_steps`, one chip).
 OPTIONAL_VARIANTS = {
   "hybrid tables": dict(hybrid_kv_cache=True),
   "arrival check": dict(stop_decode_on_arrival=True),
+  "stream steps": dict(stream_steps=True),
 }
 
 

@@ -794,11 +794,11 @@ def test_watch_ids_are_reused_once_their_engine_is_gone_and_run_out_with_a_clear
 ):
   watch = arrivals.ArrivalWatch()
   first = watch.id
-  assert first not in arrivals._free_ids
+  assert first not in arrivals._ids.free
   del watch
   gc.collect()
-  assert first in arrivals._free_ids
-  monkeypatch.setattr(arrivals, "_free_ids", [])
+  assert first in arrivals._ids.free
+  monkeypatch.setattr(arrivals._ids, "free", [])
   with pytest.raises(RuntimeError, match="more than 4096 engines check for arrivals at once"):
     arrivals.ArrivalWatch()
 

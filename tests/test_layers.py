@@ -161,7 +161,7 @@ def test_only_the_cache_manager_stores_pages_and_manager_states():
 # each other.
 ENGINE_RANKS = [
   ["outputs", "protocol", "sequence", "memory", "arrivals"],
-  ["scheduler_output", "admission", "beam", "speculative", "weights"],
+  ["scheduler_output", "admission", "beam", "speculative", "weights", "step_stream"],
   ["programs"],
   ["cache_manager"],
   ["packing", "row_table"],

@@ -503,6 +503,7 @@ def test_scheduler_steps_async_scheduling_and_kv_budget_set_the_engines_options(
   assert built["num_decode_steps"] == 2
   assert built["async_scheduling"] is False
   assert built["stop_decode_on_arrival"] is False
+  assert built["stream_steps"] is True
   assert built["kv_cache_memory_bytes"] is None
   argv = ["serve", "--model", "tiny", "--async-scheduling", "--kv-cache-memory-bytes", "65536"]
   # The server leaves the block count at its default for the engine to size.
@@ -511,6 +512,8 @@ def test_scheduler_steps_async_scheduling_and_kv_budget_set_the_engines_options(
   assert built["kv_cache_memory_bytes"] == 65536
   cli.engine_builder(_parser().parse_args([*argv, "--stop-decode-on-arrival"]))()
   assert built["stop_decode_on_arrival"] is True
+  cli.engine_builder(_parser().parse_args([*argv, "--no-stream-steps"]))()
+  assert built["stream_steps"] is False
   assert built["hybrid_kv_cache"] is False
   # A hybrid cache gets the memory the blocks would take, split by the engine.
   argv = ["serve", "--model", "tiny", "--hybrid-kv-cache", "--num-gpu-blocks-override", "8"]

@@ -431,7 +431,7 @@ class _CompilingEngine:
   def has_unfinished_requests(self):
     return bool(self.pending)
 
-  def step(self):
+  def step(self, on_decode_step=None):
     outputs = []
     for request_id, token_ids in self.pending.items():
       token = int(_token_sum(token_ids))

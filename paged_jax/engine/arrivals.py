@@ -40,8 +40,40 @@ TARGET = "paged_jax_arrived_cpu"
 LIBRARY = cpu_build.Library(Path(__file__).with_name("arrivals.cc"), ((TARGET, "ArrivedCpu"),))
 MAX_WATCHES = 4096  # engines alive at once in a process (kWatches in arrivals.cc)
 
-_free_ids = list(range(MAX_WATCHES))  # a heap: the lowest free id goes first
-_ids_lock = threading.Lock()
+
+class IdPool:
+  """Ids `0 .. size - 1` for objects that C++ state is kept for (the
+  lowest free id first), each returned when its object is collected.
+
+  Args:
+    size: how many objects may hold one at once.
+    what: what runs out, for the error (``"engines check for arrivals"``).
+  """
+
+  def __init__(self, size: int, what: str):
+    self.free = list(range(size))  # a heap
+    self.size, self.what = size, what
+    self._lock = threading.Lock()
+
+  def take(self, holder) -> int:
+    """The lowest free id, now `holder`'s until it is collected.
+
+    Raises:
+      RuntimeError: when every id is held.
+    """
+    with self._lock:
+      if not self.free:
+        raise RuntimeError(f"more than {self.size} {self.what} at once")
+      taken = heapq.heappop(self.free)
+    weakref.finalize(holder, self._give_back, taken)
+    return taken
+
+  def _give_back(self, taken: int) -> None:
+    with self._lock:
+      heapq.heappush(self.free, taken)
+
+
+_ids = IdPool(MAX_WATCHES, "engines check for arrivals")
 _watches: weakref.WeakValueDictionary[int, ArrivalWatch] = weakref.WeakValueDictionary()
 
 
@@ -60,11 +92,7 @@ class ArrivalWatch:
   """
 
   def __init__(self, place=jax.device_put, check: str | None = None):
-    with _ids_lock:
-      if not _free_ids:
-        raise RuntimeError(f"more than {MAX_WATCHES} engines check for arrivals at once")
-      self.id = heapq.heappop(_free_ids)
-    weakref.finalize(self, _release, self.id)
+    self.id = _ids.take(self)
     self.check = preferred_check() if check is None else check
     self._set_flag = _flag_setter() if self.check == "flag" else None
     self._arrived = threading.Event()
@@ -86,11 +114,6 @@ class ArrivalWatch:
   def should_stop(self) -> bool:
     """Asked before each step of a launch: whether a request arrived."""
     return self._arrived.is_set()
-
-
-def _release(watch_id: int) -> None:
-  with _ids_lock:
-    heapq.heappush(_free_ids, watch_id)
 
 
 def _flag_setter():

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from paged_jax import compilation_cache, compile_guard, kernel_choice, sharding, structured
 from paged_jax.config import CacheConfig
-from paged_jax.engine import arrivals, engine_checks, speculative
+from paged_jax.engine import arrivals, engine_checks, speculative, step_stream
 from paged_jax.engine.admission import type_admission_error
 from paged_jax.engine.cache_manager import CacheManager
 from paged_jax.engine.input_processor import MAX_STOP_TOKENS, InputProcessor
@@ -119,6 +119,14 @@ class LLMEngine(EngineRounds, EngineLifecycle):
       stalls an accelerator and keeps the decode loops out of the
       persistent compilation cache (`paged_jax.engine.arrivals`). Off by
       default. One process only.
+    stream_steps: each step of a decode launch publishes its draws as it
+      ends, and `step(on_decode_step=...)` hands their outputs on while the
+      launch runs, so a streamed token leaves one step after it was drawn
+      instead of at the launch's end (`paged_jax.engine.step_stream`; not
+      for beam search or speculating launches, whose tokens come at the
+      end). On CPU a C++ channel; elsewhere a host callback per step,
+      which stalls an accelerator. Outputs equal those without. Off by
+      default (the server turns it on). One device only.
     speculative_config: speculative decoding in vLLM's form:
       `{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max":
       4, "prompt_lookup_min": 1}` (prompt lookup) or `{"method":
@@ -168,6 +176,7 @@ class LLMEngine(EngineRounds, EngineLifecycle):
     async_scheduling: bool = False,
     speculative_config=None,
     stop_decode_on_arrival: bool = False,
+    stream_steps: bool = False,
     automaton_capacity: structured.TableCapacity | None = None,
     warmup: bool = False,
     seed: int = 0,
@@ -265,6 +274,11 @@ class LLMEngine(EngineRounds, EngineLifecycle):
     if arrivals.check_arrivals(stop_decode_on_arrival, jax.process_count()):
       replicated = self.cache_manager.replicated
       watch = arrivals.ArrivalWatch(lambda a: jax.device_put(a, replicated))
+    stream = None
+    num_devices = 1 if mesh is None else mesh.devices.size
+    if step_stream.check_streaming(stream_steps, num_devices * jax.process_count()):
+      replicated = self.cache_manager.replicated
+      stream = step_stream.StepStream(lambda a: jax.device_put(a, replicated))
     self.runner = ModelRunner(
       model,
       self.cache_manager,
@@ -281,6 +295,7 @@ class LLMEngine(EngineRounds, EngineLifecycle):
       draft_model=draft,
       automaton_capacity=automaton_capacity,
       arrival_watch=watch,
+      step_stream=stream,
     )
     engine_checks.check_program_count(self.runner, max_num_batched_tokens, max_num_seqs)
     self.inputs = InputProcessor(

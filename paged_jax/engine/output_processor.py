@@ -104,13 +104,15 @@ class OutputProcessor:
       touched[group.request_id] = group
     return touched
 
-  def take_decode(self, groups, result) -> dict[str, SequenceGroup]:
+  def take_decode(self, groups, result, taken=None) -> dict[str, SequenceGroup]:
     """Appends what a decode launch drew to the sequences of `groups`, and
     the hypotheses of the beam groups that finished.
 
     Args:
       groups: the groups that were running.
       result: the launch's `DecodeResult`.
+      taken: int `[slots]`, the draws of each slot already appended while
+        the launch ran (`LLMEngine(stream_steps=True)`), or None.
 
     Returns:
       The groups that drew or finished, by request id.
@@ -133,15 +135,15 @@ class OutputProcessor:
         slot = seq.slot
         if slot < 0:
           continue
-        count = int(result.counts[slot])
-        if count:
+        first, count = 0 if taken is None else int(taken[slot]), int(result.counts[slot])
+        if count > first:
           self.append(
             group,
             seq,
-            draws.tokens[slot, :count],
-            draws.logprob[slot, :count],
-            draws.top_ids[slot, :count],
-            draws.top_logprobs[slot, :count],
+            draws.tokens[slot, first:count],
+            draws.logprob[slot, first:count],
+            draws.top_ids[slot, first:count],
+            draws.top_logprobs[slot, first:count],
           )
           touched[group.request_id] = group
         if result.finished[slot] and not seq.finished:

@@ -19,13 +19,20 @@ class EngineRounds:
   request bookkeeping, and finishes groups with its `_finish` and
   `_retire`)."""
 
-  def step(self) -> list[RequestOutput]:
+  def step(self, on_decode_step=None) -> list[RequestOutput]:
     """Runs one scheduling round: every shard's scheduler decides, the
     runner swaps pages, prefills and decodes, the output processor appends
     the tokens, and the schedulers take in the results. With
     `async_scheduling`, a round may instead read back the decode launch the
     last one dispatched ahead (dispatching the next one first when the
     round after would only decode the same rows again).
+
+    Args:
+      on_decode_step: with `stream_steps`, called on this thread with a
+        list of `RequestOutput`s after each step of a decode launch, while
+        the launch runs: those of the requests that drew in that step and
+        did not finish (none with `output_kind="final"`). What they carry
+        is not returned again (with `output_kind="delta"`).
 
     Returns:
       A `RequestOutput` for every request that drew tokens or finished in
@@ -36,14 +43,17 @@ class EngineRounds:
       outputs, self._pending = self._pending, []
       return outputs
     start = time.perf_counter()
-    touched = self._take_ahead(True) if self.running_ahead else self._round()
+    if self.running_ahead:
+      touched = self._take_ahead(True, on_decode_step)
+    else:
+      touched = self._round(on_decode_step)
     outputs, self._pending = self._pending, []
     outputs += self._outputs(touched)
     self.timing["rounds"] += 1
     self.timing["wall_s"] += time.perf_counter() - start
     return outputs
 
-  def _round(self) -> dict[str, SequenceGroup]:
+  def _round(self, on_decode_step) -> dict[str, SequenceGroup]:
     """A scheduling round (see `step`); returns the groups it touched."""
     if self.runner.arrival_watch is not None:  # the schedulers see every request added
       self.runner.arrival_watch.clear()
@@ -64,7 +74,7 @@ class EngineRounds:
     elif chunks or self.runner.table.has_running_rows():
       if chunks:
         self._prefill(rounds, chunks, touched)
-      result = self._decode(rounds, touched)
+      result = self._decode(rounds, touched, on_decode_step)
     self._update_or_defer(rounds, result)
     return touched
 
@@ -101,9 +111,10 @@ class EngineRounds:
     for scheduler, out in zip(self.schedulers, rounds):
       self.runner.table.apply(scheduler.after_prefill(out))
 
-  def _decode(self, rounds, touched):
+  def _decode(self, rounds, touched, on_decode_step):
     """Runs the decode loop on the running rows (as many steps as
-    `ModelRunner.decode` ramps up to) and takes in what they drew."""
+    `ModelRunner.decode` ramps up to) and takes in what they drew (with
+    `stream_steps`, step by step as they draw)."""
     if not self.runner.table.has_running_rows():
       return None
     stop_on_finish = any(out.stop_on_finish for out in rounds)
@@ -116,6 +127,7 @@ class EngineRounds:
         for slot, (group, seq) in decoding
       ]
     launched = time.perf_counter()
+    streamed = self._streamed(decoding, on_decode_step)
     result = self._timed(
       self.runner.decode,
       self.num_decode_steps,
@@ -124,13 +136,29 @@ class EngineRounds:
       histories,
       speculate,
       self._may_run_ahead(),
+      streamed and streamed.take,
     )
     seconds = time.perf_counter() - launched
-    for out in rounds:
-      touched.update(self.processor.take_decode(out.decoding, result))
+    self._take_decode(rounds, result, streamed, touched)
     if self._chooser is not None:
       self._record_launch(decoding, result, speculate, seconds)
     return result
+
+  def _streamed(self, decoding, on_outputs) -> StreamedLaunch | None:
+    """What takes the steps of a decode launch on the rows `decoding` as
+    they are published (with `stream_steps`), or None."""
+    if self.runner.step_stream is None:
+      return None
+    return StreamedLaunch(self.processor, decoding, self.runner.table.slots.shape[0], on_outputs)
+
+  def _take_decode(self, rounds, result, streamed, touched) -> None:
+    """Appends a decode launch's draws (those not streamed) to the
+    sequences of `rounds`; the groups they touched go into `touched`."""
+    taken = None if streamed is None else streamed.taken
+    for out in rounds:
+      touched.update(self.processor.take_decode(out.decoding, result, taken))
+    if streamed is not None:
+      touched.update(streamed.unreported)
 
   def _may_run_ahead(self) -> bool:
     """Whether to dispatch the next decode launch before reading this one
@@ -156,11 +184,11 @@ class EngineRounds:
         result is not None and result.out_of_blocks[scheduler.shard],
       )
 
-  def _take_ahead(self, may_run_ahead: bool) -> dict[str, SequenceGroup]:
+  def _take_ahead(self, may_run_ahead: bool, on_decode_step=None) -> dict[str, SequenceGroup]:
     """Reads back the decode launch that runs ahead (dispatching the next
     one first, if `may_run_ahead` and the schedulers would take the last
-    round's results without a block manager call); returns the groups it
-    touched.
+    round's results without a block manager call; with `stream_steps`
+    taking its steps as they come); returns the groups it touched.
 
     Sequences that finished on the host (stop strings) before it ran drew
     tokens in it too: those are dropped, and their blocks freed (by the
@@ -177,15 +205,15 @@ class EngineRounds:
         for scheduler, out in zip(self.schedulers, rounds)
       )
     )
-    result = self._timed(self.runner.take_ahead, run_ahead)
+    streamed = self._streamed(_decoding(rounds), on_decode_step)
+    result = self._timed(self.runner.take_ahead, run_ahead, streamed and streamed.take)
     for scheduler, out in zip(self.schedulers, rounds):
       scheduler.update(
         out, before.finished | result.finished, before.out_of_blocks[scheduler.shard]
       )
     rounds = [SchedulerOutput(s.shard, decoding=list(s.running)) for s in self.schedulers]
     touched: dict[str, SequenceGroup] = {}
-    for out in rounds:
-      touched.update(self.processor.take_decode(out.decoding, result))
+    self._take_decode(rounds, result, streamed, touched)
     self._update_or_defer(rounds, result)
     return touched
 
@@ -226,6 +254,54 @@ class EngineRounds:
       row_steps, row_drawn = speculative.lookup_walk(tokens, at, self.speculative)
       steps, drawn = steps + row_steps, drawn + row_drawn
     chooser.record_tokens(result.num_rows, drawn, steps)
+
+
+class StreamedLaunch:
+  """Takes the steps of a decode launch as it publishes them
+  (`LLMEngine(stream_steps=True)`): appends each step's draws to their
+  sequences and hands the outputs of the groups that drew and did not
+  finish to `on_outputs`.
+
+  Args:
+    processor: the engine's `OutputProcessor`.
+    decoding: `(slot, (group, seq))` of the launch's sequences.
+    num_slots: the sequence slots.
+    on_outputs: called with each step's `RequestOutput`s, or None.
+
+  Attributes:
+    taken: int `[num_slots]`, each slot's draws appended so far.
+    unreported: the groups whose outputs the launch's read must report: those
+      that finished (they are retired then), and without `on_outputs` all
+      that drew.
+  """
+
+  def __init__(self, processor, decoding, num_slots: int, on_outputs):
+    self.processor, self.on_outputs = processor, on_outputs
+    self.by_slot = dict(decoding)
+    self.taken = np.zeros(num_slots, np.int64)
+    self.unreported: dict[str, SequenceGroup] = {}
+
+  def take(self, slots: np.ndarray, draw) -> None:
+    """Takes one step: `slots` drew `draw` (`[n]` and `[n, k]` arrays)."""
+    drawn: dict[str, SequenceGroup] = {}
+    for i, slot in enumerate(slots.tolist()):
+      group, seq = self.by_slot.get(slot, (None, None))
+      if seq is None or seq.finished:
+        continue
+      one = slice(i, i + 1)
+      self.processor.append(
+        group, seq, draw.tokens[one], draw.logprob[one], draw.top_ids[one], draw.top_logprobs[one]
+      )
+      self.taken[slot] += 1
+      drawn[group.request_id] = group
+    outputs = []
+    for request_id, group in drawn.items():
+      if group.finished or self.on_outputs is None:
+        self.unreported[request_id] = group
+      elif group.params.output_kind != "final":
+        outputs.append(self.processor.output(group))
+    if outputs:
+      self.on_outputs(outputs)
 
 
 def _decoding(rounds) -> list:

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from paged_jax import sharding, structured
-from paged_jax.engine import beam, programs
+from paged_jax.engine import beam, programs, step_stream
 from paged_jax.engine.cache_manager import CacheManager
 from paged_jax.engine.packing import (
   PackedPrefill,
@@ -32,6 +32,10 @@ from paged_jax.engine.packing import (
 from paged_jax.engine.row_table import DecodeResult, RowTable, per_slot, speculation_carry
 from paged_jax.engine.run_ahead import AheadLaunch, RunAhead
 from paged_jax.sampling import Draw
+
+# How long the read of a streamed launch waits for a step before it asks
+# whether the launch ended.
+STREAM_WAIT_S = 0.05
 
 
 class ModelRunner(RunAhead):
@@ -65,6 +69,9 @@ class ModelRunner(RunAhead):
     arrival_watch: the `ArrivalWatch` whose flag ends a decode launch
       after the step in which it is set (`paged_jax.engine.arrivals`), or
       None: a launch runs its steps whatever arrives.
+    step_stream: the `StepStream` into which decode launches publish their
+      steps (`paged_jax.engine.step_stream`), or None: their tokens come
+      back when they end.
   """
 
   def __init__(
@@ -85,9 +92,12 @@ class ModelRunner(RunAhead):
     draft_model=None,
     automaton_capacity: structured.TableCapacity | None = None,
     arrival_watch=None,
+    step_stream=None,
   ):
     self.cache_manager = cache_manager
     self.arrival_watch = arrival_watch
+    self.step_stream = step_stream
+    self._parity = 0  # the step stream channel of the newest decode launch
     self.automaton_capacity = automaton_capacity
     self.speculative = speculative
     self.draft = {}  # the draft model's graphdef and params, as the programs take them
@@ -351,6 +361,7 @@ class ModelRunner(RunAhead):
       speculating,
       **(self.draft if speculating is not None else {}),
       **self._arrival_args(),
+      **self._stream_args(),
     )
     self._keep(loop)
     return loop
@@ -359,6 +370,35 @@ class ModelRunner(RunAhead):
     """The decode loop's arrival check: the engine's watch and how it is read."""
     watch = self.arrival_watch
     return {} if watch is None else dict(arrival_watch=watch.operand, arrival_check=watch.check)
+
+  def _stream_args(self) -> dict:
+    """The decode loop's step stream: the other channel than the last
+    launch's (two may be in flight), emptied, and how it is published to."""
+    stream = self.step_stream
+    if stream is None:
+      return {}
+    self._parity ^= 1
+    stream.clear(self._parity)
+    return dict(stream_channel=stream.operands[self._parity], stream_mode=stream.mode)
+
+  def _stream(self, loop: programs.DecodeLoop, row_slots, parity: int, on_step) -> None:
+    """Hands each step of a dispatched launch on `row_slots` that
+    publishes into channel `parity` to `on_step(slots, draw)` (the slots
+    that drew in that step, their `Draw` of `[n]` and `[n, k]` arrays) as
+    it comes, until the launch's end mark."""
+    slots = self.table.slots_of(row_slots)
+    rows, k = slots.shape[0], self.num_logprobs
+    while True:
+      done = loop.step.is_ready()  # a failed launch marks no end; its read raises
+      published = self.step_stream.take(parity, rows, k, 0.0 if done else STREAM_WAIT_S)
+      for step in published:
+        if step.column == step_stream.ENDED:
+          return
+        drew = step.drew & (slots >= 0)
+        draw = Draw(step.tokens, step.logprob, step.top_ids, step.top_logprobs)
+        on_step(slots[drew], jax.tree.map(lambda a, drew=drew: a[drew], draw))
+      if done and not published:
+        return
 
   def _keep(self, loop: programs.DecodeLoop) -> None:
     """Takes a dispatched launch's pages, manager state and beams (maybe
@@ -438,6 +478,7 @@ class ModelRunner(RunAhead):
     histories=(),
     speculate=True,
     run_ahead: bool = False,
+    on_step=None,
   ) -> DecodeResult:
     """Runs decode steps of the running rows (stopping after a step in
     which a row finished if `stop_on_finish`): 1 after a ragged step, then
@@ -460,15 +501,22 @@ class ModelRunner(RunAhead):
         fill their bucket then (`_rows_still_fill`); only without
         `stop_on_finish`, speculation or a beam group, and not when the
         loop does not launch.
+      on_step: with a `step_stream`, what takes each step of the launch
+        while it runs (see `_stream`), if it publishes them
+        (`programs.streams`); the result still holds every step's draws.
     """
     speculating = self.speculative if speculate else None
     steps = self._launch_steps(num_steps)
     row_slots = self._decode_row_slots()
     table, automaton_state = self._automata(*self.table.row_constraints(row_slots, constraints))
     loop = self.decode_carry(num_steps, row_slots, automaton_state, histories, speculating, steps)
+    streaming = on_step is not None and programs.streams(loop, speculating)
     loop = self._launch_decode(loop, row_slots, stop_on_finish, table, speculating)
+    parity = self._parity
     if run_ahead and self._rows_still_fill(row_slots, steps):
       self._run_ahead(loop, row_slots, table)
+    if streaming and self.step_stream is not None:
+      self._stream(loop, row_slots, parity, on_step)
     result = self._take_step_results(row_slots, loop)
     self._launched(result)
     return result

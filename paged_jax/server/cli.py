@@ -115,6 +115,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     help="end a decode launch before its next step when a request arrives (the engine's "
     "stop_decode_on_arrival; a C++ flag on CPU, a host callback elsewhere)",
   )
+  serve.add_argument(
+    "--no-stream-steps",
+    dest="stream_steps",
+    action="store_false",
+    help="send a decode launch's tokens when it ends, not each step's as it ends (the "
+    "engine's stream_steps, on by default with one device)",
+  )
   serve.add_argument("--block-size", type=positive, default=16)
   serve.add_argument("--num-gpu-blocks-override", type=positive, default=None)
   serve.add_argument(
@@ -324,6 +331,7 @@ def engine_builder(args):
       speculative_config=speculative_config,
       async_scheduling=args.async_scheduling,
       stop_decode_on_arrival=args.stop_decode_on_arrival,
+      stream_steps=args.stream_steps and mesh is None,
       automaton_capacity=args.automaton_capacity,
       warmup=True,
       seed=args.seed,

@@ -234,7 +234,7 @@ class EngineThread:
         self._handle(message)
       if engine.has_unfinished_requests():
         try:
-          outputs = engine.step()
+          outputs = engine.step(on_decode_step=self._dispatch)
         except Exception as err:  # noqa: BLE001 - fail the requests in flight, keep serving
           logger.exception("engine step failed; failing the requests in flight")
           self._fail_all(err)

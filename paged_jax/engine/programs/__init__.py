@@ -19,6 +19,7 @@ from paged_jax.engine.programs.decode import (
   continue_decoding,
   decode_loop,
   start_beams,
+  streams,
 )
 from paged_jax.engine.programs.prompt import (
   PromptScores,
@@ -42,4 +43,5 @@ __all__ = [
   "score_next_tokens",
   "slot_mapping_of",
   "start_beams",
+  "streams",
 ]

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from paged_jax import sharding, structured
 from paged_jax.block_manager.state import BlockManagerState, CopyPlan, on_every_shard
-from paged_jax.engine import arrivals, beam, speculative
+from paged_jax.engine import arrivals, beam, speculative, step_stream
 from paged_jax.engine.programs.carry import (
   DecodeLoop,
   by_shard,
@@ -198,7 +198,7 @@ def advance_rows(
   jax.jit,
   static_argnums=(0, 6, 7),
   # Named too: given static_argnames, jit names no static_argnums for a keyword.
-  static_argnames=("graphdef", "speculating", "draft_graphdef", "arrival_check"),
+  static_argnames=("graphdef", "speculating", "draft_graphdef", "arrival_check", "stream_mode"),
   donate_argnums=(3,),
 )
 def decode_loop(
@@ -213,13 +213,17 @@ def decode_loop(
   draft_params=None,
   arrival_watch: jax.Array | None = None,
   arrival_check: str | None = None,
+  stream_channel: jax.Array | None = None,
+  stream_mode: str | None = None,
 ) -> DecodeLoop:
   """Decodes until no row runs, a shard runs out of blocks, the launch's
   steps are done (`loop.max_steps`, at most the draws' columns), (if
   asked) a row finishes, or (with an `arrival_watch`, an engine's id) a
   request arrived at that engine: the loop reads its flag before each step,
-  as `arrival_check` says (see `arrivals.arrived`). `table`
-  holds the automata
+  as `arrival_check` says (see `arrivals.arrived`). With a
+  `stream_channel` (a `step_stream.StepStream` operand), a launch that
+  `streams` publishes each step's draws there as `stream_mode` says, and
+  marks its end. `table` holds the automata
   of the constrained rows (None when none runs; one compile per table
   bucket). With `speculating` (and `loop.spec`), each step is a
   speculating one (proposing with the draft model `draft_graphdef`,
@@ -243,6 +247,9 @@ def decode_loop(
     step = functools.partial(
       speculative_step, graphdef, params_state, row_params, table, speculating, draft
     )
+  publishing = stream_mode is not None and streams(loop, speculating)
+  if publishing:
+    step = _publishing(step, stream_channel, stream_mode)
   if arrival_check is None:
     loop = jax.lax.while_loop(keep_going, step, loop)
   else:
@@ -257,10 +264,33 @@ def decode_loop(
 
     going = lambda carry: keep_going(carry[0]) & ~carry[1]
     loop, _ = jax.lax.while_loop(going, step_and_read, (loop, arrived(loop)))
+  if publishing:
+    loop = loop.replace(step=step_stream.end_launch(stream_channel, stream_mode, loop.step))
   if speculating is not None:
     loop = append_pending(loop)
   kv = loop.kv
   return sharding.replicate(loop.replace(kv=None), kv).replace(kv=kv)
+
+
+def streams(loop: DecodeLoop, speculating) -> bool:
+  """Whether a launch of `loop` publishes its steps when asked: plain
+  steps (no speculation) of the running rows (no beam group)."""
+  return speculating is None and loop.beams is None
+
+
+def _publishing(step, channel, mode):
+  """`step`, then its draws published (`step_stream.publish_step`)."""
+
+  def step_and_publish(loop: DecodeLoop) -> DecodeLoop:
+    after = step(loop)
+    in_column = lambda a: jax.lax.dynamic_index_in_dim(a, loop.step, axis=1, keepdims=False)
+    drew = after.num_generated > loop.num_generated
+    passed = step_stream.publish_step(
+      channel, mode, loop.step, jax.tree.map(in_column, after.draws), drew, after.finished_any
+    )
+    return after.replace(finished_any=passed)
+
+  return step_and_publish
 
 
 # A continued launch's carry: the rows' state carries on, the launch's
