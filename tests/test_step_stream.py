@@ -96,18 +96,22 @@ def test_each_decode_step_reaches_the_caller_before_its_launch_is_read_back(
 
 
 def test_a_step_is_handed_on_before_the_launch_ends(model):
-  # A launch of 4 steps: while the caller holds the first step's outputs,
-  # the launch has not been read back (its steps are not counted yet).
+  # A launch of 4 steps on every slot (the decode loop with the beam state):
+  # while the caller holds the first step's outputs, the launch has not
+  # been read back (its steps are not counted yet).
   engine = _engine(model, stream_steps=True)
-  engine.add_request("a", "CAT", dataclasses.replace(GREEDY, max_tokens=12))
+  num_slots = ENGINE_CFG.max_seqs
+  for i in range(num_slots):
+    engine.add_request(str(i), "CAT", dataclasses.replace(GREEDY, max_tokens=12))
   for _ in range(3):  # a ragged step, then launches of 1 and 2 steps
     engine.step()
+  assert engine.runner._decode_row_slots() is None  # every slot
   counted_before = engine.stats.decode_steps
   seen = []
   outputs = engine.step(
     on_decode_step=lambda outs: seen.append((engine.stats.decode_steps, len(outs)))
   )
-  assert seen == [(counted_before, 1)] * 4
+  assert seen == [(counted_before, num_slots)] * 4
   assert engine.stats.decode_steps == counted_before + 4
   assert outputs == []  # every token went out step by step
 

@@ -123,8 +123,8 @@ class LLMEngine(EngineRounds, EngineLifecycle):
       ends, and `step(on_decode_step=...)` hands their outputs on while the
       launch runs, so a streamed token leaves one step after it was drawn
       instead of at the launch's end (`paged_jax.engine.step_stream`; not
-      for beam search or speculating launches, whose tokens come at the
-      end). On CPU a C++ channel; elsewhere a host callback per step,
+      for beam groups or speculating launches, whose tokens are settled at
+      the end). On CPU a C++ channel; elsewhere a host callback per step,
       which stalls an accelerator. Outputs equal those without. Off by
       default (the server turns it on). One device only.
     speculative_config: speculative decoding in vLLM's form:

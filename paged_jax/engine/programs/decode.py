@@ -12,8 +12,9 @@ a row whose state allows no token finishes; without one the step masks
 nothing. The loop hands control back early when a data shard's blocks run
 out (the scheduler preempts), if asked, when a row finishes (the
 scheduler admits more), and, with the engine's arrival check, before the
-first step after a request arrived (`paged_jax.engine.arrivals`). A
-speculating loop's step is
+first step after a request arrived (`paged_jax.engine.arrivals`). With
+streamed steps, each step publishes its draws as it ends
+(`paged_jax.engine.step_stream`). A speculating loop's step is
 `paged_jax.engine.programs.speculating`'s. `continue_decoding` is the carry
 of the launch that continues a dispatched one (async scheduling).
 
@@ -247,7 +248,7 @@ def decode_loop(
     step = functools.partial(
       speculative_step, graphdef, params_state, row_params, table, speculating, draft
     )
-  publishing = stream_mode is not None and streams(loop, speculating)
+  publishing = stream_mode is not None and streams(speculating)
   if publishing:
     step = _publishing(step, stream_channel, stream_mode)
   if arrival_check is None:
@@ -272,10 +273,11 @@ def decode_loop(
   return sharding.replicate(loop.replace(kv=None), kv).replace(kv=kv)
 
 
-def streams(loop: DecodeLoop, speculating) -> bool:
-  """Whether a launch of `loop` publishes its steps when asked: plain
-  steps (no speculation) of the running rows (no beam group)."""
-  return speculating is None and loop.beams is None
+def streams(speculating) -> bool:
+  """Whether a launch publishes its steps when asked: plain steps (a
+  speculating step's tokens are known at the launch's end). A beam
+  group's rows publish too; the host passes them by."""
+  return speculating is None
 
 
 def _publishing(step, channel, mode):
