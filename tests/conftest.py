@@ -105,6 +105,7 @@ LONG_TESTS = (
   "tests/test_speculative.py::",
   "tests/test_beam_search.py::",
   "tests/test_engine.py::",
+  "tests/test_step_stream.py::",
   "tests/test_families",  # test_families.py and its test_families_*.py
   "tests/test_differential.py::",
   "tests/test_kernels_paged_attention.py::",

@@ -54,6 +54,9 @@ TINY_ARGS = [
   # Decode launches run ahead of the host: the streams, aborts and metrics
   # below hold with them too (the SmolLM2 server runs without).
   "--async-scheduling",
+  # A launch's tokens leave when it ends: its decode loops are then those
+  # `_offline_greedy` compiled (the SmolLM2 server streams each step).
+  "--no-stream-steps",
 ]
 SMOLLM2_ARGS = [
   "--model",
@@ -343,13 +346,22 @@ def test_disconnect_mid_stream_frees_every_block(smollm2):
   # before a starved client's close reaches the server.
   generated_before = smollm2.metrics()["vllm:generation_tokens_total"]
   body = dict(
-    model="smollm2", prompt="Once upon a time", max_tokens=200, ignore_eos=True, stream=True
+    model="smollm2",
+    prompt="Once upon a time",
+    max_tokens=200,
+    ignore_eos=True,
+    stream=True,
+    logprobs=1,
   )
   with httpx.stream(
     "POST", f"{smollm2.base_url}/v1/completions", json=body, timeout=120
   ) as response:
-    first = next(line for line in response.iter_lines() if line.startswith("data:"))
-  assert json.loads(first.removeprefix("data: "))["choices"][0]["finish_reason"] is None
+    lines = (line for line in response.iter_lines() if line.startswith("data:"))
+    chunks = [json.loads(next(lines).removeprefix("data: "))["choices"][0] for _ in range(4)]
+  assert all(chunk["finish_reason"] is None for chunk in chunks)
+  # Each decode step's tokens leave as it ends (the server's stream_steps):
+  # one token a chunk, where the third would carry a 2-step launch's two.
+  assert [len(chunk["logprobs"]["tokens"]) for chunk in chunks] == [1, 1, 1, 1]
   deadline = time.monotonic() + 60
   while time.monotonic() < deadline:
     metrics = smollm2.metrics()
@@ -360,7 +372,7 @@ def test_disconnect_mid_stream_frees_every_block(smollm2):
   assert metrics["vllm:num_requests_waiting"] == 0
   assert metrics["vllm:kv_cache_usage_perc"] == 0
   assert metrics["paged_jax:num_free_gpu_blocks"] == metrics["paged_jax:num_gpu_blocks"] == 40
-  # Aborted after its first token and before its 200th.
+  # Aborted after its first tokens and before its 200th.
   assert 0 < metrics["vllm:generation_tokens_total"] - generated_before < 200
 
 
@@ -569,6 +581,10 @@ def test_chat_stream_equals_non_stream_role_first_and_usage(smollm2):
       texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
   assert all(delta.role == "assistant" for delta in first_deltas.values())
   assert texts == {c.index: c.message.content for c in full.choices}
+  # Each decode step's tokens leave as it ends (stream_steps): a chunk
+  # carries at most one token of a choice, where a launch carries up to 4.
+  tokens_per_chunk = [len(c.logprobs.content) for k in chunks[:-1] for c in k.choices if c.logprobs]
+  assert max(tokens_per_chunk) == 1
   assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
   assert full.usage.completion_tokens == sum(len(c.logprobs.content) for c in full.choices)
   prompt = smollm2.post("/tokenize", json=dict(messages=request["messages"])).json()
