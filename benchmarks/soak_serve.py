@@ -434,8 +434,11 @@ def soak(args) -> dict:
     ]
     if args.structured_share:
       warm += [Spec("/v1/completions", dict(prompt="a", max_tokens=4, **c)) for c in CONSTRAINTS]
-    asyncio.run(run_mix(server.url, warm, args.concurrency, 0, 0))
-    rss_start, before = server.rss_bytes(), outcome_counts(server.metrics())
+    _, _, warm_retries = asyncio.run(run_mix(server.url, warm, args.concurrency, 0, 0))
+    # Once the server counted the warm-up mix (a stream its client left
+    # counts when the server closes it, maybe after the mix returned).
+    before = outcome_counts(settle(server, len(warm) + warm_retries))
+    rss_start = server.rss_bytes()
     memory_start, compiled_in_warm_up_mix = server.memory_by_kind(), server.compiles()
     start = time.monotonic()
     with sampled_rss(server) as rss_samples:
