@@ -13,7 +13,7 @@ from flax import nnx
 
 import paged_jax as pj
 from paged_jax import kernel_choice, models
-from paged_jax.engine import step_stream
+from paged_jax.engine import arrivals, step_stream
 from paged_jax.sampling import Draw
 from tests.tiny_models import BYTE_LLAMA, ENGINE_CFG
 
@@ -116,7 +116,7 @@ def test_a_step_is_handed_on_before_the_launch_ends(model):
   assert outputs == []  # every token went out step by step
 
 
-def test_the_cpu_channel_takes_steps_in_order_and_names_bad_input():
+def test_the_cpu_channel_takes_steps_in_order_and_names_bad_input(monkeypatch):
   stream = step_stream.StepStream()
   assert stream.mode == "ffi"
   rows, k = 3, 2
@@ -148,6 +148,13 @@ def test_the_cpu_channel_takes_steps_in_order_and_names_bad_input():
     stream.take(1, 4, k, 1.0)
   stream.clear(1)
   assert stream.take(1, rows, k, 0.0) == []
+  jax.block_until_ready(two_steps(stream.operands[1], draw, drew))  # left there
+  held = stream.id
+  del stream
+  gc.collect()
+  monkeypatch.setattr(step_stream._ids, "free", [held])
+  again = step_stream.StepStream()  # the same id: its channels start empty
+  assert again.id == held and again.take(1, rows, k, 0.0) == []
   with pytest.raises(ValueError, match="step stream channel out of range"):
     out_of_range = jnp.int32(step_stream.MAX_CHANNELS)
     jax.block_until_ready(two_steps(out_of_range, draw, drew))
@@ -181,22 +188,33 @@ def test_the_host_callback_channel_and_other_platforms():
   assert "io_callback" in traced and "ffi_call" not in traced
 
 
-def test_streaming_options_and_ids_fail_clearly(model, monkeypatch):
+def test_streaming_options_fail_clearly(model):
   with pytest.raises(ValueError, match="stream_steps must be a bool, got 1"):
     _engine(model, stream_steps=1)
   with pytest.raises(ValueError, match="stream_steps=True needs one device, not 2"):
     step_stream.check_streaming(True, 2)
   assert not step_stream.check_streaming(False, 2)
   assert _engine(model).runner.step_stream is None  # off by default
-  stream = step_stream.StepStream()
-  held = stream.id
-  assert held not in step_stream._ids.free
-  del stream
-  gc.collect()
-  assert held in step_stream._ids.free
-  monkeypatch.setattr(step_stream._ids, "free", [])
-  with pytest.raises(RuntimeError, match="more than 4096 engines stream their decode steps"):
-    step_stream.StepStream()
+
+
+@pytest.mark.parametrize(
+  "holder, ids, what",
+  [
+    (step_stream.StepStream, step_stream._ids, "engines stream their decode steps"),
+    (arrivals.ArrivalWatch, arrivals._ids, "engines check for arrivals"),
+  ],
+)
+def test_channel_and_watch_ids_are_reused_once_their_engine_is_gone_and_run_out_clearly(
+  holder, ids, what, monkeypatch
+):
+  held = holder().id
+  gc.collect()  # the holder is gone: its id is free again
+  assert held in ids.free
+  kept = holder()
+  assert kept.id not in ids.free
+  monkeypatch.setattr(ids, "free", [])
+  with pytest.raises(RuntimeError, match=f"more than 4096 {what} at once"):
+    holder()
 
 
 # Its decode loop compiles apart (host callbacks): `slow`.

@@ -124,8 +124,9 @@ class LLMEngine(EngineRounds, EngineLifecycle):
       launch runs, so a streamed token leaves one step after it was drawn
       instead of at the launch's end (`paged_jax.engine.step_stream`; not
       for beam groups or speculating launches, whose tokens are settled at
-      the end). On CPU a C++ channel; elsewhere a host callback per step,
-      which stalls an accelerator. Outputs equal those without. Off by
+      the end, nor for a launch dispatched ahead with `async_scheduling`).
+      On CPU a C++ channel; elsewhere a host callback per step, which
+      stalls an accelerator. Outputs equal those without. Off by
       default (the server turns it on). One device only.
     speculative_config: speculative decoding in vLLM's form:
       `{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max":

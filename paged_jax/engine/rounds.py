@@ -32,7 +32,8 @@ class EngineRounds:
         list of `RequestOutput`s after each step of a decode launch, while
         the launch runs: those of the requests that drew in that step and
         did not finish (none with `output_kind="final"`). What they carry
-        is not returned again (with `output_kind="delta"`).
+        is not returned again (with `output_kind="delta"`). A launch
+        dispatched ahead (`async_scheduling`) is not streamed.
 
     Returns:
       A `RequestOutput` for every request that drew tokens or finished in
@@ -44,7 +45,7 @@ class EngineRounds:
       return outputs
     start = time.perf_counter()
     if self.running_ahead:
-      touched = self._take_ahead(True, on_decode_step)
+      touched = self._take_ahead(True)
     else:
       touched = self._round(on_decode_step)
     outputs, self._pending = self._pending, []
@@ -184,11 +185,12 @@ class EngineRounds:
         result is not None and result.out_of_blocks[scheduler.shard],
       )
 
-  def _take_ahead(self, may_run_ahead: bool, on_decode_step=None) -> dict[str, SequenceGroup]:
+  def _take_ahead(self, may_run_ahead: bool) -> dict[str, SequenceGroup]:
     """Reads back the decode launch that runs ahead (dispatching the next
     one first, if `may_run_ahead` and the schedulers would take the last
-    round's results without a block manager call; with `stream_steps`
-    taking its steps as they come); returns the groups it touched.
+    round's results without a block manager call); returns the groups it
+    touched. Its steps are not streamed: a stop string found in them would
+    free blocks under the launch dispatched after it.
 
     Sequences that finished on the host (stop strings) before it ran drew
     tokens in it too: those are dropped, and their blocks freed (by the
@@ -205,15 +207,14 @@ class EngineRounds:
         for scheduler, out in zip(self.schedulers, rounds)
       )
     )
-    streamed = self._streamed(_decoding(rounds), on_decode_step)
-    result = self._timed(self.runner.take_ahead, run_ahead, streamed and streamed.take)
+    result = self._timed(self.runner.take_ahead, run_ahead)
     for scheduler, out in zip(self.schedulers, rounds):
       scheduler.update(
         out, before.finished | result.finished, before.out_of_blocks[scheduler.shard]
       )
     rounds = [SchedulerOutput(s.shard, decoding=list(s.running)) for s in self.schedulers]
     touched: dict[str, SequenceGroup] = {}
-    self._take_decode(rounds, result, streamed, touched)
+    self._take_decode(rounds, result, None, touched)
     self._update_or_defer(rounds, result)
     return touched
 

@@ -5,8 +5,8 @@ While the host reads back one decode launch (and builds its outputs), the
 next one, on the same rows, already runs on the device from the first
 one's outputs (`programs.continue_decoding`). `RunAhead` is that part of
 the model runner; it uses the runner's `_launch_decode`, `_launch_steps`,
-`_take_step_results`, `_stream`, `_parity`, `decode_buckets`, `table`,
-`cache_manager` and `counters`.
+`_take_step_results`, `decode_buckets`, `table`, `cache_manager` and
+`counters`.
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ class AheadLaunch:
     row_slots: its rows' slots (see `ModelRunner._decode_row_slots`).
     table: the automata of its constrained rows, or None.
     max_steps: the steps it runs at most.
-    parity: the step stream channel it publishes into (with the runner's
-      `step_stream`).
     ran_out_before: bool `[D]`, the shards whose blocks the launch before it
       ran out of (known once that one is read back): the carry handed that
       on, so this launch ran no step.
@@ -41,7 +39,6 @@ class AheadLaunch:
   row_slots: np.ndarray | None
   table: object
   max_steps: int
-  parity: int
   ran_out_before: np.ndarray | None = None
 
 
@@ -55,7 +52,7 @@ class RunAhead:
     computed) on its rows, for `take_ahead`."""
     steps = self._launch_steps(loop.draws.tokens.shape[1])
     launch = self._launch_decode(self._continued(loop, steps), row_slots, False, table)
-    self.ahead = AheadLaunch(launch, row_slots, table, steps, self._parity)
+    self.ahead = AheadLaunch(launch, row_slots, table, steps)
     self.counters["loop_launches_ahead"] += 1
 
   def _continued(self, loop: programs.DecodeLoop, steps: int) -> programs.DecodeLoop:
@@ -70,7 +67,7 @@ class RunAhead:
     if self.ahead is not None:
       self.ahead.ran_out_before = result.out_of_blocks
 
-  def take_ahead(self, run_ahead: bool, on_step=None) -> DecodeResult:
+  def take_ahead(self, run_ahead: bool) -> DecodeResult:
     """Reads back the launch that `decode` (or the last `take_ahead`)
     dispatched ahead, taking its rows' new state as `decode` does.
 
@@ -79,8 +76,6 @@ class RunAhead:
         rows; only while the host changed none of them since (no row
         started, stopped or was preempted, no pages moved) and they still
         fill that row bucket (`ahead_rows_fit`).
-      on_step: with a `step_stream`, what takes each of its steps while it
-        runs (see `decode`).
 
     Returns:
       Its `DecodeResult`. It reports running out of blocks only if the
@@ -89,8 +84,6 @@ class RunAhead:
     ahead, self.ahead = self.ahead, None
     if run_ahead:
       self._run_ahead(ahead.loop, ahead.row_slots, ahead.table)
-    if on_step is not None and self.step_stream is not None:
-      self._stream(ahead.loop, ahead.row_slots, ahead.parity, on_step)
     result = self._take_step_results(ahead.row_slots, ahead.loop)
     result.out_of_blocks &= ~ahead.ran_out_before
     self._launched(result)

@@ -92,6 +92,8 @@ class StepStream:
       self._take = _library_function("paged_jax_take_steps", ctypes.c_int32, _TAKE_ARGS)
       self._clear = _library_function("paged_jax_clear_steps", None, (ctypes.c_int64,))
     _streams[self.id] = self
+    for parity in (0, 1):  # what an engine gone before left in them
+      self.clear(parity)
 
   def clear(self, parity: int) -> None:
     """Drops what channel `parity` (0 or 1) holds, before a launch uses it."""
