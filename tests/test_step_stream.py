@@ -4,6 +4,7 @@ that reads its launches back whole."""
 
 import dataclasses
 import gc
+import types
 
 import jax
 import jax.numpy as jnp
@@ -158,6 +159,17 @@ def test_the_cpu_channel_takes_steps_in_order_and_names_bad_input(monkeypatch):
   with pytest.raises(ValueError, match="step stream channel out of range"):
     out_of_range = jnp.int32(step_stream.MAX_CHANNELS)
     jax.block_until_ready(two_steps(out_of_range, draw, drew))
+
+
+def test_a_launch_that_ended_without_its_mark_ends_the_wait(model):
+  # A failed launch publishes no end mark: once its outputs are ready and
+  # its channel is empty, the read stops waiting (reading it back raises).
+  engine = _engine(model, stream_steps=True)
+  failed = types.SimpleNamespace(step=jnp.int32(0))
+  taken = []
+  engine.runner.step_stream.clear(0)
+  engine.runner._stream(failed, None, 0, lambda *step: taken.append(step))
+  assert taken == []
 
 
 def test_the_host_callback_channel_and_other_platforms():

@@ -510,12 +510,13 @@ class ModelRunner(RunAhead):
     row_slots = self._decode_row_slots()
     table, automaton_state = self._automata(*self.table.row_constraints(row_slots, constraints))
     loop = self.decode_carry(num_steps, row_slots, automaton_state, histories, speculating, steps)
-    streaming = on_step is not None and programs.streams(speculating)
+    streaming = on_step is not None and self.step_stream is not None
+    streaming = streaming and programs.streams(speculating)
     loop = self._launch_decode(loop, row_slots, stop_on_finish, table, speculating)
     parity = self._parity
     if run_ahead and self._rows_still_fill(row_slots, steps):
       self._run_ahead(loop, row_slots, table)
-    if streaming and self.step_stream is not None:
+    if streaming:
       self._stream(loop, row_slots, parity, on_step)
     result = self._take_step_results(row_slots, loop)
     self._launched(result)

@@ -14,8 +14,10 @@ them into the launch's channel, and the host waits on that channel without
 holding Python's lock. Elsewhere, or where the library cannot be built,
 each step hands them to the host in a host callback (an accelerator stalls
 for it). An engine has two channels, as two of its launches may be in
-flight (async scheduling): a launch publishes into the one its `channel`
-operand names, so engines with the same shapes share one program.
+flight (with async scheduling, the streamed one and the one dispatched
+ahead of it, which publishes too but is not read): a launch publishes into
+the one its `channel` operand names, so engines with the same shapes share
+one program.
 """
 
 from __future__ import annotations
