@@ -7,9 +7,10 @@ cache in a new empty directory, and reports:
 
 * the warm-up's wall seconds and the process's CPU seconds (user + sys, all
   threads) over it: CPU seconds move less with the machine's load;
-* each warm-up launch's wall and CPU seconds (a model program's launch is
-  its compile, lowering and one run; the block manager's launch compiles
-  many small programs);
+* each warm-up launch's wall and CPU seconds: a model program's twice,
+  first its lowering (its compile goes on beside the later lowerings,
+  `ModelRunner.compile_only`), then its run; the block manager's launch
+  compiles many small programs;
 * each backend compile (name, argument shapes, wall seconds), largest first;
 * then an offline workload on the warm engine (`--requests` prompts of
   `--prompt-len` tokens, `--max-tokens` each, greedy, EOS ignored): wall and

@@ -314,6 +314,7 @@ def capture(launches: list):
         launches.append(Launch(attr.lstrip("_"), fn, args, kwargs))
       return fn(*args, **kwargs)
 
+    record.lower = fn.lower  # warm-up's compiles ahead (`ModelRunner.compile_only`)
     return record
 
   for module, attr, fn in saved:

@@ -38,6 +38,7 @@ tests/engine_traces.py.
 
 import dataclasses
 import os
+import types
 
 import jax
 import pytest
@@ -45,6 +46,7 @@ from flax import nnx
 
 import paged_jax as pj
 from paged_jax import compile_guard, models
+from paged_jax.engine import programs
 from tests import engine_traces
 from tests.test_families_windows import WINDOWED
 from tests.tiny_models import BYTE_LLAMA, ENGINE_CFG
@@ -130,6 +132,27 @@ def test_warmup_refuses_while_a_request_runs(model):
   while engine.has_unfinished_requests():
     engine.step()
   engine_traces.check_all_free(engine)
+
+
+def test_a_program_that_fails_to_compile_fails_warm_up_and_changes_nothing(model, monkeypatch):
+  engine = pj.LLMEngine(
+    model, engine_traces.TOKENIZER, cache_config(True), max_num_batched_tokens=8, num_decode_steps=4
+  )
+
+  def refuse():
+    raise RuntimeError("XLA refused the decode loop")
+
+  lowered = types.SimpleNamespace(compile=refuse)
+  monkeypatch.setattr(programs, "decode_loop", types.SimpleNamespace(lower=lambda *a, **k: lowered))
+  with pytest.raises(RuntimeError, match="XLA refused the decode loop"):
+    engine.warmup()
+  monkeypatch.undo()
+  engine_traces.check_all_free(engine)
+  engine.add_request("0", "WAR", pj.SamplingParams(max_tokens=6, ignore_eos=True))
+  outputs = []
+  while engine.has_unfinished_requests():
+    outputs += engine.step()
+  assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 6
 
 
 # Per-type tables (`hybrid_kv_cache`): a Gemma-shaped model whose sliding

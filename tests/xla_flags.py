@@ -24,26 +24,27 @@ _START_BACKEND = "import jax; jax.devices('cpu')"
 _PROBED_ENV = "PAGED_JAX_TEST_XLA_FLAGS"  # the probe's answer, for child processes
 
 
-def xla_accepts(flags: str) -> bool:
-  """Whether a JAX process started with `flags` in XLA_FLAGS starts its CPU backend."""
-  env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-  probe = subprocess.run(
-    [sys.executable, "-c", _START_BACKEND], env=env, capture_output=True, timeout=120
+def _start_probe(flag: str) -> subprocess.Popen:
+  """A child JAX process that starts its CPU backend with `flag` in XLA_FLAGS."""
+  env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
+  return subprocess.Popen(
+    [sys.executable, "-c", _START_BACKEND],
+    env=env,
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.DEVNULL,
   )
-  return probe.returncode == 0
 
 
 def accepted_flags(wanted=WANTED) -> str:
   """The flags of `wanted` that the running XLA accepts, space-separated.
 
-  One child process when XLA takes them all, one more per flag otherwise.
+  One child process per flag, all at once (a probe is mostly JAX's import).
   The answer is kept in the environment, so the run's workers and
   subprocesses inherit it instead of probing again.
   """
   if _PROBED_ENV in os.environ:
     return os.environ[_PROBED_ENV]
-  joined = " ".join(wanted)
-  if not xla_accepts(joined):
-    joined = " ".join(flag for flag in wanted if xla_accepts(flag))
+  probes = [(flag, _start_probe(flag)) for flag in wanted]
+  joined = " ".join(flag for flag, probe in probes if probe.wait(timeout=120) == 0)
   os.environ[_PROBED_ENV] = joined
   return joined

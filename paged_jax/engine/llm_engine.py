@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import sys
 import time
 
@@ -24,6 +26,9 @@ from paged_jax.engine.runner import ModelRunner
 from paged_jax.engine.scheduler import Scheduler
 from paged_jax.engine.sequence import SequenceGroup
 from paged_jax.params import SamplingParams
+
+# Warm-up's model programs compiling at once: about one core each.
+COMPILE_THREADS = min(4, os.cpu_count() or 1)
 
 
 class LLMEngine(EngineRounds, EngineLifecycle):
@@ -395,21 +400,31 @@ class LLMEngine(EngineRounds, EngineLifecycle):
     """Compiles every program of `compiled_programs()` (the persistent
     compilation cache makes a later start with the same model and config
     read them back), showing a progress bar, then prints one summary line.
+    The model programs compile on up to `COMPILE_THREADS` threads at once.
 
     Raises:
       RuntimeError: if requests are already running.
     """
     runner, steps = self.runner, self.num_decode_steps
     warm_prompts = runner.warm_up_prefill if self.speculative else runner.warm_up_ragged_step
-    launches = [lambda b=b: warm_prompts(b) for b in runner.prefill_buckets()]
-    launches += [
+    model_launches = [lambda b=b: warm_prompts(b) for b in runner.prefill_buckets()]
+    model_launches += [
       lambda r=r: runner.warm_up_decode(steps, r, self.async_scheduling)
       for r in runner.decode_buckets()
     ]
-    launches += [self.cache_manager.warm_up, self._warm_up_request_keys]
     start = time.perf_counter()
-    with compile_guard.count_compiles() as compiles:
-      for launch in tqdm(launches, desc="warm-up", unit="program", leave=False):
+    bar = tqdm(desc="warm-up", unit="program", leave=False)
+    with compile_guard.count_compiles() as compiles, bar:
+      # The model programs compile side by side first (lowered here, each
+      # compiled on a thread of its own), then every launch runs.
+      with runner.compile_only(COMPILE_THREADS) as pending:
+        for launch in model_launches:
+          launch()
+        bar.total = len(pending)
+        for compiled in concurrent.futures.as_completed(pending):
+          compiled.result()
+          bar.update()
+      for launch in [*model_launches, self.cache_manager.warm_up, self._warm_up_request_keys]:
         launch()
     print(
       f"warm-up: {len(self.compiled_programs())} programs ({len(compiles)} compiles) in "

@@ -13,6 +13,9 @@ decode launch runs ahead (`paged_jax.engine.run_ahead`).
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -98,6 +101,8 @@ class ModelRunner(RunAhead):
     self.arrival_watch = arrival_watch
     self.step_stream = step_stream
     self._parity = 0  # the step stream channel of the newest decode launch
+    self._compile_pool = None  # within `compile_only`: where model launches compile
+    self._compiles: list[concurrent.futures.Future] = []
     self.automaton_capacity = automaton_capacity
     self.speculative = speculative
     self.draft = {}  # the draft model's graphdef and params, as the programs take them
@@ -234,7 +239,8 @@ class ModelRunner(RunAhead):
     self, packed: PackedPrefill, last_token_of, samples, table=None, draw_states=None
   ):
     cache_manager = self.cache_manager
-    (draw, scores), kv = programs.prefill_step(
+    launched = self._run(
+      programs.prefill_step,
       self.graphdef,
       self.params,
       cache_manager.kv,
@@ -247,6 +253,9 @@ class ModelRunner(RunAhead):
       draw_states,
       **self.draft,
     )
+    if launched is None:  # compiled only
+      return None, None
+    (draw, scores), kv = launched
     cache_manager.take_launch(kv)
     return draw, scores
 
@@ -293,6 +302,31 @@ class ModelRunner(RunAhead):
     running = (self.table.slots >= 0).reshape(self.cache_manager.num_shards, -1)
     return pack_decode_rows(running, self.decode_buckets())
 
+  @contextlib.contextmanager
+  def compile_only(self, threads: int):
+    """Within, the model launches (the `ragged_step`, `prefill_step` and
+    `decode_loop` programs) run nothing: each lowers its program on the
+    calling thread and compiles it on one of `threads` threads, and the
+    pages and states stay as they are. Yields the compiles' futures (a
+    failed compile raises from its `result()`); on leaving, waits for them.
+    A launch of the same shapes after that runs at once: JAX keeps what
+    `lower(...).compile()` built for the program's later calls."""
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="compile") as pool:
+      self._compile_pool, self._compiles = pool, []
+      try:
+        yield self._compiles
+      finally:
+        self._compile_pool = None
+
+  def _run(self, program, *args, **kwargs):
+    """`program(*args, **kwargs)`; within `compile_only`, None, with the
+    program lowered and its compile sent to the pool."""
+    if self._compile_pool is None:
+      return program(*args, **kwargs)
+    lowered = program.lower(*args, **kwargs)
+    self._compiles.append(self._compile_pool.submit(lowered.compile))
+    return None
+
   def _refuse_while_decoding(self) -> None:
     if self.table.has_running_rows():
       raise RuntimeError("warm-up launches only while no row decodes")
@@ -327,6 +361,8 @@ class ModelRunner(RunAhead):
     for speculating in self.decode_kinds():
       loop = self.decode_carry(num_steps, row_slots, speculating=speculating)
       loop = self._launch_decode(loop, row_slots, False, table, speculating)
+    if self._compile_pool is not None:
+      return  # the rest takes a launch's outputs, or is small: it compiles as it runs
     if run_ahead:  # a launch on a continued carry: its arrays are the loop's outputs
       loop = self._launch_decode(self._continued(loop, 1), row_slots, False, table)
     if loop.beams is not None:
@@ -351,7 +387,8 @@ class ModelRunner(RunAhead):
   def _launch_decode(
     self, carry, row_slots, stop_on_finish: bool, table=None, speculating=None
   ) -> programs.DecodeLoop:
-    loop = programs.decode_loop(
+    loop = self._run(
+      programs.decode_loop,
       self.graphdef,
       self.params,
       self.table.row_params(row_slots),
@@ -363,6 +400,8 @@ class ModelRunner(RunAhead):
       **self._arrival_args(),
       **self._stream_args(),
     )
+    if loop is None:  # compiled only
+      return carry
     self._keep(loop)
     return loop
 
@@ -605,7 +644,8 @@ class ModelRunner(RunAhead):
     table=None,
     draw_states=None,
   ):
-    loop, draw, scores = programs.ragged_step(
+    launched = self._run(
+      programs.ragged_step,
       self.graphdef,
       self.params,
       self.table.row_params(row_slots),
@@ -617,6 +657,9 @@ class ModelRunner(RunAhead):
       table,
       draw_states,
     )
+    if launched is None:  # compiled only
+      return loop, None, None
+    loop, draw, scores = launched
     self._keep(loop)
     return loop, draw, scores
 
