@@ -30,7 +30,8 @@ resolve ``impl`` for the decode attention, prefill attention and the KV
 cache's ops on the kernel platform (`kernel_platform`, or `target_platform`'s
 inside it); `select_quantized_matmul` picks the product of weights kept
 quantized (Mosaic on TPU, Triton on a GPU, C++ on CPU for a few rows, XLA
-otherwise); `check_block_size` refuses a block size no kernel serves;
+otherwise); `cpu_row_product` says whether one bfloat16 row times a
+bfloat16 weight runs the C++ kernel; `check_block_size` refuses a block size no kernel serves;
 `describe_kernels` names what ``"auto"`` runs.
 """
 
@@ -45,7 +46,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import quantized_matmul
+from pallas_kernels import quantized_matmul, row_product
 from pallas_kernels.paged_attention import cpu, gpu, mosaic_gpu, tpu_prefill
 from pallas_kernels.quantized_matmul import cpu as quantized_cpu
 
@@ -56,7 +57,7 @@ ATTENTION_IMPLS = IMPLS + ("mosaic_gpu", "triton", "cpu")
 PREFILL_IMPLS = IMPLS + ("cpu",)
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 _TARGET_PLATFORM = contextvars.ContextVar("target_platform", default=None)
-CPU_KERNELS = ("attention", "quantized_matmul")
+CPU_KERNELS = ("attention", "quantized_matmul", "row_product")
 _CPU_KERNEL = contextvars.ContextVar("cpu_kernel", default=())  # ((kernel, enabled), ...)
 # Dtypes the C++ kernel serves but "auto" does not give it, and why.
 _CPU_AUTO_REFUSALS = {
@@ -79,8 +80,8 @@ def target_platform(platform: str):
 def use_cpu_kernel(enabled: bool, kernel: str | None = None):
   """Whether the C++ kernels run on CPU for what is traced inside: `kernel`
   one of ``CPU_KERNELS`` (the decode attention kernel, for ``impl="auto"``;
-  the quantized product), or None for both (default: on unless
-  ``PAGED_JAX_CPU_KERNEL=0``). Programs already compiled keep the choice
+  the quantized product; the bfloat16 one-row product), or None for all
+  (default: on unless ``PAGED_JAX_CPU_KERNEL=0``). Programs already compiled keep the choice
   they were traced with.
 
   Raises:
@@ -377,6 +378,22 @@ def _cpu_quantized_matmul(dtype, rows: int, split: bool) -> tuple[str, bool] | N
     f"{quantized_cpu.MAX_ROWS} rows): {choice}"
   )
   return None if reason else ("cpu", False)
+
+
+def cpu_row_product() -> bool:
+  """Whether one bfloat16 row times a bfloat16 weight runs the C++ kernel
+  (`pallas_kernels.row_product`, built at first use): on CPU unless no
+  compiler builds it or `use_cpu_kernel(False)` turns it off. Weights split
+  over devices are gathered for it (GSPMD replicates a custom call). The
+  choice is logged once."""
+  if kernel_platform() != "cpu" or not cpu_kernel_enabled("row_product"):
+    return False
+  reason = row_product.unavailable_reason()
+  _log_once(
+    "one bfloat16 row product on cpu: "
+    + ("C++ kernel" if reason is None else f"XLA (C++ kernel: {reason})")
+  )
+  return reason is None
 
 
 def mosaic_gpu_refusal(

@@ -14,6 +14,9 @@ import math
 import jax
 import jax.numpy as jnp
 
+from paged_jax import kernel_choice
+from pallas_kernels import row_product
+
 
 @dataclasses.dataclass(frozen=True)
 class Llama3RopeScaling:
@@ -79,13 +82,17 @@ def dot_transposed(x: jax.Array, w: jax.Array) -> jax.Array:
   fastest. Several rows go through one `dot_general` contracting both last
   axes (its bfloat16 matmul; a weight stored `[K, N]` is up to 2x slower
   there, and 10x slower with a bfloat16 result). A single bfloat16 row
-  differs by JAX version: before 0.12 it is `jnp.dot` with `w.T`, which
-  XLA:CPU fuses into one loop over the weight's rows (the other forms first
-  convert the whole weight to float32: 15x slower); from 0.12 on, where that
-  loop is 10x slower, it is padded to two rows, which take the matmul
-  (benchmarks/bench_one_row_product.py).
+  times a bfloat16 weight runs the C++ kernel on CPU
+  (`kernel_choice.cpu_row_product`: it reads the weight once); without it
+  the form differs by JAX version: before 0.12 it is `jnp.dot` with `w.T`,
+  which XLA:CPU fuses into one loop over the weight's rows (the other forms
+  first convert the whole weight to float32: 15x slower); from 0.12 on,
+  where that loop is 10x slower, it is padded to two rows, which take the
+  matmul (benchmarks/bench_one_row_product.py).
   """
   if x.dtype == jnp.bfloat16 and math.prod(x.shape[:-1]) == 1:
+    if w.dtype == jnp.bfloat16 and kernel_choice.cpu_row_product():
+      return row_product.row_product(x, w)
     if not _ONE_ROW_PADS:
       return jnp.dot(x, w.T, preferred_element_type=jnp.float32)
     rows = jnp.concatenate([x.reshape(1, -1), jnp.zeros_like(x.reshape(1, -1))])
