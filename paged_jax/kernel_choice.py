@@ -31,8 +31,8 @@ cache's ops on the kernel platform (`kernel_platform`, or `target_platform`'s
 inside it); `select_quantized_matmul` picks the product of weights kept
 quantized (Mosaic on TPU, Triton on a GPU, C++ on CPU for a few rows, XLA
 otherwise); `cpu_row_product` says whether one bfloat16 row times a
-bfloat16 weight runs the C++ kernel; `check_block_size` refuses a block size no kernel serves;
-`describe_kernels` names what ``"auto"`` runs.
+bfloat16 weight runs the C++ kernel; `check_block_size` refuses a block
+size no kernel serves; `describe_kernels` names what ``"auto"`` runs.
 """
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ def use_cpu_kernel(enabled: bool, kernel: str | None = None):
   """Whether the C++ kernels run on CPU for what is traced inside: `kernel`
   one of ``CPU_KERNELS`` (the decode attention kernel, for ``impl="auto"``;
   the quantized product; the bfloat16 one-row product), or None for all
-  (default: on unless ``PAGED_JAX_CPU_KERNEL=0``). Programs already compiled keep the choice
-  they were traced with.
+  (default: on unless ``PAGED_JAX_CPU_KERNEL=0``). Programs already
+  compiled keep the choice they were traced with.
 
   Raises:
     ValueError: for another `kernel`.
@@ -384,8 +384,9 @@ def cpu_row_product() -> bool:
   """Whether one bfloat16 row times a bfloat16 weight runs the C++ kernel
   (`pallas_kernels.row_product`, built at first use): on CPU unless no
   compiler builds it or `use_cpu_kernel(False)` turns it off. Weights split
-  over devices are gathered for it (GSPMD replicates a custom call). The
-  choice is logged once."""
+  over host devices (tensor parallel on CPU) are gathered for it: GSPMD
+  replicates a custom call's operands; turn it off there. The choice is
+  logged once."""
   if kernel_platform() != "cpu" or not cpu_kernel_enabled("row_product"):
     return False
   reason = row_product.unavailable_reason()
