@@ -354,10 +354,9 @@ def test_64_concurrent_streams_match_offline_greedy(tiny):
 
 
 def test_disconnect_mid_stream_frees_every_block(smollm2_one_row):
-  smollm2 = smollm2_one_row
   # SmolLM2, not the tiny model: the tiny one's 120 tokens can all exist
   # before a starved client's close reaches the server.
-  generated_before = smollm2.metrics()["vllm:generation_tokens_total"]
+  generated_before = smollm2_one_row.metrics()["vllm:generation_tokens_total"]
   body = dict(
     model="smollm2",
     prompt="Once upon a time",
@@ -367,7 +366,7 @@ def test_disconnect_mid_stream_frees_every_block(smollm2_one_row):
     logprobs=1,
   )
   with httpx.stream(
-    "POST", f"{smollm2.base_url}/v1/completions", json=body, timeout=120
+    "POST", f"{smollm2_one_row.base_url}/v1/completions", json=body, timeout=120
   ) as response:
     lines = (line for line in response.iter_lines() if line.startswith("data:"))
     chunks = [json.loads(next(lines).removeprefix("data: "))["choices"][0] for _ in range(4)]
@@ -377,7 +376,7 @@ def test_disconnect_mid_stream_frees_every_block(smollm2_one_row):
   assert [len(chunk["logprobs"]["tokens"]) for chunk in chunks] == [1, 1, 1, 1]
   deadline = time.monotonic() + 60
   while time.monotonic() < deadline:
-    metrics = smollm2.metrics()
+    metrics = smollm2_one_row.metrics()
     if metrics["vllm:num_requests_running"] == 0 and metrics["vllm:kv_cache_usage_perc"] == 0:
       break
     time.sleep(0.1)
