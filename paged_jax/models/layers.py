@@ -198,8 +198,11 @@ def apply_rope(
   angles = jnp.maximum(positions, 0).astype(jnp.float32)[..., None] * rope_inverse_frequencies(
     head_dim, theta, scaling
   )
-  cos = jnp.cos(angles)[:, :, None, :]
-  sin = jnp.sin(angles)[:, :, None, :]
+  # The barrier keeps the tables whole: XLA would otherwise fuse the
+  # cosines and sines into each product below, once per head and feature
+  # instead of once per token (a quarter of a SmolLM2 prompt step on CPU).
+  cos, sin = jax.lax.optimization_barrier((jnp.cos(angles), jnp.sin(angles)))
+  cos, sin = cos[:, :, None, :], sin[:, :, None, :]
   x32 = x.astype(jnp.float32)
   first, second = jnp.split(x32, 2, axis=-1)
   rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
