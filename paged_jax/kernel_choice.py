@@ -30,8 +30,8 @@ resolve ``impl`` for the decode attention, prefill attention and the KV
 cache's ops on the kernel platform (`kernel_platform`, or `target_platform`'s
 inside it); `select_quantized_matmul` picks the product of weights kept
 quantized (Mosaic on TPU, Triton on a GPU, C++ on CPU for a few rows, XLA
-otherwise); `cpu_row_product` says whether one bfloat16 row times a
-bfloat16 weight runs the C++ kernel; `check_block_size` refuses a block
+otherwise); `cpu_row_product` says whether a few bfloat16 rows times
+a bfloat16 weight run the C++ kernel; `check_block_size` refuses a block
 size no kernel serves; `describe_kernels` names what ``"auto"`` runs.
 """
 
@@ -58,6 +58,9 @@ PREFILL_IMPLS = IMPLS + ("cpu",)
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 _TARGET_PLATFORM = contextvars.ContextVar("target_platform", default=None)
 CPU_KERNELS = ("attention", "quantized_matmul", "row_product")
+# The most rows (a decode step's sequences) that `layers.dot_transposed`
+# gives the C++ row product; XLA's matmul takes more.
+ROW_PRODUCT_MAX_ROWS = 32
 _CPU_KERNEL = contextvars.ContextVar("cpu_kernel", default=())  # ((kernel, enabled), ...)
 # Dtypes the C++ kernel serves but "auto" does not give it, and why.
 _CPU_AUTO_REFUSALS = {
@@ -381,7 +384,8 @@ def _cpu_quantized_matmul(dtype, rows: int, split: bool) -> tuple[str, bool] | N
 
 
 def cpu_row_product() -> bool:
-  """Whether one bfloat16 row times a bfloat16 weight runs the C++ kernel
+  """Whether a few bfloat16 rows (up to `ROW_PRODUCT_MAX_ROWS`) times a
+  bfloat16 weight run the C++ kernel
   (`pallas_kernels.row_product`, built at first use): on CPU unless no
   compiler builds it or `use_cpu_kernel(False)` turns it off. Weights split
   over host devices (tensor parallel on CPU) are gathered for it: GSPMD
@@ -391,7 +395,7 @@ def cpu_row_product() -> bool:
     return False
   reason = row_product.unavailable_reason()
   _log_once(
-    "one bfloat16 row product on cpu: "
+    "bfloat16 products of a few rows on cpu: "
     + ("C++ kernel" if reason is None else f"XLA (C++ kernel: {reason})")
   )
   return reason is None

@@ -79,24 +79,29 @@ def dot_transposed(x: jax.Array, w: jax.Array) -> jax.Array:
   weight `w` `[N, K]` stored as torch checkpoints store it.
 
   Every backend computes the same product; the form is the one XLA:CPU runs
-  fastest. Several rows go through one `dot_general` contracting both last
-  axes (its bfloat16 matmul; a weight stored `[K, N]` is up to 2x slower
-  there, and 10x slower with a bfloat16 result). A single bfloat16 row
-  times a bfloat16 weight runs the C++ kernel on CPU
-  (`kernel_choice.cpu_row_product`: it reads the weight once); without it
-  the form differs by JAX version: before 0.12 it is `jnp.dot` with `w.T`,
-  which XLA:CPU fuses into one loop over the weight's rows (the other forms
-  first convert the whole weight to float32: 15x slower); from 0.12 on,
-  where that loop is 10x slower, it is padded to two rows, which take the
-  matmul (benchmarks/bench_one_row_product.py).
+  fastest. Rows go through one `dot_general` contracting both last axes
+  (its bfloat16 matmul; a weight stored `[K, N]` is up to 2x slower there,
+  and 10x slower with a bfloat16 result). Up to
+  `kernel_choice.ROW_PRODUCT_MAX_ROWS` bfloat16 rows times a bfloat16
+  weight (a decode step) run the C++ kernel on CPU
+  (`kernel_choice.cpu_row_product`: it reads the weight once, and beats
+  the matmul at those rows). Without it, one bfloat16 row's form differs by
+  JAX version: before 0.12 it is `jnp.dot` with `w.T`, which XLA:CPU fuses
+  into one loop over the weight's rows (the other forms first convert the
+  whole weight to float32: 15x slower); from 0.12 on, where that loop is
+  10x slower, it is padded to two rows, which take the matmul
+  (benchmarks/bench_one_row_product.py).
   """
-  if x.dtype == jnp.bfloat16 and math.prod(x.shape[:-1]) == 1:
-    if w.dtype == jnp.bfloat16 and kernel_choice.cpu_row_product():
+  rows = math.prod(x.shape[:-1])
+  few_rows = 0 < rows <= kernel_choice.ROW_PRODUCT_MAX_ROWS
+  if x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16 and few_rows:
+    if kernel_choice.cpu_row_product():
       return row_product.row_product(x, w)
+  if x.dtype == jnp.bfloat16 and rows == 1:
     if not _ONE_ROW_PADS:
       return jnp.dot(x, w.T, preferred_element_type=jnp.float32)
-    rows = jnp.concatenate([x.reshape(1, -1), jnp.zeros_like(x.reshape(1, -1))])
-    return _dot_general(rows, w)[:1].reshape(*x.shape[:-1], w.shape[0])
+    padded = jnp.concatenate([x.reshape(1, -1), jnp.zeros_like(x.reshape(1, -1))])
+    return _dot_general(padded, w)[:1].reshape(*x.shape[:-1], w.shape[0])
   return _dot_general(x, w)
 
 
