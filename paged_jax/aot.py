@@ -29,6 +29,7 @@ left out (no host pages: `num_cpu_blocks` 0).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import importlib.util
@@ -375,19 +376,50 @@ def _launch_key(launch: Launch, abstract_args) -> tuple:
   return launch.fn, str(treedef), specs
 
 
-def compile_launch(fn, args, kwargs) -> tuple[float, object, int]:
-  """Compiles `fn` for the TPU devices its abstract `args` and `kwargs` are
-  sharded on, with the TPU kernels; returns the seconds it took,
-  `memory_analysis()`, and how many Mosaic kernels (TPU custom calls) the
-  program's text calls."""
+def lower_launch(fn, args, kwargs):
+  """`fn` lowered for the TPU devices its abstract `args` and `kwargs` are
+  sharded on, with the TPU kernels."""
   from paged_jax.kernel_choice import target_platform
 
-  start = time.perf_counter()
   with target_platform("tpu"):
-    lowered = fn.lower(*args, **kwargs)
-    compiled = lowered.compile()
+    return fn.lower(*args, **kwargs)
+
+
+def compile_lowered(lowered) -> tuple[float, object, int]:
+  """Compiles a `lower_launch` result; returns the seconds it took,
+  `memory_analysis()`, and how many Mosaic kernels (TPU custom calls) the
+  program's text calls."""
+  start = time.perf_counter()
+  compiled = lowered.compile()
   kernels = lowered.as_text().count("tpu_custom_call")
   return time.perf_counter() - start, compiled.memory_analysis(), kernels
+
+
+@contextlib.contextmanager
+def _naming_failure(variant: str, launch: str, topology: str, hbm: int):
+  """Raises what fails within as a RuntimeError naming the program (XLA and
+  Mosaic raise their own error types), saying so when it did not fit HBM."""
+  try:
+    yield
+  except Exception as err:
+    message = next((line for line in str(err).splitlines() if line.strip()), repr(err))
+    if "RESOURCE_EXHAUSTED" in message or "out of memory" in message.lower():
+      message = f"too large for a chip's {hbm / 2**30:.0f} GiB of HBM: {message}"
+    raise RuntimeError(f"{variant}: {launch} failed to compile for {topology}: {message}") from err
+
+
+def _program_report(topology: str, hbm: int, variant: str, launch: str, name: str, compile):
+  """A program's line of the report, once its compile (a future) is done."""
+  with _naming_failure(variant, launch, topology, hbm):
+    seconds, memory, kernels = compile.result()
+  return dict(
+    name=name,
+    compile_s=round(seconds, 3),
+    hbm_bytes=_hbm(memory),
+    argument_bytes=memory.argument_size_in_bytes,
+    temp_bytes=memory.temp_size_in_bytes,
+    mosaic_kernels=kernels,
+  )
 
 
 def _hbm(memory) -> int:
@@ -474,7 +506,9 @@ def compile_engine_programs(
   """Compiles warm-up's whole program set of `model`'s engine (each of
   `variants`; a launch already compiled for an earlier variant is skipped) for
   `topology`, or only its launches named in `programs` (e.g.
-  `{"decode_loop"}`). `model` is a real model or a `ShapeOnlyModel`. Returns the
+  `{"decode_loop"}`). `model` is a real model or a `ShapeOnlyModel`. Programs
+  are lowered in order and compiled on up to `COMPILE_THREADS` threads at
+  once (a program's compile seconds are its own thread's). Returns the
   report: each program's name, compile seconds, HBM bytes per chip and Mosaic
   kernel calls (`tpu_custom_call`s in its text), the weights per chip, the
   largest temporaries, and what the HBM left holds (`aot_kv.kv_report`: one
@@ -490,6 +524,8 @@ def compile_engine_programs(
       leave no HBM for a KV block (or a hybrid variant's one 8k-token sequence).
   """
   import jax
+
+  from paged_jax.engine.llm_engine import COMPILE_THREADS
 
   require_libtpu()
   devices = topology_devices(topology)
@@ -509,51 +545,38 @@ def compile_engine_programs(
   weights = per_chip_bytes(params)
   check_weights_fit(weights, hbm, topology, tp)
   host_model = model.stand_in() if shape_only else model
-  wanted, programs, seen, block_bytes, names, hybrid = programs, [], set(), 0, set(), {}
-  for variant, kwargs in variants.items():
-    engine = build_engine(host_model, tp, **kwargs)
-    swap = {}
-    if shape_only:
-      swap = {id(engine.runner.graphdef): graph, id(engine.runner.params): params}
-    kv = engine.cache_manager.kv
-    if engine.cache_manager.hybrid is not None:  # its pools come from the bytes left
-      hybrid[variant] = kwargs.get("kv_cache_dtype")
-    else:
-      big_kv = abstract(model.with_layers(kv) if shape_only else kv, mesh)
-      block_bytes = max(block_bytes, per_chip_bytes(big_kv) // engine.cfg.num_gpu_blocks)
-    launches = []
-    with capture(launches):
-      engine.warmup()
-    counts = {}
-    for launch in launches:
-      names.add(launch.name)
-      if wanted is not None and launch.name not in wanted:
-        continue
-      args, kwargs = _on_tpu(launch, mesh, swap, model)
-      key = _launch_key(launch, (args, kwargs))
-      if key in seen:
-        continue
-      seen.add(key)
-      counts[launch.name] = counts.get(launch.name, 0) + 1
-      try:
-        seconds, memory, kernels = compile_launch(launch.fn, args, kwargs)
-      except Exception as err:  # XLA and Mosaic raise their own error types
-        message = next((line for line in str(err).splitlines() if line.strip()), repr(err))
-        if "RESOURCE_EXHAUSTED" in message or "out of memory" in message.lower():
-          message = f"too large for a chip's {hbm / 2**30:.0f} GiB of HBM: {message}"
-        raise RuntimeError(
-          f"{variant}: {launch.name} failed to compile for {topology}: {message}"
-        ) from err
-      programs.append(
-        dict(
-          name=f"{variant}: {launch.name} #{counts[launch.name]}",
-          compile_s=round(seconds, 3),
-          hbm_bytes=_hbm(memory),
-          argument_bytes=memory.argument_size_in_bytes,
-          temp_bytes=memory.temp_size_in_bytes,
-          mosaic_kernels=kernels,
-        )
-      )
+  wanted, compiles, seen, block_bytes, names, hybrid = programs, [], set(), 0, set(), {}
+  with concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS) as pool:
+    for variant, kwargs in variants.items():
+      engine = build_engine(host_model, tp, **kwargs)
+      swap = {}
+      if shape_only:
+        swap = {id(engine.runner.graphdef): graph, id(engine.runner.params): params}
+      kv = engine.cache_manager.kv
+      if engine.cache_manager.hybrid is not None:  # its pools come from the bytes left
+        hybrid[variant] = kwargs.get("kv_cache_dtype")
+      else:
+        big_kv = abstract(model.with_layers(kv) if shape_only else kv, mesh)
+        block_bytes = max(block_bytes, per_chip_bytes(big_kv) // engine.cfg.num_gpu_blocks)
+      launches = []
+      with capture(launches):
+        engine.warmup()
+      counts = {}
+      for launch in launches:
+        names.add(launch.name)
+        if wanted is not None and launch.name not in wanted:
+          continue
+        args, kwargs = _on_tpu(launch, mesh, swap, model)
+        key = _launch_key(launch, (args, kwargs))
+        if key in seen:
+          continue
+        seen.add(key)
+        counts[launch.name] = counts.get(launch.name, 0) + 1
+        name = f"{variant}: {launch.name} #{counts[launch.name]}"
+        with _naming_failure(variant, launch.name, topology, hbm):
+          lowered = lower_launch(launch.fn, args, kwargs)
+        compiles.append((variant, launch.name, name, pool.submit(compile_lowered, lowered)))
+    programs = [_program_report(topology, hbm, *compile) for compile in compiles]
   if not programs:
     raise ValueError(f"no launch named {sorted(wanted)}; warm-up launches {sorted(names)}")
   temps = max(p["temp_bytes"] for p in programs)

@@ -1,6 +1,7 @@
 """`python -m paged_jax aot`: the engine's programs compiled by libtpu for TPU
 topologies on this host, and the tool's errors."""
 
+import concurrent.futures
 import importlib.util
 import json
 import os
@@ -241,6 +242,39 @@ def test_bad_setups_fail_before_compiling_naming_the_limit():
     aot.compile_engine_programs(gemma, "v5e:4x4", 16)
   with pytest.raises(ValueError, match="no HBM size known for 'v4'"):
     aot.compile_engine_programs(gemma, "v4:2x2x1", 8)
+
+
+def test_a_failed_compile_is_named_with_its_first_line():
+  failed = concurrent.futures.Future()
+  failed.set_exception(ValueError("\nMosaic failed: bad tile\ntraceback"))
+  with pytest.raises(
+    RuntimeError,
+    match=r"^plain: decode_loop failed to compile for v5e:2x2: Mosaic failed: bad tile$",
+  ):
+    aot._program_report(
+      "v5e:2x2", 16 * 2**30, "plain", "decode_loop", "plain: decode_loop #1", failed
+    )
+
+
+@needs_libtpu
+@pytest.mark.slow  # warm-up's capture of the tiny engine: ~18 s
+def test_a_program_that_fails_to_compile_is_named_with_its_reason(monkeypatch):
+  """Compiles run on threads; a failed one still raises naming its program,
+  and says when the chip's HBM was too small."""
+  from paged_jax.models import pretrained
+
+  def exhausted(lowered):
+    raise RuntimeError("RESOURCE_EXHAUSTED: 20.1G of 16G hbm\nmore lines")
+
+  monkeypatch.setattr(aot, "compile_lowered", exhausted)
+  with pytest.raises(
+    RuntimeError,
+    match=r"^plain: start_beams failed to compile for v5e:1x1: too large for a chip's 16 GiB "
+    r"of HBM: RESOURCE_EXHAUSTED: 20.1G of 16G hbm$",
+  ):
+    aot.compile_engine_programs(
+      pretrained.load_tiny(), "v5e:1x1", variants={"plain": {}}, programs={"start_beams"}
+    )
 
 
 @needs_libtpu

@@ -1,0 +1,138 @@
+"""What one engine step costs, paged_jax against vLLM CPU: prompts on an idle
+engine, and decode steps of a few running sequences.
+
+- prefill: `n` prompts of `L` random token ids, one output token each, on
+  an idle engine: milliseconds until every request finished (best of 3).
+- decode: `rows` requests of 200 random tokens, 65 output tokens each (EOS
+  ignored); the time of all 65 less that of one (prefill), per step
+  (contexts of 200 to 264 tokens).
+
+paged_jax runs the `serve` defaults' engine in this process (SmolLM2,
+`--quantization none --max-model-len 512`, warmed up). With
+`--vllm-python`, the same runs in vLLM's venv (this file with `--peer`,
+importing nothing of paged_jax) on the Hugging Face folder `--hf-dir`,
+vLLM on both cores as its CPU docs advise (`bench_vs_peers.vllm_cpu_env`).
+
+  python benchmarks/bench_step_costs.py [--dtype bfloat16]
+      [--vllm-python /work/peers/vllm/bin/python --hf-dir /work/peers/hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+import time
+
+PREFILLS = ((1, 56), (1, 200), (2, 200), (4, 128))  # (prompts, tokens each)
+DECODE_ROWS = (1, 4, 16, 32)
+DECODE_PROMPT, DECODE_TOKENS = 200, 65
+
+
+def prompts(rng, count: int, length: int) -> list[list[int]]:
+  return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(count)]
+
+
+def step_costs(generate) -> dict:
+  """Prefill and decode times (ms) of `generate(prompts, max_tokens)`,
+  which serves the prompts to the end."""
+  import random
+
+  rng = random.Random(0)
+  generate(prompts(rng, 2, DECODE_PROMPT), 2)  # anything left to warm up
+  prefill = {}
+  for count, length in PREFILLS:
+    times = []
+    for _ in range(3):
+      batch = prompts(rng, count, length)
+      start = time.perf_counter()
+      generate(batch, 1)
+      times.append(time.perf_counter() - start)
+    prefill[f"{count} x {length}"] = min(times) * 1e3
+  decode = {}
+  for rows in DECODE_ROWS:
+    start = time.perf_counter()
+    generate(prompts(rng, rows, DECODE_PROMPT), 1)
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    generate(prompts(rng, rows, DECODE_PROMPT), DECODE_TOKENS)
+    whole = time.perf_counter() - start
+    decode[str(rows)] = (whole - first) / (DECODE_TOKENS - 1) * 1e3
+  return dict(prefill=prefill, decode=decode)
+
+
+def paged_jax_costs(dtype: str) -> dict:
+  import numpy as np
+
+  import paged_jax as pj
+  from paged_jax.server import cli
+
+  parser = argparse.ArgumentParser()
+  cli.add_parser(parser.add_subparsers())
+  serve = ["serve", "--model", "smollm2-135m-instruct", "--dtype", dtype]
+  args = parser.parse_args(serve + ["--quantization", "none", "--max-model-len", "512"])
+  engine = cli.engine_builder(args)().engine
+  ids = iter(range(10**9))
+
+  def generate(batch, max_tokens):
+    params = pj.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    for prompt in batch:
+      engine.add_request(str(next(ids)), np.asarray(prompt, np.int32), params)
+    while engine.has_unfinished_requests():
+      engine.step()
+
+  return step_costs(generate)
+
+
+def vllm_costs(hf_dir: str, dtype: str) -> dict:
+  from vllm import LLM, SamplingParams
+
+  llm = LLM(model=hf_dir, dtype=dtype, max_model_len=512, max_num_seqs=32)
+
+  def generate(batch, max_tokens):
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+
+  return step_costs(generate)
+
+
+def run_vllm(python: str, hf_dir: str, dtype: str) -> dict:
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+  from bench_vs_peers import vllm_cpu_env
+
+  command = [python, __file__, "--peer", "--hf-dir", hf_dir, "--dtype", dtype]
+  out = subprocess.run(
+    command, env=vllm_cpu_env(python), capture_output=True, text=True, check=False
+  )
+  if out.returncode != 0:
+    raise SystemExit(f"vLLM's run failed ({out.returncode}):\n{out.stderr[-3000:]}")
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--dtype", default="bfloat16")
+  parser.add_argument("--vllm-python")
+  parser.add_argument("--hf-dir")
+  parser.add_argument("--peer", action="store_true", help="run vLLM here (in its venv)")
+  args = parser.parse_args()
+  if args.peer:
+    print(json.dumps(vllm_costs(args.hf_dir, args.dtype)))
+    return
+  columns = {"paged_jax": paged_jax_costs(args.dtype)}
+  if args.vllm_python:
+    columns["vLLM CPU"] = run_vllm(args.vllm_python, args.hf_dir, args.dtype)
+  names = list(columns)
+  print(f"dtype {args.dtype}; milliseconds")
+  print("| step | " + " | ".join(names) + " |")
+  print("|---|" + "---:|" * len(names))
+  for kind, label in (("prefill", "prompts {}"), ("decode", "decode step, {} rows")):
+    for key in columns[names[0]][kind]:
+      cells = " | ".join(f"{columns[name][kind][key]:,.1f}" for name in names)
+      print(f"| {label.format(key)} | {cells} |")
+
+
+if __name__ == "__main__":
+  main()
