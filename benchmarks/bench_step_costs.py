@@ -4,8 +4,8 @@ engine, and decode steps of a few running sequences.
 - prefill: `n` prompts of `L` random token ids, one output token each, on
   an idle engine: milliseconds until every request finished (best of 3).
 - decode: `rows` requests of 200 random tokens, 65 output tokens each (EOS
-  ignored); the time of all 65 less that of one (prefill), per step
-  (contexts of 200 to 264 tokens).
+  ignored), stepped one engine step at a time: the time from when each
+  has its first token to the end, per token (contexts of 200 to 264).
 
 paged_jax runs the `serve` defaults' engine in this process (SmolLM2,
 `--quantization none --max-model-len 512`, warmed up). With
@@ -29,15 +29,18 @@ import time
 PREFILLS = ((1, 56), (1, 200), (2, 200), (4, 128))  # (prompts, tokens each)
 DECODE_ROWS = (1, 4, 16, 32)
 DECODE_PROMPT, DECODE_TOKENS = 200, 65
+RESULT = "step costs: "  # the peer's result line (vLLM logs to stdout too)
 
 
 def prompts(rng, count: int, length: int) -> list[list[int]]:
   return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(count)]
 
 
-def step_costs(generate) -> dict:
-  """Prefill and decode times (ms) of `generate(prompts, max_tokens)`,
-  which serves the prompts to the end."""
+def step_costs(generate, decode_steps) -> dict:
+  """Prefill times (ms) of `generate(prompts, max_tokens)`, which serves
+  the prompts to the end, and decode step times (ms) of
+  `decode_steps(prompts, max_tokens)`, which returns the seconds and the
+  steps from when every request has its first token to the end."""
   import random
 
   rng = random.Random(0)
@@ -53,14 +56,25 @@ def step_costs(generate) -> dict:
     prefill[f"{count} x {length}"] = min(times) * 1e3
   decode = {}
   for rows in DECODE_ROWS:
-    start = time.perf_counter()
-    generate(prompts(rng, rows, DECODE_PROMPT), 1)
-    first = time.perf_counter() - start
-    start = time.perf_counter()
-    generate(prompts(rng, rows, DECODE_PROMPT), DECODE_TOKENS)
-    whole = time.perf_counter() - start
-    decode[str(rows)] = (whole - first) / (DECODE_TOKENS - 1) * 1e3
+    seconds, steps = decode_steps(prompts(rng, rows, DECODE_PROMPT), DECODE_TOKENS)
+    decode[str(rows)] = seconds / steps * 1e3
   return dict(prefill=prefill, decode=decode)
+
+
+def timed_decode(add, step, unfinished, batch, max_tokens):
+  """`add(i, prompt)` each prompt, `step()` (outputs with `request_id` and
+  `outputs[0].token_ids`) until each has a token, then until none is
+  unfinished: (seconds, steps) of that decoding."""
+  counts = {}
+  for i, prompt in enumerate(batch):
+    add(str(i), prompt)
+  while len(counts) < len(batch) or min(counts.values()) < 1:
+    for out in step():
+      counts[out.request_id] = len(out.outputs[0].token_ids)
+  start = time.perf_counter()
+  while unfinished():
+    step()
+  return time.perf_counter() - start, max_tokens - 1
 
 
 def paged_jax_costs(dtype: str) -> dict:
@@ -83,7 +97,12 @@ def paged_jax_costs(dtype: str) -> dict:
     while engine.has_unfinished_requests():
       engine.step()
 
-  return step_costs(generate)
+  def decode_steps(batch, max_tokens):
+    params = pj.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    add = lambda i, p: engine.add_request(f"d{next(ids)}", np.asarray(p, np.int32), params)
+    return timed_decode(add, engine.step, engine.has_unfinished_requests, batch, max_tokens)
+
+  return step_costs(generate, decode_steps)
 
 
 def vllm_costs(hf_dir: str, dtype: str) -> dict:
@@ -91,11 +110,18 @@ def vllm_costs(hf_dir: str, dtype: str) -> dict:
 
   llm = LLM(model=hf_dir, dtype=dtype, max_model_len=512, max_num_seqs=32)
 
+  engine, ids = llm.llm_engine, iter(range(10**9))
+
   def generate(batch, max_tokens):
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
 
-  return step_costs(generate)
+  def decode_steps(batch, max_tokens):
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    add = lambda i, p: engine.add_request(f"d{next(ids)}", {"prompt_token_ids": p}, params)
+    return timed_decode(add, engine.step, engine.has_unfinished_requests, batch, max_tokens)
+
+  return step_costs(generate, decode_steps)
 
 
 def run_vllm(python: str, hf_dir: str, dtype: str) -> dict:
@@ -108,7 +134,8 @@ def run_vllm(python: str, hf_dir: str, dtype: str) -> dict:
   )
   if out.returncode != 0:
     raise SystemExit(f"vLLM's run failed ({out.returncode}):\n{out.stderr[-3000:]}")
-  return json.loads(out.stdout.strip().splitlines()[-1])
+  line = next(line for line in out.stdout.splitlines() if line.startswith(RESULT))
+  return json.loads(line[len(RESULT) :])
 
 
 def main():
@@ -119,11 +146,12 @@ def main():
   parser.add_argument("--peer", action="store_true", help="run vLLM here (in its venv)")
   args = parser.parse_args()
   if args.peer:
-    print(json.dumps(vllm_costs(args.hf_dir, args.dtype)))
+    print(RESULT + json.dumps(vllm_costs(args.hf_dir, args.dtype)))
     return
-  columns = {"paged_jax": paged_jax_costs(args.dtype)}
+  columns = {}  # vLLM first, before this process holds an engine
   if args.vllm_python:
     columns["vLLM CPU"] = run_vllm(args.vllm_python, args.hf_dir, args.dtype)
+  columns["paged_jax"] = paged_jax_costs(args.dtype)
   names = list(columns)
   print(f"dtype {args.dtype}; milliseconds")
   print("| step | " + " | ".join(names) + " |")
