@@ -500,11 +500,12 @@ def test_stats_count_the_prefill_and_decode_padding(model):
   [
     (512, 40, 512),  # fits the smallest bucket
     (512, 64, 512),  # fills a bucket
-    (512, 250, 512),  # pads 6 of 256: at most an eighth
-    (512, 200, 128),  # would pad 56 of 256
+    (512, 250, 512),  # pads 6 of 256
+    (512, 200, 512),  # pads 56 of 256: at most a quarter
+    (512, 180, 128),  # would pad 76 of 256
     (512, 300, 256),  # would pad 212 of 512
-    (492, 1000, 492),  # the budget pads 20 of 512
-    (400, 1000, 256),  # the budget would pad 112 of 512
+    (400, 1000, 400),  # the budget pads 112 of 512
+    (380, 1000, 256),  # the budget would pad 132 of 512
   ],
 )
 def test_a_round_fills_a_smaller_prompt_bucket_rather_than_pad_much(budget, demand, planned):
@@ -519,8 +520,9 @@ def test_an_engine_for_another_platform_plans_its_whole_budget(model):
 
 def test_a_cpu_engine_leaves_what_would_pad_a_bucket_to_the_next_round(model):
   # Prompt buckets of 8, 16 and 32 tokens. "b"'s 20 tokens would pad 12 of
-  # 32, so its first ragged step (beside "a"'s decode row) runs 16 and the
-  # next the last 4 (in the 8-token bucket): 24 positions, not 32.
+  # 32 (more than a quarter), so its first ragged step (beside "a"'s decode
+  # row) runs 16 and the next the last 4 (in the 8-token bucket): 24
+  # positions, not 32.
   engine = pj.LLMEngine(model, TOKENIZER, CFG, prefill_width=4, max_num_batched_tokens=32)
   assert engine.schedulers[0].token_buckets == [8, 16, 32]
   engine.add_request("a", [65, 66, 67], GREEDY)

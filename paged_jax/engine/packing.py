@@ -119,14 +119,18 @@ def filled_budget(budget: int, demand: int, token_buckets) -> int:
 
   A launch pads its prompt tokens up to the smallest of `token_buckets`
   (ascending) that holds them, and on a CPU padding costs as much as a
-  token. So when `min(budget, demand)` would pad more than an eighth of its
-  bucket and fills a smaller bucket instead, the round plans that smaller
-  bucket and leaves the rest of the prompts to the next (their decoding
-  rows step meanwhile); otherwise it plans `budget`."""
+  token. But leaving prompt tokens to the next round costs that round a
+  ragged step where a decode step might have run, and the prompt's first
+  token a step: SmolLM2's ragged step costs about what 100 prompt tokens
+  more do (benchmarks/RESULTS.md). So only when `min(budget, demand)` would
+  pad more than a quarter of its bucket and fills a smaller bucket instead
+  does the round plan that smaller bucket and leave the rest of the prompts
+  to the next (their decoding rows step meanwhile); otherwise it plans
+  `budget`."""
   tokens = min(budget, demand)
   up = next((b for b in token_buckets if b >= tokens), None)
   below = [b for b in token_buckets if b <= tokens]
-  if up is None or not below or 8 * (up - tokens) <= up:
+  if up is None or not below or 4 * (up - tokens) <= up:
     return budget
   return below[-1]
 
