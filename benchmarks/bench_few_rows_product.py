@@ -16,7 +16,8 @@ two relative to the largest output.
 from __future__ import annotations
 
 import argparse
-import time
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -24,24 +25,15 @@ import numpy as np
 
 from pallas_kernels import row_product
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_cpu_prefill import best_time  # noqa: E402
+
 SHAPES = ((576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576))  # [N, K]
 WEIGHT_BYTES = 80e6
 
 
 def xla_product(x, w):
   return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def best_time(fn, *args, rounds: int = 5, calls: int = 10) -> float:
-  jax.block_until_ready(fn(*args))
-  best = float("inf")
-  for _ in range(rounds):
-    start = time.perf_counter()
-    for _ in range(calls):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    best = min(best, (time.perf_counter() - start) / calls)
-  return best
 
 
 def main():
