@@ -4,9 +4,9 @@ kernel called through `jax.ffi` (the decode steps of up to
 
 From JAX 0.12 on, XLA:CPU runs one row's product 10x slower than before in
 the fused one-row loop, and even padded to two rows its matmul takes about
-1.7x the time of reading the weight once; at 4 to 32 rows its matmul takes
-1.3x to 2x this kernel's time on weights read from memory
-(benchmarks/bench_one_row_product.py). This kernel (`row_product.cc`) works
+1.7x the time of reading the weight once (benchmarks/bench_one_row_product.py);
+at 4 to 32 rows its matmul takes 1.1x to 1.8x this kernel's time on weights
+read from memory (benchmarks/bench_few_rows_product.py). This kernel (`row_product.cc`) works
 in tiles of 4 rows by 4 weight rows, each weight row read from memory once
 (the next tile's prefetched), with AVX-512 BF16's pairwise products where
 the CPU has them and float32 multiplies of widened weights elsewhere; the
