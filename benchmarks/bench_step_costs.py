@@ -6,6 +6,10 @@ engine, and decode steps of a few running sequences.
 - decode: `rows` requests of 200 random tokens, 65 output tokens each (EOS
   ignored), stepped one engine step at a time: the time from when each
   has its first token to the end, per token (contexts of 200 to 264).
+- join: while `rows` such requests decode, one more of 200 tokens arrives:
+  milliseconds from its arrival to its first token, stepped one engine
+  step at a time (best of 3 arrivals), what a request that joins a busy
+  server waits at least.
 
 paged_jax runs the `serve` defaults' engine in this process (SmolLM2,
 `--quantization none --max-model-len 512`, warmed up). With
@@ -28,6 +32,7 @@ import time
 
 PREFILLS = ((1, 56), (1, 200), (2, 200), (4, 128))  # (prompts, tokens each)
 DECODE_ROWS = (1, 4, 16, 32)
+JOIN_ROWS = (4, 16, 28)
 DECODE_PROMPT, DECODE_TOKENS = 200, 65
 RESULT = "step costs: "  # the peer's result line (vLLM logs to stdout too)
 
@@ -36,11 +41,12 @@ def prompts(rng, count: int, length: int) -> list[list[int]]:
   return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(count)]
 
 
-def step_costs(generate, decode_steps) -> dict:
+def step_costs(generate, decode_steps, join) -> dict:
   """Prefill times (ms) of `generate(prompts, max_tokens)`, which serves
-  the prompts to the end, and decode step times (ms) of
+  the prompts to the end, decode step times (ms) of
   `decode_steps(prompts, max_tokens)`, which returns the seconds and the
-  steps from when every request has its first token to the end."""
+  steps from when every request has its first token to the end, and join
+  times (ms) of `join(prompts, arrivals, tag)` (see `timed_join`)."""
   import random
 
   rng = random.Random(0)
@@ -58,7 +64,41 @@ def step_costs(generate, decode_steps) -> dict:
   for rows in DECODE_ROWS:
     seconds, steps = decode_steps(prompts(rng, rows, DECODE_PROMPT), DECODE_TOKENS)
     decode[str(rows)] = seconds / steps * 1e3
-  return dict(prefill=prefill, decode=decode)
+  joins = {}
+  for rows in JOIN_ROWS:
+    seconds = join(prompts(rng, rows, DECODE_PROMPT), prompts(rng, 3, DECODE_PROMPT), str(rows))
+    joins[str(rows)] = seconds * 1e3
+  return dict(prefill=prefill, decode=decode, join=joins)
+
+
+def first_tokens(outputs, counts: dict) -> None:
+  """Records each output's token count in `counts` by request id."""
+  for out in outputs:
+    counts[out.request_id] = len(out.outputs[0].token_ids)
+
+
+def timed_join(add, step, batch, arrivals, tag: str) -> float:
+  """`add(request_id, prompt, max_tokens)` the `batch` (65 tokens each),
+  `step()` until each has a token, then for each of `arrivals` add it (one
+  token) and step until it has its token: the least seconds that took.
+  Request ids start with `tag`."""
+  counts = {}
+  for i, prompt in enumerate(batch):
+    add(f"{tag}row{i}", prompt, DECODE_TOKENS)
+  while len(counts) < len(batch) or min(counts.values()) < 1:
+    first_tokens(step(), counts)
+  times = []
+  for i, prompt in enumerate(arrivals):
+    start = time.perf_counter()
+    add(f"{tag}join{i}", prompt, 1)
+    while counts.get(f"{tag}join{i}", 0) < 1:
+      first_tokens(step(), counts)
+    times.append(time.perf_counter() - start)
+  while len(counts) < len(batch) + len(arrivals) or any(
+    counts[f"{tag}row{i}"] < DECODE_TOKENS for i in range(len(batch))
+  ):
+    first_tokens(step(), counts)
+  return min(times)
 
 
 def timed_decode(add, step, unfinished, batch, max_tokens):
@@ -102,7 +142,13 @@ def paged_jax_costs(dtype: str) -> dict:
     add = lambda i, p: engine.add_request(f"d{next(ids)}", np.asarray(p, np.int32), params)
     return timed_decode(add, engine.step, engine.has_unfinished_requests, batch, max_tokens)
 
-  return step_costs(generate, decode_steps)
+  def join(batch, arrivals, tag):
+    add = lambda i, p, n: engine.add_request(
+      i, np.asarray(p, np.int32), pj.SamplingParams(max_tokens=n, ignore_eos=True)
+    )
+    return timed_join(add, engine.step, batch, arrivals, tag)
+
+  return step_costs(generate, decode_steps, join)
 
 
 def vllm_costs(hf_dir: str, dtype: str) -> dict:
@@ -121,7 +167,13 @@ def vllm_costs(hf_dir: str, dtype: str) -> dict:
     add = lambda i, p: engine.add_request(f"d{next(ids)}", {"prompt_token_ids": p}, params)
     return timed_decode(add, engine.step, engine.has_unfinished_requests, batch, max_tokens)
 
-  return step_costs(generate, decode_steps)
+  def join(batch, arrivals, tag):
+    add = lambda i, p, n: engine.add_request(
+      i, {"prompt_token_ids": p}, SamplingParams(max_tokens=n, ignore_eos=True)
+    )
+    return timed_join(add, engine.step, batch, arrivals, tag)
+
+  return step_costs(generate, decode_steps, join)
 
 
 def run_vllm(python: str, hf_dir: str, dtype: str) -> dict:
@@ -156,7 +208,12 @@ def main():
   print(f"dtype {args.dtype}; milliseconds")
   print("| step | " + " | ".join(names) + " |")
   print("|---|" + "---:|" * len(names))
-  for kind, label in (("prefill", "prompts {}"), ("decode", "decode step, {} rows")):
+  labels = (
+    ("prefill", "prompts {}"),
+    ("decode", "decode step, {} rows"),
+    ("join", "200-token arrival to its first token, {} rows decoding"),
+  )
+  for kind, label in labels:
     for key in columns[names[0]][kind]:
       cells = " | ".join(f"{columns[name][kind][key]:,.1f}" for name in names)
       print(f"| {label.format(key)} | {cells} |")

@@ -59,9 +59,11 @@ class PagedCache:
       batch` each.
     decode_tables: None, or for a ragged packed call (prompt chunks and
       decode tokens in one call), int32 `[batch * n, max_blocks_per_seq]`:
-      the last `n` tokens of each row are one-token queries, each of its own
-      sequence (whose table this is), attended by the decode kernel; the
-      tiles index the tokens before them.
+      up to `n` tokens of each row are one-token queries, each of its own
+      sequence (whose table this is), attended by the decode kernel.
+    decode_tokens: with `decode_tables`, int32 `[batch, n]`: where those
+      queries sit, as indices into their row's tokens (the row's length:
+      no query). No tile indexes them.
   """
 
   kv: KVCache
@@ -70,6 +72,7 @@ class PagedCache:
   cache_sliding_window: int | None = flax.struct.field(pytree_node=False, default=None)
   query_tiles: jax.Array | None = None
   decode_tables: jax.Array | None = None
+  decode_tokens: jax.Array | None = None
 
   def attend(
     self,
@@ -89,7 +92,7 @@ class PagedCache:
     token per row runs the decode kernel, more run prefill attention over the
     cached pages and the new tokens; a packed call (`query_tiles`) runs
     prefill attention tile by tile, and with `decode_tables` the decode
-    kernel on each row's last tokens. `sliding_window` masks this layer's
+    kernel on the row's `decode_tokens`. `sliding_window` masks this layer's
     attention to its last keys and `soft_cap` caps its logits.
 
     On a cache whose `CacheConfig` frees blocks outside a window of `W`
@@ -119,7 +122,7 @@ class PagedCache:
       out = _attend_tiles(q, k_pages, v_pages, self.block_tables, positions, tiles, options)
       if self.decode_tables is not None:
         out = _attend_decode_tokens(
-          out, q, k_pages, v_pages, self.decode_tables, positions, options
+          out, q, k_pages, v_pages, self.decode_tables, self.decode_tokens, positions, options
         )
     elif positions.shape[1] == 1:
       lengths = (jnp.max(positions, axis=1) + 1).astype(jnp.int32)
@@ -164,15 +167,23 @@ def _attend_tiles(q, k_pages, v_pages, tile_tables, positions, tiles, options) -
   return untile(out, flat, positions.shape)
 
 
-def _attend_decode_tokens(out, q, k_pages, v_pages, decode_tables, positions, options):
-  """`out` with each row's last `n` tokens (`decode_tables`, see
-  `PagedCache`) replaced by their decode attention, each query to its own
-  sequence (padding: position -1, a zero output)."""
-  rows, n = q.shape[0], decode_tables.shape[0] // q.shape[0]
-  queries = q[:, -n:].reshape(rows * n, *q.shape[2:])
-  lengths = (positions[:, -n:].reshape(-1) + 1).astype(jnp.int32)
+def _attend_decode_tokens(
+  out, q, k_pages, v_pages, decode_tables, decode_tokens, positions, options
+):
+  """`out` with each row's `decode_tokens` (see `PagedCache`) replaced by
+  their decode attention, each query to its own sequence (an index past
+  the row, or a token at position -1: no query, a zero output)."""
+  rows, tokens = q.shape[:2]
+  flat = (jnp.arange(rows)[:, None] * tokens + decode_tokens).ravel()
+  valid = decode_tokens.ravel() < tokens
+  flat = jnp.where(valid, flat, rows * tokens)
+  queries = q.reshape(rows * tokens, *q.shape[2:])[jnp.minimum(flat, rows * tokens - 1)]
+  token_positions = positions.reshape(-1)[jnp.minimum(flat, rows * tokens - 1)]
+  lengths = jnp.where(valid, token_positions + 1, 0).astype(jnp.int32)
   attended = paged_attention(queries, k_pages, v_pages, decode_tables, lengths, **options)
-  return out.at[:, -n:].set(attended.reshape(rows, n, *q.shape[2:]).astype(out.dtype))
+  out = out.reshape(rows * tokens, *out.shape[2:])
+  out = out.at[flat].set(attended.astype(out.dtype), mode="drop")
+  return out.reshape(rows, tokens, *out.shape[1:])
 
 
 def tile_token_index(tiles: jax.Array, rows: int, tokens: int) -> jax.Array:
@@ -258,7 +269,7 @@ class ShardedPagedCache(PagedCache):
     device = self.kv.device_part()
     pages = jax.tree.map(lambda _: sharding.PAGES, device)
 
-    def local(kv, tables, slot_mapping, q, k, v, positions, tiles, decode_tables):
+    def local(kv, tables, slot_mapping, q, k, v, positions, tiles, decode_tables, decode_tokens):
       cache = PagedCache(
         kv=kv,
         block_tables=tables,
@@ -266,6 +277,7 @@ class ShardedPagedCache(PagedCache):
         cache_sliding_window=self.cache_sliding_window,
         query_tiles=tiles,
         decode_tables=decode_tables,
+        decode_tokens=decode_tokens,
       )
       out, cache = cache.attend(
         layer,
@@ -280,8 +292,19 @@ class ShardedPagedCache(PagedCache):
       return out, cache.kv
 
     out, written = sharding.per_device(
-      local, mesh, (pages, rows, rows, heads, heads, heads, rows, rows, rows), (heads, pages)
-    )(device, self.block_tables, self.slot_mapping, q, k, v, positions, tiles, self.decode_tables)
+      local, mesh, (pages, rows, rows, heads, heads, heads, rows, rows, rows, rows), (heads, pages)
+    )(
+      device,
+      self.block_tables,
+      self.slot_mapping,
+      q,
+      k,
+      v,
+      positions,
+      tiles,
+      self.decode_tables,
+      self.decode_tokens,
+    )
     return out, self.replace(kv=self.kv.with_device_part(written))
 
 
@@ -291,13 +314,15 @@ class HybridPagedCache:
   attention type, `paged_jax.hybrid_kv`): `block_tables`, `slot_mapping`
   and `decode_tables` hold one entry per type, as `PagedCache`'s fields;
   a layer attends as a `PagedCache` on its type's pages and entries, whose
-  manager window is the type's (`HybridKVCache.cfg.windows`)."""
+  manager window is the type's (`HybridKVCache.cfg.windows`); the tiles and
+  `decode_tokens` are every type's."""
 
   kv: HybridKVCache
   block_tables: tuple
   slot_mapping: tuple
   query_tiles: jax.Array | None = None
   decode_tables: tuple | None = None
+  decode_tokens: jax.Array | None = None
 
   def attend(self, layer: int, q, k, v, positions, **options) -> tuple[jax.Array, HybridPagedCache]:
     """See `PagedCache.attend`: layer `layer` on its type's pages and tables."""
@@ -309,6 +334,7 @@ class HybridPagedCache:
       cache_sliding_window=self.kv.cfg.windows[group],
       query_tiles=self.query_tiles,
       decode_tables=None if self.decode_tables is None else self.decode_tables[group],
+      decode_tokens=self.decode_tokens,
     )
     out, one = one.attend(index, q, k, v, positions, **options)
     types = self.kv.types[:group] + (one.kv,) + self.kv.types[group + 1 :]
@@ -322,12 +348,13 @@ def paged_cache(
   cache_sliding_window=None,
   query_tiles=None,
   decode_tables=None,
+  decode_tokens=None,
 ) -> PagedCache | HybridPagedCache:
   """The paged backend of one model call: per device when `kv` is on a mesh
   (rows grouped by data shard, `rows / data` each; so are a packed call's
   tiles and decode tables); `cache_sliding_window` is the `CacheConfig`'s
-  window, `query_tiles` a packed call's tiles and `decode_tables` a ragged
-  call's (see `PagedCache`). On a `HybridKVCache` (one device), a
+  window, `query_tiles` a packed call's tiles, `decode_tables` and
+  `decode_tokens` a ragged call's (see `PagedCache`). On a `HybridKVCache` (one device), a
   `HybridPagedCache`: tables, slots and decode tables hold one entry per
   type, and each type's window is its own."""
   if isinstance(kv, HybridKVCache):
@@ -337,6 +364,7 @@ def paged_cache(
       slot_mapping=tuple(slot_mapping),
       query_tiles=query_tiles,
       decode_tables=None if decode_tables is None else tuple(decode_tables),
+      decode_tokens=decode_tokens,
     )
   cls = PagedCache if kv.mesh is None else ShardedPagedCache
   return cls(
@@ -346,4 +374,5 @@ def paged_cache(
     cache_sliding_window=cache_sliding_window,
     query_tiles=query_tiles,
     decode_tables=decode_tables,
+    decode_tokens=decode_tokens,
   )

@@ -496,20 +496,25 @@ def test_stats_count_the_prefill_and_decode_padding(model):
 
 
 @pytest.mark.parametrize(
-  "budget, demand, planned",
+  "budget, demand, rows, planned",
   [
-    (512, 40, 512),  # fits the smallest bucket
-    (512, 64, 512),  # fills a bucket
-    (512, 250, 512),  # pads 6 of 256
-    (512, 200, 512),  # pads 56 of 256: at most a quarter
-    (512, 180, 128),  # would pad 76 of 256
-    (512, 300, 256),  # would pad 212 of 512
-    (400, 1000, 400),  # the budget pads 112 of 512
-    (380, 1000, 256),  # the budget would pad 132 of 512
+    (512, 40, 0, 512),  # fits the smallest bucket
+    (512, 64, 0, 512),  # fills a bucket
+    (512, 250, 0, 512),  # pads 6 of 256
+    (512, 200, 0, 512),  # pads 56 of 256: at most a quarter
+    (512, 180, 0, 128),  # would pad 76 of 256
+    (512, 300, 0, 256),  # would pad 212 of 512
+    (400, 1000, 0, 400),  # the budget pads 112 of 512
+    (380, 1000, 0, 256),  # the budget would pad 132 of 512
+    # Decoding rows ride in the bucket, a token each.
+    (496, 200, 16, 496),  # 216 tokens pad 40 of 256
+    (496, 170, 16, 112),  # 186 would pad 70 of 256: 112 beside the rows fill 128
+    (480, 40, 32, 32),  # 72 would pad 56 of 128: 32 beside the rows fill 64
+    (452, 1000, 60, 452),  # 60 rows and the budget fill 512
   ],
 )
-def test_a_round_fills_a_smaller_prompt_bucket_rather_than_pad_much(budget, demand, planned):
-  assert filled_budget(budget, demand, [64, 128, 256, 512]) == planned
+def test_a_round_fills_a_smaller_prompt_bucket_rather_than_pad_much(budget, demand, rows, planned):
+  assert filled_budget(budget, demand, [64, 128, 256, 512], rows) == planned
 
 
 def test_an_engine_for_another_platform_plans_its_whole_budget(model):
@@ -519,10 +524,10 @@ def test_an_engine_for_another_platform_plans_its_whole_budget(model):
 
 
 def test_a_cpu_engine_leaves_what_would_pad_a_bucket_to_the_next_round(model):
-  # Prompt buckets of 8, 16 and 32 tokens. "b"'s 20 tokens would pad 12 of
-  # 32 (more than a quarter), so its first ragged step (beside "a"'s decode
-  # row) runs 16 and the next the last 4 (in the 8-token bucket): 24
-  # positions, not 32.
+  # Buckets of 8, 16 and 32 tokens. "b"'s 20 tokens and "a"'s decoding row
+  # would pad 11 of 32 (more than a quarter), so its first ragged step runs
+  # 15 beside the row (the 16-token bucket) and the next the last 5 (8):
+  # 22 positions besides the row's, not 31.
   engine = pj.LLMEngine(model, TOKENIZER, CFG, prefill_width=4, max_num_batched_tokens=32)
   assert engine.schedulers[0].token_buckets == [8, 16, 32]
   engine.add_request("a", [65, 66, 67], GREEDY)
@@ -533,7 +538,7 @@ def test_a_cpu_engine_leaves_what_would_pad_a_bucket_to_the_next_round(model):
     before = engine.stats.prefill_positions
     engine.step()
     positions.append(engine.stats.prefill_positions - before)
-  assert positions == [16, 8]
+  assert positions == [15, 7]
   finals, _ = _serve(engine, [])
   alone = pj.LLMEngine(model, TOKENIZER, CFG, num_decode_steps=4)
   expected, _ = _serve(alone, [("b", list(range(70, 90)), GREEDY)])
@@ -573,6 +578,14 @@ def test_prefill_packs_each_shards_chunks_into_one_token_axis():
   assert packed.tile_slots.tolist() == [[1, 1, 2, -1], [2, -1, -1, -1]]
   assert packed.write_from.tolist() == [10, 10, 0, 0, 0, 0, 0, 0]
   assert (packed.next_tokens == -1).all()
+  # With room for a ragged step's decoding rows after each shard's chunks.
+  with_rows = pack_prefill(chunks, 4, 2, 4, prompt_buckets(4, 16, 4), np.array([1, 3]))
+  assert with_rows.tokens.shape == (2, 8)  # 7 + 1 and 3 + 3 tokens
+  with_rows = pack_prefill(chunks, 4, 2, 4, prompt_buckets(4, 16, 4), np.array([2, 0]))
+  assert with_rows.tokens.shape == (2, 16)
+  assert with_rows.positions[0, :7].tolist() == packed.positions[0, :7].tolist()
+  with pytest.raises(RuntimeError, match=r"holds 17 tokens \(prompt tokens and decoding rows"):
+    pack_prefill(chunks, 4, 2, 4, prompt_buckets(4, 16, 4), np.array([10, 0]))
 
 
 def test_greedy_tokens_are_jnp_argmax():

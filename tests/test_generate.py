@@ -153,7 +153,7 @@ def test_a_packed_call_equals_one_row_per_sequence(model):
 
 
 def test_a_ragged_call_equals_a_prompt_call_and_a_decode_call(model):
-  # Decode tokens ride at the end of a packed row (`decode_tables`): the
+  # Decode tokens ride in a packed row where `decode_tokens` puts them: the
   # chunk's logits are its own call's, the decode tokens' a decode call's,
   # and the pages hold what both calls write.
   forward = _jitted_forward(model)
@@ -178,26 +178,30 @@ def test_a_ragged_call_equals_a_prompt_call_and_a_decode_call(model):
   chunk = PagedCache(kv=decode.kv, block_tables=prompt_tables[2:], slot_mapping=prompt_slots[2:])
   chunk_logits, apart = forward(tokens[2:], positions[2:], chunk)
 
-  # One row: the 12-token chunk in 3 tiles of 4 (of 4), 4 padding, 2 decode tokens.
+  # One row: the 12-token chunk in 3 tiles of 4 (of 4), the 2 decode tokens
+  # (the second sequence's first), 4 padding; a third decode row has no token.
   ragged_tokens = np.zeros((1, 18), np.int32)
   ragged_positions = np.full((1, 18), -1, np.int32)
   ragged_slots = np.full((1, 18), -1, np.int32)
   ragged_tokens[0, :12], ragged_positions[0, :12] = tokens[2], positions[2]
   ragged_slots[0, :12] = prompt_slots[2]
-  ragged_tokens[0, 16:], ragged_positions[0, 16:] = next_tokens[:, 0], decode_positions[:, 0]
-  ragged_slots[0, 16:] = decode_slots[:, 0]
+  ragged_tokens[0, 12:14] = next_tokens[::-1, 0]
+  ragged_positions[0, 12:14] = decode_positions[::-1, 0]
+  ragged_slots[0, 12:14] = decode_slots[::-1, 0]
   tiles = np.full((4, 4), -1, np.int32)
   tiles[:3] = np.arange(12).reshape(3, 4)
+  no_table = np.full((1, decode_tables.shape[1]), -1, np.int32)
   ragged = PagedCache(
     kv=kv,
     block_tables=np.repeat(np.asarray(prompt_tables[2:]), 4, axis=0),
     slot_mapping=ragged_slots,
     query_tiles=tiles,
-    decode_tables=decode_tables,
+    decode_tables=np.concatenate([decode_tables, no_table]),
+    decode_tokens=np.array([[13, 12, 18]], np.int32),
   )
   logits, ragged = forward(ragged_tokens, ragged_positions, ragged)
   np.testing.assert_allclose(logits[0, :12], chunk_logits[0], atol=1e-5, rtol=0)
-  np.testing.assert_allclose(logits[0, 16:], decode_logits[:, 0], atol=1e-5, rtol=0)
+  np.testing.assert_allclose(logits[0, 12:14], decode_logits[::-1, 0], atol=1e-5, rtol=0)
   pages = lambda cache: cache.kv.k + cache.kv.v
   for together, separately in zip(pages(ragged), pages(apart)):
     np.testing.assert_allclose(together, separately, atol=1e-5, rtol=0)  # NaN where neither wrote

@@ -25,7 +25,8 @@ def test_compiled_programs_lists_the_bucket_set():
   # 48 tokens in ceil(48 / 16) + 4 = 7 tiles at most: 32 and 64 tokens; the
   # decode rows of every ragged step: the bucket that holds max_num_seqs.
   assert engine.compiled_programs()[:2] == [
-    f"ragged step: {t} prompt tokens in {t // 8} tiles of 16 and 4 decode rows" for t in (32, 64)
+    f"ragged step: {t} tokens (prompt and decode) in {t // 8} tiles of 16, 4 decode rows"
+    for t in (32, 64)
   ]
   assert engine.compiled_programs()[2:] == [
     "decode loop 1 rows x8 steps",

@@ -329,6 +329,7 @@ class LLMEngine(EngineRounds, EngineLifecycle):
         shard,
         self._automaton_room,
         token_buckets,
+        rows_in_buckets=self.speculative is None,
       )
       for shard in range(self.cache_manager.num_shards)
     ]
@@ -350,9 +351,10 @@ class LLMEngine(EngineRounds, EngineLifecycle):
 
     A ragged step runs each data shard's prompt chunks packed into one row
     of tokens, attending in tiles of `prefill_width` tokens, followed by
-    one decode token for each of `ModelRunner.ragged_rows` rows: `2 *
-    prefill_width * 2**i` prompt tokens in `4 * 2**i` tiles per shard, up
-    to the first shape that holds `max_num_batched_tokens` tokens (the
+    one decode token for each of its decoding rows (of
+    `ModelRunner.ragged_rows`): `2 * prefill_width * 2**i` tokens in `4 *
+    2**i` tiles per shard, up to the first shape that holds
+    `max_num_batched_tokens` tokens (the
     largest with room for `ceil(max_num_batched_tokens / prefill_width) +
     max_num_seqs` tiles: a chunk adds at most one partly filled tile).
     With speculation, prompt chunks run alone in those shapes instead. The
@@ -373,8 +375,8 @@ class LLMEngine(EngineRounds, EngineLifecycle):
     width = runner.prefill_width
     if self.speculative is None:
       prompts = [
-        f"ragged step: {shards * t} prompt tokens in {shards * r} tiles of {width} and "
-        f"{shards * runner.ragged_rows()} decode rows"
+        f"ragged step: {shards * t} tokens (prompt and decode) in {shards * r} tiles of "
+        f"{width}, {shards * runner.ragged_rows()} decode rows"
         for t, r in runner.prefill_buckets()
       ]
     else:

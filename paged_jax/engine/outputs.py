@@ -101,9 +101,10 @@ class GenerationStats:
     prompt_tokens: prompt tokens over all requests.
     prefill_tokens: tokens that ran through prefill (prefix-cache hits skip
       some; recomputed preempted sequences run theirs again).
-    prefill_positions: token positions the prefill launches computed: the
-      prefill tokens plus the padding of their token buckets
-      (`LLMEngine.compiled_programs`); `prefill_padding` is the padded share.
+    prefill_positions: token positions the prefill launches computed,
+      besides a ragged step's decoding rows: the prefill tokens plus the
+      padding of their token buckets (`LLMEngine.compiled_programs`);
+      `prefill_padding` is the padded share.
     decode_steps: iterations of the decode loop.
     decode_positions: rows the decode launches computed, summed over their
       steps: a launch runs each data shard's decoding sequences padded to a

@@ -69,16 +69,31 @@ class PackedPrefill:
     )
 
 
-def pack_prefill(chunks, width: int, num_shards: int, per_shard: int, buckets) -> PackedPrefill:
+def pack_prefill(
+  chunks, width: int, num_shards: int, per_shard: int, buckets, decode_rows=None
+) -> PackedPrefill:
   """Packs `PrefillChunk`s into the smallest of the `(tokens, tiles)`
   `buckets` (see `prompt_buckets`) that holds every shard's, with attention
-  tiles of `width` tokens (`per_shard`: sequence slots per data shard)."""
+  tiles of `width` tokens (`per_shard`: sequence slots per data shard),
+  and room after each shard's chunks for its `decode_rows` (a ragged
+  step's decoding rows, one token each; default none).
+
+  Raises:
+    RuntimeError: if no bucket holds them (the scheduler's token budget
+      leaves room for every decoding row).
+  """
   shard_of = [chunk.seq.slot // per_shard for chunk in chunks]
   num_tokens = np.bincount(shard_of, [c.tokens.size for c in chunks], minlength=num_shards)
+  if decode_rows is not None:
+    num_tokens = num_tokens + decode_rows
   num_tiles = np.bincount(shard_of, [-(-c.tokens.size // width) for c in chunks], num_shards)
-  per_tokens, per_tiles = next(
-    (t, r) for t, r in buckets if t >= num_tokens.max() and r >= num_tiles.max()
-  )
+  fitting = [(t, r) for t, r in buckets if t >= num_tokens.max() and r >= num_tiles.max()]
+  if not fitting:
+    raise RuntimeError(
+      f"no launch shape {buckets} holds {int(num_tokens.max())} tokens (prompt tokens and "
+      f"decoding rows) in {int(num_tiles.max())} tiles"
+    )
+  per_tokens, per_tiles = fitting[0]
   packed = PackedPrefill.empty(num_shards, (per_tokens, per_tiles), width)
   tokens_used, tiles_used = np.zeros(num_shards, np.int64), np.zeros(num_shards, np.int64)
   for chunk, shard in zip(chunks, shard_of):
@@ -114,25 +129,27 @@ def prompt_buckets(width: int, max_tokens: int, max_tiles: int) -> list[tuple[in
   return buckets
 
 
-def filled_budget(budget: int, demand: int, token_buckets) -> int:
-  """The prompt tokens a round plans, of `budget`, when `demand` could run.
+def filled_budget(budget: int, demand: int, token_buckets, decode_rows: int = 0) -> int:
+  """The prompt tokens a round plans, of `budget`, when `demand` could run
+  in a launch that also holds `decode_rows` decoding rows (a ragged step's,
+  one token each; 0 for a launch of prompts alone).
 
-  A launch pads its prompt tokens up to the smallest of `token_buckets`
+  A launch pads its tokens up to the smallest of `token_buckets`
   (ascending) that holds them, and on a CPU padding costs as much as a
   token. But leaving prompt tokens to the next round costs that round a
   ragged step where a decode step might have run, and the prompt's first
   token a step: SmolLM2's ragged step costs about what 100 prompt tokens
-  more do (benchmarks/RESULTS.md). So only when `min(budget, demand)` would
-  pad more than a quarter of its bucket and fills a smaller bucket instead
-  does the round plan that smaller bucket and leave the rest of the prompts
-  to the next (their decoding rows step meanwhile); otherwise it plans
-  `budget`."""
-  tokens = min(budget, demand)
+  more do (benchmarks/RESULTS.md). So only when `min(budget, demand)`
+  prompt tokens would pad more than a quarter of their bucket and fill a
+  smaller bucket instead does the round plan that smaller bucket and leave
+  the rest of the prompts to the next (their decoding rows step
+  meanwhile); otherwise it plans `budget`."""
+  tokens = decode_rows + min(budget, demand)
   up = next((b for b in token_buckets if b >= tokens), None)
-  below = [b for b in token_buckets if b <= tokens]
+  below = [b for b in token_buckets if decode_rows < b <= tokens]
   if up is None or not below or 4 * (up - tokens) <= up:
     return budget
-  return below[-1]
+  return below[-1] - decode_rows
 
 
 def pack_decode_rows(running: np.ndarray, buckets: list[int]) -> np.ndarray | None:

@@ -220,13 +220,17 @@ class ModelRunner(RunAhead):
     draw, scores = self._launch_prefill(packed, last_token_of, sample_slots, table, draw_states)
     return prompt_outputs(chunks, packed, len(samples), draw, scores)
 
-  def _pack_prompts(self, chunks, samples):
+  def _pack_prompts(self, chunks, samples, decode_rows=None):
     """`(packed chunks, last_token_of, sample slots)` of a launch with
-    prompt chunks (see `prefill`): one draw per slot, whatever the samples."""
+    prompt chunks (see `prefill`) and room for `decode_rows` per shard (see
+    `pack_prefill`): one draw per slot, whatever the samples."""
     cache_manager = self.cache_manager
     num_shards, per_shard = cache_manager.num_shards, cache_manager.cfg.max_seqs
-    packed = pack_prefill(chunks, self.prefill_width, num_shards, per_shard, self.prefill_buckets())
-    self.counters["prefill_positions"] += packed.tokens.size
+    packed = pack_prefill(
+      chunks, self.prefill_width, num_shards, per_shard, self.prefill_buckets(), decode_rows
+    )
+    rows = 0 if decode_rows is None else int(np.sum(decode_rows))
+    self.counters["prefill_positions"] += packed.tokens.size - rows
     num_draws = num_shards * per_shard
     last_token_of = np.zeros(num_draws, np.int32)
     sample_slots = np.zeros(num_draws, np.int32)
@@ -605,8 +609,9 @@ class ModelRunner(RunAhead):
   ) -> tuple[Draw, list, DecodeResult]:
     """Runs one engine step: prompt chunks and one decode step of the
     running rows in one ragged launch (`programs.ragged_step`), drawing
-    token 0 of the sequences in `samples`. Not while speculating (prefill
-    runs apart then).
+    token 0 of the sequences in `samples`; its shape is the smallest prompt
+    bucket that holds each shard's chunks and a token per decoding row. Not
+    while speculating (prefill runs apart then).
 
     Args:
       chunks, samples, constraints: as for `prefill`.
@@ -618,7 +623,8 @@ class ModelRunner(RunAhead):
       `(draws, scores, result)`: `prefill`'s outputs, and the decode
       step's `DecodeResult` (per slot).
     """
-    packed, last_token_of, sample_slots = self._pack_prompts(chunks, samples)
+    decoding = (self.table.slots >= 0).reshape(self.cache_manager.num_shards, -1)
+    packed, last_token_of, sample_slots = self._pack_prompts(chunks, samples, decoding.sum(1))
     row_slots = self._ragged_row_slots()
     num_rows, triples = self.table.row_constraints(row_slots, row_constraints)
     num_draws = last_token_of.shape[0]

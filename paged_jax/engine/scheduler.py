@@ -81,9 +81,11 @@ class Scheduler:
     automaton_room: `automaton -> bool`, whether a structured output's
       automaton fits the launches' table beside the running ones (a group
       waits until it does); None: always.
-    token_buckets: the prompt token counts launches pad to, ascending: a
-      round then plans no more prompt tokens than `packing.filled_budget`
-      gives; None: the whole budget.
+    token_buckets: the token counts launches pad to, ascending: a round
+      then plans no more prompt tokens than `packing.filled_budget` gives;
+      None: the whole budget.
+    rows_in_buckets: whether the decoding rows ride in the prompt launch
+      (a ragged step), one token each of its bucket.
   """
 
   def __init__(
@@ -96,9 +98,11 @@ class Scheduler:
     shard: int = 0,
     automaton_room=None,
     token_buckets=None,
+    rows_in_buckets: bool = False,
   ):
     self.cache_manager = cache_manager
     self.token_buckets = token_buckets
+    self.rows_in_buckets = rows_in_buckets
     self.shard = shard
     self.automaton_room = automaton_room
     self.max_num_seqs = max_num_seqs
@@ -193,9 +197,11 @@ class Scheduler:
     preempted = bool(out.preempted)
     if not preempted:
       self._swap_in(out)
-    budget = self.max_num_batched_tokens - self._num_decoding()
+    num_decoding = self._num_decoding()
+    budget = self.max_num_batched_tokens - num_decoding
     if self.token_buckets is not None:
-      budget = filled_budget(budget, self._prompt_demand(), self.token_buckets)
+      rows = num_decoding if self.rows_in_buckets else 0
+      budget = filled_budget(budget, self._prompt_demand(), self.token_buckets, rows)
     for group in self.running:
       budget = self._plan_chunks(group, budget, out)
     # After a preemption the running groups decode before anything is

@@ -144,6 +144,17 @@ def prefill_step(
   return sharding.replicate((draw, scores), kv), kv
 
 
+def row_token_index(prompt_positions, row_positions):
+  """Where a ragged step's decoding rows sit on their shard's token axis:
+  int32 `[D, n]`, right after the shard's prompt tokens (`prompt_positions`
+  `[D, T]`, padding at -1 after them), in row order; `T` (no token) for a
+  row that does not decode (`row_positions` `[D, n]` at -1)."""
+  decoding = row_positions >= 0
+  first = jnp.sum(prompt_positions >= 0, axis=1, keepdims=True)
+  index = first + jnp.cumsum(decoding, axis=1) - 1
+  return jnp.where(decoding, index, prompt_positions.shape[1]).astype(jnp.int32)
+
+
 def _prompt_tables_and_slot_mapping(states, positions, tiles, tile_slots, write_from):
   """A packed prompt call's block table per tile and slot mapping per token
   (-1 where a token's K/V is written already, or padding); see `prefill_step`."""
@@ -207,9 +218,11 @@ def ragged_step(
   Each data shard's token axis holds its prompt chunks packed (`tokens`,
   `positions` `[D, T]`: every chunk has its own length and first position,
   attended in `tiles` through its sequence's block table; as in `prefill_step`),
-  then its decode rows' last tokens, one query each (attended by the decode
-  kernel through the row's table, see `PagedCache.decode_tables`): the
-  model's weights are read once for the whole step. The rows' step is
+  then the last tokens of its decoding rows, one query each (attended by
+  the decode kernel through the row's table, see `PagedCache.decode_tables`;
+  `row_token_index` places them), then padding: the model's weights are
+  read once for the whole step, and its matmuls run `T` tokens, which must
+  hold the shard's prompt tokens and decoding rows. The rows' step is
   `decode_step`'s, except that when a shard is out of blocks no row
   decodes (the chunks still run) and `out_of_blocks` says so. Draw `i`
   samples from the prompt token at `last_token_of[i]` with
@@ -229,32 +242,34 @@ def ragged_step(
   prompt_tables, prompt_slot_mapping = _prompt_tables_and_slot_mapping(
     state, positions, tiles, tile_slots, write_from
   )
-  num_shards, num_prompt_tokens = tokens.shape
+  num_shards, num_tokens = tokens.shape
 
   def call_model(model, row_tokens, row_positions, cache, kv):
-    after_prompt = lambda prompt, rows: jnp.concatenate(
-      [prompt, rows.reshape(num_shards, -1)], axis=1
+    row_index = row_token_index(positions, row_positions.reshape(num_shards, -1))
+    shard = jnp.arange(num_shards)[:, None]
+    into_axis = lambda prompt, rows: prompt.at[shard, row_index].set(
+      rows.reshape(num_shards, -1), mode="drop"
     )
     ragged = paged_cache(
       kv=cache.kv,
       block_tables=prompt_tables,
-      slot_mapping=jax.tree.map(after_prompt, prompt_slot_mapping, cache.slot_mapping),
+      slot_mapping=jax.tree.map(into_axis, prompt_slot_mapping, cache.slot_mapping),
       cache_sliding_window=getattr(cache, "cache_sliding_window", None),
       query_tiles=tiles,
       decode_tables=cache.block_tables,
+      decode_tokens=row_index,
     )
     args = (
-      sharding.split_rows(after_prompt(tokens, row_tokens), kv),
-      sharding.split_rows(after_prompt(positions, row_positions), kv),
+      sharding.split_rows(into_axis(tokens, row_tokens), kv),
+      sharding.split_rows(into_axis(positions, row_positions), kv),
       ragged,
     )
     hidden, ragged, logits_of = _hidden_states(model, args)
-    prompt_hidden = hidden[:, :num_prompt_tokens]
-    row_hidden = hidden[:, num_prompt_tokens:].reshape(-1, hidden.shape[-1])
-    sample_hidden = prompt_hidden.reshape(-1, hidden.shape[-1])[last_token_of]
-    logits = logits_of(jnp.concatenate([row_hidden, sample_hidden]))
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    row_hidden = flat_hidden[(shard * num_tokens + jnp.minimum(row_index, num_tokens - 1)).ravel()]
+    logits = logits_of(jnp.concatenate([row_hidden, flat_hidden[last_token_of]]))
     num_rows = row_tokens.shape[0]
-    scores = _scores_if_asked(logits_of, prompt_hidden, next_tokens, num_logprobs)
+    scores = _scores_if_asked(logits_of, hidden, next_tokens, num_logprobs)
     return logits[:num_rows, None], ragged, (logits[num_rows:], scores)
 
   decoding = loop.replace(slots=jnp.where(blocked, -1, loop.slots))
