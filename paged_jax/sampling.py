@@ -20,6 +20,9 @@ class RowParams:
     stop_ids: int32 `[rows, width]` token ids that end the row, -1 padding.
     processed: bool `[rows]`: the row's log-probabilities are those of the
       distribution it samples from (`sampling_logits`), not the model's.
+    wants_top: bool `[rows]`: the row returns its most likely alternatives
+      (`SamplingParams.logprobs` > 0); `sample_rows` ranks the vocabulary
+      only when some row does.
   """
 
   temperature: jax.Array
@@ -28,6 +31,7 @@ class RowParams:
   key_data: jax.Array
   stop_ids: jax.Array
   processed: jax.Array
+  wants_top: jax.Array
 
 
 @flax.struct.dataclass
@@ -40,7 +44,8 @@ class Draw:
       (under the masked distribution when `sample_rows` has a `logit_mask`),
       or, for a `processed` row, under the distribution it was drawn from.
     top_ids: int32 `[rows, k]`, the `k` most likely tokens.
-    top_logprobs: float32 `[rows, k]`, their log-probabilities.
+    top_logprobs: float32 `[rows, k]`, their log-probabilities (both zeros
+      when no row `wants_top`).
   """
 
   tokens: jax.Array
@@ -136,17 +141,38 @@ def sample_rows(
   argmax = greedy_tokens(logits)
   drawn, processed = jax.lax.cond(jnp.all(greedy), lambda _: (argmax, logits), draw, None)
   tokens = jnp.where(greedy, argmax, drawn)
-  raw = jax.nn.log_softmax(logits, axis=-1)
-  logprobs = jax.lax.cond(  # the second log-softmax only when a row asks for it
+  logprob = jax.lax.cond(  # the processed distribution only when a row asks for it
     jnp.any(params.processed),
-    lambda: jnp.where(params.processed[:, None], jax.nn.log_softmax(processed, axis=-1), raw),
-    lambda: raw,
+    lambda: jnp.where(
+      params.processed, token_logprob(processed, tokens), token_logprob(logits, tokens)
+    ),
+    lambda: token_logprob(logits, tokens),
   )
-  logprob = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-  top_logprobs, top_ids = jax.lax.top_k(logprobs, num_logprobs)
-  return Draw(
-    tokens=tokens, logprob=logprob, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs
+
+  def top():
+    raw = jax.nn.log_softmax(logits, axis=-1)
+    logprobs = jax.lax.cond(
+      jnp.any(params.processed),
+      lambda: jnp.where(params.processed[:, None], jax.nn.log_softmax(processed, axis=-1), raw),
+      lambda: raw,
+    )
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, num_logprobs)
+    return top_ids.astype(jnp.int32), top_logprobs
+
+  none = lambda: (
+    jnp.zeros((logits.shape[0], num_logprobs), jnp.int32),
+    jnp.zeros((logits.shape[0], num_logprobs), jnp.float32),
   )
+  top_ids, top_logprobs = jax.lax.cond(jnp.any(params.wants_top), top, none)
+  return Draw(tokens=tokens, logprob=logprob, top_ids=top_ids, top_logprobs=top_logprobs)
+
+
+def token_logprob(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+  """`jax.nn.log_softmax(logits)` at `tokens` `[rows]`, by the same float
+  operations, without the vocabulary-wide log-probabilities."""
+  most = jnp.max(logits, axis=-1, initial=-jnp.inf)
+  total = jnp.log(jnp.sum(jnp.exp(logits - most[:, None]), axis=-1))
+  return (jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - most) - total
 
 
 def categorical_rows(keys: jax.Array, logits: jax.Array, block: int = 128) -> jax.Array:

@@ -19,7 +19,7 @@ from paged_jax.engine import arrivals
 from paged_jax.engine.cache_manager import CacheManager
 from paged_jax.engine.packing import filled_budget, pack_decode_rows, pack_prefill, prompt_buckets
 from paged_jax.engine.scheduler_output import PrefillChunk
-from paged_jax.sampling import categorical_rows, greedy_tokens
+from paged_jax.sampling import RowParams, categorical_rows, greedy_tokens, sample_rows
 from pallas_kernels.paged_attention import cpu
 from tests.tiny_models import BYTE_LLAMA, ENGINE_CFG
 
@@ -597,6 +597,38 @@ def test_greedy_tokens_are_jnp_argmax():
   expected = jnp.argmax(logits, axis=-1)
   np.testing.assert_array_equal(jax.jit(greedy_tokens)(logits), expected)
   assert expected[1] == 7 and expected[2] == 0
+
+
+def test_draws_rank_the_vocabulary_only_for_rows_that_want_their_top_tokens():
+  # Greedy and processed (temperature) rows, some with -inf logits: the
+  # token's log-probability is log_softmax's, bit for bit; the top tokens
+  # are top_k's when some row wants them, zeros when none does.
+  rows, vocab = 4, 300
+  logits = jax.random.normal(jax.random.key(3), (rows, vocab)) * 4
+  logits = logits.at[1, :250].set(-jnp.inf)
+  params = RowParams(
+    temperature=jnp.asarray([0.0, 0.0, 0.7, 0.7]),
+    top_k=jnp.zeros(rows, jnp.int32),
+    top_p=jnp.ones(rows),
+    key_data=jax.random.key_data(jax.random.split(jax.random.key(4), rows)),
+    stop_ids=jnp.full((rows, 1), -1, jnp.int32),
+    processed=jnp.asarray([False, False, True, False]),
+    wants_top=jnp.asarray([False, True, False, False]),
+  )
+  sample = jax.jit(sample_rows, static_argnums=3)
+  index = jnp.zeros(rows, jnp.int32)
+  draw = sample(logits, params, index, 3)
+  raw = jax.nn.log_softmax(logits, axis=-1)
+  processed = jax.nn.log_softmax(logits / 0.7, axis=-1)
+  expected = jnp.where(params.processed[:, None], processed, raw)
+  chosen = jnp.take_along_axis(expected, draw.tokens[:, None], axis=-1)[:, 0]
+  np.testing.assert_array_equal(draw.logprob, chosen)
+  top_logprobs, top_ids = jax.lax.top_k(expected, 3)
+  np.testing.assert_array_equal(draw.top_ids, top_ids)
+  np.testing.assert_array_equal(draw.top_logprobs, top_logprobs)
+  unwanted = sample(logits, params.replace(wants_top=jnp.zeros(rows, bool)), index, 3)
+  np.testing.assert_array_equal(unwanted.logprob, draw.logprob)
+  assert not np.asarray(unwanted.top_ids).any() and not np.asarray(unwanted.top_logprobs).any()
 
 
 def test_categorical_rows_draws_each_rows_softmax():

@@ -219,6 +219,7 @@ def _processed(logits, params: pj.SamplingParams) -> np.ndarray:
     key_data=jnp.zeros((rows, 2), jnp.uint32),
     stop_ids=jnp.full((rows, 1), -1, jnp.int32),
     processed=jnp.ones(rows, bool),
+    wants_top=jnp.zeros(rows, bool),
   )
   return np.asarray(sampling_logits(jnp.asarray(logits), row_params))
 

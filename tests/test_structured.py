@@ -83,6 +83,7 @@ def greedy_rows(num_rows: int) -> RowParams:
     key_data=jax.random.key_data(jax.random.split(jax.random.key(0), num_rows)),
     stop_ids=jnp.full((num_rows, 1), -1, jnp.int32),
     processed=jnp.zeros(num_rows, bool),
+    wants_top=jnp.ones(num_rows, bool),
   )
 
 
@@ -355,6 +356,7 @@ def test_unconstrained_rows_are_unchanged_bit_for_bit(byte_automata):
     key_data=jax.random.key_data(jax.random.split(jax.random.key(2), rows)),
     stop_ids=jnp.full((rows, 1), -1, jnp.int32),
     processed=jnp.zeros(rows, bool),
+    wants_top=jnp.ones(rows, bool),
   )
   start = packed.initial_state(byte_automata[0])  # must begin with "{"
   states = jnp.asarray([st.UNCONSTRAINED] * 4 + [start] * 4, jnp.int32)

@@ -73,6 +73,7 @@ class RowTable:
       key_data=np.zeros((num_slots, key_words), np.uint32),
       stop_ids=np.full((num_slots, stop_width), -1, np.int32),
       processed=np.zeros(num_slots, bool),
+      wants_top=np.zeros(num_slots, bool),
     )
     self.slots = np.full(num_slots, -1, np.int32)
     self.last_token = np.zeros(num_slots, np.int32)
@@ -94,7 +95,7 @@ class RowTable:
       slot = row.slot
       sampling.temperature[slot], sampling.top_k[slot] = row.temperature, row.top_k
       sampling.top_p[slot], sampling.key_data[slot] = row.top_p, row.key_data
-      sampling.processed[slot] = row.processed
+      sampling.processed[slot], sampling.wants_top[slot] = row.processed, row.wants_top
       sampling.stop_ids[slot] = -1
       sampling.stop_ids[slot, : len(row.stop_ids)] = row.stop_ids
       self.limit[slot] = row.limit
@@ -182,6 +183,7 @@ def new_row(group: SequenceGroup, seq: Sequence, slot: int, greedy: bool) -> New
     stop_ids=group.stop_ids,
     limit=group.limit,
     processed=params.logprobs_mode == "processed",
+    wants_top=bool(params.logprobs),
   )
 
 

@@ -26,6 +26,7 @@ class NewRow:
   stop_ids: tuple[int, ...]
   limit: int
   processed: bool = False
+  wants_top: bool = False
 
 
 @dataclasses.dataclass

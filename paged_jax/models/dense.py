@@ -35,6 +35,7 @@ def _row_params(sampling: SamplingParams, keys: jax.Array) -> RowParams:
     key_data=jax.random.key_data(keys),
     stop_ids=jnp.tile(jnp.asarray(stop, jnp.int32), (rows, 1)),
     processed=jnp.full(rows, sampling.logprobs_mode == "processed"),
+    wants_top=jnp.full(rows, bool(sampling.logprobs)),
   )
 
 
