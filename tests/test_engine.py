@@ -477,9 +477,10 @@ def test_outputs_finish_with_a_reason_and_logprobs(reference):
 
 def test_stats_count_the_prefill_and_decode_padding(model):
   # Prompts of 5, 5 and 36 tokens in one ragged step: 46 tokens packed into
-  # the 64-token bucket (1 + 1 + 2 tiles of 32, of 4), with its 6 decode rows
-  # (none decodes yet). Then three sequences decode 2 tokens each in the
-  # 4-row bucket, in launches of 1 and 2 steps (the second ends after 1).
+  # the 64-token bucket (1 + 1 + 2 tiles of 32, of 4), beside no decoding
+  # row (a ragged step computes only those). Then three sequences decode 2
+  # tokens each in the 4-row bucket, in launches of 1 and 2 steps (the
+  # second ends after 1).
   engine = pj.LLMEngine(model, TOKENIZER, CFG, num_decode_steps=4)
   params = pj.SamplingParams(max_tokens=3, ignore_eos=True)
   for request_id, length in (("short", 5), ("small", 5), ("long", 36)):
@@ -490,8 +491,8 @@ def test_stats_count_the_prefill_and_decode_padding(model):
   assert (stats.prefill_tokens, stats.prefill_positions) == (46, 64)
   assert stats.prefill_padding == pytest.approx(1 - 46 / 64)
   assert stats.preemptions == 0
-  assert (stats.decode_tokens, stats.decode_positions) == (3 * 2, 6 + 4 * 2)
-  assert stats.decode_padding == pytest.approx(1 - 6 / 14)
+  assert (stats.decode_tokens, stats.decode_positions) == (3 * 2, 4 * 2)
+  assert stats.decode_padding == pytest.approx(1 - 6 / 8)
   assert pj.GenerationStats().prefill_padding == pj.GenerationStats().decode_padding == 0.0
 
 

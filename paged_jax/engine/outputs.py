@@ -107,8 +107,9 @@ class GenerationStats:
       `prefill_padding` is the padded share.
     decode_steps: iterations of the decode loop.
     decode_positions: rows the decode launches computed, summed over their
-      steps: a launch runs each data shard's decoding sequences padded to a
-      row bucket (`LLMEngine.compiled_programs`).
+      steps: a decode loop runs each data shard's decoding sequences padded
+      to a row bucket (`LLMEngine.compiled_programs`), a ragged step only
+      its decoding rows.
     decode_tokens: the rows of those that decoded a sequence;
       `decode_padding` is the padded share.
     loop_launches: times the host entered the compiled loop.

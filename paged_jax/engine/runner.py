@@ -573,10 +573,11 @@ class ModelRunner(RunAhead):
     self._next_steps = min(2 * steps, num_steps)
     return steps
 
-  def _take_step_results(self, row_slots, loop) -> DecodeResult:
+  def _take_step_results(self, row_slots, loop, padded: bool = True) -> DecodeResult:
     """Takes the carry of a launch on `row_slots` (see `_decode_row_slots`; a decode
     loop, or a ragged step) back into the pages, the beams and the slots'
-    state, and returns what it did per slot."""
+    state, and returns what it did per slot. The model computed every row
+    (`padded`, a decode loop) or only the decoding ones (a ragged step)."""
     slots = self.table.slots_of(row_slots)
     counts, finished = self.table.take(slots, loop)
     to_slots = lambda a: per_slot(np.asarray(a), slots, counts.shape[0])
@@ -586,7 +587,7 @@ class ModelRunner(RunAhead):
     counters["utilization_sum"] += float(loop.utilization_sum)
     steps = int(loop.step)
     counters["decode_steps"] += steps
-    counters["decode_positions"] += slots.shape[0] * steps
+    counters["decode_positions"] += slots.shape[0] * steps if padded else int(loop.rows_run)
     counters["decode_tokens"] += int(loop.rows_run)
     if loop.spec is not None:
       drafts, draft_tokens, accepted = np.asarray(loop.spec.counts).tolist()
@@ -635,7 +636,7 @@ class ModelRunner(RunAhead):
     loop, draw, scores = self._launch_ragged_step(
       loop, row_slots, packed, last_token_of, sample_slots, table, draw_states
     )
-    result = self._take_step_results(row_slots, loop)
+    result = self._take_step_results(row_slots, loop, padded=False)
     self._next_steps = 1
     draws, scores = prompt_outputs(chunks, packed, len(samples), draw, scores)
     return draws, scores, result
