@@ -437,10 +437,14 @@ def soak(args) -> dict:
     ]
     if args.structured_share:
       warm += [Spec("/v1/completions", dict(prompt="a", max_tokens=4, **c)) for c in CONSTRAINTS]
+    # The requests counted so far (`serves_chat`'s /tokenize is one), so
+    # that the warm-up mix's own are awaited in full.
+    counted_before_warm_up = sum(outcome_counts(server.metrics()).values())
     _, _, warm_retries = asyncio.run(run_mix(server.url, warm, args.concurrency, 0, 0))
     # Once the server counted the warm-up mix (a stream its client left
     # counts when the server closes it, maybe after the mix returned).
-    before = outcome_counts(settle(server, len(warm) + warm_retries))
+    warm_total = counted_before_warm_up + len(warm) + warm_retries
+    before = outcome_counts(settle(server, warm_total))
     rss_start = server.rss_bytes()
     memory_start, compiled_in_warm_up_mix = server.memory_by_kind(), server.compiles()
     start = time.monotonic()
