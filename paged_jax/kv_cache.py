@@ -492,7 +492,7 @@ def _copy_blocks(kv: KVCache, src, dst, count, impl: str) -> KVCache:
   if not kv.quantized:
     return kv
   # Scales are [num_kv_heads, num_blocks, block_size]: copied in XLA as
-  # pages with head_dim 1 (a gather and a scatter, in place when donated).
+  # pages with head_dim 1 (the live pairs one after another, in place when donated).
   scales = in_shape_groups(
     lambda scales: copy_blocks_kernels.copy_blocks_reference(
       [s[..., None] for s in scales], src, dst, count
