@@ -177,9 +177,9 @@ def _attend_decode_tokens(
   flat = (jnp.arange(rows)[:, None] * tokens + decode_tokens).ravel()
   valid = decode_tokens.ravel() < tokens
   flat = jnp.where(valid, flat, rows * tokens)
-  queries = q.reshape(rows * tokens, *q.shape[2:])[jnp.minimum(flat, rows * tokens - 1)]
-  token_positions = positions.reshape(-1)[jnp.minimum(flat, rows * tokens - 1)]
-  lengths = jnp.where(valid, token_positions + 1, 0).astype(jnp.int32)
+  taken = jnp.minimum(flat, rows * tokens - 1)  # a row's last token for no query
+  queries = q.reshape(rows * tokens, *q.shape[2:])[taken]
+  lengths = jnp.where(valid, positions.reshape(-1)[taken] + 1, 0).astype(jnp.int32)
   attended = paged_attention(queries, k_pages, v_pages, decode_tables, lengths, **options)
   out = out.reshape(rows * tokens, *out.shape[2:])
   out = out.at[flat].set(attended.astype(out.dtype), mode="drop")

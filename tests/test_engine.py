@@ -531,6 +531,7 @@ def test_a_cpu_engine_leaves_what_would_pad_a_bucket_to_the_next_round(model):
   # 22 positions besides the row's, not 31.
   engine = pj.LLMEngine(model, TOKENIZER, CFG, prefill_width=4, max_num_batched_tokens=32)
   assert engine.schedulers[0].token_buckets == [8, 16, 32]
+  assert engine.schedulers[0].rows_in_buckets
   engine.add_request("a", [65, 66, 67], GREEDY)
   engine.step()
   engine.add_request("b", list(range(70, 90)), GREEDY)

@@ -95,6 +95,9 @@ def test_prompt_lookup_gives_the_tokens_of_plain_decoding(model, plain, preempti
     speculative_config=NGRAM,
     **ENGINE_ARGS,
   )
+  # Prompts run apart from the decoding rows: the rows take no room in
+  # the prompt launch's bucket.
+  assert not engine.schedulers[0].rows_in_buckets
   got = _serve(engine)
   assert _completions(got) == _completions(plain)
   for spec_out, plain_out in zip(got, plain):
