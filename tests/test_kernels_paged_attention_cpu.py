@@ -87,6 +87,33 @@ def test_prefill_kernel_matches_float64_model_on_poisoned_cache(case):
   assert not np.asarray(out, np.float32)[query_pos < 0].any()
 
 
+# Shapes the prefill kernel runs in blocks of query tokens (head sizes of 64,
+# 128 or 256, pages of a multiple of 16 keys), with a window that starts
+# inside 16 keys.
+BLOCK_CASES = [
+  Case(6, 9, 3, 64, 16, 4, "bfloat16"),
+  Case(6, 9, 3, 64, 16, 4, "float32", soft_cap=5.0, sliding_window=19, hole=True),
+  Case(6, 8, 2, 128, 32, 3, "bfloat16", sm_scale=0.2, sliding_window=40),
+]
+
+
+@pytest.mark.parametrize("case", BLOCK_CASES, ids=str)
+def test_prefill_blocks_of_queries_match_float64_model_on_poisoned_cache(case):
+  """21 query slots: two whole blocks of tokens and part of a third, across
+  pages, and sequences with fewer new tokens than a block, one or none."""
+  num_queries = 21
+  q, clean, poisoned, tables, lengths = make_inputs(case, seed=5, num_queries=num_queries)
+  wanted = np.array([num_queries, num_queries, num_queries, num_queries, 13, 9][: case.batch])
+  query_lens = np.minimum(lengths, wanted).astype(np.int32)
+  offsets = np.arange(num_queries)[None, :]
+  query_pos = np.where(offsets < query_lens[:, None], (lengths - query_lens)[:, None] + offsets, -1)
+  q = np.where(query_pos[..., None, None] >= 0, q, np.nan).astype(q.dtype)
+  out = attend(prefill_kernel, q, poisoned, tables, lengths, query_lens, **case.options)
+  assert (query_lens > 8).sum() >= 2  # sequences that fill whole blocks
+  assert_close(out, dense_attention(q, clean, tables, lengths, query_pos, case), case.dtype)
+  assert not np.asarray(out, np.float32)[query_pos < 0].any()
+
+
 def test_prefill_auto_runs_the_kernel_on_cpu_in_both_dtypes(monkeypatch):
   calls = []
   real = cpu.paged_prefill_attention

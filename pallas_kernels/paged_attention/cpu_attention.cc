@@ -3,12 +3,16 @@
 // (one query token per sequence) and prefill (several new tokens per
 // sequence, causal: a prompt chunk or a ragged step's tile).
 //
-// Grouped-query heads. A work item is one query token and one KV head: its
-// keys are read page by page through the block table, straight from the cache
-// (nothing is gathered into a copy), the logits of the group's query heads go
-// to a scratch row, then a softmax and the weighted sum of the values. A
-// prefill token's items follow each other, so a tile's pages stay in the
-// cache between its tokens. Items are shared between the calling thread and
+// Grouped-query heads. A decode work item is one query token and one KV head:
+// its keys are read page by page through the block table, straight from the
+// cache (nothing is gathered into a copy), the logits of the group's query
+// heads go to a scratch row, then a softmax and the weighted sum of the
+// values. A prefill work item is a block of consecutive query tokens of one
+// sequence and one KV head: each 16 keys are read once for the block, turned
+// so that a query's 16 logits are one vector of multiply-adds, and an online
+// softmax carries each query's running maximum, total and sum (head sizes of
+// 64, 128 or 256 and pages of a multiple of 16 keys; other shapes take the
+// decode item per token). Items are shared between the calling thread and
 // the tasks it schedules on XLA's intra-op thread pool.
 //
 // Semantics are those of the XLA reference: a key is visible when its
@@ -223,6 +227,150 @@ void AttendItem(const Shapes& s, const Options& o, const T* q_rows, const T* k, 
   }
 }
 
+// The largest lane of `v`.
+inline float Max(Lanes v) {
+  float most = v[0];
+  for (int64_t i = 1; i < kLanes; ++i) most = std::max(most, v[i]);
+  return most;
+}
+
+// Query tokens per prefill work item, and query rows whose logits are
+// computed together.
+constexpr int64_t kQueryBlock = 16;
+constexpr int64_t kRowTile = 4;
+constexpr int64_t kChunkTile = 4;  // of 16 lanes: D = 64, 128, 256 hold whole tiles
+
+// One row's online softmax over 16 more keys: `logits` of keys whose lanes
+// from `start` on and below `stop` are visible (the rest hidden), the row's
+// running `maximum` and `total` updated, `rescale` the factor its sums take;
+// returns the keys' weights (zeros where hidden; all zeros, the row
+// unchanged, when it sees no finite logit yet).
+inline Lanes UpdateSoftmax(const Options& o, Lanes logits, int64_t start, int64_t stop,
+                           float& maximum, float& total, float& rescale) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; o.soft_cap > 0 && t < kLanes; ++t) {
+    logits[t] = o.soft_cap * std::tanh(logits[t] / o.soft_cap);
+  }
+  IntLanes lane;
+  for (int64_t i = 0; i < kLanes; ++i) lane[i] = static_cast<int32_t>(i);
+  IntLanes hidden = (lane < static_cast<int32_t>(start)) | (lane >= static_cast<int32_t>(stop));
+  logits = (Lanes)(((IntLanes)logits & ~hidden) | ((IntLanes)(Lanes{} + neg_inf) & hidden));
+  float most = std::max(maximum, Max(logits));
+  if (most == neg_inf) return Lanes{};  // NaN goes on, as in the per-token softmax
+  rescale = maximum == neg_inf ? 0.0f : std::exp(maximum - most);
+  maximum = most;
+  Lanes weights = ExpNonPositive(logits - most);
+  total = total * rescale + Sum(weights);
+  return weights;
+}
+
+// A prefill block: `count` consecutive query tokens of one sequence (`q_rows`
+// the first token's `[group, D]` queries, the next token's `token_stride`
+// elements on; `out_rows` likewise) for KV head `head`; the first token sees
+// `first_length` positions, each next one one more. Same semantics as
+// `AttendItem` per token.
+template <typename T, int64_t D>
+void AttendBlock(const Shapes& s, const Options& o, const T* q_rows, int64_t token_stride,
+                 const T* k, const T* v, const int32_t* table, int64_t first_length,
+                 int64_t count, T* out_rows, int64_t head, std::vector<float>& scratch) {
+  static_assert(kInLanes<D> && D / kLanes % kChunkTile == 0);
+  constexpr int64_t kChunks = D / kLanes;
+  const int64_t group = s.group(), rows = count * group, bs = s.block_size;
+  const int64_t capacity = s.max_blocks * bs;  // no key past the table
+  const int64_t window = o.sliding_window;
+  const int64_t padded = (rows + kRowTile - 1) / kRowTile * kRowTile;
+  // scratch: queries [padded, D] (zeros past rows), sums [padded, D],
+  // turned keys [D, kLanes], logits (then weights) [padded, kLanes], maxima,
+  // totals and rescales [padded]
+  scratch.resize(2 * padded * D + D * kLanes + padded * kLanes + 3 * padded);
+  float* queries = scratch.data();
+  float* sums = queries + padded * D;
+  float* turned = sums + padded * D;
+  float* logits = turned + D * kLanes;
+  float* maxima = logits + padded * kLanes;
+  float* totals = maxima + padded;
+  float* rescales = totals + padded;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* query = q_rows + (r / group) * token_stride + (r % group) * D;
+    for (int64_t i = 0; i < D; ++i) queries[r * D + i] = Widen(query[i]) * o.scale;
+  }
+  std::fill(queries + rows * D, queries + padded * D, 0.0f);
+  std::fill(sums, sums + padded * D, 0.0f);
+  std::fill(maxima, maxima + padded, neg_inf);
+  std::fill(totals, totals + padded, 0.0f);
+  const int64_t last_length = std::min(first_length + count - 1, capacity);
+  const int64_t start = window > 0 ? std::max<int64_t>(0, first_length - window) : 0;
+  for (int64_t key = start / kLanes * kLanes; key < last_length; key += kLanes) {
+    int32_t entry = table[key / bs];
+    if (entry < 0) continue;  // no block: its keys stay invisible
+    int64_t block = std::min<int64_t>(entry, s.num_blocks - 1);
+    int64_t offset = ((head * s.num_blocks + block) * bs + key % bs) * D;
+    const T* keys = k + offset;
+    const T* values = v + offset;
+    for (int64_t t = 0; t < kLanes; ++t) {
+      for (int64_t i = 0; i < D; ++i) turned[i * kLanes + t] = Widen(keys[t * D + i]);
+    }
+    for (int64_t r = 0; r < padded; r += kRowTile) {  // kRowTile rows share each load
+      Lanes tile[kRowTile] = {};
+      for (int64_t i = 0; i < D; ++i) {
+        Lanes column = Load<Lanes>(turned + i * kLanes);
+        for (int64_t j = 0; j < kRowTile; ++j) tile[j] += queries[(r + j) * D + i] * column;
+      }
+      for (int64_t j = 0; j < kRowTile; ++j) Store(logits + (r + j) * kLanes, tile[j]);
+    }
+    // Each row's weights (zeros where hidden) and the factor of its sums.
+    int64_t lo = kLanes, hi = 0;  // the keys some row sees
+    for (int64_t r = 0; r < padded; ++r) {
+      int64_t length = std::min(first_length + r / group, capacity);
+      int64_t first = window > 0 ? std::max<int64_t>(0, length - window) : 0;
+      rescales[r] = 1.0f;
+      Lanes weights = {};
+      if (r < rows && key < length && key + kLanes > first) {
+        lo = std::min(lo, std::max(first, key) - key);
+        hi = std::max(hi, std::min(length, key + kLanes) - key);
+        weights = UpdateSoftmax(o, Load<Lanes>(logits + r * kLanes), first - key,
+                                length - key, maxima[r], totals[r], rescales[r]);
+      }
+      Store(logits + r * kLanes, weights);
+    }
+    // sums = rescale * sums + weights @ values, kRowTile rows and kChunkTile
+    // chunks of D at a time, each value row read once per tile; only the
+    // keys some row sees (a sequence's own, so finite: a zero weight then
+    // adds zero).
+    for (int64_t r = 0; r < padded; r += kRowTile) {
+      for (int64_t c0 = 0; c0 < kChunks; c0 += kChunkTile) {
+        Lanes sum[kRowTile][kChunkTile];
+        for (int64_t j = 0; j < kRowTile; ++j) {
+          for (int64_t c = 0; c < kChunkTile; ++c) {
+            sum[j][c] = rescales[r + j] * Load<Lanes>(sums + (r + j) * D + (c0 + c) * kLanes);
+          }
+        }
+        for (int64_t t = lo; t < hi; ++t) {
+          Lanes row[kChunkTile];
+          for (int64_t c = 0; c < kChunkTile; ++c) {
+            row[c] = LoadWide(values + t * D + (c0 + c) * kLanes);
+          }
+          for (int64_t j = 0; j < kRowTile; ++j) {
+            float weight = logits[(r + j) * kLanes + t];
+            for (int64_t c = 0; c < kChunkTile; ++c) sum[j][c] += weight * row[c];
+          }
+        }
+        for (int64_t j = 0; j < kRowTile; ++j) {
+          for (int64_t c = 0; c < kChunkTile; ++c) {
+            Store(sums + (r + j) * D + (c0 + c) * kLanes, sum[j][c]);
+          }
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float inverse = totals[r] == 0.0f ? 0.0f : 1.0f / totals[r];
+    T* out = out_rows + (r / group) * token_stride + (r % group) * D;
+    for (int64_t i = 0; i < D; ++i) Narrow(sums[r * D + i] * inverse, out + i);
+  }
+}
+
 template <typename T>
 auto AttendFor(int64_t head_dim) {
   return head_dim == 64 ? AttendItem<T, 64>
@@ -246,25 +394,53 @@ void AttendAll(const Shapes& s, const Options& o, const T* q, const T* k, const 
   });
 }
 
-// Prefill: items (sequence, KV head, query token), the tokens of one
-// sequence and head in a row. Token `i` of sequence `b` is at position
-// `lengths[b] - query_lens[b] + i`; tokens from `query_lens[b]` on are
-// padding and give zeros.
+// The prefill block for head size `head_dim`, or nullptr where it does not
+// serve the shapes (the head size or a page size not a multiple of 16).
+template <typename T>
+auto AttendBlockFor(const Shapes& s) {
+  using Block = decltype(&AttendBlock<T, 64>);
+  if (s.block_size % kLanes != 0) return Block(nullptr);
+  return s.head_dim == 64    ? AttendBlock<T, 64>
+         : s.head_dim == 128 ? AttendBlock<T, 128>
+         : s.head_dim == 256 ? AttendBlock<T, 256>
+                             : Block(nullptr);
+}
+
+// Prefill: items (sequence, KV head, block of query tokens), the blocks of
+// one sequence and head in a row (one token per item where `AttendBlockFor`
+// has no block). Token `i` of sequence `b` is at position `lengths[b] -
+// query_lens[b] + i`; tokens from `query_lens[b]` on are padding and give
+// zeros.
 template <typename T>
 void AttendQueries(const Shapes& s, int64_t num_queries, const Options& o, const T* q,
                    const T* k, const T* v, const int32_t* tables, const int32_t* lengths,
                    const int32_t* query_lens, T* out, ffi::ThreadPool pool) {
   auto attend = AttendFor<T>(s.head_dim);
+  auto attend_block = AttendBlockFor<T>(s);
+  const int64_t per_item = attend_block == nullptr ? 1 : kQueryBlock;
+  const int64_t blocks = (num_queries + per_item - 1) / per_item;
+  const int64_t token_stride = s.num_q_heads * s.head_dim;
   std::vector<float> scratch;  // each thread's own copy
-  int64_t items = s.batch * s.num_kv_heads * num_queries;
+  int64_t items = s.batch * s.num_kv_heads * blocks;
   paged_jax::ShareItems(pool, items, [=](int64_t item) mutable {
-    int64_t token = item % num_queries, head = item / num_queries % s.num_kv_heads;
-    int64_t row = item / (num_queries * s.num_kv_heads);
-    int64_t offset = ((row * num_queries + token) * s.num_q_heads + head * s.group()) * s.head_dim;
+    int64_t first_token = item % blocks * per_item, head = item / blocks % s.num_kv_heads;
+    int64_t row = item / (blocks * s.num_kv_heads);
+    int64_t count = std::min(per_item, num_queries - first_token);
+    int64_t offset =
+        (row * num_queries + first_token) * token_stride + head * s.group() * s.head_dim;
     int64_t new_tokens = std::max<int32_t>(query_lens[row], 0);
-    int64_t length = token < new_tokens ? lengths[row] - new_tokens + token + 1 : 0;
-    attend(s, o, q + offset, k, v, tables + row * s.max_blocks, length, out + offset, head,
-           scratch);
+    int64_t first_length = lengths[row] - new_tokens + first_token + 1;
+    int64_t attending = std::clamp<int64_t>(new_tokens - first_token, 0, count);
+    const int32_t* table = tables + row * s.max_blocks;
+    if (attend_block != nullptr && attending > 0) {
+      attend_block(s, o, q + offset, token_stride, k, v, table, first_length, attending,
+                   out + offset, head, scratch);
+    }
+    for (int64_t token = attend_block == nullptr ? 0 : attending; token < count; ++token) {
+      int64_t length = token < attending ? first_length + token : 0;  // 0: padding, zeros
+      attend(s, o, q + offset + token * token_stride, k, v, table, length,
+             out + offset + token * token_stride, head, scratch);
+    }
   });
 }
 
