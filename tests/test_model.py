@@ -236,6 +236,18 @@ def test_rms_norm_matches_formula():
   np.testing.assert_allclose(layers.rms_norm(x, scale, 1e-6), expected, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", layers.ACTIVATIONS)
+def test_activation_rounds_bfloat16_once(name):
+  """A bfloat16 gate's activation is the float32 one rounded once (as
+  PyTorch computes it), not rounded after each elementwise step."""
+  x = jnp.asarray(np.random.default_rng(0).normal(0.0, 3.0, (64, 96)), jnp.bfloat16)
+  out = jax.jit(lambda x: layers.activation(name, x))(x)
+  in_float32 = jax.jit(lambda x: layers.activation(name, x.astype(jnp.float32)))
+  expected = in_float32(x).astype(jnp.bfloat16)
+  assert out.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(expected, np.float32))
+
+
 def test_bfloat16_forward_tracks_float32(small_model):
   model, forward = small_model
   tokens = (
