@@ -3,9 +3,11 @@
 XLA:CPU runs the XLA implementations' page gathers slowly, and the chunked
 prefill path computes every tile of a bucket over whole chunks of keys,
 padding included; these kernels read each token's keys and values page by
-page through its block table, in place, only as far as the token sees, and
-share the (token, KV head) pairs between the calling thread and XLA's
-intra-op thread pool (`cpu_attention.cc`).
+page through its block table, in place, only as far as the token sees
+(prefill tokens in blocks of 16 that share each key and value read), and
+share the work items (a decode row or a block of prefill tokens, and a KV
+head) between the calling thread and XLA's intra-op thread pool
+(`cpu_attention.cc`).
 
 `pallas_kernels.cpu_build` builds it at first use with the system C++
 compiler and caches the library; `unavailable_reason` says why the kernel
