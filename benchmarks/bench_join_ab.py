@@ -21,9 +21,9 @@ import pathlib
 import statistics
 import subprocess
 import sys
-import tempfile
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from compare_commits import ROOT, checked_out  # noqa: E402
 
 WORKER = """
 import sys, time
@@ -34,10 +34,6 @@ from bench_prompt_buckets import build_engine
 engine = build_engine("bfloat16")
 rng = np.random.default_rng(0)
 prompt = lambda: rng.integers(100, 40000, 200).astype(np.int32)
-for i in range(int(sys.argv[1])):
-  engine.add_request(f"row{i}", prompt(), pj.SamplingParams(max_tokens=10**6, ignore_eos=True))
-for _ in range(3):
-  engine.step()
 runner = engine.runner
 ragged_step, times = runner.ragged_step, []
 def timed(*args, **kwargs):
@@ -46,6 +42,13 @@ def timed(*args, **kwargs):
   times.append(time.perf_counter() - start)
   return out
 runner.ragged_step = timed
+for i in range(int(sys.argv[1])):
+  engine.add_request(f"row{i}", prompt(), pj.SamplingParams(max_tokens=10**6, ignore_eos=True))
+while True:  # until every row's prompt ran: a step with no prompt work
+  before = len(times)
+  engine.step()
+  if len(times) == before:
+    break
 print("ready", flush=True)
 for turn, _ in enumerate(sys.stdin):
   engine.add_request(f"arrival{turn}", prompt(), pj.SamplingParams(max_tokens=1, ignore_eos=True))
@@ -106,23 +109,8 @@ def main() -> None:
   parser.add_argument("--rounds", type=int, default=20)
   parser.add_argument("--rows", type=int, default=16, help="requests decoding beside each arrival")
   args = parser.parse_args()
-  with tempfile.TemporaryDirectory() as tmp:
-    base_tree = pathlib.Path(tmp) / "base"
-    subprocess.run(
-      ["git", "worktree", "add", "--detach", str(base_tree), args.base],
-      cwd=ROOT,
-      check=True,
-      capture_output=True,
-    )
-    try:
-      times = compare({"base": base_tree, "tree": ROOT}, args.rows, args.rounds)
-    finally:
-      subprocess.run(
-        ["git", "worktree", "remove", "--force", str(base_tree)],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-      )
+  with checked_out(args.base) as base_tree:
+    times = compare({"base": base_tree, "tree": ROOT}, args.rows, args.rounds)
   print(f"a 200-token arrival beside {args.rows} decoding rows, {args.rounds} turns each")
   print("| tree | arrival's ragged step p50 (ms) | decode step after it p50 (ms) |")
   print("|---|---:|---:|")

@@ -14,6 +14,7 @@ Usage: python benchmarks/compare_commits.py [--base 3ecaad2] [--rounds 2]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -72,6 +73,21 @@ def run(tree: pathlib.Path, args) -> dict:
   return json.loads(out.strip().splitlines()[-1])
 
 
+@contextlib.contextmanager
+def checked_out(commit: str):
+  """The path of a temporary git worktree of `commit`, removed on exit."""
+  with tempfile.TemporaryDirectory() as tmp:
+    tree = pathlib.Path(tmp) / "base"
+    git = lambda *args: subprocess.run(
+      ["git", "worktree", *args], cwd=ROOT, check=True, capture_output=True
+    )
+    git("add", "--detach", str(tree), commit)
+    try:
+      yield tree
+    finally:
+      git("remove", "--force", str(tree))
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--base", default="3ecaad2")
@@ -81,31 +97,16 @@ def main() -> None:
   parser.add_argument("--max-tokens", type=int, default=48)
   parser.add_argument("--batch", type=int, default=32)
   args = parser.parse_args()
-  with tempfile.TemporaryDirectory() as tmp:
-    base_tree = pathlib.Path(tmp) / "base"
-    subprocess.run(
-      ["git", "worktree", "add", "--detach", str(base_tree), args.base],
-      cwd=ROOT,
-      check=True,
-      capture_output=True,
-    )
-    try:
-      speeds = {"base": [], "tree": []}
-      first = {"base": [], "tree": []}
-      tokens = {}
-      for _ in range(args.rounds):
-        for name, tree in (("base", base_tree), ("tree", ROOT)):
-          result = run(tree, args)
-          speeds[name].append(result["tokens_per_s"])
-          first[name].append(result["first_run_s"])
-          tokens[name] = result["tokens"]
-    finally:
-      subprocess.run(
-        ["git", "worktree", "remove", "--force", str(base_tree)],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-      )
+  with checked_out(args.base) as base_tree:
+    speeds = {"base": [], "tree": []}
+    first = {"base": [], "tree": []}
+    tokens = {}
+    for _ in range(args.rounds):
+      for name, tree in (("base", base_tree), ("tree", ROOT)):
+        result = run(tree, args)
+        speeds[name].append(result["tokens_per_s"])
+        first[name].append(result["first_run_s"])
+        tokens[name] = result["tokens"]
   best = {name: max(values) for name, values in speeds.items()}
   print(
     f"{args.requests} requests x ({args.prompt_len} prompt + "
