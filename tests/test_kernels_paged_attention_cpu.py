@@ -114,6 +114,25 @@ def test_prefill_blocks_of_queries_match_float64_model_on_poisoned_cache(case):
   assert not np.asarray(out, np.float32)[query_pos < 0].any()
 
 
+def test_prefill_block_keeps_a_later_nan_value_from_earlier_tokens():
+  """A NaN value at position 9 of a 16-token block reaches tokens 9 on,
+  which see it, and no earlier token (for which it is a future key)."""
+  case = Case(1, 2, 1, 64, 16, 1, "float32")
+  rng = np.random.default_rng(3)
+  q = rng.standard_normal((1, 16, 2, 64)).astype(np.float32)
+  k, v = (rng.standard_normal((1, 2, 16, 64)).astype(np.float32) for _ in range(2))
+  tables, lengths, query_lens = np.array([[1]], np.int32), np.array([16]), np.array([16])
+  poisoned = v.copy()
+  poisoned[0, 1, 9] = np.nan
+  out = np.asarray(
+    attend(prefill_kernel, q, (k, poisoned, None, None), tables, lengths, query_lens)
+  )
+  query_pos = np.arange(16)[None, :]
+  expected = dense_attention(q, (k, v, None, None), tables, lengths, query_pos, case)
+  assert_close(out[:, :9], expected[:, :9], case.dtype)
+  assert np.isnan(out[:, 9:]).all()
+
+
 def test_prefill_auto_runs_the_kernel_on_cpu_in_both_dtypes(monkeypatch):
   calls = []
   real = cpu.paged_prefill_attention

@@ -272,7 +272,8 @@ inline Lanes UpdateSoftmax(const Options& o, Lanes logits, int64_t start, int64_
 template <typename T, int64_t D>
 void AttendBlock(const Shapes& s, const Options& o, const T* q_rows, int64_t token_stride,
                  const T* k, const T* v, const int32_t* table, int64_t first_length,
-                 int64_t count, T* out_rows, int64_t head, std::vector<float>& scratch) {
+                 int64_t count, T* out_rows, int64_t head, std::vector<float>& scratch,
+                 std::vector<int64_t>& lanes) {
   static_assert(kInLanes<D> && D / kLanes % kChunkTile == 0);
   constexpr int64_t kChunks = D / kLanes;
   const int64_t group = s.group(), rows = count * group, bs = s.block_size;
@@ -281,8 +282,11 @@ void AttendBlock(const Shapes& s, const Options& o, const T* q_rows, int64_t tok
   const int64_t padded = (rows + kRowTile - 1) / kRowTile * kRowTile;
   // scratch: queries [padded, D] (zeros past rows), sums [padded, D],
   // turned keys [D, kLanes], logits (then weights) [padded, kLanes], maxima,
-  // totals and rescales [padded]
+  // totals and rescales [padded]; the rows' key lanes in `lanes`
   scratch.resize(2 * padded * D + D * kLanes + padded * kLanes + 3 * padded);
+  lanes.resize(2 * padded);
+  int64_t* starts = lanes.data();
+  int64_t* stops = starts + padded;
   float* queries = scratch.data();
   float* sums = queries + padded * D;
   float* turned = sums + padded * D;
@@ -319,26 +323,31 @@ void AttendBlock(const Shapes& s, const Options& o, const T* q_rows, int64_t tok
       }
       for (int64_t j = 0; j < kRowTile; ++j) Store(logits + (r + j) * kLanes, tile[j]);
     }
-    // Each row's weights (zeros where hidden) and the factor of its sums.
-    int64_t lo = kLanes, hi = 0;  // the keys some row sees
+    // Each row's weights (zeros where hidden), the factor of its sums, and
+    // the keys it sees: lanes [starts[r], stops[r]).
     for (int64_t r = 0; r < padded; ++r) {
       int64_t length = std::min(first_length + r / group, capacity);
       int64_t first = window > 0 ? std::max<int64_t>(0, length - window) : 0;
       rescales[r] = 1.0f;
+      starts[r] = stops[r] = 0;
       Lanes weights = {};
       if (r < rows && key < length && key + kLanes > first) {
-        lo = std::min(lo, std::max(first, key) - key);
-        hi = std::max(hi, std::min(length, key + kLanes) - key);
-        weights = UpdateSoftmax(o, Load<Lanes>(logits + r * kLanes), first - key,
-                                length - key, maxima[r], totals[r], rescales[r]);
+        starts[r] = std::max(first, key) - key;
+        stops[r] = std::min(length, key + kLanes) - key;
+        weights = UpdateSoftmax(o, Load<Lanes>(logits + r * kLanes), starts[r], stops[r],
+                                maxima[r], totals[r], rescales[r]);
       }
       Store(logits + r * kLanes, weights);
     }
     // sums = rescale * sums + weights @ values, kRowTile rows and kChunkTile
-    // chunks of D at a time, each value row read once per tile; only the
-    // keys some row sees (a sequence's own, so finite: a zero weight then
-    // adds zero).
+    // chunks of D at a time, each value row read once per tile and added to
+    // the rows that see it only (a hidden value may be any bits, NaN
+    // included, and a zero weight would not keep a NaN out).
     for (int64_t r = 0; r < padded; r += kRowTile) {
+      const int64_t* tile_starts = starts + r;
+      const int64_t* tile_stops = stops + r;
+      int64_t lo = *std::min_element(tile_starts, tile_starts + kRowTile);
+      int64_t hi = *std::max_element(tile_stops, tile_stops + kRowTile);
       for (int64_t c0 = 0; c0 < kChunks; c0 += kChunkTile) {
         Lanes sum[kRowTile][kChunkTile];
         for (int64_t j = 0; j < kRowTile; ++j) {
@@ -352,6 +361,7 @@ void AttendBlock(const Shapes& s, const Options& o, const T* q_rows, int64_t tok
             row[c] = LoadWide(values + t * D + (c0 + c) * kLanes);
           }
           for (int64_t j = 0; j < kRowTile; ++j) {
+            if (t < tile_starts[j] || t >= tile_stops[j]) continue;
             float weight = logits[(r + j) * kLanes + t];
             for (int64_t c = 0; c < kChunkTile; ++c) sum[j][c] += weight * row[c];
           }
@@ -420,7 +430,8 @@ void AttendQueries(const Shapes& s, int64_t num_queries, const Options& o, const
   const int64_t per_item = attend_block == nullptr ? 1 : kQueryBlock;
   const int64_t blocks = (num_queries + per_item - 1) / per_item;
   const int64_t token_stride = s.num_q_heads * s.head_dim;
-  std::vector<float> scratch;  // each thread's own copy
+  std::vector<float> scratch;  // each thread's own copies
+  std::vector<int64_t> lanes;
   int64_t items = s.batch * s.num_kv_heads * blocks;
   paged_jax::ShareItems(pool, items, [=](int64_t item) mutable {
     int64_t first_token = item % blocks * per_item, head = item / blocks % s.num_kv_heads;
@@ -434,7 +445,7 @@ void AttendQueries(const Shapes& s, int64_t num_queries, const Options& o, const
     const int32_t* table = tables + row * s.max_blocks;
     if (attend_block != nullptr && attending > 0) {
       attend_block(s, o, q + offset, token_stride, k, v, table, first_length, attending,
-                   out + offset, head, scratch);
+                   out + offset, head, scratch, lanes);
     }
     for (int64_t token = attend_block == nullptr ? 0 : attending; token < count; ++token) {
       int64_t length = token < attending ? first_length + token : 0;  // 0: padding, zeros
