@@ -181,7 +181,11 @@ class CachedBlockAllocator:
     released: released blocks without content, the next one to hand out last.
     evictor: released blocks with content.
     cached: block number of every registered identity (held or in the
-      evictor).
+      evictor): the block that registered it last. A swap-in can register
+      a moved block under an identity that a block in the evictor still
+      carries (its table's lookups stopped before that block); evicting
+      the older block then leaves the entry to the newer one, as the
+      jitted manager's content index does.
     release_counter: releases to the evictor so far.
     orphans: evictor blocks whose identity an eviction of this call took
       (see ``take``); ``settle`` moves them to ``released`` at the call's end.
@@ -233,7 +237,8 @@ class CachedBlockAllocator:
       if identity is None:  # an orphan of this call, taken before it settles
         self.orphans.discard(block_number)
       else:
-        del self.cached[identity]
+        if self.cached.get(identity) == block_number:  # (else a later block took it)
+          del self.cached[identity]
         self._forget_extensions(identity)
     else:
       raise _no_free_block(self.num_blocks)
