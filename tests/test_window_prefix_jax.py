@@ -31,6 +31,7 @@ import pytest
 from paged_jax.block_manager import hybrid
 from paged_jax.block_manager.hybrid import HybridCacheConfig
 from paged_jax.config import CacheConfig, Status
+from tests import test_reference_window_prefix as reference_programs
 from tests.jax_adapter import JaxManager
 from tests.reference.block_manager import ReferenceBlockSpaceManager
 from tests.reference.hybrid import ReferenceHybridManager
@@ -353,3 +354,24 @@ def test_allocate_hits_through_dead_entries_and_holds_the_window():
   assert fast.ref_counts("gpu")[:5] == [0, 0, 0, 2, 2]
   fast, _ = lockstep(operations + [("allocate", [2], prompt, 0)])
   assert fast.prefix_cache_hit_rate() == pytest.approx(10 / 15)
+
+
+# Slow (compiles a three-type hybrid manager of its own).
+@pytest.mark.slow
+def test_a_swap_in_under_an_identity_an_evictor_block_has_matches_reference():
+  """The reference's random hybrid program at seed 2850
+  (test_reference_window_prefix): a swap-in registers a moved block under
+  an identity a block in the evictor still carries, then evictions and
+  allocations go on; the jitted manager and the reference agree step by
+  step."""
+  cache = reference_programs.cached_config(num_gpu_blocks=6, num_cpu_blocks=4, max_blocks_per_seq=4)
+  ref = ReferenceHybridManager(cache, [None, 3, 5], [6, 4, 5], [4, 4, 4])
+  fast = HybridJaxManager(HybridCacheConfig(cache, (None, 3, 5), (6, 4, 5), (4, 4, 4)))
+  rng = random.Random(2850)
+  for step in range(24):
+    operation = reference_programs.random_operation(rng, ref.types[0])
+    where = f"step {step}, {operation}"
+    assert apply_hybrid(fast, operation) == apply_hybrid(ref, operation), where
+    assert fast.snapshot(cache.max_seqs) == ref.snapshot(cache.max_seqs), where
+    for g, state in enumerate(fast.state.groups):
+      check_content(state, ref.types[g], f"{where}, type {g}")
